@@ -1,0 +1,27 @@
+# Two entry points: `make explain` (the main job on built-in defaults) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install explain test lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# the CPU build of torch lies on disk; installing it first keeps pip from pulling a CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[torch,test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+explain: $(STAMP)
+	$(VENV)/bin/fusion-planner explain --example mlp-epilogue --device seed-k4
+
+test: $(STAMP)
+	$(PY) -m ruff check planner backends tests benchmarks examples
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info

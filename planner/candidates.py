@@ -1,0 +1,135 @@
+"""The planning pipeline: graph -> e-graph -> extraction -> costed candidates."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from planner.cost import DeviceSpec, load_device
+from planner.egraph import Limits, RuleFile, saturate, shipped_rules, user_rules
+from planner.extract import Extractor, Option, view_egraph
+from planner.graph import Graph
+from planner.plans import Plan
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CAP = 4096
+DEFAULT_K = 16
+
+
+@dataclass
+class CandidateSet:
+    """Costed candidate plans of one graph, best first."""
+
+    graph: Graph
+    spec: DeviceSpec
+    plans: list[Plan]
+    space: int
+    complete: bool
+    enodes: int
+    iterations: int
+    limit_hit: str | None
+    times: dict[str, float]
+    extractor: Extractor
+    choices: dict[str, dict[str, Option]] = field(default_factory=dict, repr=False)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> Plan:
+        return self.plans[0]
+
+    @property
+    def unfused(self) -> Plan:
+        return self.extractor.plan_of(self.extractor.unfused())
+
+    def to_json(self) -> dict[str, Any]:
+        best_key = self.best.key
+        cands = []
+        for p in self.plans:
+            d = p.to_json()
+            d["best"] = p.key == best_key
+            cands.append(d)
+        return {
+            "graph": self.graph.name,
+            "device": self.spec.name,
+            "space": self.space,
+            "enumerated": self.complete,
+            "enodes": self.enodes,
+            "iterations": self.iterations,
+            "limit_hit": self.limit_hit,
+            "times_s": {k: round(v, 6) for k, v in self.times.items()},
+            "notes": self.notes,
+            "candidates": cands,
+        }
+
+
+def load_rules(paths: Sequence[str | Path] = ()) -> list[RuleFile]:
+    """Shipped rules plus user rule files (checked to hold only rule commands)."""
+    return shipped_rules() + user_rules(paths)
+
+
+def build_candidates(
+    graph: Graph,
+    device: str | DeviceSpec | None = None,
+    *,
+    rules: Sequence[RuleFile] | None = None,
+    limits: Limits | None = None,
+    cap: int = DEFAULT_CAP,
+    k: int = DEFAULT_K,
+    seed: int = 0,
+) -> CandidateSet:
+    """Saturate, extract and cost candidates.
+
+    Every plan is listed when the space holds at most ``cap`` plans; otherwise the
+    best plan (tree DP refined by exact local search), its one-kernel neighbours
+    and seeded uniform samples are costed and the best ``k`` kept.
+    """
+    spec = device if isinstance(device, DeviceSpec) else load_device(device)
+    limits = limits or Limits()
+    rules = load_rules() if rules is None else list(rules)
+    sat = saturate(graph, rules, limits)
+    t0 = time.perf_counter()
+    ex = Extractor(graph, view_egraph(sat.serialized, graph), spec, limits.max_region_ops, limits.max_bodies_per_root)
+    space = ex.space_size()
+    choices: list[dict[str, Option]]
+    if space <= cap:
+        choices, complete = ex.enumerate(cap)
+    else:
+        choices, complete = [], False
+    if not complete:
+        best = ex.dp_best()
+        choices = [best, ex.unfused(), *ex.neighbours(best), *ex.sample(k, seed)]
+    by_key: dict[str, dict[str, Option]] = {}
+    for c in choices:
+        by_key.setdefault(ex.key(c), c)
+    plans = sorted((ex.plan_of(c) for c in by_key.values()), key=Plan.sort_key)
+    if not complete:
+        unfused_key = ex.key(ex.unfused())
+        kept = plans[:k]
+        if all(p.key != unfused_key for p in kept):
+            kept.append(next(p for p in plans if p.key == unfused_key))
+        plans = kept
+    extract_s = time.perf_counter() - t0
+    notes = list(ex.notes)
+    if sat.limit_hit:
+        notes.insert(0, f"saturation stopped at the {sat.limit_hit}; candidates are still valid")
+    for n in notes:
+        log.info("%s", n)
+    return CandidateSet(
+        graph=graph,
+        spec=spec,
+        plans=plans,
+        space=space,
+        complete=complete,
+        enodes=sat.enodes,
+        iterations=sat.iterations,
+        limit_hit=sat.limit_hit,
+        times={"build": sat.build_s, "saturate": sat.saturate_s, "extract": extract_s},
+        extractor=ex,
+        choices={p.key: by_key[p.key] for p in plans if p.key in by_key},
+        notes=notes,
+    )

@@ -1,0 +1,78 @@
+"""``fusion-planner``: a thin command line over the Python API.
+
+Each subcommand lives in its own module with a ``register(subparsers)``
+function; the registered handler returns an exit code.  Bad input (a known
+error class) prints one line on stderr and exits 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from planner.errors import USER_ERRORS
+
+#: modules that contribute subcommands, in --help order
+COMMAND_MODULES = (
+    "planner.commands.explain",
+)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse exits 2 on usage errors; keep its message short
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(
+        prog="fusion-planner",
+        description="Plan operator fusion with an e-graph and a three-ledger cost model.",
+    )
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
+    for mod in COMMAND_MODULES:
+        importlib.import_module(mod).register(sub)
+    return p
+
+
+def emit_json(obj: Any) -> None:
+    json.dump(obj, sys.stdout, indent=1, default=_json_default)
+    sys.stdout.write("\n")
+
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "to_json"):
+        return o.to_json()
+    if isinstance(o, (set, frozenset, tuple)):
+        return list(o)
+    return str(o)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.handler(args) or 0)
+    except USER_ERRORS as exc:
+        print(f"fusion-planner {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # output piped into head & co.
+        sys.stderr.close()
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

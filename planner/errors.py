@@ -1,0 +1,22 @@
+"""Error classes that mean "bad input": the CLI reports them and exits 2."""
+
+from __future__ import annotations
+
+from planner.cost import DeviceSpecError
+from planner.egraph import RuleFileError
+from planner.graph import GraphError
+from planner.ops import OpError
+
+
+class UsageError(ValueError):
+    """A command-line value is out of range or inconsistent."""
+
+
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    GraphError,
+    OpError,
+    DeviceSpecError,
+    RuleFileError,
+    UsageError,
+    FileNotFoundError,
+)

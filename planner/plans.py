@@ -1,0 +1,200 @@
+"""Plans: ordered lists of kernels, each with a body, its tensors and ledgers.
+
+A kernel body is an expression tree over the op table.  Its leaves are
+:class:`Load` s of tensors in memory (graph inputs or other kernels' outputs);
+every inner :class:`Expr` is computed in registers; the root is stored once.
+A ``cublaslt`` kernel's body is the op tree its epilogue means, so every
+executor evaluates all kernels the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from planner.cost import KernelCost
+from planner.graph import TensorType
+
+KERNEL_KINDS = ("elementwise", "gemm_epilogue", "cublaslt", "opaque")
+
+
+@dataclass(frozen=True)
+class Load:
+    """Read a whole tensor from memory."""
+
+    tensor: str
+
+
+@dataclass(frozen=True)
+class Expr:
+    """One op computed in registers; ``node`` is the graph node whose value it is."""
+
+    op: str
+    args: tuple[Union["Expr", Load], ...]
+    attrs: tuple[tuple[str, Any], ...]
+    node: str
+    type: TensorType
+
+    @property
+    def attr_dict(self) -> dict[str, Any]:
+        return dict(self.attrs)
+
+    def walk(self) -> Iterator[Expr]:
+        """Distinct inner nodes, producers before consumers."""
+        seen: set[int] = set()
+        order: list[Expr] = []
+
+        def visit(e: Expr) -> None:
+            if id(e) in seen:
+                return
+            seen.add(id(e))
+            for a in e.args:
+                if isinstance(a, Expr):
+                    visit(a)
+            order.append(e)
+
+        visit(self)
+        return iter(order)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    kind: str  # one of KERNEL_KINDS
+    body: Expr
+    out: str  # the tensor it writes
+    reads: tuple[str, ...]  # tensors it reads, each once
+    cost: KernelCost
+    epilogue: str | None = None  # cuBLASLt epilogue name
+    #: facts from a compiled kernel (regs, spill_bytes, occupancy), where known
+    facts: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        return tuple(e.op for e in self.body.walk())
+
+    @property
+    def label(self) -> str:
+        if self.kind == "cublaslt":
+            return f"cublaslt({self.epilogue})"
+        return self.kind
+
+    def describe(self) -> str:
+        return f"{self.label}[{'+'.join(self.ops)}]"
+
+
+@dataclass(frozen=True)
+class Plan:
+    graph: str
+    kernels: tuple[Kernel, ...]
+    outputs: tuple[str, ...]  # tensor holding each graph output, in graph order
+    tensors: dict[str, TensorType] = field(compare=False, hash=False)
+    key: str = ""
+    partition: tuple[int, ...] | None = None
+
+    @property
+    def bytes(self) -> int:
+        return sum(k.cost.bytes for k in self.kernels)
+
+    @property
+    def launches(self) -> int:
+        return sum(k.cost.launches for k in self.kernels)
+
+    @property
+    def reg_peak(self) -> int:
+        return max((k.cost.regs for k in self.kernels), default=0)
+
+    @property
+    def est_us(self) -> float:
+        return sum(k.cost.est_us for k in self.kernels)
+
+    @property
+    def flops(self) -> float:
+        return sum(k.cost.flops for k in self.kernels)
+
+    def notation(self) -> str:
+        if self.partition is not None:
+            return "[" + ",".join(str(p) for p in self.partition) + "]"
+        return "{" + " ; ".join(k.describe() for k in self.kernels) + "}"
+
+    def composition(self) -> str:
+        """Kernel composition, e.g. ``elementwise:2, cublaslt(GELU_BIAS):1``."""
+        counts: dict[str, int] = {}
+        for k in self.kernels:
+            counts[k.label] = counts.get(k.label, 0) + 1
+        return ", ".join(f"{label}:{n}" for label, n in counts.items())
+
+    def sort_key(self) -> tuple[Any, ...]:
+        """Deterministic order: estimated time, then launches, register peak, partition."""
+        return (
+            round(self.est_us, 6),
+            self.launches,
+            self.reg_peak,
+            self.partition or (),
+            self.key,
+        )
+
+    def kernel_json(self, k: Kernel) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "kind": k.kind,
+            "ops": list(k.ops),
+            "reads": list(k.reads),
+            "writes": k.out,
+            "bytes": k.cost.bytes,
+            "flops": k.cost.flops,
+            "regs": k.cost.regs,
+            "spills": k.cost.spills,
+            "est_us": round(k.cost.est_us, 4),
+        }
+        if k.epilogue is not None:
+            d["epilogue"] = k.epilogue
+        d.update(k.facts)
+        return d
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "plan": self.notation(),
+            "partition": list(self.partition) if self.partition is not None else None,
+            "kernels": [self.kernel_json(k) for k in self.kernels],
+            "bytes": self.bytes,
+            "launches": self.launches,
+            "reg_peak": self.reg_peak,
+            "est_us": round(self.est_us, 4),
+        }
+
+
+# ---------------------------------------------------------------- body JSON
+
+
+def expr_to_json(e: Expr | Load) -> dict[str, Any]:
+    if isinstance(e, Load):
+        return {"load": e.tensor}
+    d: dict[str, Any] = {"op": e.op, "node": e.node, "shape": list(e.type.shape), "dtype": e.type.dtype}
+    if e.attrs:
+        d["attrs"] = dict(e.attrs)
+    d["args"] = [expr_to_json(a) for a in e.args]
+    return d
+
+
+def expr_from_json(d: Any, where: str = "body") -> Expr | Load:
+    """Rebuild a body; validates structure but does not trust it (no code is loaded)."""
+    from planner.graph import GraphBuilder  # noqa: F401  (ids are checked by the op table below)
+    from planner.ops import op_def
+
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}: expected an object")
+    if "load" in d:
+        if not isinstance(d["load"], str):
+            raise ValueError(f"{where}: 'load' must be a tensor name")
+        return Load(d["load"])
+    op = d.get("op")
+    if not isinstance(op, str):
+        raise ValueError(f"{where}: missing 'op'")
+    opd = op_def(op)
+    attrs = opd.check_attrs(d.get("attrs", {}))
+    args = tuple(expr_from_json(a, f"{where}.{op}") for a in d.get("args", []))
+    shape = d.get("shape")
+    dtype = d.get("dtype")
+    if not isinstance(shape, list) or not isinstance(dtype, str):
+        raise ValueError(f"{where}: {op} needs 'shape' and 'dtype'")
+    return Expr(op, args, tuple(sorted(attrs.items())), str(d.get("node", "")), TensorType(tuple(shape), dtype))

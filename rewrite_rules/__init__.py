@@ -1,0 +1,1 @@
+"""Shipped rewrite rules, as egglog text files (see docs/rules.md)."""
