@@ -1,0 +1,31 @@
+"""Backends that execute plans: reference (numpy), model (cost model), cpu (generated C), cupy (GPU).
+
+``get_backend(name, spec)`` imports a backend lazily, so a machine without a
+C compiler or a GPU can still use the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from backends.base import Backend
+    from planner.cost import DeviceSpec
+
+#: backend name -> "module:Class"
+BACKENDS: dict[str, str] = {
+    "reference": "backends.reference_backend:ReferenceBackend",
+    "model": "backends.model:ModelBackend",
+    "cpu": "backends.cpu:CpuBackend",
+    "cupy": "backends.cupy:CupyBackend",
+}
+
+
+def get_backend(name: str, spec: DeviceSpec) -> Backend:
+    from planner.errors import UsageError
+
+    if name not in BACKENDS:
+        raise UsageError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    module, cls = BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)(spec)

@@ -16,6 +16,7 @@ def add_graph_args(p: argparse.ArgumentParser) -> None:
     src = g.add_mutually_exclusive_group()
     src.add_argument("--example", choices=examples.EXAMPLES, help="a built-in example graph")
     src.add_argument("--graph", metavar="FILE.json", help="a graph JSON file (docs/graph-format.md)")
+    src.add_argument("--torch", metavar="FILE.py:FACTORY", help="a torch module: FACTORY() returns (module, example_inputs)")
     g.add_argument("--m", type=int, help="mlp-epilogue/mlp-stack rows M (default 4096; 64 for mlp-stack)")
     g.add_argument("--n", type=int, help="mlp-epilogue N (default 4096); ew-chain/heavy element count")
     g.add_argument("--k", type=int, help="mlp-epilogue K (default 4096); ew-chain stage count (default 4)")
@@ -57,9 +58,13 @@ def limits_from_args(args: argparse.Namespace) -> Limits:
 def graph_from_args(args: argparse.Namespace) -> Graph:
     if args.graph:
         return load_graph(args.graph)
+    if getattr(args, "torch", None):
+        from planner.torch_frontend import graph_from_factory
+
+        return graph_from_factory(args.torch)
     ex = args.example
     if ex is None:
-        raise UsageError("give --example NAME or --graph FILE.json")
+        raise UsageError("give --example NAME, --graph FILE.json or --torch FILE.py:FACTORY")
     for name in ("m", "n", "k", "layers", "d_model"):
         v = getattr(args, name, None)
         if v is not None and v < 1:
