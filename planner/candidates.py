@@ -106,13 +106,14 @@ def build_candidates(
     by_key: dict[str, dict[str, Option]] = {}
     for c in choices:
         by_key.setdefault(ex.key(c), c)
-    plans = sorted((ex.plan_of(c) for c in by_key.values()), key=Plan.sort_key)
     if not complete:
+        # rank by exact cost before building plans: only the kept ones become Plan objects
         unfused_key = ex.key(ex.unfused())
-        kept = plans[:k]
-        if all(p.key != unfused_key for p in kept):
-            kept.append(next(p for p in plans if p.key == unfused_key))
-        plans = kept
+        ranked = sorted(by_key, key=lambda key: (round(ex.cost(by_key[key]), 6), key))[:k]
+        if unfused_key not in ranked:
+            ranked.append(unfused_key)
+        by_key = {key: by_key[key] for key in ranked}
+    plans = sorted((ex.plan_of(c) for c in by_key.values()), key=Plan.sort_key)
     extract_s = time.perf_counter() - t0
     notes = list(ex.notes)
     if sat.limit_hit:

@@ -184,6 +184,8 @@ class Extractor:
     _bodies: dict[str, list[_Body]] = field(default_factory=dict)
     _rank: dict[str, list[Option]] | None = None
     _facts: dict[tuple[str, int], tuple[float, float, int, str]] = field(default_factory=dict)
+    _bytes: dict[str, int] = field(default_factory=dict)
+    _counts: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
         for cls in sorted(self.view.stored - self.view.inputs, key=self.view.order.__getitem__):
@@ -210,7 +212,8 @@ class Extractor:
                 if c in self.view.stored:
                     per_child.append([_Body({}, frozenset([c]), 0)])
                 else:
-                    subs = [b for b in self._bodies_of(c) if not self._is_opaque(b)]
+                    # an Opaque op is always its own kernel: never inlined into a consumer
+                    subs = [b for b in self._bodies_of(c) if self.view.classes[c][b.assign[c]].op != "Opaque"]
                     per_child.append(subs)
             base_mm = 1 if n.op == "MatMul" else 0
             for combo in itertools.product(*per_child):
@@ -227,9 +230,6 @@ class Extractor:
                 break
         self._bodies[v] = out
         return out
-
-    def _is_opaque(self, body: _Body) -> bool:
-        return any(self.view.classes[c][i].op == "Opaque" for c, i in body.assign.items())
 
     def _options_for(self, cls: str) -> list[Option]:
         opts: dict[str, Option] = {}
@@ -274,7 +274,7 @@ class Extractor:
             elif op_kind == "opaque":
                 kind = "opaque"
         leaves = tuple(sorted(body.leaves, key=v.order.__getitem__))
-        nbytes = sum(v.types[leaf].nbytes for leaf in leaves) + v.types[cls].nbytes
+        nbytes = sum(self._nbytes(leaf) for leaf in leaves) + self._nbytes(cls)
         cost = kernel_cost(
             self.spec, kind=kind, dtype=v.types[cls].dtype, nbytes=nbytes, gemm_flops=gemm, ew_flops=ew, regs=regs
         )
@@ -306,6 +306,12 @@ class Extractor:
         )
         sig = f"cublaslt({epilogue})<{','.join(v.tensor[x] for x in args)}"
         return Option(cls, "cublaslt", (), leaves, 1 + len(epi_ops), cost, sig, epilogue, args)
+
+    def _nbytes(self, cls: str) -> int:
+        n = self._bytes.get(cls)
+        if n is None:
+            n = self._bytes[cls] = self.view.types[cls].nbytes
+        return n
 
     def _note(self, msg: str) -> None:
         if msg not in self.notes:
@@ -433,12 +439,15 @@ class Extractor:
         return {c for c in self.options if uses.get(self.view.tensor[c], 0) > 1}
 
     def _local_counts(self) -> dict[str, int]:
+        if self._counts is not None:
+            return self._counts
         shared = self._shared()
         count: dict[str, int] = {}
         for c in sorted(self.options, key=self.view.order.__getitem__):
             count[c] = sum(
                 _prod(count[x] for x in o.leaves if x in count and x not in shared) for o in self.options[c]
             )
+        self._counts = count
         return count
 
     def space_size(self) -> int:
