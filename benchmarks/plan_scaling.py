@@ -1,0 +1,99 @@
+"""Planning time vs graph size: e-nodes, build, saturate and extract times.
+
+Usage: python benchmarks/plan_scaling.py [--out docs/results/plan_scaling.md]
+
+Times are in-process (interpreter start excluded), best of --repeats runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import time
+from pathlib import Path
+
+from planner.candidates import build_candidates
+from planner.examples import ew_chain, mlp_stack
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{platform.machine()}, {os.cpu_count()} cores, {cpu}, Python {platform.python_version()}"
+
+
+def measure(graph, repeats: int) -> dict:
+    best = None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        c = build_candidates(graph, "h200")
+        total = time.perf_counter() - t0
+        row = {
+            "ops": len(graph.ops),
+            "enodes": c.enodes,
+            "space": c.space,
+            "enumerated": c.complete,
+            "build": c.times["build"],
+            "saturate": c.times["saturate"],
+            "extract": c.times["extract"],
+            "total": total,
+            "best": c.best.composition(),
+        }
+        if best is None or row["total"] < best["total"]:
+            best = row
+    return best
+
+
+def fmt_space(n: int) -> str:
+    return f"{n:,}" if n < 10**7 else f"~1e{len(str(n)) - 1}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default="docs/results/plan_scaling.md")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    build_candidates(ew_chain(2, 64), "h200")  # warm imports
+    rows = []
+    for k in (2, 4, 8, 16, 32, 64):
+        rows.append((f"ew-chain k={k}", measure(ew_chain(k, 2**24), args.repeats)))
+    for layers in (1, 2, 4, 8, 16, 32, 64):
+        rows.append((f"mlp-stack L={layers}", measure(mlp_stack(layers, 1024, 64, "fp16"), args.repeats)))
+    lines = [
+        "# Planning time vs graph size",
+        "",
+        f"Command: `python benchmarks/plan_scaling.py --repeats {args.repeats}`  ",
+        f"Machine: {machine()}  ",
+        f"Date: {datetime.date.today().isoformat()}  ",
+        "Device spec: h200 (cost model only; nothing is executed). Best of "
+        f"{args.repeats} in-process runs; interpreter start excluded.",
+        "",
+        "| graph | ops | e-nodes | plan space | enumerated | build ms | saturate ms | extract ms | total ms | best plan |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in rows:
+        lines.append(
+            f"| {name} | {r['ops']} | {r['enodes']} | {fmt_space(r['space'])} | {'yes' if r['enumerated'] else 'no'} | "
+            f"{r['build'] * 1e3:.1f} | {r['saturate'] * 1e3:.1f} | {r['extract'] * 1e3:.1f} | {r['total'] * 1e3:.1f} | {r['best']} |"
+        )
+    lines += [
+        "",
+        "E-nodes grow linearly with the graph: each op contributes one stored class and one",
+        "register form per fusable input, plus at most six cuBLASLt nodes per GEMM.",
+        "Spaces up to the default cap (4096) are enumerated exactly; larger ones use the",
+        "tree DP + exact local search, neighbours of the best, and seeded samples.",
+    ]
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
