@@ -17,12 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import rewrite_rules
 from planner.graph import Graph, Node
 from planner.ops import OPS
 
 log = logging.getLogger(__name__)
-
-import rewrite_rules
 
 RULES_DIR = Path(rewrite_rules.__file__).resolve().parent
 #: shipped rule files, in schedule order

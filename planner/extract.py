@@ -24,8 +24,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from planner.egraph import let_name
 from planner.cost import DeviceSpec, KernelCost, kernel_cost
+from planner.egraph import let_name
 from planner.graph import Graph, TensorType
 from planner.ops import CUBLASLT_EPILOGUES, OPS
 from planner.plans import Expr, Kernel, Load, Plan
@@ -89,7 +89,7 @@ def view_egraph(serialized: dict[str, Any], graph: Graph) -> EGraphView:
         if sort in ("String", "f64", "i64"):
             lit_of[key] = json.loads(n["op"]) if sort == "String" else _number(n["op"], sort)
     list_of: dict[str, list[str]] = {}
-    for key, n in nodes.items():
+    for n in nodes.values():
         if n["op"] == "Nil":
             list_of[n["eclass"]] = []
     # OpList classes are built from the graph only, so each holds one Cons/Nil chain
@@ -104,7 +104,7 @@ def view_egraph(serialized: dict[str, Any], graph: Graph) -> EGraphView:
         return out
 
     classes: dict[str, list[ENode]] = {}
-    for key, n in nodes.items():
+    for n in nodes.values():
         cls = n["eclass"]
         if not cls.startswith("Op-") or n.get("subsumed"):
             continue
@@ -321,7 +321,7 @@ class Extractor:
     def _attrs(self, n: ENode, node_id: str) -> dict[str, Any]:
         if n.op == "Opaque":
             return self.graph[n.lits[1]].attr_dict
-        return {a.name: lit for a, lit in zip(OPS[n.op].attrs, n.lits)}
+        return {a.name: lit for a, lit in zip(OPS[n.op].attrs, n.lits, strict=True)}
 
     # ------------------------------------------------------------ plans
 
@@ -351,10 +351,7 @@ class Extractor:
     def _kernel(self, o: Option) -> Kernel:
         v = self.view
         out_name = v.tensor[o.root]
-        if o.kind == "cublaslt":
-            body = self._cublaslt_body(o)
-        else:
-            body = self._expr(self._k_child(o.root), dict(o.assign), {})
+        body = self._cublaslt_body(o) if o.kind == "cublaslt" else self._expr(self._k_child(o.root), dict(o.assign), {})
         reads = tuple(v.tensor[x] for x in o.leaves)
         return Kernel(o.kind, body, out_name, reads, o.cost, o.epilogue)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from planner.cost import KernelCost
 from planner.graph import TensorType
@@ -31,7 +31,7 @@ class Expr:
     """One op computed in registers; ``node`` is the graph node whose value it is."""
 
     op: str
-    args: tuple[Union["Expr", Load], ...]
+    args: tuple[Expr | Load, ...]
     attrs: tuple[tuple[str, Any], ...]
     node: str
     type: TensorType

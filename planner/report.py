@@ -35,6 +35,6 @@ def ledger_table(
     widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
     lines = []
     for r in rows:
-        cells = [c.rjust(w) if i in (2, 3, 4, 5) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        cells = [c.rjust(w) if i in (2, 3, 4, 5) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=False))]
         lines.append("  ".join(cells) + "  " + r[-1])
     return "\n".join(lines)

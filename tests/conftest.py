@@ -7,7 +7,6 @@ def pytest_collection_modifyitems(config, items):
     no_nvcc = shutil.which("nvcc") is None
     try:
         import cupy  # noqa: F401
-
         import cupy.cuda.runtime as rt
 
         has_gpu = rt.getDeviceCount() > 0
