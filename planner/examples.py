@@ -63,4 +63,53 @@ def mlp_stack(layers: int = 4, d: int = 1024, m: int = 64, dtype: str = "fp16") 
     return b.build([x])
 
 
-EXAMPLES = ("mlp-epilogue", "heavy", "ew-chain", "mlp-stack")
+def transformer(
+    layers: int = 2,
+    d_model: int = 1024,
+    seq: int = 128,
+    dtype: str = "fp16",
+    mlp: str = "gelu",
+    heads: int | None = None,
+) -> Graph:
+    """A pre-LN decoder stack: LN, q/k/v projections, attention, output projection and
+    residual; LN, MLP (GELU or SwiGLU) and residual.  LayerNorm and attention stay
+    Opaque (registered implementations)."""
+    if mlp not in ("gelu", "swiglu"):
+        raise ValueError(f"--mlp must be 'gelu' or 'swiglu', got {mlp!r}")
+    heads = heads or max(1, d_model // 64)
+    b = GraphBuilder(f"transformer-L{layers}-d{d_model}-s{seq}-{dtype}-{mlp}")
+    x = b.input("x", (seq, d_model), dtype)
+    hidden = 4 * d_model if mlp == "gelu" else (8 * d_model) // 3
+
+    def linear(name: str, inp: str, d_in: int, d_out: int, bias: bool = True) -> str:
+        b.input(f"{name}.w", (d_in, d_out), dtype)
+        y = b.op(f"{name}.mm", "MatMul", [inp, f"{name}.w"])
+        if bias:
+            b.input(f"{name}.b", (d_out,), dtype)
+            y = b.op(f"{name}.bias", "BiasAdd", [y, f"{name}.b"])
+        return y
+
+    def layer_norm(name: str, inp: str) -> str:
+        b.input(f"{name}.g", (d_model,), dtype)
+        b.input(f"{name}.beta", (d_model,), dtype)
+        return b.op(name, "Opaque", [inp, f"{name}.g", f"{name}.beta"], {"impl": "layer_norm", "eps": 1e-5})
+
+    for i in range(layers):
+        p = f"l{i}"
+        h = layer_norm(f"{p}.ln1", x)
+        q, k, v = (linear(f"{p}.{t}", h, d_model, d_model) for t in "qkv")
+        att = b.op(f"{p}.attn", "Opaque", [q, k, v], {"impl": "attention", "heads": heads, "causal": 1})
+        x = b.op(f"{p}.res1", "Add", [x, linear(f"{p}.o", att, d_model, d_model)])
+        h = layer_norm(f"{p}.ln2", x)
+        if mlp == "gelu":
+            u = b.op(f"{p}.gelu", "GeluTanh", [linear(f"{p}.up", h, d_model, hidden)])
+            d = linear(f"{p}.down", u, hidden, d_model)
+        else:
+            gate = b.op(f"{p}.silu", "Silu", [linear(f"{p}.gate", h, d_model, hidden, bias=False)])
+            u = b.op(f"{p}.glu", "Mul", [gate, linear(f"{p}.up", h, d_model, hidden, bias=False)])
+            d = linear(f"{p}.down", u, hidden, d_model, bias=False)
+        x = b.op(f"{p}.res2", "Add", [x, d])
+    return b.build([x])
+
+
+EXAMPLES = ("mlp-epilogue", "heavy", "ew-chain", "mlp-stack", "transformer")

@@ -22,8 +22,10 @@ def add_graph_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--k", type=int, help="mlp-epilogue K (default 4096); ew-chain stage count (default 4)")
     g.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], help="element type (example default)")
     g.add_argument("--gelu", choices=["tanh", "erf"], default="tanh", help="mlp-epilogue GELU form")
-    g.add_argument("--layers", type=int, default=4, help="mlp-stack blocks")
-    g.add_argument("--d-model", type=int, default=1024, help="mlp-stack width")
+    g.add_argument("--layers", type=int, default=4, help="mlp-stack blocks / transformer layers")
+    g.add_argument("--d-model", type=int, default=1024, help="mlp-stack/transformer width")
+    g.add_argument("--seq", type=int, default=128, help="transformer sequence length (rows)")
+    g.add_argument("--mlp", choices=["gelu", "swiglu"], default="gelu", help="transformer MLP kind")
 
 
 def add_planning_args(p: argparse.ArgumentParser) -> None:
@@ -65,7 +67,7 @@ def graph_from_args(args: argparse.Namespace) -> Graph:
     ex = args.example
     if ex is None:
         raise UsageError("give --example NAME, --graph FILE.json or --torch FILE.py:FACTORY")
-    for name in ("m", "n", "k", "layers", "d_model"):
+    for name in ("m", "n", "k", "layers", "d_model", "seq"):
         v = getattr(args, name, None)
         if v is not None and v < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {v}")
@@ -77,4 +79,6 @@ def graph_from_args(args: argparse.Namespace) -> Graph:
         return examples.ew_chain(args.k or 4, args.n or 2**24, args.dtype or "fp32")
     if ex == "mlp-stack":
         return examples.mlp_stack(args.layers, args.d_model, args.m or 64, args.dtype or "fp16")
+    if ex == "transformer":
+        return examples.transformer(args.layers, args.d_model, args.seq, args.dtype or "fp16", args.mlp)
     raise UsageError(f"unknown example {ex!r}")

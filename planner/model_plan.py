@@ -1,0 +1,167 @@
+"""Whole-model planning: plan each unique region once, reuse it for every instance.
+
+``plan_model`` splits the graph into regions (``planner.regions``), plans each
+unique region (its own e-graph, extraction and choice), caches the choice on disk
+and instantiates it for every region with the same structural hash.  The result
+is one composite plan over the whole graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from planner.candidates import CandidateSet, build_candidates, load_rules
+from planner.cost import DeviceSpec, load_device
+from planner.egraph import Limits, RuleFile
+from planner.graph import Graph
+from planner.plancache import PlanCache, rules_hash
+from planner.plans import Expr, Kernel, Load, Plan
+from planner.regions import Region, split_regions
+
+log = logging.getLogger(__name__)
+
+Chooser = Callable[[CandidateSet], Plan]
+
+
+def cost_model_choice(cands: CandidateSet) -> Plan:
+    return cands.best
+
+
+@dataclass
+class RegionPlan:
+    key: str
+    region: Region  # the first instance
+    plan: Plan  # chosen plan in canonical names
+    cands: CandidateSet | None  # None when the plan came from the cache
+    instances: int = 0
+    cached: bool = False
+
+
+@dataclass
+class ModelPlan:
+    graph: Graph
+    spec: DeviceSpec
+    regions: list[Region]
+    unique: dict[str, RegionPlan]
+    plan: Plan
+    unfused: Plan
+    times: dict[str, float] = field(default_factory=dict)
+    dedup: bool = True
+
+    @property
+    def cache_hits(self) -> int:
+        return sum(1 for u in self.unique.values() if u.cached)
+
+    def summary(self) -> dict:
+        return {
+            "graph": self.graph.name,
+            "ops": len(self.graph.ops),
+            "regions": len(self.regions),
+            "unique_regions": len(self.unique),
+            "cache_hits": self.cache_hits,
+            "dedup": self.dedup,
+            "kernels": len(self.plan.kernels),
+            "est_us": round(self.plan.est_us, 4),
+            "unfused_est_us": round(self.unfused.est_us, 4),
+            "times_s": {k: round(v, 6) for k, v in self.times.items()},
+        }
+
+
+def plan_model(
+    graph: Graph,
+    device: str | DeviceSpec | None = None,
+    *,
+    backend: str = "model",
+    choose: Chooser = cost_model_choice,
+    rules: Sequence[RuleFile] | None = None,
+    limits: Limits | None = None,
+    dedup: bool = True,
+    cache: PlanCache | None = None,
+    cap: int = 4096,
+    k: int = 16,
+    seed: int = 0,
+) -> ModelPlan:
+    """Plan a whole model; ``dedup=False`` plans the graph as one e-graph instead."""
+    spec = device if isinstance(device, DeviceSpec) else load_device(device)
+    rules = load_rules() if rules is None else list(rules)
+    t0 = time.perf_counter()
+    if not dedup:
+        cands = build_candidates(graph, spec, rules=rules, limits=limits, cap=cap, k=k, seed=seed)
+        plan = choose(cands)
+        times = dict(cands.times, total=time.perf_counter() - t0)
+        whole = Region(0, tuple(n.id for n in graph.ops), (), tuple(graph.outputs), "whole", graph)
+        rp = RegionPlan("whole", whole, plan, cands, 1)
+        return ModelPlan(graph, spec, [whole], {"whole": rp}, plan, cands.unfused, times, dedup=False)
+
+    regions = split_regions(graph)
+    t_split = time.perf_counter() - t0
+    unique: dict[str, RegionPlan] = {}
+    rhash = rules_hash(rules)
+    for r in regions:
+        if r.key in unique:
+            unique[r.key].instances += 1
+            continue
+        cache_key = PlanCache.key(r.key, spec, backend, rhash) if cache else ""
+        cached = cache.load(cache_key, r.graph) if cache else None
+        if cached is not None:
+            unique[r.key] = RegionPlan(r.key, r, cached, None, 1, cached=True)
+            continue
+        cands = build_candidates(r.graph, spec, rules=rules, limits=limits, cap=cap, k=k, seed=seed)
+        chosen = choose(cands)
+        if cache:
+            cache.store(cache_key, chosen)
+        unique[r.key] = RegionPlan(r.key, r, chosen, cands, 1)
+    t_plan = time.perf_counter() - t0 - t_split
+    kernels: list[Kernel] = []
+    for r in regions:
+        kernels += [rename_kernel(kk, r.renaming()) for kk in unique[r.key].plan.kernels]
+    unfused = _unfused_composite(graph, spec, rules, limits, regions, unique)
+    plan = _compose(graph, kernels, "|".join(unique[r.key].plan.key for r in regions))
+    times = {"split": t_split, "plan_regions": t_plan, "total": time.perf_counter() - t0}
+    log.info(
+        "%s: %d regions, %d unique, %d from cache", graph.name, len(regions), len(unique),
+        sum(1 for u in unique.values() if u.cached),
+    )
+    return ModelPlan(graph, spec, regions, unique, plan, unfused, times, dedup=True)
+
+
+def _unfused_composite(graph, spec, rules, limits, regions, unique) -> Plan:
+    """One kernel per op over the whole graph (regions from the cache are re-extracted)."""
+    per_key: dict[str, Plan] = {}
+    kernels: list[Kernel] = []
+    for r in regions:
+        if r.key not in per_key:
+            cands = unique[r.key].cands or build_candidates(r.graph, spec, rules=rules, limits=limits, cap=1, k=1)
+            per_key[r.key] = cands.unfused
+        kernels += [rename_kernel(kk, r.renaming()) for kk in per_key[r.key].kernels]
+    return _compose(graph, kernels, "unfused")
+
+
+def _compose(graph: Graph, kernels: list[Kernel], key: str) -> Plan:
+    tensors = {n.id: n.type for n in graph.nodes}
+    partition = tuple(len(kk.ops) for kk in kernels) if graph.is_chain() else None
+    return Plan(graph.name, tuple(kernels), tuple(graph.outputs), tensors, key, partition)
+
+
+def _rename(name: str, names: dict[str, str]) -> str:
+    head, dot, tail = name.partition(".")
+    return names.get(head, head) + dot + tail if head in names else name
+
+
+def rename_expr(e: Expr | Load, names: dict[str, str], memo: dict[int, Expr]) -> Expr | Load:
+    if isinstance(e, Load):
+        return Load(_rename(e.tensor, names))
+    if id(e) in memo:
+        return memo[id(e)]
+    out = replace(e, args=tuple(rename_expr(a, names, memo) for a in e.args), node=_rename(e.node, names))
+    memo[id(e)] = out
+    return out
+
+
+def rename_kernel(k: Kernel, names: dict[str, str]) -> Kernel:
+    body = rename_expr(k.body, names, {})
+    assert isinstance(body, Expr)
+    return replace(k, body=body, out=_rename(k.out, names), reads=tuple(_rename(r, names) for r in k.reads))

@@ -1,0 +1,91 @@
+"""Whole-model planning: region dedup, layer-by-layer equality, the plan cache."""
+
+import json
+
+import numpy as np
+import pytest
+
+from backends.reference import execute_graph, execute_plan, random_inputs
+from planner.cli import main
+from planner.examples import ew_chain, mlp_epilogue, mlp_stack, transformer
+from planner.model_plan import plan_model
+from planner.plancache import PlanCache
+from planner.regions import split_regions
+
+
+def test_regions_find_repeated_layers_without_markers():
+    g4 = transformer(4, 64, 8)
+    regions = split_regions(g4)
+    assert len({r.key for r in regions}) == 5  # layer 0's first pieces differ: x is a graph input
+    g8 = transformer(8, 64, 8)
+    assert {r.key for r in split_regions(g8)} == {r.key for r in regions}
+
+
+def test_small_chains_stay_one_region():
+    # no forced store inside: cutting would lose fusion, so the seed examples are one region
+    for g in (ew_chain(8, 64), mlp_epilogue(8, 8, 8)):
+        assert len(split_regions(g)) == 1
+
+
+def test_four_layer_plan_equals_one_layer_plan_layer_by_layer():
+    one = plan_model(mlp_stack(1, 32, 4), "h200")
+    four = plan_model(mlp_stack(4, 32, 4), "h200")
+    per_layer = len(one.plan.kernels)
+    assert len(four.plan.kernels) == 4 * per_layer
+    shape = [(k.kind, k.epilogue, k.ops) for k in one.plan.kernels]
+    for i in range(4):
+        chunk = four.plan.kernels[i * per_layer : (i + 1) * per_layer]
+        assert [(k.kind, k.epilogue, k.ops) for k in chunk] == shape
+        assert chunk[-1].out == f"res{i}"
+    assert four.plan.est_us == pytest.approx(4 * one.plan.est_us)
+    assert len(four.unique) == 1 and four.unique[next(iter(four.unique))].instances == 4
+
+
+@pytest.mark.parametrize("graph", [mlp_stack(4, 16, 4, "fp32"), transformer(3, 32, 8, "fp32", "swiglu")])
+def test_composite_plan_executes_like_the_unfused_graph(graph):
+    mp = plan_model(graph, "h200")
+    x = random_inputs(graph, 2)
+    ref = execute_graph(graph, x)[0]
+    np.testing.assert_allclose(execute_plan(mp.plan, x)[0], ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(execute_plan(mp.unfused, x)[0], ref, rtol=1e-6, atol=1e-6)
+    assert len(mp.unfused.kernels) == len(graph.ops)
+    assert len({k.out for k in mp.plan.kernels}) == len(mp.plan.kernels)
+
+
+def test_cache_hit_and_corrupt_entry_rebuilt(tmp_path, caplog):
+    g = mlp_stack(3, 16, 4)
+    cache = PlanCache(tmp_path)
+    first = plan_model(g, "h200", cache=cache)
+    assert first.cache_hits == 0
+    second = plan_model(g, "h200", cache=cache)
+    assert second.cache_hits == 1 and second.plan.key == first.plan.key
+    # tamper with the entry: a changed kernel kind breaks the checksum
+    (entry,) = tmp_path.glob("*.json")
+    data = json.loads(entry.read_text())
+    data["plan"]["kernels"][0]["kind"] = "elementwise"
+    entry.write_text(json.dumps(data))
+    third = plan_model(g, "h200", cache=cache)
+    assert third.cache_hits == 0 and cache.rebuilt
+    assert "corrupt or stale" in caplog.text
+    assert third.plan.key == first.plan.key
+    entry.write_text("{truncated")
+    assert plan_model(g, "h200", cache=cache).cache_hits == 0
+    assert plan_model(g, "h200", cache=cache).cache_hits == 1
+    # another device spec is another key
+    assert plan_model(g, "seed-k4", cache=cache).cache_hits == 0
+
+
+def test_cache_clear_cli(tmp_path, capsys):
+    plan_model(mlp_stack(2, 16, 4), "h200", cache=PlanCache(tmp_path))
+    assert list(tmp_path.glob("*.json"))
+    assert main(["cache", "clear", "--cache-dir", str(tmp_path)]) == 0
+    assert "removed 1" in capsys.readouterr().out
+    assert not tmp_path.exists() or not list(tmp_path.glob("*.json"))
+
+
+def test_dedup_off_plans_the_whole_graph():
+    g = mlp_stack(2, 16, 4)
+    mp = plan_model(g, "h200", dedup=False)
+    assert not mp.dedup and len(mp.regions) == 1
+    x = random_inputs(g, 0)
+    np.testing.assert_allclose(execute_plan(mp.plan, x)[0], execute_graph(g, x)[0], rtol=1e-2, atol=1e-2)
