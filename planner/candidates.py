@@ -72,6 +72,25 @@ def load_rules(paths: Sequence[str | Path] = ()) -> list[RuleFile]:
     return shipped_rules() + user_rules(paths)
 
 
+def _region_seed(graph: Graph, ex: Extractor, spec: DeviceSpec, rules, limits) -> list[dict[str, Option]]:
+    """The per-region best plans, stitched and refined: exact within each region
+    (regions are cut at forced stores, so the optimum decomposes over them)."""
+    from planner.model_plan import rename_kernel
+    from planner.regions import split_regions
+
+    regions = split_regions(graph)
+    if len(regions) < 2:
+        return []
+    best: dict[str, Plan] = {}
+    kernels = []
+    for r in regions:
+        if r.key not in best:
+            best[r.key] = build_candidates(r.graph, spec, rules=rules, limits=limits, k=1).best
+        kernels += [rename_kernel(kk, r.renaming()) for kk in best[r.key].kernels]
+    choice = ex.choice_from_kernels(kernels)
+    return [ex.improve(choice)] if choice is not None else []
+
+
 def build_candidates(
     graph: Graph,
     device: str | DeviceSpec | None = None,
@@ -101,7 +120,7 @@ def build_candidates(
     else:
         choices, complete = [], False
     if not complete:
-        best = ex.dp_best()
+        best = min([ex.dp_best(), *_region_seed(graph, ex, spec, rules, limits)], key=ex.cost)
         choices = [best, ex.unfused(), *ex.neighbours(best), *ex.sample(k, seed)]
     by_key: dict[str, dict[str, Option]] = {}
     for c in choices:

@@ -186,8 +186,13 @@ class Extractor:
     _facts: dict[tuple[str, int], tuple[float, float, int, str]] = field(default_factory=dict)
     _bytes: dict[str, int] = field(default_factory=dict)
     _counts: dict[str, int] | None = None
+    _by_sig: dict[str, Option] | None = None
+    _forced: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
+        from planner.regions import forced_stores
+
+        self._forced = forced_stores(self.graph)
         for cls in sorted(self.view.stored - self.view.inputs, key=self.view.order.__getitem__):
             opts = self._options_for(cls)
             if not opts:
@@ -211,6 +216,10 @@ class Extractor:
             for c in n.children:
                 if c in self.view.stored:
                     per_child.append([_Body({}, frozenset([c]), 0)])
+                elif self.view.value_node.get(c) in self._forced:
+                    # stored in every plan anyway: read it, never recompute it (the sibling
+                    # node reading it from memory covers that choice)
+                    per_child.append([])
                 else:
                     # an Opaque op is always its own kernel: never inlined into a consumer
                     subs = [b for b in self._bodies_of(c) if self.view.classes[c][b.assign[c]].op != "Opaque"]
@@ -279,7 +288,7 @@ class Extractor:
             self.spec, kind=kind, dtype=v.types[cls].dtype, nbytes=nbytes, gemm_flops=gemm, ew_flops=ew, regs=regs
         )
         inner = sorted(v.value_node.get(c, c) for c in body.assign)
-        sig = f"{kind}:{'+'.join(inner)}<{','.join(v.tensor[x] for x in leaves)}"
+        sig = f"{kind}:{'+'.join(inner)}<{','.join(sorted(v.tensor[x] for x in leaves))}"
         return Option(cls, kind, tuple(sorted(body.assign.items())), leaves, len(body.assign), cost, sig)
 
     def _cublaslt_option(self, cls: str, n: ENode) -> Option | None:
@@ -534,6 +543,20 @@ class Extractor:
         used = sorted(self.required(choice), key=self.view.order.__getitem__)
         return ";".join(choice[c].sig for c in used)
 
+    def choice_from_kernels(self, kernels: Sequence[Kernel]) -> dict[str, Option] | None:
+        """The choice whose kernels are these (by signature), completed with unfused
+        kernels; None when some kernel has no matching option in this e-graph."""
+        if self._by_sig is None:
+            self._by_sig = {o.sig: o for opts in self.options.values() for o in opts}
+        choice = dict(self.unfused())
+        for k in kernels:
+            o = self._by_sig.get(kernel_sig(k))
+            if o is None:
+                log.debug("no option matches kernel %s", k.describe())
+                return None
+            choice[o.root] = o
+        return choice
+
     def neighbours(self, choice: dict[str, Option]) -> Iterator[dict[str, Option]]:
         """Plans that differ in one kernel, among each class's best options by DP value."""
         ranked = self._ranked()
@@ -543,6 +566,17 @@ class Extractor:
                     trial = dict(choice)
                     trial[c] = o
                     yield trial
+
+
+def kernel_sig(k: Kernel) -> str:
+    """The signature of the option a kernel was built from (see ``Extractor._body_option``)."""
+    if k.kind == "cublaslt":
+        args: list[str] = []
+        for e in k.body.walk():
+            args += [a.tensor for a in e.args if isinstance(a, Load)]
+        return f"cublaslt({k.epilogue})<{','.join(args)}"
+    inner = sorted(e.node for e in k.body.walk())
+    return f"{k.kind}:{'+'.join(inner)}<{','.join(sorted(k.reads))}"
 
 
 def _merge(v: str, idx: int, base_mm: int, parts: Sequence[_Body]) -> _Body | None:

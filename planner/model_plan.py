@@ -47,9 +47,18 @@ class ModelPlan:
     regions: list[Region]
     unique: dict[str, RegionPlan]
     plan: Plan
-    unfused: Plan
     times: dict[str, float] = field(default_factory=dict)
     dedup: bool = True
+    rules: Sequence[RuleFile] = ()
+    limits: Limits | None = None
+    _unfused: Plan | None = None
+
+    @property
+    def unfused(self) -> Plan:
+        """One kernel per op over the whole graph (built on first use)."""
+        if self._unfused is None:
+            self._unfused = _unfused_composite(self.graph, self.spec, self.rules, self.limits, self.regions, self.unique)
+        return self._unfused
 
     @property
     def cache_hits(self) -> int:
@@ -65,7 +74,6 @@ class ModelPlan:
             "dedup": self.dedup,
             "kernels": len(self.plan.kernels),
             "est_us": round(self.plan.est_us, 4),
-            "unfused_est_us": round(self.unfused.est_us, 4),
             "times_s": {k: round(v, 6) for k, v in self.times.items()},
         }
 
@@ -94,7 +102,7 @@ def plan_model(
         times = dict(cands.times, total=time.perf_counter() - t0)
         whole = Region(0, tuple(n.id for n in graph.ops), (), tuple(graph.outputs), "whole", graph)
         rp = RegionPlan("whole", whole, plan, cands, 1)
-        return ModelPlan(graph, spec, [whole], {"whole": rp}, plan, cands.unfused, times, dedup=False)
+        return ModelPlan(graph, spec, [whole], {"whole": rp}, plan, times, dedup=False, _unfused=cands.unfused)
 
     regions = split_regions(graph)
     t_split = time.perf_counter() - t0
@@ -118,14 +126,13 @@ def plan_model(
     kernels: list[Kernel] = []
     for r in regions:
         kernels += [rename_kernel(kk, r.renaming()) for kk in unique[r.key].plan.kernels]
-    unfused = _unfused_composite(graph, spec, rules, limits, regions, unique)
     plan = _compose(graph, kernels, "|".join(unique[r.key].plan.key for r in regions))
     times = {"split": t_split, "plan_regions": t_plan, "total": time.perf_counter() - t0}
     log.info(
         "%s: %d regions, %d unique, %d from cache", graph.name, len(regions), len(unique),
         sum(1 for u in unique.values() if u.cached),
     )
-    return ModelPlan(graph, spec, regions, unique, plan, unfused, times, dedup=True)
+    return ModelPlan(graph, spec, regions, unique, plan, times, dedup=True, rules=rules, limits=limits)
 
 
 def _unfused_composite(graph, spec, rules, limits, regions, unique) -> Plan:

@@ -71,7 +71,8 @@ class Kernel:
 
     @property
     def ops(self) -> tuple[str, ...]:
-        return tuple(e.op for e in self.body.walk())
+        """Op names, producers first; an Opaque op shows its implementation."""
+        return tuple(e.op if e.op != "Opaque" else f"Opaque:{e.attr_dict['impl']}" for e in self.body.walk())
 
     @property
     def label(self) -> str:

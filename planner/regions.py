@@ -38,18 +38,25 @@ class Region:
         return m
 
 
+def forced_stores(graph: Graph) -> set[str]:
+    """Values every plan stores: graph outputs and operands of GEMMs and Opaque ops."""
+    forced = set(graph.outputs)
+    for n in graph.nodes:
+        if n.op in _MEMORY_READERS:
+            forced.update(n.inputs)
+    return forced
+
+
 def boundaries(graph: Graph) -> list[int]:
     """Indices into ``graph.ops`` after which the graph is cut."""
     ops = graph.ops
     pos = {n.id: i for i, n in enumerate(ops)}
     last_use: dict[str, int] = {}
-    forced: set[str] = set(graph.outputs)
+    forced = forced_stores(graph)
     for i, n in enumerate(ops):
         for x in n.inputs:
             if x in pos:
                 last_use[x] = max(last_use.get(x, -1), i)
-                if n.op in _MEMORY_READERS:
-                    forced.add(x)
     for o in graph.outputs:
         last_use[o] = len(ops)
     cuts = []
