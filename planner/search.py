@@ -15,7 +15,7 @@ against the numpy reference of the unfused graph (``execute_graph`` in device
 mode) with :mod:`planner.tolerance`; a tolerance breach, NaN/Inf or any
 exception rejects it with the reason logged.  A verified candidate is timed
 (warm-ups, repeats, median) and stopped early once its running median exceeds
-best x ``early_stop``.  Duplicates (same plan key) are skipped.  The search
+best x ``early_stop`` (checked from the third sample on).  Duplicates (same plan key) are skipped.  The search
 ends at ``max_candidates`` candidates besides the baseline, after
 ``time_budget_s`` seconds of wall time, or when no new candidate turns up.
 """
@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 #: new candidates tried in a row that were all duplicates before the genetic phase gives up
 STALL_LIMIT = 64
+#: samples a candidate gets before the early stop may end its timing (one sample is too noisy)
+MIN_SAMPLES_BEFORE_STOP = 3
 #: parents for mutation are drawn from this many fastest measured plans
 ELITE = 8
 
@@ -306,8 +308,7 @@ class _Run:
         if reason is not None:
             self._reject(entry, reason)
             return
-        bound = None if baseline or self.best is None else self.best.meas_us * self.opts.early_stop  # type: ignore[operator]
-        stop_if = None if bound is None else (lambda med: med > bound)
+        stop_if = None if baseline or self.best is None else _stopper(self.best.meas_us * self.opts.early_stop)  # type: ignore[operator]
         timing = compiled.time(self.inputs, warmup=self.opts.warmup, repeats=self.opts.repeats, stop_if=stop_if)
         if not timing.samples_us:
             raise RuntimeError("backend returned no timing samples")
@@ -441,6 +442,18 @@ def search(
         stop=run.stop or "done",
         options=opts,
     )
+
+
+def _stopper(bound: float) -> Callable[[float], bool]:
+    """``stop_if`` for CompiledPlan.time: running median above ``bound`` after enough samples."""
+    calls = 0
+
+    def stop_if(median_us: float) -> bool:
+        nonlocal calls
+        calls += 1
+        return calls >= MIN_SAMPLES_BEFORE_STOP and median_us > bound
+
+    return stop_if
 
 
 def _one_line(exc: BaseException) -> str:
