@@ -14,6 +14,8 @@ Usage: python benchmarks/cpu_search.py [--device FILE.json] [--quick] [--out doc
    For ew-chain k = 8 two candidate sets are reported: the cost-model top 64
    (mostly 1-3 kernel plans with identical estimates) and a spread set (top 16
    by the model, then the genetic phase's samples and mutants).
+
+BLAS runs single-threaded unless OPENBLAS_NUM_THREADS/OMP_NUM_THREADS say otherwise.
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ import platform
 import sys
 import time
 from pathlib import Path
+
+# BLAS threads: one by default (override via the environment).  On a small shared machine
+# OpenBLAS worker threads that lose their core turn a 1 ms GEMM into tens of ms, in
+# multiples of the scheduler tick; set before numpy is imported.
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
 
 # run from a checkout: import this tree's planner, not an installed one
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -102,7 +110,8 @@ def main() -> int:
         "# Measured search on the CPU backend",
         "",
         f"Command: `{cmd}`  ",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, {cpu_model()}  ",
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, {cpu_model()}; "
+        f"OPENBLAS_NUM_THREADS={os.environ['OPENBLAS_NUM_THREADS']}  ",
         f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; total {time.perf_counter() - t0:.0f} s  ",
         f"Cost model: `{spec.name}`: {spec.source or 'spec file ' + str(args.device)}",
         "",

@@ -327,22 +327,22 @@ class _Run:
     def _reject(self, entry: Entry, reason: str) -> None:
         entry.verdict = f"rejected: {reason}"
         entry.meas_us = None
-        self.slog.rejected(reason, entry.plan)
+        self.slog.rejected(reason, entry.plan, _origin(entry))
 
     def _record(self, entry: Entry) -> None:
         meas = entry.meas_us
         assert meas is not None
         if self.best is None:
             self.best = entry
-            self.slog.start(entry.plan, entry.est_us, meas)
+            self.slog.start(entry.plan, entry.est_us, meas, _origin(entry))
         elif meas < self.best.meas_us and not entry.stopped_early:  # type: ignore[operator]
             gain = self.best.meas_us / meas  # type: ignore[operator]
             self.best = entry
-            self.slog.faster(entry.plan, entry.est_us, meas, gain)
+            self.slog.faster(entry.plan, entry.est_us, meas, gain, _origin(entry))
         else:
             ratio = meas / self.best.meas_us  # type: ignore[operator]
             stopped = len(entry.samples_us) if entry.stopped_early else None
-            self.slog.slower(entry.plan, ratio, entry.est_us, meas, stopped)
+            self.slog.slower(entry.plan, ratio, entry.est_us, meas, stopped, _origin(entry))
 
     # -- the genetic phase
     def evolve(self, rng: random.Random) -> None:
@@ -442,6 +442,11 @@ def search(
         stop=run.stop or "done",
         options=opts,
     )
+
+
+def _origin(entry: Entry) -> str:
+    """Log suffix for candidates that did not come from the cost-model list."""
+    return entry.source if entry.source.startswith(("mutant", "sample")) else ""
 
 
 def _stopper(bound: float) -> Callable[[float], bool]:

@@ -29,6 +29,10 @@ def fmt_duration(s: float) -> str:
     return f"{s:.2f}s" if s < 120 else f"{int(s // 60)}m{s % 60:04.1f}s"
 
 
+def _origin(origin: str) -> str:
+    return f" | {origin}" if origin else ""
+
+
 class SearchLog:
     """Formats search events; prints them when enabled."""
 
@@ -59,18 +63,26 @@ class SearchLog:
         scope = "enumerated" if enumerated else "sampled"
         self.emit(f"Search {graph} | space {space:,} plans ({scope}) | backend {backend} | device {device}")
 
-    def start(self, plan: Plan, est_us: float, meas_us: float) -> None:
-        self.emit(f"Start {self.label(plan)} | est {fmt_us(est_us)} | meas {fmt_us(meas_us)}")
+    # ``origin`` names where a candidate came from when it is not the cost-model list
+    # (e.g. "mutant: swap-impl mm: ..." or "sample"); it ends the line
+    def start(self, plan: Plan, est_us: float, meas_us: float, origin: str = "") -> None:
+        self.emit(f"Start {self.label(plan)} | est {fmt_us(est_us)} | meas {fmt_us(meas_us)}{_origin(origin)}")
 
-    def faster(self, plan: Plan, est_us: float, meas_us: float, gain: float) -> None:
-        self.emit(f"Faster {self.label(plan)} | est {fmt_us(est_us)} | meas {fmt_us(meas_us)} | x{gain:.2f} better")
+    def faster(self, plan: Plan, est_us: float, meas_us: float, gain: float, origin: str = "") -> None:
+        self.emit(
+            f"Faster {self.label(plan)} | est {fmt_us(est_us)} | meas {fmt_us(meas_us)} | x{gain:.2f} better{_origin(origin)}"
+        )
 
-    def slower(self, plan: Plan, ratio: float, est_us: float, meas_us: float, stopped_after: int | None) -> None:
+    def slower(
+        self, plan: Plan, ratio: float, est_us: float, meas_us: float, stopped_after: int | None, origin: str = ""
+    ) -> None:
         tail = f" | stopped early after {stopped_after} runs" if stopped_after is not None else ""
-        self.emit(f"Slower x{ratio:.2f} {self.label(plan)} | est {fmt_us(est_us)} | meas {fmt_us(meas_us)}{tail}")
+        self.emit(
+            f"Slower x{ratio:.2f} {self.label(plan)} | est {fmt_us(est_us)} | meas {fmt_us(meas_us)}{tail}{_origin(origin)}"
+        )
 
-    def rejected(self, reason: str, plan: Plan) -> None:
-        self.emit(f"Rejected {reason} {self.label(plan)}")
+    def rejected(self, reason: str, plan: Plan, origin: str = "") -> None:
+        self.emit(f"Rejected {reason} {self.label(plan)}{_origin(origin)}")
 
     def footer(
         self,
