@@ -143,8 +143,11 @@ def print_result(result: SearchResult) -> None:
         v = meas[p.key].verdict
         return v if len(v) <= 48 else v[:45] + "..."
 
-    plans = [e.plan for e in result.entries]
-    print(ledger_table(plans, result.best.key, extra=[("meas_us", meas_col), ("verdict", verdict_col)]))
+    tried = [e.plan for e in result.entries if e.verdict != "not timed"]
+    print(ledger_table(tried, result.best.key, extra=[("meas_us", meas_col), ("verdict", verdict_col)]))
+    untried = len(result.entries) - len(tried)
+    if untried:
+        print(f"({untried:,} more candidates of the cost-model list were not tried; --json and results.json list them)")
     b = result.best_entry
     print(f"best: {b.plan.notation()} {b.plan.composition()}  est {fmt_us(b.est_us)}  meas {fmt_us(b.meas_us or 0)}")
     if result.speedup_vs_unfused is not None:
