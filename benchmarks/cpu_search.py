@@ -41,6 +41,7 @@ from backends import get_backend  # noqa: E402
 from planner.candidates import build_candidates  # noqa: E402
 from planner.cost import DeviceSpec, load_device  # noqa: E402
 from planner.examples import ew_chain, mlp_epilogue  # noqa: E402
+from planner.graph import Graph  # noqa: E402
 from planner.search import SearchOptions, SearchResult, search  # noqa: E402
 from planner.searchlog import SearchLog  # noqa: E402
 
@@ -63,7 +64,7 @@ def calibrated_spec(path: str | None) -> DeviceSpec:
     return calibrate_cpu().spec("cpu-calibrated")
 
 
-def run_search(graph, spec: DeviceSpec, opts: SearchOptions, cap: int = 4096, k: int = 16) -> SearchResult:  # type: ignore[no-untyped-def]
+def run_search(graph: Graph, spec: DeviceSpec, opts: SearchOptions, cap: int = 4096, k: int = 16) -> SearchResult:
     cands = build_candidates(graph, spec, cap=cap, k=k, seed=opts.seed)
     res = search(cands, get_backend("cpu", spec), options=opts, log=SearchLog(enabled=True))
     print(file=sys.stderr)

@@ -23,6 +23,7 @@ differs from its parent (distinct plan keys).
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from planner.extract import Extractor, Option
@@ -98,16 +99,7 @@ class Mutator:
             ]
             if not fits:
                 return None
-            cur = prefer.get(c)
-            choice[c] = min(
-                fits,
-                key=lambda o, cur=cur: (
-                    cur is None or o.sig != cur.sig,
-                    cur is None or o.kind != cur.kind,
-                    o.cost.est_us,
-                    o.sig,
-                ),
-            )
+            choice[c] = min(fits, key=_preference(prefer.get(c)))
         return choice if self.stored(choice) == stored else None
 
     # -- operators
@@ -183,6 +175,15 @@ class Mutator:
 
     def _mutant(self, operator: str, detail: str, choice: Choice) -> Mutant:
         return Mutant(operator, detail, self.ex.key(choice), choice)
+
+
+def _preference(cur: Option | None) -> Callable[[Option], tuple[bool, bool, float, str]]:
+    """Sort key: the parent's own option, then its kind, then the cheapest estimate."""
+
+    def key(o: Option) -> tuple[bool, bool, float, str]:
+        return (cur is None or o.sig != cur.sig, cur is None or o.kind != cur.kind, o.cost.est_us, o.sig)
+
+    return key
 
 
 def _impl(o: Option) -> str:

@@ -117,7 +117,8 @@ def plan_from_document(
     plan = Plan(graph.name, kernels, tuple(outputs), tensors, str(pd.get("key", "")),
                 tuple(partition) if isinstance(partition, list) else None)
     check_plan(plan, graph, source)
-    meta = doc.get("meta") if isinstance(doc.get("meta"), dict) else {}
+    raw_meta = doc.get("meta")
+    meta: dict[str, Any] = raw_meta if isinstance(raw_meta, dict) else {}
     return plan, graph, spec, meta
 
 

@@ -13,9 +13,11 @@ from backends import BACKENDS, get_backend
 from planner.candidates import build_candidates, load_rules
 from planner.cli import emit_json
 from planner.commands.common import add_graph_args, add_planning_args, graph_from_args, limits_from_args
-from planner.cost import load_device
+from planner.cost import DeviceSpec, load_device
 from planner.errors import UsageError
+from planner.graph import Graph
 from planner.planfile import save_plan
+from planner.plans import Plan
 from planner.report import ledger_table
 from planner.search import SearchError, SearchOptions, SearchResult, search
 from planner.searchlog import SearchLog, fmt_us
@@ -133,13 +135,13 @@ def print_result(result: SearchResult) -> None:
     )
     meas = {e.plan.key: e for e in result.entries}
 
-    def meas_col(p):  # type: ignore[no-untyped-def]
+    def meas_col(p: Plan) -> str:
         e = meas[p.key]
         if e.meas_us is None:
             return "-"
         return f"{e.meas_us:,.2f}" + ("+" if e.stopped_early else "")
 
-    def verdict_col(p):  # type: ignore[no-untyped-def]
+    def verdict_col(p: Plan) -> str:
         v = meas[p.key].verdict
         return v if len(v) <= 48 else v[:45] + "..."
 
@@ -158,7 +160,7 @@ def print_result(result: SearchResult) -> None:
         print(f"note: backend {result.backend} does not measure; 'meas_us' is its model estimate")
 
 
-def write_outputs(out: Path, result: SearchResult, graph, spec) -> list[Path]:  # type: ignore[no-untyped-def]
+def write_outputs(out: Path, result: SearchResult, graph: Graph, spec: DeviceSpec) -> list[Path]:
     from planner.searchplots import plot_best_so_far, plot_predicted_vs_measured
 
     b = result.best_entry
