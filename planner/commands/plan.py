@@ -124,7 +124,7 @@ def _progress(force_log: bool) -> Iterator[tuple[SearchLog, Callable[[int, int],
         def tick(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total)
 
-        yield SearchLog(enabled=enabled, write=lambda line: console.print(line, markup=False, highlight=False)), tick
+        yield SearchLog(enabled=enabled, write=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True)), tick
 
 
 def print_result(result: SearchResult) -> None:
