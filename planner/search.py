@@ -23,6 +23,7 @@ ends at ``max_candidates`` candidates besides the baseline, after
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -116,8 +117,8 @@ class Entry:
             stopped_early=self.stopped_early,
             samples_us=[round(s, 4) for s in self.samples_us],
             compile_s=None if self.compile_s is None else round(self.compile_s, 4),
-            max_abs_err=self.max_abs,
-            max_rel_err=self.max_rel,
+            max_abs_err=_json_float(self.max_abs),
+            max_rel_err=_json_float(self.max_rel),
         )
         return d
 
@@ -180,7 +181,7 @@ class SearchResult:
             "device": self.device,
             "space": self.space,
             "enumerated": self.enumerated,
-            "options": {k: v for k, v in vars(self.options).items()},
+            "options": {k: _json_float(v) if isinstance(v, float) else v for k, v in vars(self.options).items()},
             "elapsed_s": round(self.elapsed_s, 4),
             "stop": self.stop,
             "timed": len(self.timed),
@@ -442,6 +443,13 @@ def search(
         stop=run.stop or "done",
         options=opts,
     )
+
+
+def _json_float(x: float | None) -> float | str | None:
+    """Strict JSON has no Infinity/NaN: those become strings."""
+    if x is None or math.isfinite(x):
+        return x
+    return str(x)
 
 
 def _origin(entry: Entry) -> str:

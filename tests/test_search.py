@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from _fake_backend import CorruptingBackend, EstimateBackend, TimedReferenceBackend
@@ -128,6 +130,7 @@ def test_broken_candidate_is_rejected_never_chosen(mlp, mode):
     assert bad.verdict.startswith(expected[mode]) and bad.meas_us is None
     assert res.best.key != victim_key
     assert any(ln.startswith("Rejected ") for ln in res.log_lines)
+    json.dumps(res.to_json(), allow_nan=False)  # strict JSON even with inf errors
     assert len(res.rejected) == 1 and len(res.timed) == len(mlp.plans) - 1
 
 
