@@ -3,7 +3,10 @@
 Order of work:
 
 1. The unfused plan (one kernel per op) is compiled, verified and timed first,
-   in full: it is the baseline of the reported speedup.
+   in full: it is the baseline of the reported speedup.  (A verify-only
+   backend, ``measures = False`` and ``time`` raising ``BackendError`` like
+   ``reference``, leaves every candidate "not timed"; the best is then the
+   cost model's favourite among the verified candidates.)
 2. Candidates in cost-model order (``CandidateSet.plans``).
 3. When extraction did not enumerate the whole space, a genetic phase: parents
    are picked by tournament among the fastest measured plans and mutated with
@@ -32,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from backends.base import Backend
+from backends.base import Backend, BackendError
 from backends.reference import execute_graph, random_inputs
 from planner.candidates import CandidateSet
 from planner.errors import UsageError
@@ -93,6 +96,7 @@ class Entry:
     samples_us: list[float] = field(default_factory=list)
     stopped_early: bool = False
     compile_s: float | None = None
+    verified: bool = False
     max_abs: float | None = None
     max_rel: float | None = None
     facts: list[dict[str, Any]] = field(default_factory=list)
@@ -113,6 +117,7 @@ class Entry:
         d.update(
             meas_us=None if self.meas_us is None else round(self.meas_us, 4),
             verdict=self.verdict,
+            verified=self.verified,
             source=self.source,
             stopped_early=self.stopped_early,
             samples_us=[round(s, 4) for s in self.samples_us],
@@ -310,7 +315,13 @@ class _Run:
             self._reject(entry, reason)
             return
         stop_if = None if baseline or self.best is None else _stopper(self.best.meas_us * self.opts.early_stop)  # type: ignore[operator]
-        timing = compiled.time(self.inputs, warmup=self.opts.warmup, repeats=self.opts.repeats, stop_if=stop_if)
+        entry.verified = True
+        try:
+            timing = compiled.time(self.inputs, warmup=self.opts.warmup, repeats=self.opts.repeats, stop_if=stop_if)
+        except BackendError:
+            if self.backend.measures:
+                raise
+            return  # a verify-only backend (reference): verified, "not timed"
         if not timing.samples_us:
             raise RuntimeError("backend returned no timing samples")
         entry.samples_us = list(timing.samples_us)
@@ -417,11 +428,15 @@ def search(
             run.entries.append(Entry(plan, "model order", choice=cands.choices.get(plan.key)))
     elapsed = time.perf_counter() - run.t0
     if run.best is None:
-        reasons = "; ".join(sorted({e.verdict for e in run.entries if e.verdict.startswith("rejected")}))
-        raise SearchError(f"every candidate was rejected ({reasons})")
+        verified = [e for e in run.entries if e.verified]
+        if not verified:
+            reasons = "; ".join(sorted({e.verdict for e in run.entries if e.verdict.startswith("rejected")}))
+            raise SearchError(f"every candidate was rejected ({reasons})")
+        # a verify-only backend: the model's favourite among the verified candidates
+        run.best = min(verified, key=lambda e: e.plan.sort_key())
     run.best.verdict = "best"
     base = run.entries[0]
-    speedup = base.meas_us / run.best.meas_us if base.timed else None  # type: ignore[operator]
+    speedup = base.meas_us / run.best.meas_us if base.timed and run.best.timed else None  # type: ignore[operator]
     timed = [e for e in run.entries if e.timed]
     rho = spearman([e.est_us for e in timed], [e.meas_us for e in timed])  # type: ignore[misc]
     rejected = sum(e.verdict.startswith("rejected") for e in run.entries)

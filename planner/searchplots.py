@@ -16,10 +16,23 @@ def _pyplot():  # type: ignore[no-untyped-def]
     return plt
 
 
+def _nothing_timed(result: SearchResult, path: Path) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3))
+    ax.axis("off")
+    ax.text(0.5, 0.5, f"{result.graph}\nno candidate was timed: backend {result.backend} only verifies",
+            ha="center", va="center", fontsize=9)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_predicted_vs_measured(result: SearchResult, path: Path) -> None:
+    timed = result.timed
+    if not timed:
+        _nothing_timed(result, path)
+        return
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4.5))
-    timed = result.timed
     full = [e for e in timed if not e.stopped_early]
     early = [e for e in timed if e.stopped_early]
     ax.scatter([e.est_us for e in full], [e.meas_us for e in full], s=18, label="timed")
@@ -41,9 +54,12 @@ def plot_predicted_vs_measured(result: SearchResult, path: Path) -> None:
 
 
 def plot_best_so_far(result: SearchResult, path: Path) -> None:
+    timed = result.timed
+    if not timed:
+        _nothing_timed(result, path)
+        return
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    timed = result.timed
     xs = list(range(1, len(timed) + 1))
     ax.scatter(xs, [e.meas_us for e in timed], s=12, color="tab:gray", label="candidate median")
     ax.step(xs, result.best_so_far(), where="post", color="tab:green", label="best so far")

@@ -90,3 +90,17 @@ class EstimateBackend(Backend):
 
     def compile(self, plan: Plan) -> CompiledPlan:
         return EstimateTimed(plan)
+
+
+class VerifyOnlyBackend(Backend):
+    """Like the reference backend: runs plans, cannot time them."""
+
+    name = "verify-only"
+    measures = False
+
+    def compile(self, plan: Plan) -> CompiledPlan:
+        class Untimed(CompiledPlan):
+            def run(self, inputs):
+                return execute_plan(self.plan, inputs, "device")
+
+        return Untimed(plan)

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from _fake_backend import CorruptingBackend, EstimateBackend, TimedReferenceBackend
+from _fake_backend import CorruptingBackend, EstimateBackend, TimedReferenceBackend, VerifyOnlyBackend
 
 from backends.reference import execute_graph, execute_plan, random_inputs
 from planner import examples
@@ -210,3 +210,11 @@ def test_tolerance():
     assert not allclose_report(a, e, "bf16")[0]
     with pytest.raises(ValueError, match="fp64"):
         tolerance("fp64")
+
+
+def test_verify_only_backend(mlp):
+    res = search(mlp, VerifyOnlyBackend(mlp.spec), options=SearchOptions(max_candidates=20), log=SearchLog(enabled=False))
+    assert not res.timed and not res.rejected
+    assert all(e.verified for e in res.entries)
+    assert res.best.key == mlp.best.key and res.speedup_vs_unfused is None
+    assert res.log_lines[-1].startswith("Searched in ") and "no speedup measured | 0 timed, 0 rejected" in res.log_lines[-1]

@@ -145,19 +145,22 @@ def print_result(result: SearchResult) -> None:
         v = meas[p.key].verdict
         return v if len(v) <= 48 else v[:45] + "..."
 
-    tried = [e.plan for e in result.entries if e.verdict != "not timed"]
+    tried = [e.plan for e in result.entries if e.verdict != "not timed" or e.verified]
     print(ledger_table(tried, result.best.key, extra=[("meas_us", meas_col), ("verdict", verdict_col)]))
     untried = len(result.entries) - len(tried)
     if untried:
         print(f"({untried:,} more candidates of the cost-model list were not tried; --json and results.json list them)")
     b = result.best_entry
-    print(f"best: {b.plan.notation()} {b.plan.composition()}  est {fmt_us(b.est_us)}  meas {fmt_us(b.meas_us or 0)}")
+    meas = fmt_us(b.meas_us) if b.meas_us is not None else f"not timed (backend {result.backend} only verifies)"
+    print(f"best: {b.plan.notation()} {b.plan.composition()}  est {fmt_us(b.est_us)}  meas {meas}")
     if result.speedup_vs_unfused is not None:
         print(f"speedup vs unfused (one kernel per op): {result.speedup_vs_unfused:.2f}x")
     rho = "n/a" if result.spearman is None else f"{result.spearman:.2f}"
     print(f"spearman rho (estimated vs measured, {len(result.timed)} timed): {rho}")
-    if not result.measures:
+    if not result.measures and result.timed:
         print(f"note: backend {result.backend} does not measure; 'meas_us' is its model estimate")
+    elif not result.timed:
+        print(f"note: backend {result.backend} only verifies; every candidate shown passed verification")
 
 
 def write_outputs(out: Path, result: SearchResult, graph: Graph, spec: DeviceSpec) -> list[Path]:
