@@ -428,7 +428,7 @@ def search(
             run.entries.append(Entry(plan, "model order", choice=cands.choices.get(plan.key)))
     elapsed = time.perf_counter() - run.t0
     if run.best is None:
-        verified = [e for e in run.entries if e.verified]
+        verified = [e for e in run.entries if e.verified and not e.verdict.startswith("rejected")]
         if not verified:
             reasons = "; ".join(sorted({e.verdict for e in run.entries if e.verdict.startswith("rejected")}))
             raise SearchError(f"every candidate was rejected ({reasons})")
