@@ -220,15 +220,37 @@ def check_outputs(
             reason = f"NaN/Inf: output {name} has {n_got} non-finite values, the reference {n_want}"
             return reason, float("inf"), float("inf")
         dtype = plan.tensors[name].dtype
-        ok, max_abs, max_rel = allclose_report(got, want, dtype, rtol, atol)
+        ok, max_abs, max_rel = _allclose(got, want, dtype, rtol, atol)
         worst_abs, worst_rel = max(worst_abs, max_abs), max(worst_rel, max_rel)
         if not ok:
-            d_rtol, d_atol = tolerance(dtype)
-            r = d_rtol if rtol is None else rtol
-            a = d_atol if atol is None else atol
-            reason = f"tolerance: output {name} max_abs {max_abs:.3g} max_rel {max_rel:.3g} (rtol {r:g}, atol {a:g}, {dtype})"
+            reason = f"tolerance: output {name} max_abs {max_abs:.3g} max_rel {max_rel:.3g} ({_tol_text(dtype, rtol, atol)})"
             return reason, worst_abs, worst_rel
     return None, worst_abs, worst_rel
+
+
+def _allclose(
+    got: np.ndarray, want: np.ndarray, dtype: str, rtol: float | None, atol: float | None
+) -> tuple[bool, float, float]:
+    """``allclose_report`` with the dtype's tolerance, or with ``rtol``/``atol`` replacing it.
+
+    A replacement is expressed through the extra terms: with ``scale=1`` the bound
+    ``atol_d + extra_atol + (rtol_d + extra_rtol)|e|`` becomes exactly ``atol + rtol|e|``.
+    """
+    d_rtol, d_atol = tolerance(dtype)
+    if rtol is None and atol is None:
+        return allclose_report(got, want, dtype)
+    kw: dict[str, float] = {}
+    if rtol is not None:
+        kw["extra_rtol"] = rtol - d_rtol
+    if atol is not None:
+        kw.update(scale=1.0, extra_atol=atol - d_atol)
+    return allclose_report(got, want, dtype, **kw)
+
+
+def _tol_text(dtype: str, rtol: float | None, atol: float | None) -> str:
+    d_rtol, d_atol = tolerance(dtype)
+    a = f"atol {atol:g}" if atol is not None else f"atol {d_atol:g} x max|ref|"
+    return f"rtol {d_rtol if rtol is None else rtol:g}, {a}, {dtype}"
 
 
 def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:

@@ -15,7 +15,7 @@ from planner.errors import UsageError
 from planner.mutate import OPERATORS, Mutator
 from planner.search import SearchOptions, search, spearman
 from planner.searchlog import SearchLog
-from planner.tolerance import allclose_report, tolerance
+from planner.tolerance import allclose_report
 
 FAST = dict(warmup=0, repeats=2)
 
@@ -195,26 +195,22 @@ def test_spearman_matches_scipy():
     assert spearman([1, 2, 3], [30, 20, 10]) == pytest.approx(-1.0)
 
 
-def test_tolerance():
-    assert tolerance("fp32")[0] < tolerance("fp16")[0] < tolerance("bf16")[0]
-    e = np.array([1.0, 2.0, np.inf, np.nan])
-    assert allclose_report(e, e, "fp32")[0]
-    assert allclose_report(e * (1 + 5e-3), e, "fp16")[0]
-    assert not allclose_report(e * (1 + 5e-3), e, "fp32")[0]
-    a = e.copy()
-    a[0] = np.nan
-    ok, max_abs, _ = allclose_report(a, e, "bf16")
-    assert not ok and max_abs == np.inf
-    a = e.copy()
-    a[2] = -np.inf
-    assert not allclose_report(a, e, "bf16")[0]
-    with pytest.raises(ValueError, match="fp64"):
-        tolerance("fp64")
-
-
 def test_verify_only_backend(mlp):
     res = search(mlp, VerifyOnlyBackend(mlp.spec), options=SearchOptions(max_candidates=20), log=SearchLog(enabled=False))
     assert not res.timed and not res.rejected
     assert all(e.verified for e in res.entries)
     assert res.best.key == mlp.best.key and res.speedup_vs_unfused is None
     assert res.log_lines[-1].startswith("Searched in ") and "no speedup measured | 0 timed, 0 rejected" in res.log_lines[-1]
+
+
+def test_tolerance_overrides(chain):
+    from planner.search import check_outputs
+
+    plan = chain.unfused
+    want = [np.array([1.0, 2.0, 100.0], dtype=np.float32)]
+    got = [want[0] * np.float32(1 + 3e-4)]  # 3e-4 relative: outside fp32's 1e-4 (+ scaled atol)
+    assert check_outputs(plan, got, want)[0].startswith("tolerance: output")
+    assert check_outputs(plan, got, want, rtol=1e-3)[0] is None
+    assert check_outputs(plan, got, want, rtol=0.0, atol=0.02)[0] is not None  # 0.03 off at 100
+    assert check_outputs(plan, got, want, rtol=0.0, atol=0.02)[0].endswith("(rtol 0, atol 0.02, fp32)")
+    assert check_outputs(plan, got, want, rtol=0.0, atol=0.04)[0] is None
