@@ -7,6 +7,8 @@ import json
 import numpy as np
 import pytest
 from _fake_backend import CorruptingBackend, EstimateBackend, TimedReferenceBackend, VerifyOnlyBackend
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from backends.reference import execute_graph, execute_plan, random_inputs
 from planner import examples
@@ -214,3 +216,15 @@ def test_tolerance_overrides(chain):
     assert check_outputs(plan, got, want, rtol=0.0, atol=0.02)[0] is not None  # 0.03 off at 100
     assert check_outputs(plan, got, want, rtol=0.0, atol=0.02)[0].endswith("(rtol 0, atol 0.02, fp32)")
     assert check_outputs(plan, got, want, rtol=0.0, atol=0.04)[0] is None
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000))
+def test_random_mutants_of_random_plans_are_valid(stack, seed):
+    import random
+
+    ex = stack.extractor
+    (parent,) = ex.sample(1, seed)
+    m = Mutator(ex).random_mutant(parent, random.Random(seed))
+    assert m is not None and m.key != ex.key(parent)
+    assert _equal_to_graph(stack, ex.plan_of(m.choice)), m.label
