@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from backends.base import BackendUnavailable
 from planner.cost import DeviceSpecError
 from planner.egraph import RuleFileError
 from planner.graph import GraphError
 from planner.ops import OpError
+from planner.planfile import PlanFileError
 
 
 class UsageError(ValueError):
@@ -19,4 +21,6 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     RuleFileError,
     UsageError,
     FileNotFoundError,
+    PlanFileError,  # a tampered or mismatched plan.json
+    BackendUnavailable,  # the chosen backend needs a GPU, compiler or package this machine lacks
 )

@@ -1,0 +1,106 @@
+"""A test backend that really times the numpy reference executor (no other branch needed)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from backends.base import Backend, CompiledPlan, Timing
+from backends.reference import execute_plan
+from planner.plans import Plan
+
+
+class TimedReference(CompiledPlan):
+    def run(self, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        return execute_plan(self.plan, inputs, "device")
+
+    def time(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        warmup: int = 2,
+        repeats: int = 7,
+        stop_if: Callable[[float], bool] | None = None,
+    ) -> Timing:
+        for _ in range(warmup):
+            self.run(inputs)
+        samples: list[float] = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            self.run(inputs)
+            samples.append((time.perf_counter() - t) * 1e6)
+            if stop_if is not None and stop_if(float(np.median(samples))):
+                return Timing(samples, warmup, stopped_early=True)
+        return Timing(samples, warmup)
+
+
+class TimedReferenceBackend(Backend):
+    name = "timed-reference"
+
+    def compile(self, plan: Plan) -> CompiledPlan:
+        return TimedReference(plan, kernel_facts=[{"kernel": i} for i in range(len(plan.kernels))])
+
+
+class CorruptingBackend(TimedReferenceBackend):
+    """Breaks one chosen candidate: ``mode`` 'wrong' perturbs its output, 'nan' poisons it,
+    'crash' raises in run."""
+
+    name = "corrupting"
+
+    def __init__(self, spec, victim: Callable[[Plan], bool], mode: str = "wrong") -> None:
+        super().__init__(spec)
+        self.victim = victim
+        self.mode = mode
+        self.victims: list[str] = []
+
+    def compile(self, plan: Plan) -> CompiledPlan:
+        if not self.victim(plan):
+            return super().compile(plan)
+        self.victims.append(plan.key)
+        mode = self.mode
+
+        class Broken(TimedReference):
+            def run(self, inputs):
+                if mode == "crash":
+                    raise ZeroDivisionError("injected crash")
+                outs = super().run(inputs)
+                bad = outs[0].copy()
+                bad.flat[0] = np.nan if mode == "nan" else bad.flat[0] + 1.0
+                return [bad, *outs[1:]]
+
+        return Broken(plan)
+
+
+class EstimateTimed(TimedReference):
+    """Deterministic 'timing': every sample is the cost-model estimate."""
+
+    def time(self, inputs, *, warmup=2, repeats=7, stop_if=None) -> Timing:  # type: ignore[no-untyped-def]
+        samples: list[float] = []
+        for _ in range(repeats):
+            samples.append(self.plan.est_us)
+            if stop_if is not None and stop_if(float(np.median(samples))):
+                return Timing(samples, warmup, stopped_early=True)
+        return Timing(samples, warmup)
+
+
+class EstimateBackend(Backend):
+    name = "estimate"
+
+    def compile(self, plan: Plan) -> CompiledPlan:
+        return EstimateTimed(plan)
+
+
+class VerifyOnlyBackend(Backend):
+    """Like the reference backend: runs plans, cannot time them."""
+
+    name = "verify-only"
+    measures = False
+
+    def compile(self, plan: Plan) -> CompiledPlan:
+        class Untimed(CompiledPlan):
+            def run(self, inputs):
+                return execute_plan(self.plan, inputs, "device")
+
+        return Untimed(plan)

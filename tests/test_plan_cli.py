@@ -1,0 +1,143 @@
+"""``fusion-planner plan`` and ``run``: outputs, plan.json round trip, refusals, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from _fake_backend import TimedReferenceBackend
+
+from planner.cli import main
+from planner.commands import plan as plan_cmd
+from planner.commands import run as run_cmd
+from planner.planfile import content_hash
+
+CHAIN = ["--example", "ew-chain", "--k", "4", "--n", "256", "--device", "seed-k4", "--warmup", "0", "--repeats", "2"]
+
+
+@pytest.fixture
+def fake_backend(monkeypatch):
+    made = []
+
+    def get(name, spec):
+        made.append(name)
+        return TimedReferenceBackend(spec)
+
+    monkeypatch.setattr(plan_cmd, "get_backend", get)
+    monkeypatch.setattr(run_cmd, "get_backend", get)
+    return made
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory):
+    import planner.commands.plan as pc
+    import planner.commands.run as rc
+
+    old = pc.get_backend, rc.get_backend
+    pc.get_backend = rc.get_backend = lambda name, spec: TimedReferenceBackend(spec)
+    try:
+        d = tmp_path_factory.mktemp("plan")
+        assert main(["plan", *CHAIN, "--max-candidates", "6", "--out", str(d)]) == 0
+    finally:
+        pc.get_backend, rc.get_backend = old
+    return d
+
+
+def test_plan_json_output(fake_backend, capsys):
+    assert main(["plan", *CHAIN, "--max-candidates", "4", "--json", "--backend", "cpu"]) == 0
+    assert fake_backend == ["cpu"]
+    out = json.loads(capsys.readouterr().out)
+    assert out["timed"] == 5 and out["rejected"] == 0
+    assert out["best"]["verdict"] == "best" and out["best"]["meas_us"] > 0
+    verdicts = {c["verdict"] for c in out["candidates"]}
+    assert verdicts == {"best", "timed", "not timed"}
+    assert all((c["meas_us"] is None) == (c["verdict"] == "not timed") for c in out["candidates"])
+
+
+def test_plan_text_output_and_log(fake_backend, capsys):
+    assert main(["plan", *CHAIN, "--max-candidates", "3", "--search-log"]) == 0
+    cap = capsys.readouterr()
+    assert "meas_us" in cap.out and "speedup vs unfused (one kernel per op):" in cap.out
+    assert cap.out.splitlines()[-1].startswith("spearman rho")
+    err = cap.err.splitlines()
+    assert err[0].startswith("Search ew-chain-k4-256-fp32") and err[-1].startswith("Searched in ")
+
+
+def test_out_dir_files(out_dir):
+    names = sorted(p.name for p in out_dir.iterdir())
+    assert names == ["best_so_far.png", "plan.json", "predicted_vs_measured.png", "results.json"]
+    for png in ("best_so_far.png", "predicted_vs_measured.png"):
+        assert (out_dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    res = json.loads((out_dir / "results.json").read_text())
+    doc = json.loads((out_dir / "plan.json").read_text())
+    assert doc["plan"]["notation"] == res["best"]["plan"]
+    assert doc["meta"]["meas_us"] == pytest.approx(res["best"]["meas_us"], rel=1e-3)
+    assert doc["sha256"] == content_hash(doc)
+
+
+def test_run_saved_plan(out_dir, fake_backend, capsys):
+    assert main(["run", str(out_dir / "plan.json"), "--json", "--repeats", "2"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["verified"] and rep["meas_us"] > 0 and rep["graph"] == "ew-chain-k4-256-fp32"
+    # the same graph given explicitly is accepted
+    assert main(["run", str(out_dir / "plan.json"), "--example", "ew-chain", "--k", "4", "--n", "256"]) == 0
+
+
+def _tamper(out_dir, tmp_path, edit, rehash):
+    doc = json.loads((out_dir / "plan.json").read_text())
+    edit(doc)
+    if rehash:
+        doc["sha256"] = content_hash(doc)
+    p = tmp_path / "plan.json"
+    p.write_text(json.dumps(doc))
+    return p
+
+
+def _first_op(doc):
+    body = doc["plan"]["kernels"][0]["body"]
+    while body["args"] and "op" in body["args"][0]:
+        body = body["args"][0]
+    return body
+
+
+@pytest.mark.parametrize(
+    "edit, rehash, message",
+    [
+        (lambda d: _first_op(d)["attrs"].update(a=3.0), False, "content hash mismatch"),
+        (lambda d: _first_op(d)["attrs"].update(a=3.0), True, "does not compute its graph"),
+        (lambda d: d["plan"]["kernels"].reverse(), True, "before any kernel wrote it"),
+        (lambda d: _first_op(d).update(op="__import__"), True, "unknown op"),
+        (lambda d: d.update(version=99), True, "unsupported plan version"),
+    ],
+)
+def test_run_refuses_bad_plans(out_dir, tmp_path, fake_backend, capsys, edit, rehash, message):
+    p = _tamper(out_dir, tmp_path, edit, rehash)
+    assert main(["run", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_run_refuses_other_graph(out_dir, fake_backend, capsys):
+    assert main(["run", str(out_dir / "plan.json"), "--example", "ew-chain", "--k", "4", "--n", "512"]) == 2
+    assert "differs from the given graph" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--backend", "tpu"], "unknown backend 'tpu'"),
+        (["--device", "/no/such/device.json"], "no such file"),
+        (["--time-budget", "0"], "time budget must be positive"),
+        (["--max-candidates", "0"], "max candidates must be at least 1"),
+        (["--early-stop", "0.9"], "early stop factor"),
+    ],
+)
+def test_bad_input_exits_2(extra, message, capsys):
+    assert main(["plan", *CHAIN, *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_run_missing_plan_file(capsys):
+    assert main(["run", "/no/such/plan.json"]) == 2
+    assert "plan file not found" in capsys.readouterr().err
