@@ -1,0 +1,320 @@
+"""C code generation and compilation for the CPU backend.
+
+A kernel body (an :class:`~planner.plans.Expr` tree) becomes one C function
+with one loop nest over ``rows x cols`` of the output.  Every inner node is one
+``const float vK = <snippet>;`` statement built from the op table's ``code``
+snippet (the strings the CUDA backend reuses); every distinct :class:`Load`
+is one pointer parameter read once per element.  fp16/bf16 tensors are stored
+as ``uint16_t`` and converted by the helpers in :data:`PRELUDE` (float math in
+registers, round-to-nearest-even on store, as ``planner.ops.round_to`` does).
+
+Names never come from the graph: parameters are ``t0, t1, ...``, values
+``v0, v1, ...``, the function is always ``fp_kernel``.  The only graph-derived
+text in a source is what the op table's snippets print from validated
+attributes (floats).
+
+Sources are compiled by the system C compiler into shared objects cached by
+the SHA-256 of (compiler, flags, source) under the user cache directory and
+loaded with ctypes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from planner.ops import DTYPE_BYTES, op_def
+from planner.plans import Expr, Load
+
+log = logging.getLogger(__name__)
+
+SYMBOL = "fp_kernel"
+BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off")
+NATIVE_FLAGS = ("-march=native",)
+
+#: index kinds of a pointer parameter: the output's layout, a row vector
+#: broadcast over rows (a bias), or the fp32 GEMM tile of a GEMM+epilogue kernel
+INDEX = {
+    "full": "{p}[r * cols + c]",
+    "col": "{p}[c]",
+    "tile": "{p}[(r - r0) * cols + c]",
+}
+
+PRELUDE = r"""#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* fmaxf with C99 semantics (a NaN operand yields the other one).  GCC only
+   inlines libm's fmaxf under -ffinite-math-only; as a call it blocks
+   vectorisation of every loop holding a ReLU. */
+static inline float fp_fmaxf(float a, float b) { return (a > b || b != b) ? a : b; }
+#define fmaxf(a, b) fp_fmaxf(a, b)
+
+static inline float fp_bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t fp_f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+static inline float fp_bf16_to_f32(uint16_t h) { return fp_bits_f32((uint32_t)h << 16); }
+
+static inline uint16_t fp_f32_to_bf16(float f) {
+    uint32_t u = fp_f32_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+static inline float fp_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 0) {
+        float v = (float)m * 5.9604644775390625e-8f; /* subnormal: m * 2^-24 */
+        return fp_bits_f32(fp_f32_bits(v) | sign);
+    }
+    if (e == 31) return fp_bits_f32(sign | 0x7f800000u | (m << 13));
+    return fp_bits_f32(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+static inline uint16_t fp_f32_to_f16(float f) {
+    uint32_t u = fp_f32_bits(f);
+    uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);          /* NaN */
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);         /* >= 65520 rounds to inf */
+    if (a < 0x38800000u) {                                           /* below 2^-14: subnormal */
+        uint32_t e = a >> 23;
+        if (e < 102u) return (uint16_t)sign;
+        uint32_t m = (a & 0x7fffffu) | 0x800000u, s = 126u - e;
+        uint32_t h = m >> s, rem = m & ((1u << s) - 1u), half = 1u << (s - 1u);
+        if (rem > half || (rem == half && (h & 1u))) h += 1u;
+        return (uint16_t)(sign | h);
+    }
+    uint32_t r = a - 0x38000000u;                                    /* rebias 127 -> 15 */
+    r += 0xfffu + ((r >> 13) & 1u);
+    return (uint16_t)(sign | (r >> 13));
+}
+"""
+
+#: per storage dtype: C element type, load conversion, store conversion
+_STORAGE: dict[str, tuple[str, str, str]] = {
+    "fp32": ("float", "{}", "{}"),
+    "fp16": ("uint16_t", "fp_f16_to_f32({})", "fp_f32_to_f16({})"),
+    "bf16": ("uint16_t", "fp_bf16_to_f32({})", "fp_f32_to_bf16({})"),
+}
+assert set(_STORAGE) == set(DTYPE_BYTES)
+
+
+class CodegenError(ValueError):
+    """A kernel body the C generator cannot express (the message says why)."""
+
+
+@dataclass(frozen=True)
+class Param:
+    """One pointer parameter of a generated kernel (``tensor`` is never printed)."""
+
+    tensor: str | None  # None for the GEMM tile
+    dtype: str  # storage dtype
+    index: str  # key of INDEX
+
+
+@dataclass(frozen=True)
+class CKernel:
+    """A generated kernel: ``void fp_kernel(params..., out, r0, r1, cols)``."""
+
+    source: str
+    params: tuple[Param, ...]
+    out_dtype: str
+    rows: int
+    cols: int
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.source.encode()).hexdigest()
+
+
+def rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
+    """The output viewed as rows x cols, cols being the last dimension."""
+    if not shape:
+        return 1, 1
+    cols = shape[-1]
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    return rows, cols
+
+
+def _index_kind(shape: tuple[int, ...], out_shape: tuple[int, ...]) -> str:
+    if tuple(shape) == tuple(out_shape):
+        return "full"
+    if len(shape) == 1 and out_shape and shape[0] == out_shape[-1]:
+        return "col"
+    raise CodegenError(f"cannot index a tensor of shape {list(shape)} inside a loop over {list(out_shape)}")
+
+
+def generate(
+    body: Expr,
+    tensor_types: dict[str, tuple[tuple[int, ...], str]],
+    tile: Expr | None = None,
+) -> CKernel:
+    """C source of one kernel body; ``tile`` (a node of the body) reads the fp32 GEMM tile.
+
+    ``tensor_types`` maps each loaded tensor to (shape, dtype).
+    """
+    out_shape = tuple(body.type.shape)
+    rows, cols = rows_cols(out_shape)
+    params: list[Param] = []
+    var_of: dict[int, str] = {}
+    param_of: dict[str | None, int] = {}
+    stmts: list[str] = []
+
+    def param(tensor: str | None, dtype: str, index: str) -> str:
+        if tensor not in param_of:
+            param_of[tensor] = len(params)
+            params.append(Param(tensor, dtype, index))
+            p = params[-1]
+            pname = f"t{param_of[tensor]}"
+            load = INDEX[p.index].format(p=pname)
+            conv = "{}" if p.index == "tile" else _STORAGE[p.dtype][1]
+            stmts.append(f"const float {pname}v = {conv.format(load)};")
+        return f"t{param_of[tensor]}v"
+
+    def value(e: Expr | Load) -> str:
+        if isinstance(e, Load):
+            if e.tensor not in tensor_types:
+                raise CodegenError("kernel loads a tensor with no known type")
+            shape, dtype = tensor_types[e.tensor]
+            return param(e.tensor, dtype, _index_kind(shape, out_shape))
+        if tile is not None and e is tile:
+            return param(None, "fp32", "tile")
+        if id(e) in var_of:
+            return var_of[id(e)]
+        opd = op_def(e.op)
+        if opd.code is None:
+            raise CodegenError(f"op {e.op} has no C code snippet")
+        args = [value(a) for a in e.args]
+        name = f"v{len(var_of)}"
+        var_of[id(e)] = name
+        stmts.append(f"const float {name} = {opd.code(args, e.attr_dict)};")
+        return name
+
+    result = value(body)
+    out_dtype = body.type.dtype
+    ctype_out, _, store = _STORAGE[out_dtype]
+    sig = [f"const {_ctype(p)}* restrict t{i}" for i, p in enumerate(params)]
+    sig += [f"{ctype_out}* restrict out", "int64_t r0", "int64_t r1", "int64_t cols"]
+    inner = "\n".join(f"            {s}" for s in stmts)
+    source = (
+        PRELUDE
+        + f"\nvoid {SYMBOL}({', '.join(sig)}) {{\n"
+        + "    for (int64_t r = r0; r < r1; ++r) {\n"
+        + "        for (int64_t c = 0; c < cols; ++c) {\n"
+        + f"{inner}\n"
+        + f"            out[r * cols + c] = {store.format(result)};\n"
+        + "        }\n    }\n}\n"
+    )
+    return CKernel(source, tuple(params), out_dtype, rows, cols)
+
+
+def _ctype(p: Param) -> str:
+    return "float" if p.index == "tile" else _STORAGE[p.dtype][0]
+
+
+def noop_source() -> str:
+    """A kernel that does nothing, with the generated kernels' calling convention."""
+    return f"#include <stdint.h>\nvoid {SYMBOL}(const float* t0, float* out, int64_t r0, int64_t r1, int64_t cols) {{ }}\n"
+
+
+# ---------------------------------------------------------------- compiler
+
+
+def cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/fusion-planner/cpu``, else ``~/.cache/fusion-planner/cpu``."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "fusion-planner" / "cpu"
+
+
+class CompilerUnavailable(RuntimeError):
+    """No working C compiler on this machine."""
+
+
+@functools.lru_cache(maxsize=4)
+def _probe(cc: str) -> tuple[tuple[str, ...], str]:
+    """Flags this compiler accepts (``-march=native`` if it can) and its version line."""
+    path = shutil.which(cc)
+    if path is None:
+        raise CompilerUnavailable(f"C compiler {cc!r} not found on PATH (set CC)")
+    version = subprocess.run([path, "--version"], capture_output=True, text=True, check=False).stdout
+    version = version.splitlines()[0] if version else path
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "probe.c"
+        src.write_text(noop_source())
+        for flags in (BASE_FLAGS + NATIVE_FLAGS, BASE_FLAGS):
+            r = subprocess.run([path, *flags, "-o", str(Path(d) / "probe.so"), str(src)], capture_output=True, text=True)
+            if r.returncode == 0:
+                if flags == BASE_FLAGS:
+                    log.warning("%s rejects -march=native; compiling with %s (%s)", cc, " ".join(flags), r.stderr.strip())
+                return flags, version
+            last = r.stderr.strip()
+    raise CompilerUnavailable(f"C compiler {cc!r} cannot build a shared object: {last}")
+
+
+@dataclass
+class Compiler:
+    """Compiles C sources into cached shared objects and loads them."""
+
+    cc: str = ""
+    directory: Path | None = None
+
+    def __post_init__(self) -> None:
+        self.cc = self.cc or os.environ.get("CC", "cc")
+        self.flags, self.version = _probe(self.cc)
+        self.directory = self.directory or cache_dir()
+        self._loaded: dict[str, ctypes.CDLL] = {}
+        self.compiled = 0  # sources compiled (not found in the cache) by this object
+
+    def key(self, source: str) -> str:
+        h = hashlib.sha256()
+        for part in (self.version, " ".join(self.flags), source):
+            h.update(part.encode())
+            h.update(b"\0")
+        return h.hexdigest()
+
+    def build(self, source: str) -> Path:
+        """The shared object of ``source``, compiling it unless cached."""
+        assert self.directory is not None
+        key = self.key(source)
+        so = self.directory / f"k{key[:32]}.so"
+        if so.exists():
+            return so
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=self.directory) as d:
+            src = Path(d) / "kernel.c"
+            src.write_text(source)
+            tmp = Path(d) / "kernel.so"
+            r = subprocess.run([shutil.which(self.cc) or self.cc, *self.flags, "-o", str(tmp), str(src), "-lm"],
+                               capture_output=True, text=True)
+            if r.returncode != 0:
+                raise CodegenError(f"{self.cc} failed on a generated kernel: {r.stderr.strip()[:2000]}")
+            os.replace(tmp, so)  # atomic: concurrent builders of one key agree
+        self.compiled += 1
+        return so
+
+    def load(self, source: str) -> ctypes.CDLL:
+        key = self.key(source)
+        lib = self._loaded.get(key)
+        if lib is None:
+            lib = ctypes.CDLL(str(self.build(source)))
+            self._loaded[key] = lib
+        return lib
+
+    def function(self, source: str, n_pointers: int) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+        """``fp_kernel`` of ``source``: ``n_pointers`` pointers, then three int64 row/col arguments."""
+        fn = getattr(self.load(source), SYMBOL)
+        fn.argtypes = [ctypes.c_void_p] * n_pointers + [ctypes.c_int64] * 3
+        fn.restype = None
+        return fn

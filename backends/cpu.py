@@ -1,0 +1,288 @@
+"""The CPU backend: generated C kernels, BLAS GEMMs fused with their epilogues by row tiles.
+
+Every stored tensor of a plan gets its own buffer, in its stored dtype (fp32 as
+``float32``, fp16/bf16 as ``uint16`` bit patterns), allocated at compile time
+and reused by every run.  Each kernel becomes one step:
+
+* ``elementwise``: one generated C loop nest (``backends.codegen_c``);
+* ``gemm_epilogue`` and ``cublaslt``: for each tile of rows, numpy/BLAS computes
+  the fp32 GEMM tile into a scratch buffer sized to a quarter of the L2 cache,
+  then the generated epilogue loop reads that tile while it is hot and stores
+  the kernel's output.  The full GEMM result never exists in memory.  (A
+  ``cublaslt`` kernel is the CPU's library-GEMM-with-epilogue: the same route.)
+* ``opaque``: the registered numpy implementation (the reference's).
+
+Each step knows the buffers it reads and writes; ``kernel_facts[i]["bytes_moved"]``
+is their byte count, each tensor counted once per kernel, as the cost model's
+byte ledger counts them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from backends.base import Backend, BackendError, BackendUnavailable, CompiledPlan, Timing
+from backends.codegen_c import CKernel, CodegenError, Compiler, CompilerUnavailable, generate, rows_cols
+from backends.reference import eval_expr
+from planner.cost import DeviceSpec
+from planner.graph import TensorType
+from planner.ops import DTYPE_BYTES, numpy_dtype, op_def
+from planner.plans import Expr, Kernel, Load, Plan
+
+log = logging.getLogger(__name__)
+
+#: used when the cache size cannot be read (bytes)
+DEFAULT_CACHE_BYTES = 1 << 20
+
+
+# ---------------------------------------------------------------- storage
+
+
+def storage_dtype(dtype: str) -> np.dtype:
+    """How a tensor of ``dtype`` lies in memory: fp32 as float32, 16-bit types as uint16 bits."""
+    return np.dtype(np.float32) if DTYPE_BYTES[dtype] == 4 else np.dtype(np.uint16)
+
+
+def to_storage(x: np.ndarray, dtype: str, out: np.ndarray) -> None:
+    """Round ``x`` to ``dtype`` and write its bit pattern into ``out``."""
+    rounded = np.asarray(x, dtype=np.float32).astype(numpy_dtype(dtype))
+    out[...] = rounded.view(out.dtype) if rounded.dtype != out.dtype else rounded
+
+
+def from_storage(buf: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values of a stored tensor (a view for fp32, a conversion otherwise)."""
+    if buf.dtype == np.float32:
+        return buf
+    return buf.view(numpy_dtype(dtype)).astype(np.float32)
+
+
+def cache_bytes() -> tuple[int, str]:
+    """Size of the largest per-core cache level up to L2 (bytes) and where it came from.
+
+    Read from sysfs, else ``os.sysconf``; else :data:`DEFAULT_CACHE_BYTES` (1 MiB).
+    """
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    best = 0
+    try:
+        for entry in sorted(os.listdir(base)):
+            if not entry.startswith("index"):
+                continue
+            with open(f"{base}/{entry}/level") as f:
+                level = int(f.read())
+            with open(f"{base}/{entry}/type") as f:
+                kind = f.read().strip()
+            with open(f"{base}/{entry}/size") as f:
+                size = f.read().strip()
+            if kind in ("Unified", "Data") and level <= 2:
+                mult = {"K": 1024, "M": 1 << 20}.get(size[-1], 1)
+                best = max(best, int(size.rstrip("KM")) * mult)
+    except (OSError, ValueError):
+        best = 0
+    if best:
+        return best, "sysfs"
+    for name in ("SC_LEVEL2_CACHE_SIZE", "SC_LEVEL1_DCACHE_SIZE"):
+        try:
+            v = os.sysconf(name)
+        except (ValueError, OSError):
+            continue
+        if v and v > 0:
+            return int(v), f"sysconf {name}"
+    return DEFAULT_CACHE_BYTES, "default"
+
+
+# ---------------------------------------------------------------- steps
+
+
+@dataclass
+class Step:
+    """One kernel ready to run: ``call()`` executes it on the plan's buffers."""
+
+    kernel: Kernel
+    call: Callable[[], None]
+    reads: list[np.ndarray]
+    writes: np.ndarray
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(b.nbytes for b in self.reads) + self.writes.nbytes
+
+
+def _find_matmul(body: Expr) -> Expr:
+    mms = [e for e in body.walk() if op_def(e.op).kind == "matmul"]
+    if len(mms) != 1:
+        raise BackendError(f"kernel {body.node or '?'}: a GEMM kernel needs exactly one MatMul, found {len(mms)}")
+    mm = mms[0]
+    if not all(isinstance(a, Load) for a in mm.args):
+        raise BackendError("GEMM operands computed inside the kernel (prologue fusion) are not supported")
+    return mm
+
+
+class CpuCompiledPlan(CompiledPlan):
+    def __init__(self, plan: Plan, steps: list[Step], buffers: dict[str, np.ndarray], inputs: list[str], compile_s: float):
+        super().__init__(plan, [dict(s.facts, bytes_moved=s.bytes_moved) for s in steps], compile_s)
+        self.steps = steps
+        self.buffers = buffers
+        self.input_names = inputs
+
+    def _load_inputs(self, inputs: Mapping[str, np.ndarray]) -> None:
+        for name in self.input_names:
+            if name not in inputs:
+                raise BackendError(f"missing input {name!r}")
+            ttype = self.plan.tensors[name]
+            arr = np.asarray(inputs[name])
+            if tuple(arr.shape) != tuple(ttype.shape):
+                raise BackendError(f"input {name!r} has shape {list(arr.shape)}, expected {list(ttype.shape)}")
+            to_storage(arr, ttype.dtype, self.buffers[name])
+
+    def _execute(self) -> None:
+        for s in self.steps:
+            s.call()
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        self._load_inputs(inputs)
+        self._execute()
+        return [np.array(from_storage(self.buffers[o], self.plan.tensors[o].dtype)) for o in self.plan.outputs]
+
+    def time(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        warmup: int = 2,
+        repeats: int = 7,
+        stop_if: Callable[[float], bool] | None = None,
+    ) -> Timing:
+        self._load_inputs(inputs)
+        for _ in range(warmup):
+            self._execute()
+        samples: list[float] = []
+        for _ in range(repeats):
+            t0 = time.perf_counter_ns()
+            self._execute()
+            samples.append((time.perf_counter_ns() - t0) / 1e3)
+            if stop_if is not None and len(samples) < repeats and stop_if(statistics.median(samples)):
+                return Timing(samples, warmup, stopped_early=True)
+        return Timing(samples, warmup)
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+    measures = True
+
+    def __init__(self, spec: DeviceSpec, compiler: Compiler | None = None, tile_bytes: int | None = None) -> None:
+        super().__init__(spec)
+        try:
+            self.compiler = compiler or Compiler()
+        except CompilerUnavailable as exc:
+            raise BackendUnavailable(str(exc)) from None
+        if tile_bytes is None:
+            size, origin = cache_bytes()
+            tile_bytes = size // 4
+            log.info("GEMM tiles up to %d bytes (a quarter of %d, from %s)", tile_bytes, size, origin)
+        self.tile_bytes = tile_bytes
+
+    # -- compile
+    def compile(self, plan: Plan) -> CpuCompiledPlan:
+        t0 = time.perf_counter()
+        written = [k.out for k in plan.kernels]
+        if len(set(written)) != len(written):
+            raise BackendError("plan writes one tensor from two kernels")
+        read = {r for k in plan.kernels for r in k.reads}
+        inputs = sorted((read | set(plan.outputs)) - set(written))
+        buffers: dict[str, np.ndarray] = {}
+        for name in inputs + written:
+            ttype = plan.tensors.get(name)
+            if ttype is None:
+                raise BackendError(f"plan has no type for tensor {name!r}")
+            buffers[name] = np.zeros(ttype.shape, dtype=storage_dtype(ttype.dtype))
+        steps = []
+        for i, k in enumerate(plan.kernels):
+            try:
+                steps.append(self._step(k, plan.tensors, buffers))
+            except (CodegenError, BackendError) as exc:
+                raise BackendError(f"kernel {i} ({k.describe()}): {exc}") from exc
+        return CpuCompiledPlan(plan, steps, buffers, inputs, time.perf_counter() - t0)
+
+    def _step(self, k: Kernel, tensors: Mapping[str, TensorType], buffers: dict[str, np.ndarray]) -> Step:
+        if k.kind == "elementwise":
+            return self._elementwise(k, tensors, buffers)
+        if k.kind in ("gemm_epilogue", "cublaslt"):
+            return self._gemm(k, tensors, buffers)
+        if k.kind == "opaque":
+            return self._opaque(k, tensors, buffers)
+        raise BackendError(f"unknown kernel kind {k.kind!r}")
+
+    def _types(self, tensors: Mapping[str, TensorType]) -> dict[str, tuple[tuple[int, ...], str]]:
+        return {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
+
+    def _bind(self, ck: CKernel, buffers: dict[str, np.ndarray], tile: np.ndarray | None = None) -> tuple[Callable[..., None], list[int], list[np.ndarray]]:
+        fn = self.compiler.function(ck.source, len(ck.params) + 1)
+        ptrs, reads = [], []
+        for p in ck.params:
+            buf = tile if p.tensor is None else buffers[p.tensor]
+            assert buf is not None
+            ptrs.append(buf.ctypes.data)
+            if p.tensor is not None:
+                reads.append(buf)
+        return fn, ptrs, reads
+
+    def _elementwise(self, k: Kernel, tensors: Mapping[str, TensorType], buffers: dict[str, np.ndarray]) -> Step:
+        ck = generate(k.body, self._types(tensors))
+        fn, ptrs, reads = self._bind(ck, buffers)
+        out = buffers[k.out]
+        args = (*ptrs, out.ctypes.data, 0, ck.rows, ck.cols)
+
+        def call() -> None:
+            fn(*args)
+
+        return Step(k, call, reads, out, {"impl": "c-loop", "source_sha256": ck.digest[:16]})
+
+    def _gemm(self, k: Kernel, tensors: Mapping[str, TensorType], buffers: dict[str, np.ndarray]) -> Step:
+        mm = _find_matmul(k.body)
+        a_name, b_name = (a.tensor for a in mm.args)  # type: ignore[union-attr]
+        a_buf, b_buf = buffers[a_name], buffers[b_name]
+        a_dt, b_dt = tensors[a_name].dtype, tensors[b_name].dtype
+        rows, cols = rows_cols(tuple(k.body.type.shape))
+        kdim = tensors[a_name].shape[1]
+        # the fp32 GEMM tile plus the fp32 rows of A it is computed from fit the budget
+        tile_rows = max(1, min(rows, self.tile_bytes // (4 * (cols + kdim))))
+        tile = np.empty((tile_rows, cols), dtype=np.float32)
+        ck = generate(k.body, self._types(tensors), tile=mm)
+        fn, ptrs, reads = self._bind(ck, buffers, tile)
+        out = buffers[k.out]
+        out_ptr = out.ctypes.data
+        bounds = [(r, min(rows, r + tile_rows)) for r in range(0, rows, tile_rows)]
+
+        def call() -> None:
+            b32 = from_storage(b_buf, b_dt)
+            for r0, r1 in bounds:
+                np.matmul(from_storage(a_buf[r0:r1], a_dt), b32, out=tile[: r1 - r0])
+                fn(*ptrs, out_ptr, r0, r1, cols)
+
+        facts = {
+            "impl": "blas+c-epilogue",
+            "tile_rows": tile_rows,
+            "tiles": len(bounds),
+            "source_sha256": ck.digest[:16],
+        }
+        return Step(k, call, [a_buf, b_buf] + [b for b in reads if b is not a_buf and b is not b_buf], out, facts)
+
+    def _opaque(self, k: Kernel, tensors: Mapping[str, TensorType], buffers: dict[str, np.ndarray]) -> Step:
+        names = list(dict.fromkeys(k.reads))
+        out = buffers[k.out]
+        dtype = k.body.type.dtype
+
+        def call() -> None:
+            mem = {n: from_storage(buffers[n], tensors[n].dtype) for n in names}
+            value = eval_expr(k.body, mem, np.float32, {})
+            to_storage(value, dtype, out)
+
+        return Step(k, call, [buffers[n] for n in names], out, {"impl": "numpy-reference"})
