@@ -15,7 +15,7 @@ from backends.codegen_c import PRELUDE, Compiler, CompilerUnavailable, generate
 from backends.reference import execute_graph, execute_plan, random_inputs
 from planner import examples
 from planner.candidates import build_candidates
-from planner.cost import load_device
+from planner.cost import device_from_json, load_device
 from planner.graph import Graph, GraphBuilder, TensorType
 from planner.ops import numpy_dtype
 from planner.plans import Expr, Load, Plan
@@ -295,3 +295,33 @@ def test_kernel_facts_are_json_ready() -> None:
     compiled = cpu_backend().compile(build_candidates(graph, SPEC).best)
     facts = json.loads(json.dumps(compiled.kernel_facts))
     assert facts[0]["bytes_moved"] == compiled.plan.kernels[0].cost.bytes
+
+
+# ---------------------------------------------------------------- calibration
+
+
+def test_calibration_writes_a_spec_that_device_accepts(tmp_path) -> None:
+    try:
+        Compiler()
+    except CompilerUnavailable as exc:
+        pytest.skip(f"no C compiler: {exc}")
+    from planner.calibrate import calibrate_cpu
+    from planner.cli import main
+
+    cal = calibrate_cpu(triad_n=1 << 16, gemm_sizes=(32, 64, 128))
+    assert cal.triad_gbps > 0 and cal.launch_us > 0 and cal.vector_gflops > 0
+    assert set(cal.gemm_gflops) == {32, 64, 128}
+    spec = device_from_json(json.loads(json.dumps(cal.spec("t").to_json())))
+    assert spec.matmul_tflops["fp16"] == spec.matmul_tflops["fp32"] == pytest.approx(max(cal.gemm_gflops.values()) / 1e3, rel=1e-4)
+    out = tmp_path / "cpu.json"
+    assert main(["calibrate", "--backend", "cpu", "-o", str(out)]) == 0
+    loaded = load_device(str(out))
+    assert loaded.name == "cpu-calibrated" and loaded.bandwidth_gbps > 0 and "triad" in loaded.source
+    assert build_candidates(examples.ew_chain(2, 100), loaded).best.est_us > 0
+
+
+def test_calibrate_refuses_other_backends(capsys) -> None:
+    from planner.cli import main
+
+    assert main(["calibrate", "--backend", "cupy"]) == 2
+    assert "cannot be calibrated" in capsys.readouterr().err
