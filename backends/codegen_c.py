@@ -63,40 +63,33 @@ static inline uint32_t fp_f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); ret
 
 static inline float fp_bf16_to_f32(uint16_t h) { return fp_bits_f32((uint32_t)h << 16); }
 
+/* Branch-free conversions (so loops vectorise); the fp16 pair follows
+   Maratyszcza's FP16 library (MIT) and needs IEEE round-to-nearest-even float
+   arithmetic without flush-to-zero, which these flags guarantee. */
 static inline uint16_t fp_f32_to_bf16(float f) {
     uint32_t u = fp_f32_bits(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(u >> 16);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;      /* round to nearest even */
+    uint32_t qnan = (u >> 16) | 0x40u;                                /* NaN stays a (quiet) NaN */
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? qnan : rounded);
 }
 
 static inline float fp_f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-    if (e == 0) {
-        float v = (float)m * 5.9604644775390625e-8f; /* subnormal: m * 2^-24 */
-        return fp_bits_f32(fp_f32_bits(v) | sign);
-    }
-    if (e == 31) return fp_bits_f32(sign | 0x7f800000u | (m << 13));
-    return fp_bits_f32(sign | ((e + 112u) << 23) | (m << 13));
+    uint32_t w = (uint32_t)h << 16, sign = w & 0x80000000u, two_w = w + w;
+    float normal = fp_bits_f32((two_w >> 4) + (0xe0u << 23)) * 0x1.0p-112f;
+    float subnormal = fp_bits_f32((two_w >> 17) | (126u << 23)) - 0.5f;
+    uint32_t bits = two_w < (1u << 27) ? fp_f32_bits(subnormal) : fp_f32_bits(normal);
+    return fp_bits_f32(sign | bits);
 }
 
 static inline uint16_t fp_f32_to_f16(float f) {
-    uint32_t u = fp_f32_bits(f);
-    uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);          /* NaN */
-    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);         /* >= 65520 rounds to inf */
-    if (a < 0x38800000u) {                                           /* below 2^-14: subnormal */
-        uint32_t e = a >> 23;
-        if (e < 102u) return (uint16_t)sign;
-        uint32_t m = (a & 0x7fffffu) | 0x800000u, s = 126u - e;
-        uint32_t h = m >> s, rem = m & ((1u << s) - 1u), half = 1u << (s - 1u);
-        if (rem > half || (rem == half && (h & 1u))) h += 1u;
-        return (uint16_t)(sign | h);
-    }
-    uint32_t r = a - 0x38000000u;                                    /* rebias 127 -> 15 */
-    r += 0xfffu + ((r >> 13) & 1u);
-    return (uint16_t)(sign | (r >> 13));
+    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;             /* overflows to inf where fp16 does */
+    uint32_t w = fp_f32_bits(f), shl1_w = w + w, sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xff000000u;
+    bias = bias < 0x71000000u ? 0x71000000u : bias;
+    base = fp_bits_f32((bias >> 1) + 0x07800000u) + base;              /* the add rounds to fp16 precision */
+    uint32_t bits = fp_f32_bits(base);
+    uint32_t nonsign = ((bits >> 13) & 0x7c00u) + (bits & 0x0fffu);
+    return (uint16_t)((sign >> 16) | (shl1_w > 0xff000000u ? 0x7e00u : nonsign));
 }
 """
 
