@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 SYMBOL = "fp_kernel"
 BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off")
 NATIVE_FLAGS = ("-march=native",)
+#: glibc's vector math library for tanhf/erff/expf (see PRELUDE), used when it links
+VECTOR_MATH = (("-fno-math-errno", "-DFP_VECTOR_MATH=1"), ("-lmvec",))
 
 #: index kinds of a pointer parameter: the output's layout, a row vector
 #: broadcast over rows (a bias), or the fp32 GEMM tile of a GEMM+epilogue kernel
@@ -51,6 +53,14 @@ INDEX = {
 PRELUDE = r"""#include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#if defined(FP_VECTOR_MATH) && defined(__x86_64__) && defined(__GLIBC__)
+/* glibc declares these SIMD variants (libmvec) only under -ffast-math, which
+   would also break the IEEE rounding the conversions below rely on. */
+float tanhf(float) __attribute__((__simd__("notinbranch")));
+float erff(float) __attribute__((__simd__("notinbranch")));
+float expf(float) __attribute__((__simd__("notinbranch")));
+#endif
 
 /* fmaxf with C99 semantics (a NaN operand yields the other one).  GCC only
    inlines libm's fmaxf under -ffinite-math-only; as a call it blocks
@@ -236,22 +246,29 @@ class CompilerUnavailable(RuntimeError):
 
 
 @functools.lru_cache(maxsize=4)
-def _probe(cc: str) -> tuple[tuple[str, ...], str]:
-    """Flags this compiler accepts (``-march=native`` if it can) and its version line."""
+def _probe(cc: str) -> tuple[tuple[str, ...], tuple[str, ...], str]:
+    """(flags, libraries, version line): ``-march=native`` and vector math where they work."""
     path = shutil.which(cc)
     if path is None:
         raise CompilerUnavailable(f"C compiler {cc!r} not found on PATH (set CC)")
     version = subprocess.run([path, "--version"], capture_output=True, text=True, check=False).stdout
     version = version.splitlines()[0] if version else path
+    native = BASE_FLAGS + NATIVE_FLAGS
+    attempts = [(native + VECTOR_MATH[0], VECTOR_MATH[1]), (native, ()), (BASE_FLAGS, ())]
+    probe = PRELUDE + "float fp_probe(float x) { return tanhf(x) + erff(x) + expf(x); }\n"
+    last = ""
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "probe.c"
-        src.write_text(noop_source())
-        for flags in (BASE_FLAGS + NATIVE_FLAGS, BASE_FLAGS):
-            r = subprocess.run([path, *flags, "-o", str(Path(d) / "probe.so"), str(src)], capture_output=True, text=True)
+        src.write_text(probe)
+        for flags, libs in attempts:
+            r = subprocess.run([path, *flags, "-o", str(Path(d) / "probe.so"), str(src), *libs, "-lm"],
+                               capture_output=True, text=True)
             if r.returncode == 0:
-                if flags == BASE_FLAGS:
-                    log.warning("%s rejects -march=native; compiling with %s (%s)", cc, " ".join(flags), r.stderr.strip())
-                return flags, version
+                if "-march=native" not in flags:
+                    log.warning("%s rejects -march=native; compiling with %s (%s)", cc, " ".join(flags), last)
+                elif not libs:
+                    log.info("%s: no vector math library (libmvec); transcendental ops stay scalar", cc)
+                return flags, libs, version
             last = r.stderr.strip()
     raise CompilerUnavailable(f"C compiler {cc!r} cannot build a shared object: {last}")
 
@@ -265,14 +282,14 @@ class Compiler:
 
     def __post_init__(self) -> None:
         self.cc = self.cc or os.environ.get("CC", "cc")
-        self.flags, self.version = _probe(self.cc)
+        self.flags, self.libs, self.version = _probe(self.cc)
         self.directory = self.directory or cache_dir()
         self._loaded: dict[str, ctypes.CDLL] = {}
         self.compiled = 0  # sources compiled (not found in the cache) by this object
 
     def key(self, source: str) -> str:
         h = hashlib.sha256()
-        for part in (self.version, " ".join(self.flags), source):
+        for part in (self.version, " ".join(self.flags + self.libs), source):
             h.update(part.encode())
             h.update(b"\0")
         return h.hexdigest()
@@ -289,7 +306,7 @@ class Compiler:
             src = Path(d) / "kernel.c"
             src.write_text(source)
             tmp = Path(d) / "kernel.so"
-            r = subprocess.run([shutil.which(self.cc) or self.cc, *self.flags, "-o", str(tmp), str(src), "-lm"],
+            r = subprocess.run([shutil.which(self.cc) or self.cc, *self.flags, "-o", str(tmp), str(src), *self.libs, "-lm"],
                                capture_output=True, text=True)
             if r.returncode != 0:
                 raise CodegenError(f"{self.cc} failed on a generated kernel: {r.stderr.strip()[:2000]}")
