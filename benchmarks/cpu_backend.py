@@ -67,6 +67,7 @@ def main() -> int:
     ap.add_argument("--out", help="also write the table as markdown here")
     args = ap.parse_args()
     backend = CpuBackend(load_device("seed-k4"))
+    load_before = os.getloadavg()[0]
     head = "| k | ops | fused µs | unfused µs | unfused/fused | fused MB moved | unfused MB moved |"
     lines = [head, "|---|---|---|---|---|---|---|"]
     print(head)
@@ -82,7 +83,8 @@ def main() -> int:
         cmd = "python benchmarks/cpu_backend.py " + " ".join(sys.argv[1:])
         meta = (
             f"Command: `{cmd}`  \nMachine: {platform.machine()}, {os.cpu_count()} CPUs, {cpu_model()}  \n"
-            f"Date: {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}, n = {args.n:,} fp32\n\n"
+            f"Date: {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}, n = {args.n:,} fp32, "
+            f"load average {load_before:.1f} before / {os.getloadavg()[0]:.1f} after (other jobs share the machine)\n\n"
         )
         Path(args.out).write_text("# CPU backend: fused vs unfused ew-chain\n\n" + meta + "\n".join(lines) + "\n")
     return 0
