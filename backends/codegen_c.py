@@ -207,20 +207,29 @@ def generate(
 
     result = value(body)
     out_dtype = body.type.dtype
-    ctype_out, _, store = _STORAGE[out_dtype]
-    sig = [f"const {_ctype(p)}* restrict t{i}" for i, p in enumerate(params)]
-    sig += [f"{ctype_out}* restrict out", "int64_t r0", "int64_t r1", "int64_t cols"]
+    source = _loop_function([_ctype(p) for p in params], _STORAGE[out_dtype][0], stmts, _STORAGE[out_dtype][2].format(result))
+    return CKernel(source, tuple(params), out_dtype, rows, cols)
+
+
+def _loop_function(in_ctypes: list[str], out_ctype: str, stmts: list[str], store: str) -> str:
+    sig = [f"const {t}* restrict t{i}" for i, t in enumerate(in_ctypes)]
+    sig += [f"{out_ctype}* restrict out", "int64_t r0", "int64_t r1", "int64_t cols"]
     inner = "\n".join(f"            {s}" for s in stmts)
-    source = (
+    return (
         PRELUDE
         + f"\nvoid {SYMBOL}({', '.join(sig)}) {{\n"
         + "    for (int64_t r = r0; r < r1; ++r) {\n"
         + "        for (int64_t c = 0; c < cols; ++c) {\n"
         + f"{inner}\n"
-        + f"            out[r * cols + c] = {store.format(result)};\n"
+        + f"            out[r * cols + c] = {store};\n"
         + "        }\n    }\n}\n"
     )
-    return CKernel(source, tuple(params), out_dtype, rows, cols)
+
+
+def widen_source(dtype: str) -> str:
+    """A kernel writing the fp32 values of a ``dtype`` tensor (GEMM operands for BLAS)."""
+    ctype, load, _ = _STORAGE[dtype]
+    return _loop_function([ctype], "float", [], load.format("t0[r * cols + c]"))
 
 
 def _ctype(p: Param) -> str:

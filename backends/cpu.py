@@ -19,6 +19,7 @@ byte ledger counts them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import statistics
@@ -30,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from backends.base import Backend, BackendError, BackendUnavailable, CompiledPlan, Timing
-from backends.codegen_c import CKernel, CodegenError, Compiler, CompilerUnavailable, generate, rows_cols
+from backends.codegen_c import CKernel, CodegenError, Compiler, CompilerUnavailable, generate, rows_cols, widen_source
 from backends.reference import eval_expr
 from planner.cost import DeviceSpec
 from planner.graph import TensorType
@@ -41,6 +42,39 @@ log = logging.getLogger(__name__)
 
 #: used when the cache size cannot be read (bytes): a common L3 slice
 DEFAULT_CACHE_BYTES = 8 << 20
+#: BLAS threads while a plan runs (``FUSION_PLANNER_BLAS_THREADS`` overrides; 0 = the library's default).
+#: One, like the generated loops: with every core's thread in one GEMM, a single busy core
+#: (another process) stalls the whole GEMM; a 256^3 GEMM took 12-16 ms on 2 threads against
+#: 0.3 ms on 1 while two other processes ran on this 2-core machine.
+DEFAULT_BLAS_THREADS = 1
+
+
+def blas_threads_from_env() -> int | None:
+    raw = os.environ.get("FUSION_PLANNER_BLAS_THREADS", "").strip()
+    if not raw:
+        return DEFAULT_BLAS_THREADS
+    try:
+        n = int(raw)
+    except ValueError:
+        raise BackendError(f"FUSION_PLANNER_BLAS_THREADS must be an integer, got {raw!r}") from None
+    if n < 0:
+        raise BackendError(f"FUSION_PLANNER_BLAS_THREADS must be >= 0, got {n}")
+    return n or None
+
+
+def limit_blas_threads(n: int | None, controller: Any = None) -> contextlib.AbstractContextManager[Any]:
+    """Limit BLAS to ``n`` threads inside the block (``None``: leave it alone).
+
+    ``controller`` (a ``threadpoolctl.ThreadpoolController``) knows the BLAS
+    libraries loaded when it was made; by default a new one is made.
+    """
+    if n is None:
+        return contextlib.nullcontext()
+    if controller is None:
+        from threadpoolctl import ThreadpoolController
+
+        controller = ThreadpoolController()
+    return controller.limit(limits=n, user_api="blas")
 
 
 # ---------------------------------------------------------------- storage
@@ -134,11 +168,22 @@ def _find_matmul(body: Expr) -> Expr:
 
 
 class CpuCompiledPlan(CompiledPlan):
-    def __init__(self, plan: Plan, steps: list[Step], buffers: dict[str, np.ndarray], inputs: list[str], compile_s: float):
+    def __init__(
+        self,
+        plan: Plan,
+        steps: list[Step],
+        buffers: dict[str, np.ndarray],
+        inputs: list[str],
+        compile_s: float,
+        threads: int | None,
+        controller: Any,
+    ):
         super().__init__(plan, [dict(s.facts, bytes_moved=s.bytes_moved) for s in steps], compile_s)
         self.steps = steps
         self.buffers = buffers
         self.input_names = inputs
+        self.threads = threads
+        self.controller = controller
 
     def _load_inputs(self, inputs: Mapping[str, np.ndarray]) -> None:
         for name in self.input_names:
@@ -156,7 +201,8 @@ class CpuCompiledPlan(CompiledPlan):
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         self._load_inputs(inputs)
-        self._execute()
+        with limit_blas_threads(self.threads, self.controller):
+            self._execute()
         return [np.array(from_storage(self.buffers[o], self.plan.tensors[o].dtype)) for o in self.plan.outputs]
 
     def time(
@@ -168,15 +214,16 @@ class CpuCompiledPlan(CompiledPlan):
         stop_if: Callable[[float], bool] | None = None,
     ) -> Timing:
         self._load_inputs(inputs)
-        for _ in range(warmup):
-            self._execute()
-        samples: list[float] = []
-        for _ in range(repeats):
-            t0 = time.perf_counter_ns()
-            self._execute()
-            samples.append((time.perf_counter_ns() - t0) / 1e3)
-            if stop_if is not None and len(samples) < repeats and stop_if(statistics.median(samples)):
-                return Timing(samples, warmup, stopped_early=True)
+        with limit_blas_threads(self.threads, self.controller):
+            for _ in range(warmup):
+                self._execute()
+            samples: list[float] = []
+            for _ in range(repeats):
+                t0 = time.perf_counter_ns()
+                self._execute()
+                samples.append((time.perf_counter_ns() - t0) / 1e3)
+                if stop_if is not None and len(samples) < repeats and stop_if(statistics.median(samples)):
+                    return Timing(samples, warmup, stopped_early=True)
         return Timing(samples, warmup)
 
 
@@ -184,8 +231,20 @@ class CpuBackend(Backend):
     name = "cpu"
     measures = True
 
-    def __init__(self, spec: DeviceSpec, compiler: Compiler | None = None, tile_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        spec: DeviceSpec,
+        compiler: Compiler | None = None,
+        tile_bytes: int | None = None,
+        blas_threads: int | None | str = "env",
+    ) -> None:
+        """``blas_threads``: threads BLAS may use while a plan runs (None: the library's
+        default; "env": ``FUSION_PLANNER_BLAS_THREADS``, else :data:`DEFAULT_BLAS_THREADS`)."""
         super().__init__(spec)
+        self.blas_threads = blas_threads_from_env() if blas_threads == "env" else blas_threads
+        from threadpoolctl import ThreadpoolController
+
+        self.controller = ThreadpoolController()  # numpy's BLAS is loaded by now
         try:
             self.compiler = compiler or Compiler()
         except CompilerUnavailable as exc:
@@ -216,7 +275,7 @@ class CpuBackend(Backend):
                 steps.append(self._step(k, plan.tensors, buffers))
             except (CodegenError, BackendError) as exc:
                 raise BackendError(f"kernel {i} ({k.describe()}): {exc}") from exc
-        return CpuCompiledPlan(plan, steps, buffers, inputs, time.perf_counter() - t0)
+        return CpuCompiledPlan(plan, steps, buffers, inputs, time.perf_counter() - t0, self.blas_threads, self.controller)  # type: ignore[arg-type]
 
     def _step(self, k: Kernel, tensors: Mapping[str, TensorType], buffers: dict[str, np.ndarray]) -> Step:
         if k.kind == "elementwise":
@@ -252,31 +311,55 @@ class CpuBackend(Backend):
 
         return Step(k, call, reads, out, {"impl": "c-loop", "source_sha256": ck.digest[:16]})
 
+    def _widen(self, buf: np.ndarray, dtype: str, max_rows: int) -> tuple[Callable[[int, int], np.ndarray], int]:
+        """``widen(r0, r1)``: fp32 values of rows r0..r1 of a GEMM operand, and the scratch bytes used.
+
+        fp32 operands are views of their buffer; 16-bit ones are converted into a
+        scratch of ``max_rows`` rows by a generated kernel (numpy's fp16
+        conversion is about 10x slower), the analogue of BLAS packing.
+        """
+        if buf.dtype == np.float32:
+            return (lambda r0, r1: buf[r0:r1]), 0
+        cols = buf.shape[-1]
+        wide = np.empty((max_rows, cols), np.float32)
+        fn = self.compiler.function(widen_source(dtype), 2)
+        src, dst, row_bytes = buf.ctypes.data, wide.ctypes.data, cols * buf.itemsize
+
+        def widen(r0: int, r1: int) -> np.ndarray:
+            fn(src + r0 * row_bytes, dst, 0, r1 - r0, cols)
+            return wide[: r1 - r0]
+
+        return widen, wide.nbytes
+
     def _gemm(self, k: Kernel, tensors: Mapping[str, TensorType], buffers: dict[str, np.ndarray]) -> Step:
         mm = _find_matmul(k.body)
         a_name, b_name = (a.tensor for a in mm.args)  # type: ignore[union-attr]
         a_buf, b_buf = buffers[a_name], buffers[b_name]
-        a_dt, b_dt = tensors[a_name].dtype, tensors[b_name].dtype
         rows, cols = rows_cols(tuple(k.body.type.shape))
         kdim = tensors[a_name].shape[1]
         tile_rows = gemm_tile_rows(rows, cols, kdim, self.tile_bytes)
         tile = np.empty((tile_rows, cols), dtype=np.float32)
+        widen_a, a_scratch = self._widen(a_buf, tensors[a_name].dtype, tile_rows)
+        widen_b, b_scratch = self._widen(b_buf, tensors[b_name].dtype, b_buf.shape[0])
         ck = generate(k.body, self._types(tensors), tile=mm)
         fn, ptrs, reads = self._bind(ck, buffers, tile)
         out = buffers[k.out]
         out_ptr = out.ctypes.data
         bounds = [(r, min(rows, r + tile_rows)) for r in range(0, rows, tile_rows)]
+        b_rows = b_buf.shape[0]
 
         def call() -> None:
-            b32 = from_storage(b_buf, b_dt)
+            b32 = widen_b(0, b_rows)
             for r0, r1 in bounds:
-                np.matmul(from_storage(a_buf[r0:r1], a_dt), b32, out=tile[: r1 - r0])
+                np.matmul(widen_a(r0, r1), b32, out=tile[: r1 - r0])
                 fn(*ptrs, out_ptr, r0, r1, cols)
 
         facts = {
             "impl": "blas+c-epilogue",
             "tile_rows": tile_rows,
             "tiles": len(bounds),
+            "scratch_bytes": tile.nbytes + a_scratch + b_scratch,
+            "blas_threads": self.blas_threads or "default",
             "source_sha256": ck.digest[:16],
         }
         return Step(k, call, [a_buf, b_buf] + [b for b in reads if b is not a_buf and b is not b_buf], out, facts)

@@ -54,6 +54,7 @@ class Calibration:
         peak = max(self.gemm_gflops.values()) / 1e3
         eff = min(1.0, self.tiled_gemm_gflops / self.gemm_gflops[max(self.gemm_gflops)])
         gemm = ", ".join(f"{n}: {g:.1f}" for n, g in self.gemm_gflops.items())
+        threads = os.environ.get("FUSION_PLANNER_BLAS_THREADS") or "1"
         return DeviceSpec(
             name=name,
             bandwidth_gbps=round(self.triad_gbps, 3),
@@ -65,7 +66,7 @@ class Calibration:
             source=(
                 f"fusion-planner calibrate --backend cpu on {self.cpu} ({platform.machine()}, "
                 f"{os.cpu_count()} CPUs), {datetime.date.today().isoformat()}: triad {self.triad_gbps:.2f} GB/s, "
-                f"empty kernel {self.launch_us:.3f} us, GEMM GFLOP/s {{{gemm}}}, row-tiled "
+                f"empty kernel {self.launch_us:.3f} us, GEMM GFLOP/s {{{gemm}}} on {threads} BLAS thread(s), row-tiled "
                 f"{self.tiled_gemm_gflops:.1f}, vector {self.vector_gflops:.2f} GFLOP/s"
             ),
         )
@@ -188,13 +189,21 @@ def vector_gflops(n: int = 8192, stages: int = 16, calls: int = 200) -> float:
 
 
 def calibrate_cpu(*, triad_n: int = 1 << 23, gemm_sizes: tuple[int, ...] = GEMM_SIZES) -> Calibration:
-    """Run the microbenchmarks (about 5 s at the defaults on a 2-core machine)."""
+    """Run the microbenchmarks (about 3-5 s at the defaults on a 2-core machine).
+
+    GEMMs run with the BLAS thread count the CPU backend uses (``FUSION_PLANNER_BLAS_THREADS``).
+    """
+    from backends.cpu import blas_threads_from_env, limit_blas_threads
+
     t0 = time.perf_counter()
+    with limit_blas_threads(blas_threads_from_env()):
+        gemm = {n: gemm_gflops(n) for n in gemm_sizes}
+        tiled = tiled_gemm_gflops(max(gemm_sizes))
     cal = Calibration(
         triad_gbps=triad_gbps(triad_n),
         launch_us=launch_us(),
-        gemm_gflops={n: gemm_gflops(n) for n in gemm_sizes},
-        tiled_gemm_gflops=tiled_gemm_gflops(max(gemm_sizes)),
+        gemm_gflops=gemm,
+        tiled_gemm_gflops=tiled,
         vector_gflops=vector_gflops(),
         cpu=cpu_model(),
         seconds=0.0,

@@ -325,3 +325,23 @@ def test_calibrate_refuses_other_backends(capsys) -> None:
 
     assert main(["calibrate", "--backend", "cupy"]) == 2
     assert "cannot be calibrated" in capsys.readouterr().err
+
+
+def test_blas_threads_are_pinned_while_plans_run(monkeypatch) -> None:
+    from threadpoolctl import threadpool_info
+
+    from backends.cpu import CpuBackend, limit_blas_threads
+
+    def numpy_blas_threads() -> list[int]:
+        return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas" and "numpy" in i["filepath"]]
+
+    backend = cpu_backend()
+    with limit_blas_threads(1, backend.controller):
+        assert numpy_blas_threads() == [1]
+    monkeypatch.setenv("FUSION_PLANNER_BLAS_THREADS", "two")
+    with pytest.raises(BackendError, match="FUSION_PLANNER_BLAS_THREADS"):
+        CpuBackend(SPEC)
+    monkeypatch.setenv("FUSION_PLANNER_BLAS_THREADS", "0")
+    assert cpu_backend().blas_threads is None
+    monkeypatch.delenv("FUSION_PLANNER_BLAS_THREADS")
+    assert cpu_backend().blas_threads == 1
