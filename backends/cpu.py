@@ -278,6 +278,13 @@ class CpuBackend(Backend):
         return CpuCompiledPlan(plan, steps, buffers, inputs, time.perf_counter() - t0, self.blas_threads, self.controller)  # type: ignore[arg-type]
 
     def _step(self, k: Kernel, tensors: Mapping[str, TensorType], buffers: dict[str, np.ndarray]) -> Step:
+        # generated loops trust these shapes: a mismatch would write out of bounds
+        out_t = tensors[k.out]
+        if tuple(out_t.shape) != tuple(k.body.type.shape) or out_t.dtype != k.body.type.dtype:
+            raise BackendError(
+                f"body computes {list(k.body.type.shape)} {k.body.type.dtype} but tensor {k.out!r} "
+                f"is {list(out_t.shape)} {out_t.dtype}"
+            )
         if k.kind == "elementwise":
             return self._elementwise(k, tensors, buffers)
         if k.kind in ("gemm_epilogue", "cublaslt"):
@@ -336,7 +343,9 @@ class CpuBackend(Backend):
         a_name, b_name = (a.tensor for a in mm.args)  # type: ignore[union-attr]
         a_buf, b_buf = buffers[a_name], buffers[b_name]
         rows, cols = rows_cols(tuple(k.body.type.shape))
-        kdim = tensors[a_name].shape[1]
+        kdim = a_buf.shape[-1]
+        if a_buf.shape != (rows, kdim) or b_buf.shape != (kdim, cols):
+            raise BackendError(f"GEMM operands {list(a_buf.shape)} @ {list(b_buf.shape)} do not give {[rows, cols]}")
         tile_rows = gemm_tile_rows(rows, cols, kdim, self.tile_bytes)
         tile = np.empty((tile_rows, cols), dtype=np.float32)
         widen_a, a_scratch = self._widen(a_buf, tensors[a_name].dtype, tile_rows)
@@ -372,6 +381,8 @@ class CpuBackend(Backend):
         def call() -> None:
             mem = {n: from_storage(buffers[n], tensors[n].dtype) for n in names}
             value = eval_expr(k.body, mem, np.float32, {})
+            if value.shape != out.shape:
+                raise BackendError(f"{k.describe()} computed shape {list(value.shape)}, expected {list(out.shape)}")
             to_storage(value, dtype, out)
 
         return Step(k, call, [buffers[n] for n in names], out, {"impl": "numpy-reference"})

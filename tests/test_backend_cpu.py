@@ -345,3 +345,15 @@ def test_blas_threads_are_pinned_while_plans_run(monkeypatch) -> None:
     assert cpu_backend().blas_threads is None
     monkeypatch.delenv("FUSION_PLANNER_BLAS_THREADS")
     assert cpu_backend().blas_threads == 1
+
+
+def test_inconsistent_shapes_are_refused_before_any_c_runs() -> None:
+    graph = examples.mlp_epilogue(8, 8, 8, "fp32")
+    plan = build_candidates(graph, SPEC).unfused
+    backend = cpu_backend()
+    small = dict(plan.tensors, bias=TensorType((4, 8), "fp32"))
+    with pytest.raises(BackendError, match="'bias'"):
+        backend.compile(dataclasses.replace(plan, tensors=small))
+    skinny = dict(plan.tensors, w=TensorType((8, 4), "fp32"))
+    with pytest.raises(BackendError, match="GEMM operands"):
+        backend.compile(dataclasses.replace(plan, tensors=skinny))
