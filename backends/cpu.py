@@ -241,7 +241,9 @@ class CpuBackend(Backend):
         """``blas_threads``: threads BLAS may use while a plan runs (None: the library's
         default; "env": ``FUSION_PLANNER_BLAS_THREADS``, else :data:`DEFAULT_BLAS_THREADS`)."""
         super().__init__(spec)
-        self.blas_threads = blas_threads_from_env() if blas_threads == "env" else blas_threads
+        self.blas_threads: int | None = (
+            blas_threads_from_env() if isinstance(blas_threads, str) else blas_threads
+        )
         from threadpoolctl import ThreadpoolController
 
         self.controller = ThreadpoolController()  # numpy's BLAS is loaded by now
@@ -275,7 +277,7 @@ class CpuBackend(Backend):
                 steps.append(self._step(k, plan.tensors, buffers))
             except (CodegenError, BackendError) as exc:
                 raise BackendError(f"kernel {i} ({k.describe()}): {exc}") from exc
-        return CpuCompiledPlan(plan, steps, buffers, inputs, time.perf_counter() - t0, self.blas_threads, self.controller)  # type: ignore[arg-type]
+        return CpuCompiledPlan(plan, steps, buffers, inputs, time.perf_counter() - t0, self.blas_threads, self.controller)
 
     def _step(self, k: Kernel, tensors: Mapping[str, TensorType], buffers: dict[str, np.ndarray]) -> Step:
         # generated loops trust these shapes: a mismatch would write out of bounds
@@ -300,6 +302,8 @@ class CpuBackend(Backend):
         fn = self.compiler.function(ck.source, len(ck.params) + 1)
         ptrs, reads = [], []
         for p in ck.params:
+            if p.tensor is not None and p.tensor not in buffers:
+                raise BackendError(f"kernel loads {p.tensor!r}, which is neither an input nor written by a kernel")
             buf = tile if p.tensor is None else buffers[p.tensor]
             assert buf is not None
             ptrs.append(buf.ctypes.data)
