@@ -345,6 +345,9 @@ class CpuBackend(Backend):
     def _gemm(self, k: Kernel, tensors: Mapping[str, TensorType], buffers: dict[str, np.ndarray]) -> Step:
         mm = _find_matmul(k.body)
         a_name, b_name = (a.tensor for a in mm.args)  # type: ignore[union-attr]
+        for name in (a_name, b_name):
+            if name not in buffers:
+                raise BackendError(f"GEMM reads {name!r}, which is neither an input nor written by a kernel")
         a_buf, b_buf = buffers[a_name], buffers[b_name]
         rows, cols = rows_cols(tuple(k.body.type.shape))
         kdim = a_buf.shape[-1]
