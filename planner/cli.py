@@ -23,6 +23,7 @@ COMMAND_MODULES = (
     "planner.commands.plan",
     "planner.commands.run",
     "planner.commands.cache",
+    "planner.commands.calibrate",
 )
 
 

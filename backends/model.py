@@ -1,0 +1,42 @@
+"""The model backend: plans without hardware.
+
+``run`` is the reference executor (device mode), so candidates are still
+verified; ``time`` reports the cost model's estimate ``plan.est_us`` as a
+single sample, so a search over this backend ranks plans by the model alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from backends.base import Backend, CompiledPlan, Timing
+from backends.reference import execute_plan
+from backends.reference_backend import ledger_facts
+from planner.plans import Plan
+
+
+class ModelCompiledPlan(CompiledPlan):
+    def run(self, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        return execute_plan(self.plan, inputs, mode="device")
+
+    def time(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        warmup: int = 2,
+        repeats: int = 7,
+        stop_if: Callable[[float], bool] | None = None,
+    ) -> Timing:
+        """One sample: the estimate.  Nothing runs, so warm-ups and repeats do not apply."""
+        est = self.plan.est_us
+        return Timing([est], warmup=0, stopped_early=False)
+
+
+class ModelBackend(Backend):
+    name = "model"
+    measures = False
+
+    def compile(self, plan: Plan) -> ModelCompiledPlan:
+        return ModelCompiledPlan(plan, ledger_facts(plan))

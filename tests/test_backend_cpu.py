@@ -1,0 +1,359 @@
+"""The CPU-side backends: generated C kernels (cpu), the cost model (model), numpy (reference)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import numpy as np
+import pytest
+
+from backends import get_backend
+from backends.base import BackendError, BackendUnavailable
+from backends.codegen_c import PRELUDE, Compiler, CompilerUnavailable, generate
+from backends.reference import execute_graph, execute_plan, random_inputs
+from planner import examples
+from planner.candidates import build_candidates
+from planner.cost import device_from_json, load_device
+from planner.graph import Graph, GraphBuilder, TensorType
+from planner.ops import numpy_dtype
+from planner.plans import Expr, Load, Plan
+
+SPEC = load_device("seed-k4")
+#: (rtol, atol) per stored dtype, as the search compares (kept here until planner.tolerance lands)
+TOL = {"fp32": (1e-4, 1e-5), "fp16": (1e-2, 2e-3), "bf16": (5e-2, 2e-2)}
+
+
+@pytest.fixture(scope="module")
+def compiler() -> Compiler:
+    try:
+        return Compiler()
+    except CompilerUnavailable as exc:
+        pytest.skip(f"no C compiler: {exc}")
+
+
+def cpu_backend(tile_bytes: int | None = None):
+    from backends.cpu import CpuBackend
+
+    try:
+        return CpuBackend(SPEC, tile_bytes=tile_bytes)
+    except BackendUnavailable as exc:
+        pytest.skip(f"no C compiler: {exc}")
+
+
+def close(actual: np.ndarray, expected: np.ndarray, dtype: str) -> bool:
+    rtol, atol = TOL[dtype]
+    scale = max(1.0, float(np.max(np.abs(expected))))
+    return bool(np.all(np.abs(actual - expected) <= atol * scale + rtol * np.abs(expected)))
+
+
+# ---------------------------------------------------------------- graphs
+
+
+def random_graph(seed: int, n_ops: int = 5, dtype: str = "fp32") -> Graph:
+    """A random elementwise DAG over two inputs (and a bias row), with one or two outputs."""
+    rng = random.Random(seed)
+    b = GraphBuilder(f"random-{seed}")
+    vals = [b.input("x", (6, 10), dtype), b.input("y", (6, 10), dtype)]
+    b.input("bias", (10,), dtype)
+    for i in range(n_ops):
+        op = rng.choice(["Add", "Mul", "Relu", "Silu", "GeluErf", "Affine", "BiasAdd", "GeluTanh"])
+        a = rng.choice(vals[-3:])
+        if op in ("Add", "Mul"):
+            vals.append(b.op(f"n{i}", op, [a, rng.choice(vals)]))
+        elif op == "BiasAdd":
+            vals.append(b.op(f"n{i}", op, [a, "bias"]))
+        elif op == "Affine":
+            vals.append(b.op(f"n{i}", op, [a], {"a": rng.uniform(0.5, 1.5), "b": rng.uniform(-0.1, 0.1)}))
+        else:
+            vals.append(b.op(f"n{i}", op, [a]))
+    outs = [vals[-1]] if seed % 2 else [vals[-1], vals[-2]]
+    return b.build(dict.fromkeys(o for o in outs if o not in ("x", "y")))
+
+
+def opaque_graph() -> Graph:
+    b = GraphBuilder("opaque")
+    b.input("x", (4, 16), "fp16")
+    b.op("a", "Affine", ["x"], {"a": 2.0, "b": 0.5})
+    b.op("sm", "Opaque", ["a"], {"impl": "softmax"})
+    b.op("out", "Relu", ["sm"])
+    return b.build(["out"])
+
+
+GRAPHS = {
+    "mlp-fp32": lambda: examples.mlp_epilogue(40, 24, 16, "fp32"),
+    "mlp-fp16": lambda: examples.mlp_epilogue(40, 24, 16, "fp16"),
+    "mlp-bf16": lambda: examples.mlp_epilogue(40, 24, 16, "bf16"),
+    "mlp-erf-fp16": lambda: examples.mlp_epilogue(9, 8, 8, "fp16", gelu="erf"),
+    "ew-chain": lambda: examples.ew_chain(4, 1000),
+    "ew-chain-bf16": lambda: examples.ew_chain(3, 777, "bf16"),
+    "heavy": lambda: examples.heavy(500),
+    "random-1": lambda: random_graph(1),
+    "random-2": lambda: random_graph(2, 6, "fp16"),
+    "opaque": opaque_graph,
+}
+
+
+@pytest.mark.parametrize("name", list(GRAPHS))
+def test_every_candidate_matches_reference_and_counts_model_bytes(name: str) -> None:
+    graph = GRAPHS[name]()
+    cands = build_candidates(graph, SPEC)
+    inputs = random_inputs(graph, seed=3)
+    # 3 rows per GEMM tile: several tiles and a ragged last one
+    backend = cpu_backend(tile_bytes=3 * 4 * (24 + 16))
+    for plan in cands.plans + [cands.unfused]:
+        compiled = backend.compile(plan)
+        got = compiled.run(inputs)
+        want = execute_plan(plan, inputs, mode="device")
+        for o, g, w in zip(plan.outputs, got, want, strict=True):
+            assert close(g, w, plan.tensors[o].dtype), f"{plan.notation()} {plan.composition()}: {o} differs"
+        moved = [f["bytes_moved"] for f in compiled.kernel_facts]
+        assert moved == [k.cost.bytes for k in plan.kernels], plan.notation()
+
+
+def test_gemm_runs_in_row_tiles_within_budget() -> None:
+    from backends.cpu import cache_bytes
+
+    default = cpu_backend()
+    assert default.tile_bytes == cache_bytes()[0] // 4
+    backend = cpu_backend(tile_bytes=4096)
+    graph = examples.mlp_epilogue(64, 32, 16, "fp32")
+    plan = build_candidates(graph, SPEC).best
+    facts = backend.compile(plan).kernel_facts[0]
+    assert facts["impl"] == "blas+c-epilogue"
+    assert facts["tile_rows"] * 4 * (32 + 16) <= 4096
+    assert facts["tiles"] == -(-64 // facts["tile_rows"]) > 1
+
+
+def test_unfused_plan_materialises_every_intermediate() -> None:
+    graph = examples.ew_chain(3, 300)
+    cands = build_candidates(graph, SPEC)
+    inputs = random_inputs(graph, seed=1)
+    compiled = cpu_backend().compile(cands.unfused)
+    compiled.run(inputs)
+    ops = [n.id for n in graph.ops]
+    assert [k.out for k in cands.unfused.kernels] == ops
+    buffers = compiled.buffers  # type: ignore[attr-defined]
+    assert len({id(buffers[o]) for o in ops}) == len(ops)
+    for node in ops:
+        sub = GraphBuilder("prefix")
+        for n in graph.nodes:
+            if n.op == "In":
+                sub.input(n.id, n.type.shape, n.type.dtype)
+            else:
+                sub.op(n.id, n.op, list(n.inputs), n.attr_dict)
+            if n.id == node:
+                break
+        (want,) = execute_graph(sub.build([node]), inputs)
+        assert np.array_equal(buffers[node], want.astype(np.float32)), node
+
+
+def test_fp16_and_bf16_conversions_match_numpy(compiler: Compiler) -> None:
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 2**32, 20000, dtype=np.uint64).astype(np.uint32)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 65504, 65519.99, 65520, 65536, 6e-8, 2.98e-8, 2.9802322e-08,
+                        1e-40, 3e38, -1.5, 0.1], dtype=np.float32)
+    # halfway cases of both formats (ties to even)
+    ties = np.concatenate([(np.arange(1000, dtype=np.uint32) << 13) | 0x1000, (np.arange(1000, dtype=np.uint32) << 16) | 0x8000])
+    x = np.concatenate([bits.view(np.float32), special, (ties + 0x38800000).view(np.float32)])
+    for dtype in ("fp16", "bf16"):
+        out = np.zeros(x.shape, np.uint16)
+        _run_convert(compiler, x, "fp32", out, dtype)
+        with np.errstate(over="ignore", invalid="ignore"):
+            want = x.astype(numpy_dtype(dtype))
+        nan = np.isnan(want.astype(np.float32))
+        assert np.array_equal(np.isnan(out.view(numpy_dtype(dtype)).astype(np.float32)), nan)
+        assert np.array_equal(out[~nan], want.view(np.uint16)[~nan]), dtype
+        # every 16-bit pattern widens exactly
+        allbits = np.arange(2**16, dtype=np.uint16)
+        wide = np.zeros(allbits.shape, np.float32)
+        _run_convert(compiler, allbits, dtype, wide, "fp32")
+        ref = allbits.view(numpy_dtype(dtype)).astype(np.float32)
+        assert np.array_equal(wide, ref, equal_nan=True), dtype
+
+
+def _run_convert(compiler: Compiler, src: np.ndarray, src_dtype: str, dst: np.ndarray, dst_dtype: str) -> None:
+    n = src.size
+    body = Expr("Stage", (Load("x"),), (("flops", 1), ("regs", 8), ("temps", 0)), "y", TensorType((n,), dst_dtype))
+    ck = generate(body, {"x": ((n,), src_dtype)})
+    fn = compiler.function(ck.source, 2)
+    fn(src.ctypes.data, dst.ctypes.data, 0, ck.rows, ck.cols)
+
+
+HOSTILE = 'x;system("rm -rf ~")'
+
+
+def _rename(e: Expr | Load, f) -> Expr | Load:
+    if isinstance(e, Load):
+        return Load(f(e.tensor))
+    return dataclasses.replace(e, args=tuple(_rename(a, f) for a in e.args), node=f(e.node))
+
+
+def test_codegen_never_prints_graph_names(compiler: Compiler) -> None:
+    graph = examples.mlp_epilogue(8, 8, 8, "fp16")
+    cands = build_candidates(graph, SPEC)
+
+    def f(name: str) -> str:
+        return f"{HOSTILE}/*{name}*/" if name else name
+
+    backend = cpu_backend()
+    inputs = random_inputs(graph, seed=0)
+    for plan in (cands.best, cands.unfused):
+        kernels = tuple(
+            dataclasses.replace(k, body=_rename(k.body, f), out=f(k.out), reads=tuple(map(f, k.reads))) for k in plan.kernels
+        )
+        evil = Plan(plan.graph, kernels, tuple(map(f, plan.outputs)), {f(n): t for n, t in plan.tensors.items()}, plan.key)
+        types = {n: (t.shape, t.dtype) for n, t in evil.tensors.items()}
+        for k in evil.kernels:
+            src = generate(k.body, types).source if k.kind == "elementwise" else None
+            if src is not None:
+                kernel_text = src[len(PRELUDE):]
+                assert src.startswith(PRELUDE) and "system" not in src and "/*" not in kernel_text
+        got = backend.compile(evil).run({f(n): v for n, v in inputs.items()})
+        want = execute_plan(plan, inputs)
+        assert close(got[0], want[0], "fp16")
+
+
+def test_kernels_are_cached_by_source_hash(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    try:
+        first = Compiler()
+    except CompilerUnavailable as exc:
+        pytest.skip(f"no C compiler: {exc}")
+    from backends.cpu import CpuBackend
+
+    graph = examples.ew_chain(2, 64)
+    plan = build_candidates(graph, SPEC).unfused
+    CpuBackend(SPEC, compiler=first).compile(plan)
+    cached = sorted(p.name for p in (tmp_path / "fusion-planner" / "cpu").glob("*.so"))
+    assert first.compiled == len(cached) == len({(k.body.op, k.body.attrs) for k in plan.kernels}) == 3
+    second = Compiler()
+    out = CpuBackend(SPEC, compiler=second).compile(plan).run(random_inputs(graph))
+    assert second.compiled == 0
+    assert np.isfinite(out[0]).all()
+
+
+def test_missing_compiler_is_backend_unavailable(monkeypatch) -> None:
+    from backends.cpu import CpuBackend
+
+    monkeypatch.setenv("CC", "no-such-compiler-fp")
+    with pytest.raises(BackendUnavailable, match="no-such-compiler-fp"):
+        CpuBackend(SPEC)
+
+
+def test_timing_contract() -> None:
+    graph = examples.ew_chain(2, 2000)
+    compiled = cpu_backend().compile(build_candidates(graph, SPEC).best)
+    inputs = random_inputs(graph)
+    t = compiled.time(inputs, warmup=1, repeats=5)
+    assert len(t.samples_us) == 5 and not t.stopped_early and t.median_us > 0
+    calls: list[float] = []
+    t = compiled.time(inputs, warmup=0, repeats=9, stop_if=lambda med: calls.append(med) or len(calls) >= 3)
+    assert t.stopped_early and len(t.samples_us) == 3 and calls[-1] == t.median_us
+
+
+def test_bad_input_names_culprit() -> None:
+    graph = examples.ew_chain(2, 10)
+    compiled = cpu_backend().compile(build_candidates(graph, SPEC).best)
+    with pytest.raises(BackendError, match="'x'"):
+        compiled.run({"x": np.zeros(11, np.float32)})
+    with pytest.raises(BackendError, match="missing input 'x'"):
+        compiled.run({})
+
+
+# ---------------------------------------------------------------- model and reference
+
+
+def test_model_backend_times_with_the_estimate_and_runs_the_reference() -> None:
+    graph = examples.mlp_epilogue(16, 8, 8, "fp16")
+    cands = build_candidates(graph, SPEC)
+    backend = get_backend("model", SPEC)
+    assert backend.measures is False
+    inputs = random_inputs(graph)
+    for plan in cands.plans[:3]:
+        compiled = backend.compile(plan)
+        assert compiled.time(inputs).median_us == pytest.approx(plan.est_us)
+        assert np.array_equal(compiled.run(inputs)[0], execute_plan(plan, inputs)[0])
+        assert [f["bytes_moved"] for f in compiled.kernel_facts] == [k.cost.bytes for k in plan.kernels]
+
+
+def test_reference_backend_verifies_but_cannot_time() -> None:
+    graph = examples.ew_chain(3, 50)
+    plan = build_candidates(graph, SPEC).best
+    backend = get_backend("reference", SPEC)
+    assert backend.measures is False
+    compiled = backend.compile(plan)
+    inputs = random_inputs(graph)
+    assert np.array_equal(compiled.run(inputs)[0], execute_plan(plan, inputs)[0])
+    with pytest.raises(BackendError, match="does not time"):
+        compiled.time(inputs)
+
+
+def test_kernel_facts_are_json_ready() -> None:
+    graph = examples.mlp_epilogue(8, 8, 8, "bf16")
+    compiled = cpu_backend().compile(build_candidates(graph, SPEC).best)
+    facts = json.loads(json.dumps(compiled.kernel_facts))
+    assert facts[0]["bytes_moved"] == compiled.plan.kernels[0].cost.bytes
+
+
+# ---------------------------------------------------------------- calibration
+
+
+def test_calibration_writes_a_spec_that_device_accepts(tmp_path) -> None:
+    try:
+        Compiler()
+    except CompilerUnavailable as exc:
+        pytest.skip(f"no C compiler: {exc}")
+    from planner.calibrate import calibrate_cpu
+    from planner.cli import main
+
+    cal = calibrate_cpu(triad_n=1 << 16, gemm_sizes=(32, 64, 128))
+    assert cal.triad_gbps > 0 and cal.launch_us > 0 and cal.vector_gflops > 0
+    assert set(cal.gemm_gflops) == {32, 64, 128}
+    spec = device_from_json(json.loads(json.dumps(cal.spec("t").to_json())))
+    assert spec.matmul_tflops["fp16"] == spec.matmul_tflops["fp32"] == pytest.approx(max(cal.gemm_gflops.values()) / 1e3, rel=1e-4)
+    out = tmp_path / "cpu.json"
+    assert main(["calibrate", "--backend", "cpu", "-o", str(out)]) == 0
+    loaded = load_device(str(out))
+    assert loaded.name == "cpu-calibrated" and loaded.bandwidth_gbps > 0 and "triad" in loaded.source
+    assert build_candidates(examples.ew_chain(2, 100), loaded).best.est_us > 0
+
+
+def test_calibrate_refuses_other_backends(capsys) -> None:
+    from planner.cli import main
+
+    assert main(["calibrate", "--backend", "cupy"]) == 2
+    assert "cannot be calibrated" in capsys.readouterr().err
+
+
+def test_blas_threads_are_pinned_while_plans_run(monkeypatch) -> None:
+    from threadpoolctl import threadpool_info
+
+    from backends.cpu import CpuBackend, limit_blas_threads
+
+    def numpy_blas_threads() -> list[int]:
+        return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas" and "numpy" in i["filepath"]]
+
+    backend = cpu_backend()
+    with limit_blas_threads(1, backend.controller):
+        assert numpy_blas_threads() == [1]
+    monkeypatch.setenv("FUSION_PLANNER_BLAS_THREADS", "two")
+    with pytest.raises(BackendError, match="FUSION_PLANNER_BLAS_THREADS"):
+        CpuBackend(SPEC)
+    monkeypatch.setenv("FUSION_PLANNER_BLAS_THREADS", "0")
+    assert cpu_backend().blas_threads is None
+    monkeypatch.delenv("FUSION_PLANNER_BLAS_THREADS")
+    assert cpu_backend().blas_threads == 1
+
+
+def test_inconsistent_shapes_are_refused_before_any_c_runs() -> None:
+    graph = examples.mlp_epilogue(8, 8, 8, "fp32")
+    plan = build_candidates(graph, SPEC).unfused
+    backend = cpu_backend()
+    small = dict(plan.tensors, bias=TensorType((4, 8), "fp32"))
+    with pytest.raises(BackendError, match="'bias'"):
+        backend.compile(dataclasses.replace(plan, tensors=small))
+    skinny = dict(plan.tensors, w=TensorType((8, 4), "fp32"))
+    with pytest.raises(BackendError, match="GEMM operands"):
+        backend.compile(dataclasses.replace(plan, tensors=skinny))
