@@ -113,14 +113,14 @@ def plan_model(
             unique[r.key].instances += 1
             continue
         cache_key = PlanCache.key(r.key, spec, backend, rhash) if cache else ""
-        cached = cache.load(cache_key, r.graph) if cache else None
+        cached = cache.load(cache_key, r.graph, spec) if cache else None
         if cached is not None:
             unique[r.key] = RegionPlan(r.key, r, cached, None, 1, cached=True)
             continue
         cands = build_candidates(r.graph, spec, rules=rules, limits=limits, cap=cap, k=k, seed=seed)
         chosen = choose(cands)
         if cache:
-            cache.store(cache_key, chosen)
+            cache.store(cache_key, chosen, r.graph, spec)
         unique[r.key] = RegionPlan(r.key, r, chosen, cands, 1)
     t_plan = time.perf_counter() - t0 - t_split
     kernels: list[Kernel] = []
@@ -154,8 +154,11 @@ def _compose(graph: Graph, kernels: list[Kernel], key: str) -> Plan:
 
 
 def _rename(name: str, names: dict[str, str]) -> str:
-    head, dot, tail = name.partition(".")
-    return names.get(head, head) + dot + tail if head in names else name
+    """Rename a tensor or node name; ``name.suffix`` (a cuBLASLt body's inner node) keeps its suffix."""
+    if name in names:
+        return names[name]
+    head, dot, tail = name.rpartition(".")
+    return names[head] + dot + tail if dot and head in names else name
 
 
 def rename_expr(e: Expr | Load, names: dict[str, str], memo: dict[int, Expr]) -> Expr | Load:

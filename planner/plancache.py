@@ -3,8 +3,8 @@
 Keyed by the region's structural hash, the device spec, the backend and the hash
 of the rule set (and the cache format version).  Each entry carries a checksum of
 its payload; an entry that does not parse, has another version or key, or fails
-its checksum is reported and rebuilt, never trusted.  Entries hold data only
-(op names, attributes, shapes): loading one executes nothing.
+its checksum is reported and rebuilt, never trusted.  Entries are plan files (``planner.planfile``):
+data only, checked on load; loading one executes nothing.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import logging
 import os
 import shutil
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from planner.cost import DeviceSpec, KernelCost
+from planner.cost import DeviceSpec
 from planner.egraph import RuleFile
 from planner.graph import Graph
-from planner.plans import Expr, Kernel, Plan, expr_from_json, expr_to_json
+from planner.planfile import PlanFileError, plan_document, plan_from_document
+from planner.plans import Plan
 
 log = logging.getLogger(__name__)
 
@@ -58,71 +58,31 @@ class PlanCache:
     def path(self, key: str) -> Path:
         return self.root / f"{key}.json"
 
-    def load(self, key: str, region: Graph) -> Plan | None:
+    def load(self, key: str, region: Graph, spec: DeviceSpec) -> Plan | None:
         p = self.path(key)
         if not p.exists():
             return None
         try:
-            data = json.loads(p.read_text())
-            if data.get("version") != CACHE_VERSION or data.get("key") != key:
-                raise ValueError("version or key mismatch")
-            if data.get("checksum") != _digest(data["plan"]):
-                raise ValueError("checksum mismatch")
-            return plan_from_json(data["plan"], region)
-        except (ValueError, KeyError, TypeError, OSError) as exc:
+            doc = json.loads(p.read_text())
+            plan, _, cached_spec, meta = plan_from_document(doc, p.name, expect_graph=region)
+            if meta.get("cache_key") != key or meta.get("cache_version") != CACHE_VERSION:
+                raise PlanFileError("cache key or version mismatch")
+            if cached_spec != spec:
+                raise PlanFileError("device spec mismatch")
+            return plan
+        except (PlanFileError, ValueError, OSError) as exc:
             log.warning("plan cache entry %s is corrupt or stale (%s); rebuilding it", p.name, exc)
             self.rebuilt.append(key)
             return None
 
-    def store(self, key: str, plan: Plan) -> None:
-        payload = plan_to_json(plan)
-        data = {"version": CACHE_VERSION, "key": key, "plan": payload, "checksum": _digest(payload)}
+    def store(self, key: str, plan: Plan, region: Graph, spec: DeviceSpec) -> None:
+        doc = plan_document(plan, region, spec, {"cache_key": key, "cache_version": CACHE_VERSION})
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.path(key).with_suffix(".tmp")
-        tmp.write_text(json.dumps(data))
+        tmp.write_text(json.dumps(doc))
         tmp.replace(self.path(key))
 
     def clear(self) -> int:
         n = len(list(self.root.glob("*.json"))) if self.root.exists() else 0
         shutil.rmtree(self.root, ignore_errors=True)
         return n
-
-
-def plan_to_json(plan: Plan) -> dict[str, Any]:
-    return {
-        "key": plan.key,
-        "outputs": list(plan.outputs),
-        "partition": list(plan.partition) if plan.partition is not None else None,
-        "kernels": [
-            {
-                "kind": k.kind,
-                "epilogue": k.epilogue,
-                "out": k.out,
-                "reads": list(k.reads),
-                "body": expr_to_json(k.body),
-                "cost": asdict(k.cost),
-            }
-            for k in plan.kernels
-        ],
-    }
-
-
-def plan_from_json(data: dict[str, Any], graph: Graph) -> Plan:
-    """Rebuild a plan for ``graph``; every tensor it names must be one of the graph's."""
-    tensors = {n.id: n.type for n in graph.nodes}
-    kernels = []
-    for i, kd in enumerate(data["kernels"]):
-        body = expr_from_json(kd["body"], f"kernel {i}")
-        if not isinstance(body, Expr):
-            raise ValueError(f"kernel {i}: body must be an op")
-        for name in [kd["out"], *kd["reads"]]:
-            if name not in tensors:
-                raise ValueError(f"kernel {i} names tensor {name!r}, not in graph {graph.name!r}")
-        kernels.append(
-            Kernel(kd["kind"], body, kd["out"], tuple(kd["reads"]), KernelCost(**kd["cost"]), kd.get("epilogue"))
-        )
-    outputs = tuple(data["outputs"])
-    if outputs != tuple(graph.outputs):
-        raise ValueError("plan outputs do not match the graph's")
-    part = data.get("partition")
-    return Plan(graph.name, tuple(kernels), outputs, tensors, str(data["key"]), tuple(part) if part else None)

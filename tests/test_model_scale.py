@@ -62,7 +62,7 @@ def test_cache_hit_and_corrupt_entry_rebuilt(tmp_path, caplog):
     # tamper with the entry: a changed kernel kind breaks the checksum
     (entry,) = tmp_path.glob("*.json")
     data = json.loads(entry.read_text())
-    data["plan"]["kernels"][0]["kind"] = "elementwise"
+    data["plan"]["kernels"][0]["kind"] = "elementwise"  # sha256 no longer matches
     entry.write_text(json.dumps(data))
     third = plan_model(g, "h200", cache=cache)
     assert third.cache_hits == 0 and cache.rebuilt
@@ -89,3 +89,24 @@ def test_dedup_off_plans_the_whole_graph():
     assert not mp.dedup and len(mp.regions) == 1
     x = random_inputs(g, 0)
     np.testing.assert_allclose(execute_plan(mp.plan, x)[0], execute_graph(g, x)[0], rtol=1e-2, atol=1e-2)
+
+
+def test_plan_cli_searches_each_region_once_and_caches(tmp_path, capsys):
+    args = ["plan", "--example", "transformer", "--layers", "3", "--d-model", "32", "--seq", "8", "--dtype", "fp32",
+            "--backend", "reference", "--cache-dir", str(tmp_path)]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert "in 8 regions, 5 unique (0 from the cache)" in first
+    assert "verified against the reference" in first
+    assert main(args) == 0
+    assert "5 unique (5 from the cache)" in capsys.readouterr().out
+    assert main([*args, "--no-cache"]) == 0
+    assert "(0 from the cache)" in capsys.readouterr().out
+
+
+def test_plan_cli_single_region_cache(tmp_path, capsys):
+    args = ["plan", "--example", "mlp-epilogue", "--m", "8", "--n", "8", "--k", "8", "--cache-dir", str(tmp_path)]
+    assert main(args) == 0
+    assert "from the cache" not in capsys.readouterr().out
+    assert main(args) == 0
+    assert "plan from the cache, not re-searched" in capsys.readouterr().out

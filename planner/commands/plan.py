@@ -16,8 +16,11 @@ from planner.commands.common import add_graph_args, add_planning_args, graph_fro
 from planner.cost import DeviceSpec, load_device
 from planner.errors import UsageError
 from planner.graph import Graph
+from planner.model_plan import ModelPlan, _compose, plan_model, rename_kernel
+from planner.plancache import PlanCache, rules_hash
 from planner.planfile import save_plan
 from planner.plans import Plan
+from planner.regions import Region, split_regions
 from planner.report import ledger_table
 from planner.search import SearchError, SearchOptions, SearchResult, search
 from planner.searchlog import SearchLog, fmt_us
@@ -51,6 +54,9 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--atol", type=float, default=None, help="override the dtype's absolute tolerance")
     g.add_argument("--search-log", action="store_true", help="print the search log on stderr (as SEARCH_LOG=1)")
     g.add_argument("--out", metavar="DIR", help="write plan.json, results.json and two PNG plots here")
+    g.add_argument("--no-dedup", action="store_true", help="search the whole graph even when regions repeat")
+    g.add_argument("--no-cache", action="store_true", help="neither read nor write the plan cache")
+    g.add_argument("--cache-dir", help="plan cache folder (default $XDG_CACHE_HOME/fusion-planner/plans)")
 
 
 def options_from_args(args: argparse.Namespace) -> SearchOptions:
@@ -75,13 +81,27 @@ def run(args: argparse.Namespace) -> int:
     spec = load_device(args.device)
     backend = get_backend(args.backend, spec)
     out_dir = _out_dir(args.out)
-    cands = build_candidates(graph, spec, rules=load_rules(args.rules), limits=limits, cap=args.cap, k=args.top, seed=args.seed)
+    rules = load_rules(args.rules)
+    cache = None if args.no_cache else PlanCache(args.cache_dir)
+    regions = split_regions(graph)
+    if not args.no_dedup and len({r.key for r in regions}) < len(regions):
+        return run_regions(args, graph, spec, backend, opts, rules, limits, cache, out_dir)
+    cache_key = PlanCache.key(regions[0].key, spec, args.backend, rules_hash(rules)) if len(regions) == 1 else ""
+    if cache and cache_key:
+        cached = cache.load(cache_key, regions[0].graph, spec)
+        if cached is not None:
+            return report_cached(args, graph, spec, regions[0], cached, out_dir)
+    cands = build_candidates(graph, spec, rules=rules, limits=limits, cap=args.cap, k=args.top, seed=args.seed)
     with _progress(args.search_log) as (slog, tick):
         try:
             result = search(cands, backend, options=opts, log=slog, on_candidate=tick)
         except SearchError as exc:
             print(f"fusion-planner plan: search failed: {exc}", file=sys.stderr)
             return 1
+    if cache and cache_key:
+        canonical = {g: c for c, g in regions[0].renaming().items()}
+        store = _compose(regions[0].graph, [rename_kernel(k, canonical) for k in result.best.kernels], result.best.key)
+        cache.store(cache_key, store, regions[0].graph, spec)
     if out_dir is not None:
         written = write_outputs(out_dir, result, cands.graph, spec)
     if args.json:
@@ -179,3 +199,87 @@ def write_outputs(out: Path, result: SearchResult, graph: Graph, spec: DeviceSpe
     plot_predicted_vs_measured(result, paths[2])
     plot_best_so_far(result, paths[3])
     return paths
+
+
+def report_cached(args: argparse.Namespace, graph: Graph, spec: DeviceSpec, region: Region, plan: Plan, out_dir: Path | None) -> int:
+    """A cached choice for this graph, device, backend and rule set: no re-search."""
+    full = _compose(graph, [rename_kernel(k, region.renaming()) for k in plan.kernels], plan.key)
+    if args.json:
+        emit_json({"graph": graph.name, "device": spec.name, "backend": args.backend, "from_cache": True, "best": full.to_json()})
+    else:
+        print(f"{graph.name} on {spec.name}, backend {args.backend}: plan from the cache, not re-searched "
+              "(--no-cache searches again)")
+        print(ledger_table([full], full.key))
+    if out_dir is not None:
+        save_plan(out_dir / "plan.json", full, graph, spec, {"backend": args.backend, "from_cache": True})
+    return 0
+
+
+def run_regions(args, graph, spec, backend, opts, rules, limits, cache, out_dir) -> int:
+    """Search each structurally unique region once and reuse its plan (docs/scaling.md)."""
+    results: dict[str, SearchResult] = {}
+
+    def choose(cands):
+        with _progress(args.search_log) as (slog, tick):
+            result = search(cands, backend, options=opts, log=slog, on_candidate=tick)
+        results[cands.graph.name] = result
+        return result.best
+
+    try:
+        mp = plan_model(graph, spec, backend=args.backend, choose=choose, rules=rules, limits=limits,
+                        cache=cache, cap=args.cap, k=args.top, seed=args.seed)
+    except SearchError as exc:
+        print(f"fusion-planner plan: search failed: {exc}", file=sys.stderr)
+        return 1
+    meas = measure_composite(mp, backend, opts)
+    if args.json:
+        emit_json(dict(mp.summary(), backend=args.backend, **meas, best=mp.plan.to_json(),
+                       regions=[region_json(u) for u in mp.unique.values()]))
+    else:
+        print_regions(mp, args.backend, meas)
+    if out_dir is not None:
+        save_plan(out_dir / "plan.json", mp.plan, graph, spec, dict(backend=args.backend, **meas))
+        (out_dir / "results.json").write_text(json.dumps({k: r.to_json() for k, r in results.items()}, indent=1) + "\n")
+        print(f"wrote {out_dir / 'plan.json'}, {out_dir / 'results.json'}")
+    return 0
+
+
+def region_json(u) -> dict:
+    return {"key": u.key, "instances": u.instances, "from_cache": u.cached, "ops": len(u.region.ops),
+            "plan": u.plan.to_json()}
+
+
+def measure_composite(mp: ModelPlan, backend, opts: SearchOptions) -> dict:
+    """Verify the whole composite plan against the reference; time it and the unfused plan where the backend measures."""
+    from backends.reference import execute_graph, random_inputs
+    from planner.search import check_outputs
+
+    inputs = random_inputs(mp.graph, opts.seed)
+    expected = execute_graph(mp.graph, inputs)
+    compiled = backend.compile(mp.plan)
+    problem, _, _ = check_outputs(mp.plan, compiled.run(inputs), expected, opts.rtol, opts.atol)
+    if problem:
+        raise SearchError(f"the composite plan does not match the reference: {problem}")
+    out: dict = {"verified": True, "meas_us": None, "unfused_meas_us": None, "speedup_vs_unfused": None}
+    if backend.measures:
+        best = compiled.time(inputs, warmup=opts.warmup, repeats=opts.repeats).median_us
+        del compiled
+        base = backend.compile(mp.unfused).time(inputs, warmup=opts.warmup, repeats=opts.repeats).median_us
+        out.update(meas_us=best, unfused_meas_us=base, speedup_vs_unfused=base / best)
+    return out
+
+
+def print_regions(mp: ModelPlan, backend: str, meas: dict) -> None:
+    s = mp.summary()
+    print(f"{mp.graph.name} on {mp.spec.name}, backend {backend}: {s['ops']} ops in {s['regions']} regions, "
+          f"{s['unique_regions']} unique ({s['cache_hits']} from the cache); planned in {s['times_s']['total']:.2f}s")
+    for u in mp.unique.values():
+        src = "cache" if u.cached else "searched"
+        print(f"  region {u.key} x{u.instances} ({len(u.region.ops)} ops, {src}): {u.plan.composition()}  "
+              f"est {fmt_us(u.plan.est_us)}")
+    p = mp.plan
+    print(f"composite: {len(p.kernels)} kernels, {p.bytes:,} bytes, est {fmt_us(p.est_us)} "
+          f"(unfused est {fmt_us(mp.unfused.est_us)}); verified against the reference")
+    if meas["meas_us"] is not None:
+        print(f"measured: {fmt_us(meas['meas_us'])}, unfused {fmt_us(meas['unfused_meas_us'])}, "
+              f"speedup {meas['speedup_vs_unfused']:.2f}x")
