@@ -30,6 +30,9 @@ CACHE_VERSION = 1
 
 
 def default_cache_dir() -> Path:
+    """``$FUSION_PLANNER_PLAN_CACHE``, else ``$XDG_CACHE_HOME/fusion-planner/plans``."""
+    if os.environ.get("FUSION_PLANNER_PLAN_CACHE"):
+        return Path(os.environ["FUSION_PLANNER_PLAN_CACHE"])
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "fusion-planner" / "plans"
 

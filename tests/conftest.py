@@ -17,3 +17,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="nvcc is not on PATH"))
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(pytest.mark.skip(reason="no CUDA device with cupy"))
+
+
+@pytest.fixture(autouse=True)
+def _private_plan_cache(tmp_path, monkeypatch):
+    """Each test gets an empty plan cache: a cached plan from another test must not answer."""
+    monkeypatch.setenv("FUSION_PLANNER_PLAN_CACHE", str(tmp_path / "plan-cache"))

@@ -56,7 +56,7 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--out", metavar="DIR", help="write plan.json, results.json and two PNG plots here")
     g.add_argument("--no-dedup", action="store_true", help="search the whole graph even when regions repeat")
     g.add_argument("--no-cache", action="store_true", help="neither read nor write the plan cache")
-    g.add_argument("--cache-dir", help="plan cache folder (default $XDG_CACHE_HOME/fusion-planner/plans)")
+    g.add_argument("--cache-dir", help="plan cache folder (default $FUSION_PLANNER_PLAN_CACHE, else $XDG_CACHE_HOME/fusion-planner/plans)")
 
 
 def options_from_args(args: argparse.Namespace) -> SearchOptions:
