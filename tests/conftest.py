@@ -19,6 +19,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="no CUDA device with cupy"))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _session_plan_cache(tmp_path_factory):
+    """Session-wide fixtures never read the user's plan cache."""
+    import os
+
+    old = os.environ.get("FUSION_PLANNER_PLAN_CACHE")
+    os.environ["FUSION_PLANNER_PLAN_CACHE"] = str(tmp_path_factory.mktemp("session-plan-cache"))
+    yield
+    if old is None:
+        os.environ.pop("FUSION_PLANNER_PLAN_CACHE", None)
+    else:
+        os.environ["FUSION_PLANNER_PLAN_CACHE"] = old
+
+
 @pytest.fixture(autouse=True)
 def _private_plan_cache(tmp_path, monkeypatch):
     """Each test gets an empty plan cache: a cached plan from another test must not answer."""

@@ -37,7 +37,7 @@ def out_dir(tmp_path_factory):
     pc.get_backend = rc.get_backend = lambda name, spec: TimedReferenceBackend(spec)
     try:
         d = tmp_path_factory.mktemp("plan")
-        assert main(["plan", *CHAIN, "--max-candidates", "6", "--out", str(d)]) == 0
+        assert main(["plan", *CHAIN, "--max-candidates", "6", "--out", str(d), "--no-cache"]) == 0
     finally:
         pc.get_backend, rc.get_backend = old
     return d
