@@ -20,6 +20,8 @@ from planner.errors import USER_ERRORS
 #: modules that contribute subcommands, in --help order
 COMMAND_MODULES = (
     "planner.commands.explain",
+    "planner.commands.export",
+    
 )
 
 
