@@ -21,7 +21,7 @@ from planner.errors import USER_ERRORS
 COMMAND_MODULES = (
     "planner.commands.explain",
     "planner.commands.export",
-    
+    "planner.commands.bench",
 )
 
 

@@ -10,11 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from planner.plans import Plan
-
 from backends.base import Backend, BackendError, BackendUnavailable, CompiledPlan, Timing
 from backends.cupy.bundle import BundleKernel, Candidate, cublas_call
 from backends.cupy.codegen import CodegenError, generate
+from planner.plans import Plan
 
 
 def plan_candidate(plan: Plan) -> Candidate:

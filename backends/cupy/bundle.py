@@ -20,12 +20,11 @@ from typing import Any
 
 import numpy as np
 
+from backends.cupy.codegen import CodegenError, CudaKernel, cuda_kernel_from_json, generate
 from planner.cost import KernelCost
 from planner.graph import TensorType
 from planner.ops import CUBLASLT_EPILOGUES, epilogue_has_bias, op_def, round_to
 from planner.plans import Expr, Kernel, Load, Plan, expr_from_json, expr_to_json
-
-from backends.cupy.codegen import CodegenError, CudaKernel, cuda_kernel_from_json, generate
 
 SCHEMA = "fusion-planner/candidates/1"
 

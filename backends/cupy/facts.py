@@ -24,10 +24,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from backends.cupy.codegen import CodegenError, CudaKernel, generate
 from planner.cost import DeviceSpec, kernel_cost
 from planner.plans import Kernel, Plan
-
-from backends.cupy.codegen import CodegenError, CudaKernel, generate
 
 log = logging.getLogger(__name__)
 
@@ -187,3 +186,12 @@ def annotate_candidates(cands: Any, arch: str = ARCH) -> Any:
     """Annotate (and, for measured-register specs, re-cost and re-sort) a CandidateSet's plans in place."""
     cands.plans = sorted((annotate_plan(cands.spec, p, arch) for p in cands.plans), key=Plan.sort_key)
     return cands
+
+
+def facts_column(plan: Plan) -> str:
+    """Per-kernel ``regs/spill_bytes/blocks-per-SM`` (``lib`` for library kernels)."""
+    cells = []
+    for k in plan.kernels:
+        f = k.facts
+        cells.append(f"{f['regs']}/{f['spill_bytes']}/{f['occupancy']}" if "regs" in f else "lib")
+    return " ".join(cells)

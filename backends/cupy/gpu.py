@@ -17,10 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from planner.ops import numpy_dtype
-
 from backends.cupy.bundle import BundleKernel, Candidate, CublasCall
 from backends.cupy.codegen import CudaKernel
+from planner.ops import numpy_dtype
 
 try:
     import cupy as cp
@@ -119,7 +118,7 @@ class CupyPrepared:
         with self.stream:
             self.launch()
         self.stream.synchronize()
-        for g, f in zip(self.gemms, [f for f in self.kernel_facts if f.get("kind") == "cublaslt"]):
+        for g, f in zip(self.gemms, [f for f in self.kernel_facts if f.get("kind") == "cublaslt"], strict=True):
             f["layout_copy"] = g.layout_copy
         return [cp.asnumpy(self.bufs[o]).astype(np.float32) for o in self.outputs]
 

@@ -17,7 +17,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -151,7 +151,7 @@ def measure_candidate(
         entry["verdict"] = f"rejected: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         return entry
     worst = (True, 0.0, 0.0)
-    for got, want, dt in zip(outs, expected, out_dtypes):
+    for got, want, dt in zip(outs, expected, out_dtypes, strict=True):
         ok, max_abs, max_rel = allclose_report(got, want, dt)
         worst = (worst[0] and ok, max(worst[1], max_abs), max(worst[2], max_rel))
     entry["max_abs"], entry["max_rel"] = worst[1], worst[2]
@@ -200,7 +200,7 @@ def time_bundle(
         "graph": bundle.graph,
         "bundle_device": bundle.device,
         "machine": executor.machine(),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "warmup": warmup,
         "repeats": repeats,
         "candidates": entries,
