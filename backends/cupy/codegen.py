@@ -18,6 +18,7 @@ from a sanitised tensor name.  Shapes are compile-time constants.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 from planner.graph import TensorType
 from planner.ops import DTYPE_BYTES, op_def
-from planner.plans import Expr, Kernel, Load
+from planner.plans import Expr, Kernel, Load, expr_to_json
 
 BLOCK = 256
 GEMM_TILE = (128, 128, 32)  # BM, BN, BK
@@ -224,7 +225,9 @@ def elementwise_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
 
 
 def _shape_salt(k: Kernel, tensors: dict[str, TensorType]) -> str:
-    return ",".join(f"{t}:{tensors[t].shape}:{tensors[t].dtype}" for t in (*k.reads, k.out) if t in tensors)
+    """What makes two kernels writing the same tensor differ: body, shapes and dtypes."""
+    shapes = ",".join(f"{t}:{tensors[t].shape}:{tensors[t].dtype}" for t in (*k.reads, k.out) if t in tensors)
+    return shapes + json.dumps(expr_to_json(k.body), sort_keys=True)
 
 
 def _vector_loop(body, leaves, index, cols, tensors, out_t, vec) -> list[str]:

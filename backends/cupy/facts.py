@@ -108,24 +108,47 @@ def parse_resource_usage(text: str, name: str) -> Resources:
     )
 
 
+def _cache_key(kernel: CudaKernel, arch: str) -> Path:
+    key = hashlib.sha256(f"{nvcc_version()}\n{arch}\n{kernel.source}".encode()).hexdigest()[:24]
+    return cache_dir() / f"{key}.json"
+
+
+def compile_many(kernels: list[CudaKernel], arch: str = ARCH) -> list[Resources]:
+    """Resources of each kernel; the uncached ones compiled together in one nvcc run."""
+    found: dict[str, Resources] = {}
+    todo: dict[str, CudaKernel] = {}
+    for k in kernels:
+        path = _cache_key(k, arch)
+        if path.exists():
+            found[k.name] = Resources(**json.loads(path.read_text()))
+        else:
+            todo[k.name] = k
+    if todo:
+        report = _run_nvcc("\n".join(k.source for k in todo.values()), arch, ", ".join(todo))
+        for name, k in todo.items():
+            res = parse_resource_usage(report, name)
+            path = _cache_key(k, arch)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(res.to_json()))
+            found[name] = res
+    return [found[k.name] for k in kernels]
+
+
 def compile_resources(kernel: CudaKernel, arch: str = ARCH) -> Resources:
     """Compile with nvcc (once per source, nvcc version and arch) and parse its resource usage."""
-    key = hashlib.sha256(f"{nvcc_version()}\n{arch}\n{kernel.source}".encode()).hexdigest()[:24]
-    cached = cache_dir() / f"{key}.json"
-    if cached.exists():
-        return Resources(**json.loads(cached.read_text()))
+    return compile_many([kernel], arch)[0]
+
+
+def _run_nvcc(source: str, arch: str, names: str) -> str:
     with tempfile.TemporaryDirectory(prefix="fp-nvcc-") as tmp:
         src = Path(tmp) / "k.cu"
-        src.write_text(kernel.source)
+        src.write_text(source)
         cmd = ["nvcc", f"-arch={arch}", "-cubin", "--resource-usage", "-o", str(Path(tmp) / "k.cubin"), str(src)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
-        raise NvccError(f"nvcc rejected kernel {kernel.name}:\n{proc.stderr.strip()[:2000]}")
-    res = parse_resource_usage(proc.stdout + "\n" + proc.stderr, kernel.name)
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    cached.write_text(json.dumps(res.to_json()))
-    log.debug("nvcc %s: %s", kernel.name, res)
-    return res
+        raise NvccError(f"nvcc rejected kernel(s) {names[:300]}:\n{proc.stderr.strip()[:2000]}")
+    log.debug("nvcc compiled %s", names)
+    return proc.stdout + "\n" + proc.stderr
 
 
 def occupancy(spec: DeviceSpec, regs: int, block: int, smem_bytes: int = 0) -> int:
@@ -168,23 +191,39 @@ def with_facts(spec: DeviceSpec, k: Kernel, facts: dict[str, Any]) -> Kernel:
     return replace(k, cost=cost, facts=dict(facts))
 
 
-def annotate_plan(spec: DeviceSpec, plan: Plan, arch: str = ARCH) -> Plan:
-    """Compile every generated kernel of ``plan`` with nvcc and attach its facts."""
-    kernels = []
+def _generated(plan: Plan) -> list[CudaKernel | None]:
+    out: list[CudaKernel | None] = []
     for k in plan.kernels:
         try:
-            cuda = generate(k, plan.tensors)
+            out.append(generate(k, plan.tensors))
         except CodegenError as exc:
             log.info("no generated CUDA for %s: %s", k.describe(), exc)
-            kernels.append(k)
-            continue
-        kernels.append(with_facts(spec, k, kernel_facts(spec, cuda, compile_resources(cuda, arch), f"nvcc -arch={arch}")))
-    return replace(plan, kernels=tuple(kernels))
+            out.append(None)
+    return out
+
+
+def annotate_plans(spec: DeviceSpec, plans: list[Plan], arch: str = ARCH) -> list[Plan]:
+    """Every generated kernel of ``plans`` compiled (one nvcc run) and its facts attached."""
+    gen = [_generated(p) for p in plans]
+    unique = {c.digest: c for g in gen for c in g if c is not None}
+    res = dict(zip(unique, compile_many(list(unique.values()), arch), strict=True))
+    out = []
+    for p, g in zip(plans, gen, strict=True):
+        kernels = tuple(
+            k if c is None else with_facts(spec, k, kernel_facts(spec, c, res[c.digest], f"nvcc -arch={arch}"))
+            for k, c in zip(p.kernels, g, strict=True)
+        )
+        out.append(replace(p, kernels=kernels))
+    return out
+
+
+def annotate_plan(spec: DeviceSpec, plan: Plan, arch: str = ARCH) -> Plan:
+    return annotate_plans(spec, [plan], arch)[0]
 
 
 def annotate_candidates(cands: Any, arch: str = ARCH) -> Any:
     """Annotate (and, for measured-register specs, re-cost and re-sort) a CandidateSet's plans in place."""
-    cands.plans = sorted((annotate_plan(cands.spec, p, arch) for p in cands.plans), key=Plan.sort_key)
+    cands.plans = sorted(annotate_plans(cands.spec, list(cands.plans), arch), key=Plan.sort_key)
     return cands
 
 
