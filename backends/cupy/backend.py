@@ -35,11 +35,11 @@ class CupyCompiledPlan(CompiledPlan):
     prepared: Any = None
 
     def _load(self, inputs: Mapping[str, np.ndarray]) -> None:
-        import cupy as cp
+        from backends.cupy.gpu import to_device
 
         for name, buf in self.prepared.bufs.items():
             if name in inputs:
-                buf[...] = cp.asarray(np.asarray(inputs[name]).astype(buf.dtype))
+                buf[...] = to_device(inputs[name], self.plan.tensors[name].dtype)
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         self._load(inputs)

@@ -39,6 +39,21 @@ def _device_name() -> str:
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
+def device_dtype(dtype: str) -> Any:
+    """cupy storage dtype; bf16 travels as its 16 bits (cupy has no bfloat16)."""
+    return np.dtype(np.uint16) if dtype == "bf16" else numpy_dtype(dtype)
+
+
+def to_device(arr: np.ndarray, dtype: str) -> Any:
+    host = np.asarray(arr).astype(numpy_dtype(dtype))
+    return cp.asarray(host.view(np.uint16) if dtype == "bf16" else host)
+
+
+def to_host(buf: Any, dtype: str) -> np.ndarray:
+    host = cp.asnumpy(buf)
+    return (host.view(numpy_dtype(dtype)) if dtype == "bf16" else host).astype(np.float32)
+
+
 def sm_count() -> int:
     return int(cp.cuda.Device().attributes["MultiProcessorCount"])
 
@@ -76,17 +91,24 @@ class CublasLtGemm:
     """
 
     def __init__(self, call: CublasCall, bufs: Mapping[str, Any], stream: Any) -> None:
+        if call.dtype == "bf16":
+            raise RuntimeError("cuBLASLt bf16 is not timed: cupy has no bfloat16 dtype to hand to nvmath-python")
         from nvmath.linalg.advanced import Matmul, MatmulEpilog
 
         self.call = call
         self.stream = stream
-        a, b = bufs[call.a], bufs[call.b]
-        self.mm = Matmul(b.T, a.T, stream=stream)
+        self.bufs = bufs
+        self.a, self.b = bufs[call.a], bufs[call.b]
+        self.mm = Matmul(self.b.T, self.a.T, stream=stream)
         inputs = {"bias": bufs[call.bias]} if call.bias else None
         self.mm.plan(epilog=MatmulEpilog[call.epilogue], epilog_inputs=inputs, stream=stream)
         self.layout_copy = False
 
     def __call__(self) -> Any:
+        a, b = self.bufs[self.call.a], self.bufs[self.call.b]
+        if a is not self.a or b is not self.b:  # an upstream library call returned a new array
+            self.a, self.b = a, b
+            self.mm.reset_operands(a=b.T, b=a.T, stream=self.stream)
         r = self.mm.execute(stream=self.stream).T
         if not r.flags.c_contiguous:  # the library chose the other layout: pay (and report) a copy
             self.layout_copy = True
@@ -120,7 +142,7 @@ class CupyPrepared:
         self.stream.synchronize()
         for g, f in zip(self.gemms, [f for f in self.kernel_facts if f.get("kind") == "cublaslt"], strict=True):
             f["layout_copy"] = g.layout_copy
-        return [cp.asnumpy(self.bufs[o]).astype(np.float32) for o in self.outputs]
+        return [to_host(self.bufs[o], self.cand.plan.tensors[o].dtype) for o in self.outputs]
 
     def time(self, warmup: int, repeats: int) -> list[float]:
         return event_times(self.launch, self.stream, warmup, repeats)
@@ -128,9 +150,10 @@ class CupyPrepared:
     def time_graph(self, warmup: int, repeats: int) -> float | None:
         """Median µs of the whole plan replayed as one captured CUDA graph (None if capture fails)."""
         try:
-            self.stream.begin_capture()
-            self.launch()
-            graph = self.stream.end_capture()
+            with self.stream:
+                self.stream.begin_capture()
+                self.launch()
+                graph = self.stream.end_capture()
         except Exception as exc:  # capture is optional: report why it was not measured
             log.warning("CUDA graph capture failed for %s: %s", self.cand.plan.notation(), exc)
             return None
@@ -200,10 +223,10 @@ class CupyExecutor:
         bufs: dict[str, Any] = {}
         with stream:
             for name, arr in inputs.items():
-                bufs[name] = cp.asarray(np.asarray(arr).astype(numpy_dtype(plan.tensors[name].dtype)))
+                bufs[name] = to_device(arr, plan.tensors[name].dtype)
             for bk in cand.kernels:
                 t = plan.tensors[bk.kernel.out]
-                bufs[bk.kernel.out] = cp.empty(t.shape, dtype=numpy_dtype(t.dtype))
+                bufs[bk.kernel.out] = cp.empty(t.shape, dtype=device_dtype(t.dtype))
         prepared = CupyPrepared(cand, bufs, [], plan.outputs, stream)
         for bk in cand.kernels:
             prepared.steps.append(self._step(bk, prepared))
