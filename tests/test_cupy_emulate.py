@@ -10,6 +10,7 @@ GPU.
 
 import re
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -76,7 +77,7 @@ def _run_host(plan, inputs, tmp_path):
             files.append(str(f))
         subprocess.run([str(exe), *files], check=True, capture_output=True, timeout=300)
         t = plan.tensors[k.out]
-        raw = np.frombuffer(open(files[-1], "rb").read(), dtype=numpy_dtype(t.dtype)).reshape(t.shape)
+        raw = np.frombuffer(Path(files[-1]).read_bytes(), dtype=numpy_dtype(t.dtype)).reshape(t.shape)
         mem[k.out] = raw.astype(np.float32)
     return [mem[o] for o in plan.outputs]
 

@@ -1,22 +1,30 @@
-"""GPU checks of the cupy backend (marker ``gpu``: skipped without cupy and a CUDA device)."""
+"""GPU checks of the cupy backend (marker ``gpu``: skipped without cupy and a CUDA device).
+
+The GPU machine has no egglog: these tests read the bundles in tests/data/gpu
+(``tests/gpu_bundles.py``; kept current by a CPU test) and import nothing that
+needs egglog.
+"""
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from backends.cupy.bundle import bundle_from_json, export_bundle
+from backends.cupy.bundle import load_bundle
 from backends.cupy.runner import time_bundle
 from backends.cupy.verify import allclose_report
 from backends.reference import execute_plan
-from planner.candidates import build_candidates
-from planner.cli import main
 from planner.cost import load_device
-from planner.examples import ew_chain, mlp_epilogue
-from planner.graph import GraphBuilder
 from planner.ops import OPS
 
 pytestmark = pytest.mark.gpu
 
 H200 = load_device("h200")
+DATA = Path(__file__).parent / "data" / "gpu"
+
+
+def _bundle(name):
+    return load_bundle(DATA / f"{name}.json")
 
 
 def _executor():
@@ -25,12 +33,10 @@ def _executor():
     return CupyExecutor()
 
 
-@pytest.mark.parametrize(("m", "n", "k", "dtype"), [(24, 40, 36, "fp16"), (130, 136, 72, "bf16"), (16, 512, 256, "fp16")])
-def test_every_mlp_epilogue_candidate_matches_the_reference(m, n, k, dtype):
-    cands = build_candidates(mlp_epilogue(m, n, k, dtype), "h200")
-    bundle = bundle_from_json(export_bundle(cands))
-    result = time_bundle(bundle, _executor(), warmup=1, repeats=3)
-    lib_ok = dtype != "bf16"  # cupy has no bfloat16 dtype for nvmath-python
+@pytest.mark.parametrize("name", ["mlp_fp16", "mlp_bf16", "mlp_decode"])
+def test_every_mlp_epilogue_candidate_matches_the_reference(name):
+    result = time_bundle(_bundle(name), _executor(), warmup=1, repeats=3)
+    lib_ok = name != "mlp_bf16"  # cupy has no bfloat16 dtype for nvmath-python
     bad = [
         (c["plan"], c["composition"], c["verdict"])
         for c in result["candidates"]
@@ -41,37 +47,24 @@ def test_every_mlp_epilogue_candidate_matches_the_reference(m, n, k, dtype):
     assert kinds == ({"cublaslt", "gemm_epilogue", "elementwise"} if lib_ok else {"gemm_epilogue", "elementwise"})
 
 
-def test_elementwise_chains_vector_and_tail_paths():
-    for g in (ew_chain(4, 2**20 + 3, "fp32"), ew_chain(3, 1001, "fp16"), ew_chain(3, 4099, "bf16")):
-        bundle = bundle_from_json(export_bundle(build_candidates(g, "h200")))
-        result = time_bundle(bundle, _executor(), warmup=0, repeats=1)
-        assert all(c["verdict"] == "timed" for c in result["candidates"]), g.name
+@pytest.mark.parametrize("name", ["ew_fp32", "ew_fp16", "ew_bf16"])
+def test_elementwise_chains_vector_and_tail_paths(name):
+    result = time_bundle(_bundle(name), _executor(), warmup=0, repeats=1)
+    assert all(c["verdict"] == "timed" for c in result["candidates"]), result["candidates"]
 
 
-def _epilogue_graph(epilogue: str, dtype: str, m=64, n=96, k=128):
-    b = GraphBuilder(f"lt-{epilogue}")
-    b.input("x", (m, k), dtype)
-    b.input("w", (k, n), dtype)
-    y = b.op("mm", "MatMul", ["x", "w"])
-    from planner.ops import CUBLASLT_EPILOGUES
-
-    for i, op in enumerate(CUBLASLT_EPILOGUES[epilogue]):
-        if OPS[op].arity == 2:
-            b.input("b", (n,), dtype)
-            y = b.op(f"e{i}", op, [y, "b"])
-        else:
-            y = b.op(f"e{i}", op, [y])
-    return b.build([y])
+def _lt_plan(name, epilogue):
+    b = _bundle(name)
+    cand = next(c for c in b.candidates if c.plan.kernels[0].epilogue == epilogue)
+    return b, cand.plan
 
 
 @pytest.mark.parametrize("epilogue", ["DEFAULT", "BIAS", "RELU", "RELU_BIAS", "GELU", "GELU_BIAS"])
 def test_cublaslt_epilogues_match_the_reference(epilogue):
     from backends.cupy.backend import CupyBackend
 
-    g = _epilogue_graph(epilogue, "fp16")
-    cands = build_candidates(g, "h200")
-    plan = next(p for p in cands.plans if len(p.kernels) == 1 and p.kernels[0].epilogue == epilogue)
-    inputs = bundle_from_json(export_bundle(cands)).make_inputs()
+    b, plan = _lt_plan(f"lt_{epilogue}", epilogue)
+    inputs = b.make_inputs()
     compiled = CupyBackend(H200).compile(plan)
     (got,) = compiled.run(inputs)
     (want,) = execute_plan(plan, inputs, mode="oracle")
@@ -85,13 +78,13 @@ def test_cublaslt_gelu_is_the_tanh_form():
     """In fp32 the library's GELU is closer to the tanh form than to erf, within fp32 tolerance."""
     from backends.cupy.backend import CupyBackend
 
-    g = _epilogue_graph("GELU_BIAS", "fp32", m=128, n=128, k=64)
-    cands = build_candidates(g, "h200")
-    plan = next(p for p in cands.plans if len(p.kernels) == 1 and p.kernels[0].epilogue == "GELU_BIAS")
+    _, plan = _lt_plan("lt_gelu_fp32", "GELU_BIAS")
     rng = np.random.default_rng(1)
-    inputs = {"x": rng.standard_normal((128, 64)).astype(np.float32) * 0.35,
-              "w": rng.standard_normal((64, 128)).astype(np.float32) * 0.35,
-              "b": rng.standard_normal(128).astype(np.float32)}
+    inputs = {
+        "x": rng.standard_normal((128, 64)).astype(np.float32) * 0.35,
+        "w": rng.standard_normal((64, 128)).astype(np.float32) * 0.35,
+        "b": rng.standard_normal(128).astype(np.float32),
+    }
     (got,) = CupyBackend(H200).compile(plan).run(inputs)
     (tanh_ref,) = execute_plan(plan, inputs, mode="oracle")
     pre = inputs["x"].astype(np.float64) @ inputs["w"] + inputs["b"]
@@ -102,34 +95,37 @@ def test_cublaslt_gelu_is_the_tanh_form():
     assert np.abs(got - tanh_ref).max() < np.abs(got - erf_ref).max()
 
 
-def test_kernel_facts_from_the_driver_match_nvcc_expectations():
+def test_kernel_facts_from_the_driver():
     from backends.cupy.backend import CupyBackend
 
-    fat = build_candidates(ew_chain(4, 2**20, "fp32", fat_temps=48), "h200")
-    plan = next(p for p in fat.plans if len(p.kernels) == 1)
-    compiled = CupyBackend(H200).compile(plan)
-    (facts,) = compiled.kernel_facts
+    (fat,) = [c.plan for c in _bundle("fat").candidates]
+    (facts,) = CupyBackend(H200).compile(fat).kernel_facts
     assert facts["regs"] > 128 and facts["occupancy"] == 1
-    lean = build_candidates(ew_chain(4, 2**20, "fp32"), "h200")
-    lplan = next(p for p in lean.plans if len(p.kernels) == 1)
-    (lf,) = CupyBackend(H200).compile(lplan).kernel_facts
+    (lean,) = [c.plan for c in _bundle("lean").candidates]
+    (lf,) = CupyBackend(H200).compile(lean).kernel_facts
     assert lf["regs"] < 64 and lf["occupancy"] >= 6
 
 
 def test_cuda_graph_replay_is_timed():
     from backends.cupy.backend import plan_candidate
-    from backends.cupy.bundle import Candidate
 
-    cands = build_candidates(ew_chain(4, 2**20, "fp32"), "h200")
-    unfused = cands.unfused
-    cand: Candidate = plan_candidate(unfused)
-    x = np.random.default_rng(0).standard_normal(2**20).astype(np.float32)
-    prep = _executor().prepare(cand, {"x": x})
+    b = _bundle("ew_fp32")
+    prep = _executor().prepare(plan_candidate(b.reference), b.make_inputs())
     prep.run()
     assert prep.time_graph(1, 3) > 0
 
 
-def test_bench_c05_modes_on_the_gpu(capsys):
-    assert main(["bench", "c05", "--mode", "modes", "--n", str(2**22)]) == 0
+def test_c05_modes_on_the_gpu(tmp_path, capsys):
+    import json
+
+    from backends.cupy import c05
+    from backends.cupy.__main__ import main
+
+    variants = [("naive", 4, _bundle("ew_fp32").reference), ("fused", 4, _bundle("lean").candidates[0].plan),
+                ("fat", 4, _bundle("fat").candidates[0].plan)]
+    data = c05.c05_bundle(variants, "modes", 2**20, 256, H200, [])
+    path = tmp_path / "c05.json"
+    path.write_text(json.dumps(data))
+    assert main(["c05", str(path)]) == 0
     out = capsys.readouterr().out
     assert "measured on" in out and "fat/fused" in out

@@ -136,3 +136,13 @@ def test_explain_kernel_facts_json(capsys):
 def test_bench_rejects_bad_block(capsys):
     assert main(["bench", "c05", "--block", "100", "--offline"]) == 2
     assert "--block" in capsys.readouterr().err
+
+
+def test_gpu_bundles_are_current():
+    """tests/data/gpu holds what the GPU tests run; regenerate with `python -m tests.gpu_bundles`."""
+    from tests import gpu_bundles
+
+    for name in gpu_bundles.names():
+        fresh = json.loads(json.dumps(gpu_bundles.build(name), sort_keys=True))
+        stored = json.loads(gpu_bundles.path(name).read_text())
+        assert stored == fresh, f"{name}: stale; run python -m tests.gpu_bundles"

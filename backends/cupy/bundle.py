@@ -150,11 +150,11 @@ def input_scales(plans: list[Plan]) -> dict[str, float]:
     return scales
 
 
-def export_bundle(cands: Any, seed: int = 0) -> dict[str, Any]:
-    """The bundle JSON of a CandidateSet (``planner.candidates``)."""
+def export_bundle(cands: Any, seed: int = 0, plans: list[Plan] | None = None) -> dict[str, Any]:
+    """The bundle JSON of a CandidateSet (``planner.candidates``), or of some of its ``plans``."""
     graph = cands.graph
     reference = cands.unfused
-    plans = list(cands.plans)
+    plans = list(cands.plans) if plans is None else list(plans)
     return {
         "schema": SCHEMA,
         "graph": graph.name,
@@ -213,7 +213,7 @@ def _kernel_from_json(d: Mapping[str, Any], where: str) -> BundleKernel:
     return BundleKernel(k, cuda, cublas, d.get("unsupported"))
 
 
-def _plan_from_json(d: Mapping[str, Any], graph: str, tensors: dict[str, TensorType], where: str) -> Candidate:
+def candidate_from_json(d: Mapping[str, Any], graph: str, tensors: dict[str, TensorType], where: str) -> Candidate:
     kernels = tuple(_kernel_from_json(k, f"{where}.kernels[{i}]") for i, k in enumerate(_need(d, "kernels", where)))
     part = d.get("partition")
     plan = Plan(
@@ -240,9 +240,9 @@ def bundle_from_json(data: Any, source: str = "<json>") -> Bundle:
     graph = str(_need(data, "graph", source))
     inputs = _need(data, "inputs", source)
     try:
-        ref = _plan_from_json(_need(data, "reference", source), graph, tensors, f"{source}.reference").plan
+        ref = candidate_from_json(_need(data, "reference", source), graph, tensors, f"{source}.reference").plan
         cands = tuple(
-            _plan_from_json(c, graph, tensors, f"{source}.candidates[{i}]")
+            candidate_from_json(c, graph, tensors, f"{source}.candidates[{i}]")
             for i, c in enumerate(_need(data, "candidates", source))
         )
     except (ValueError, TypeError) as exc:
