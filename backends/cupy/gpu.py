@@ -156,6 +156,8 @@ class CupyPrepared:
                 graph = self.stream.end_capture()
         except Exception as exc:  # capture is optional: report why it was not measured
             log.warning("CUDA graph capture failed for %s: %s", self.cand.plan.notation(), exc)
+            if self.stream.is_capturing():
+                self.stream.end_capture()
             return None
         return round(statistics.median(event_times(lambda: graph.launch(self.stream), self.stream, warmup, repeats)), 3)
 
