@@ -119,3 +119,123 @@ def test_generated_elementwise_code_matches_the_reference(graph, pred, tmp_path)
         # same fp32 arithmetic; only FMA contraction and libm ulps may differ
         np.testing.assert_allclose(a, b, rtol=2e-3 if plan.tensors[plan.outputs[0]].dtype != "fp32" else 1e-5,
                                    atol=1e-5)
+
+
+# ---------------------------------------------------------------- the wmma GEMM + epilogue kernel
+# One std::thread per CUDA thread (barriers for __syncthreads/__syncwarp), blocks in sequence, and a
+# host model of the wmma fragment API in which every lane holds the whole 16x16 tile.
+
+WMMA_SHIM = r"""
+#include <barrier>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+#include <vector>
+static int emu_bx, emu_by;
+static thread_local int emu_tx;
+static std::barrier<>* emu_block_bar;
+static std::barrier<>* emu_warp_bar[32];
+static void emu_sync() { emu_block_bar->arrive_and_wait(); }
+static void emu_syncwarp() { emu_warp_bar[emu_tx / 32]->arrive_and_wait(); }
+static float emu_f(float v) { return v; }
+static float emu_f(__half v) { return __half2float(v); }
+static float emu_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+namespace wmma {
+struct matrix_a {}; struct matrix_b {}; struct accumulator {}; struct row_major {};
+enum layout_t { mem_row_major };
+template <class Use, int M, int N, int K, class T, class L = void> struct fragment { float x[256]; };
+template <class F> void fill_fragment(F& f, float v) { for (float& e : f.x) e = v; }
+template <class Use, class T, class L>
+void load_matrix_sync(fragment<Use, 16, 16, 16, T, L>& f, const T* p, unsigned ldm) {
+  for (int r = 0; r < 16; ++r) for (int c = 0; c < 16; ++c) f.x[r * 16 + c] = emu_f(p[r * ldm + c]);
+}
+template <class T, class L>
+void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment<matrix_a, 16, 16, 16, T, L>& a,
+              const fragment<matrix_b, 16, 16, 16, T, L>& b, const fragment<accumulator, 16, 16, 16, float>& c) {
+  float t[256];
+  for (int i = 0; i < 16; ++i) for (int j = 0; j < 16; ++j) {
+    float s = c.x[i * 16 + j];
+    for (int k = 0; k < 16; ++k) s += a.x[i * 16 + k] * b.x[k * 16 + j];
+    t[i * 16 + j] = s;
+  }
+  for (int e = 0; e < 256; ++e) d.x[e] = t[e];
+}
+inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ldm, layout_t) {
+  for (int r = 0; r < 16; ++r) for (int c = 0; c < 16; ++c) p[r * ldm + c] = f.x[r * 16 + c];
+}
+}
+"""
+
+
+def _gemm_host_program(c, dtypes, out_bytes: int) -> str:
+    body = c.source.replace("#include <mma.h>", "").replace("using namespace nvcuda;", "")
+    body = body.replace('extern "C" __global__ void', "void").replace(f"__launch_bounds__({c.block}) ", "")
+    body = body.replace("__shared__", "static").replace("__syncthreads()", "emu_sync()")
+    body = body.replace("__syncwarp()", "emu_syncwarp()")
+    body = body.replace("blockIdx.x", "emu_bx").replace("blockIdx.y", "emu_by").replace("threadIdx.x", "emu_tx")
+    loads = "\n".join(
+        f"  {CTYPE[dt]}* b{i} = ({CTYPE[dt]}*)read_file(argv[{i + 1}]);" for i, dt in enumerate(dtypes)
+    )
+    args = ", ".join(f"b{i}" for i in range(len(dtypes)))
+    gx, gy = c.grid
+    return f"""#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+{WMMA_SHIM}
+{body}
+static void* read_file(const char* path) {{
+  FILE* f = fopen(path, "rb"); fseek(f, 0, SEEK_END); long n = ftell(f); fseek(f, 0, SEEK_SET);
+  void* p = aligned_alloc(64, (n + 63) / 64 * 64 + 64); if (fread(p, 1, n, f) != (size_t)n) exit(3); fclose(f); return p;
+}}
+int main(int argc, char** argv) {{
+{loads}
+  std::barrier<> block_bar({c.block});
+  emu_block_bar = &block_bar;
+  std::vector<std::barrier<>*> warps;
+  for (int w = 0; w < {c.block // 32}; ++w) emu_warp_bar[w] = new std::barrier<>(32);
+  for (emu_by = 0; emu_by < {gy}; ++emu_by)
+    for (emu_bx = 0; emu_bx < {gx}; ++emu_bx) {{
+      std::vector<std::thread> ts;
+      for (int t = 0; t < {c.block}; ++t) ts.emplace_back([=] {{ emu_tx = t; {c.name}({args}); }});
+      for (auto& t : ts) t.join();
+    }}
+  FILE* f = fopen(argv[{len(dtypes)}], "wb");
+  fwrite(b{len(dtypes) - 1}, 1, {out_bytes}, f); fclose(f);
+  return 0;
+}}
+"""
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "dtype", "partition"),
+    [
+        (13, 20, 24, "fp16", (4,)),  # every edge partial, scalar loads (N, K not multiples of 8)
+        (130, 136, 40, "bf16", (4,)),  # two row blocks, 16-byte loads, partial K tile
+        (40, 24, 16, "fp16", (3, 1)),  # GEMM+bias+GELU epilogue only
+    ],
+)
+def test_generated_gemm_epilogue_matches_the_reference(m, n, k, dtype, partition, tmp_path):
+    graph = mlp_epilogue(m, n, k, dtype)
+    plan = _plan(graph, lambda p: p.partition == partition and p.kernels[0].kind == "gemm_epilogue")
+    kern = plan.kernels[0]
+    c = generate(kern, plan.tensors)
+    inputs = random_inputs(graph, seed=5, scale=0.5)
+    dtypes = [plan.tensors[p].dtype for p in c.params]
+    prog = tmp_path / "g.cu"
+    prog.write_text(_gemm_host_program(c, dtypes, plan.tensors[kern.out].nbytes))
+    exe = tmp_path / "g"
+    subprocess.run(["nvcc", "-O1", "-std=c++20", "-o", str(exe), str(prog)], check=True, capture_output=True,
+                   timeout=300)
+    files = []
+    for i, p in enumerate(c.params):
+        f = tmp_path / f"p{i}.bin"
+        t = plan.tensors[p]
+        f.write_bytes(_to_storage(inputs[p], t.dtype) if i < len(c.params) - 1 else bytes(t.nbytes))
+        files.append(str(f))
+    subprocess.run([str(exe), *files], check=True, capture_output=True, timeout=300)
+    t = plan.tensors[kern.out]
+    got = np.frombuffer(Path(files[-1]).read_bytes(), dtype=numpy_dtype(t.dtype)).reshape(t.shape).astype(np.float32)
+    from backends.reference import prepare_inputs, run_kernel
+
+    want = run_kernel(kern, prepare_inputs(plan.tensors, inputs, list(inputs), "device"), "device")
+    # fp32 accumulation in another order, then one rounding to fp16/bf16
+    np.testing.assert_allclose(got, want, rtol=2e-2 if dtype == "bf16" else 2e-3, atol=2e-2 if dtype == "bf16" else 2e-3)

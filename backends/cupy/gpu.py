@@ -100,7 +100,8 @@ class CublasLtGemm:
         self.bufs = bufs
         self.a, self.b = bufs[call.a], bufs[call.b]
         self.mm = Matmul(self.b.T, self.a.T, stream=stream)
-        inputs = {"bias": bufs[call.bias]} if call.bias else None
+        # nvmath's bias is a column of the result: shape (rows, 1); ours is (N,), so a free reshape
+        inputs = {"bias": bufs[call.bias].reshape(-1, 1)} if call.bias else None
         self.mm.plan(epilog=MatmulEpilog[call.epilogue], epilog_inputs=inputs, stream=stream)
         self.layout_copy = False
 
