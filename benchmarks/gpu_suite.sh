@@ -15,6 +15,7 @@ BUNDLES=benchmarks/gpu_suite
 prepare() {
   local py=${PYTHON:-/work/main/.venv/bin/python}
   mkdir -p "$BUNDLES"
+  $py -m tests.gpu_bundles  # the GPU tests' bundles (tests/data/gpu), fresh from this checkout
   $py -m planner bench c05 --mode sweep --export "$BUNDLES/c05_sweep.json"
   $py -m planner bench c05 --mode modes --export "$BUNDLES/c05_modes.json"
   $py -m planner export-candidates --example mlp-epilogue --m 4096 --n 4096 --k 4096 --dtype fp16 \
