@@ -1,7 +1,7 @@
 """The candidate bundles the GPU tests run (tests/data/gpu/*.json).
 
 The GPU machine has no egglog, so the GPU tests read bundles exported here;
-``test_gpu_bundles_are_current`` (CPU) fails when they go stale.  Regenerate
+``test_gpu_bundles_match_the_current_code_generator`` (CPU) fails when they go stale.  Regenerate
 with ``python -m tests.gpu_bundles``.
 """
 

@@ -204,3 +204,21 @@ def test_measured_registers_recost_only_where_the_spec_asks():
     (k,) = fused.kernels
     assert k.cost.regs == k.facts["regs"]  # measured, not the op table's 160
     assert fused.to_json()["kernels"][0]["occupancy"] == k.facts["occupancy"]
+
+
+def test_plan_with_facts_recosts_from_gpu_style_records():
+    from backends.cupy.facts import plan_with_facts
+
+    cands = build_candidates(mlp_epilogue(256, 256, 256, "fp16"), "h200")
+    plan = next(p for p in cands.plans if p.partition == (1, 3) and p.kernels[0].kind == "cublaslt")
+    facts = [{"kind": "cublaslt"}, {"kind": "elementwise", "regs": 250, "spill_bytes": 64, "occupancy": 1}]
+    out = plan_with_facts(H200, plan, facts)
+    assert out.kernels[0] is plan.kernels[0]
+    ew = out.kernels[1]
+    assert ew.cost.regs == 250 and ew.cost.spills and ew.facts["occupancy"] == 1
+    assert ew.cost.est_us > plan.kernels[1].cost.est_us  # spill penalty from the measured spill bytes
+    seed = build_candidates(mlp_epilogue(256, 256, 256, "fp16"), "seed-k4")
+    splan = next(p for p in seed.plans if p.partition == (1, 3) and p.kernels[0].kind == "cublaslt")
+    assert plan_with_facts(load_device("seed-k4"), splan, facts).kernels[1].cost == splan.kernels[1].cost
+    with pytest.raises(ValueError, match="fact records"):
+        plan_with_facts(H200, plan, facts[:1])

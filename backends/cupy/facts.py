@@ -217,6 +217,18 @@ def annotate_plans(spec: DeviceSpec, plans: list[Plan], arch: str = ARCH) -> lis
     return out
 
 
+def plan_with_facts(spec: DeviceSpec, plan: Plan, facts: list[dict[str, Any]]) -> Plan:
+    """``plan`` with per-kernel facts from a compiled plan (``CompiledPlan.kernel_facts``, GPU).
+
+    Library kernels (no ``regs``) keep their cost; the others are re-costed with
+    the measured registers where the spec asks (``with_facts``).
+    """
+    if len(facts) != len(plan.kernels):
+        raise ValueError(f"{len(facts)} fact records for {len(plan.kernels)} kernels of {plan.notation()}")
+    kernels = tuple(k if "regs" not in f else with_facts(spec, k, f) for k, f in zip(plan.kernels, facts, strict=True))
+    return replace(plan, kernels=kernels)
+
+
 def annotate_plan(spec: DeviceSpec, plan: Plan, arch: str = ARCH) -> Plan:
     return annotate_plans(spec, [plan], arch)[0]
 

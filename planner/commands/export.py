@@ -6,6 +6,7 @@ import argparse
 
 from planner.candidates import build_candidates, load_rules
 from planner.commands.common import add_graph_args, add_planning_args, graph_from_args, limits_from_args
+from planner.errors import UsageError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,6 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_planning_args(p)
     p.add_argument("-o", "--output", required=True, metavar="CANDS.json", help="bundle to write")
     p.add_argument("--input-seed", type=int, default=0, help="seed of the random inputs the runner draws")
+    p.add_argument("--kernel-facts", action="store_true", help="attach nvcc sm_90 regs/spills/occupancy to each kernel")
     p.set_defaults(handler=run)
 
 
@@ -32,6 +34,12 @@ def run(args: argparse.Namespace) -> int:
         graph, args.device, rules=load_rules(args.rules), limits=limits_from_args(args), cap=args.cap, k=args.top,
         seed=args.seed,
     )
+    if args.kernel_facts:
+        from backends.cupy.facts import annotate_candidates, nvcc_available
+
+        if not nvcc_available():
+            raise UsageError("--kernel-facts needs nvcc on PATH")
+        annotate_candidates(cands)
     data = write_bundle(cands, args.output, seed=args.input_seed)
     n_cuda = sum(1 for c in data["candidates"] for k in c["kernels"] if "cuda" in k)
     n_lt = sum(1 for c in data["candidates"] for k in c["kernels"] if "cublaslt" in k)
