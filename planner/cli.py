@@ -24,6 +24,8 @@ COMMAND_MODULES = (
     "planner.commands.run",
     "planner.commands.cache",
     "planner.commands.calibrate",
+    "planner.commands.export",
+    "planner.commands.bench",
 )
 
 

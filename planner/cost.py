@@ -39,6 +39,8 @@ class DeviceSpec:
     )
     #: use registers measured from compiled kernels instead of op-table estimates
     measured_registers: bool = False
+    #: shared memory per SM in bytes (occupancy of kernels that use shared memory)
+    smem_per_sm: int = 233472
     source: str = ""
 
     def to_json(self) -> dict[str, Any]:
@@ -97,6 +99,7 @@ BUILTIN_DEVICES: dict[str, DeviceSpec] = {
         regs_per_sm=65536,
         max_threads_per_sm=1536,
         max_blocks_per_sm=24,
+        smem_per_sm=102400,
         gemm_efficiency={"cublaslt": 0.75, "custom": 0.4},
         measured_registers=True,
         source="NVIDIA RTX Blackwell architecture whitepaper; CUDA C Programming Guide, CC 12.0",
@@ -180,8 +183,13 @@ def kernel_cost(
     gemm_flops: float,
     ew_flops: float,
     regs: int,
+    spills: bool | None = None,
 ) -> KernelCost:
-    """Seed K4's kernel time: ``max(bytes/bw, flops/peak) + launch`` with the spill cliff."""
+    """Seed K4's kernel time: ``max(bytes/bw, flops/peak) + launch`` with the spill cliff.
+
+    ``spills`` overrides the register-sum test when a compiled kernel's spill
+    count is known (measured registers never exceed the hardware limit).
+    """
     mem_us = nbytes / (spec.bandwidth_gbps * 1e9) * 1e6
     impl = "cublaslt" if kind == "cublaslt" else "custom"
     compute_s = 0.0
@@ -190,7 +198,9 @@ def kernel_cost(
     compute_s += ew_flops / (spec.vector_tflops * 1e12)
     compute_us = compute_s * 1e6
     # A library GEMM's register use is the library's business: never costed as spilling.
-    spills = kind != "cublaslt" and regs > spec.reg_limit
+    if spills is None:
+        spills = regs > spec.reg_limit
+    spills = kind != "cublaslt" and spills
     if spills:
         mem_us *= spec.spill_penalty
     est = max(mem_us, compute_us) + spec.launch_us

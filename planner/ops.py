@@ -165,6 +165,8 @@ class OpDef:
     code: CodeFn | None = None
     #: input positions that may be read from registers (fused) rather than memory
     fusable_inputs: tuple[int, ...] = ()
+    #: live temporaries a code generator must keep (the C-05 register-pressure probe)
+    probe_temps: Callable[[Attrs], int] = field(default=lambda attrs: 0)
     doc: str = ""
 
     def check_attrs(self, attrs: Attrs) -> dict[str, Any]:
@@ -353,6 +355,7 @@ OPS: dict[str, OpDef] = {
             regs=lambda attrs: int(attrs["regs"]),
             code=lambda v, attrs: f"({v[0]})",
             fusable_inputs=(0,),
+            probe_temps=lambda attrs: int(attrs["temps"]),
             doc=(
                 "Synthetic stage: the identity on values, with FLOPs per element and live "
                 "registers given as attributes (the seed's register-pressure examples). "

@@ -7,6 +7,7 @@ import argparse
 from planner.candidates import build_candidates, load_rules
 from planner.cli import emit_json
 from planner.commands.common import add_graph_args, add_planning_args, graph_from_args, limits_from_args
+from planner.errors import UsageError
 from planner.report import ledger_table
 
 
@@ -18,6 +19,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_graph_args(p)
     add_planning_args(p)
+    p.add_argument(
+        "--kernel-facts",
+        action="store_true",
+        help="compile generated kernels with nvcc (sm_90) and show regs/spill bytes/occupancy per kernel",
+    )
     p.set_defaults(handler=run)
 
 
@@ -27,6 +33,14 @@ def run(args: argparse.Namespace) -> int:
     cands = build_candidates(
         graph, args.device, rules=load_rules(args.rules), limits=limits, cap=args.cap, k=args.top, seed=args.seed
     )
+    extra = []
+    if args.kernel_facts:
+        from backends.cupy.facts import annotate_candidates, facts_column, nvcc_available
+
+        if not nvcc_available():
+            raise UsageError("--kernel-facts needs nvcc on PATH")
+        annotate_candidates(cands)
+        extra = [("regs/spill/blk", facts_column)]
     if args.json:
         emit_json(cands.to_json())
         return 0
@@ -37,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     )
     for note in cands.notes:
         print(f"note: {note}")
-    print(ledger_table(cands.plans, cands.best.key))
+    print(ledger_table(cands.plans, cands.best.key, extra))
     b = cands.best
     print(f"best: {b.notation()} {b.composition()}  est {b.est_us:,.2f} us")
     return 0

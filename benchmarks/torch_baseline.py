@@ -1,0 +1,97 @@
+"""torch eager and torch.compile on an mlp-epilogue bundle's graph, same inputs, same timing.
+
+``python benchmarks/torch_baseline.py BUNDLE.json -o torch.json``: the
+competitor for ``python -m backends.cupy time`` on the GPU machine (no
+egglog).  The graph is mlp-epilogue: ``gelu(x @ w + b) + r`` with the GELU form
+of the bundle's reference.  Both are verified against the bundle's numpy
+reference before they are timed with CUDA events (2 warm-ups after
+compilation, median of 7).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from backends.cupy.bundle import load_bundle  # noqa: E402
+from backends.cupy.verify import allclose_report  # noqa: E402
+from backends.reference import execute_plan  # noqa: E402
+
+TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+
+
+def gelu_form(bundle) -> str:
+    ops = {e.op for k in bundle.reference.kernels for e in k.body.walk()}
+    if {"MatMul", "BiasAdd", "Add"} - ops or not ops & {"GeluTanh", "GeluErf"}:
+        raise SystemExit(f"{bundle.graph}: not an mlp-epilogue graph (ops {sorted(ops)})")
+    return "tanh" if "GeluTanh" in ops else "none"
+
+
+def event_median_us(torch, fn, warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(samples)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("bundle")
+    ap.add_argument("-o", "--output", required=True)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--check-cpu", action="store_true", help="dry run: verify torch eager on the CPU, time nothing")
+    args = ap.parse_args()
+
+    import torch
+    import torch.nn.functional as F
+
+    bundle = load_bundle(args.bundle)
+    approx = gelu_form(bundle)
+    inputs = bundle.make_inputs()
+    (want,) = execute_plan(bundle.reference, inputs, mode="oracle")
+    dtype = bundle.tensors[bundle.reference.outputs[0]].dtype
+    tdt = getattr(torch, TORCH_DTYPES[dtype])
+    dev = "cpu" if args.check_cpu else "cuda"
+    x, w, b, r = (torch.from_numpy(np.asarray(inputs[n], np.float32)).to(dev, tdt) for n in ("x", "w", "b", "r"))
+
+    def eager():
+        return F.gelu(x @ w + b, approximate=approx) + r
+
+    if args.check_cpu:
+        ok, max_abs, _ = allclose_report(eager().float().numpy(), want, dtype)
+        print(f"{bundle.graph} torch eager on the CPU: {'verified' if ok else 'MISMATCH'} (max_abs {max_abs:.3g})")
+        return 0 if ok else 1
+
+    compiled = torch.compile(eager)
+    out = {"graph": bundle.graph, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for name, fn in (("torch_eager", eager), ("torch_compile", compiled)):
+        got = fn().float().cpu().numpy()  # first call compiles (outside any timed region)
+        ok, max_abs, max_rel = allclose_report(got, want, dtype)
+        entry = {"ok": ok, "max_abs": max_abs, "max_rel": max_rel, "meas_us": None}
+        if ok:
+            entry["meas_us"] = round(event_median_us(torch, fn, args.warmup, args.repeats), 3)
+        out[name] = entry
+        print(f"{bundle.graph} {name}: {'verified' if ok else 'MISMATCH'} (max_abs {max_abs:.3g})  "
+              f"{entry['meas_us']} us")
+    Path(args.output).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

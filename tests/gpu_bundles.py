@@ -1,0 +1,82 @@
+"""The candidate bundles the GPU tests run (tests/data/gpu/*.json).
+
+The GPU machine has no egglog, so the GPU tests read bundles exported here;
+``test_gpu_bundles_match_the_current_code_generator`` (CPU) fails when they go stale.  Regenerate
+with ``python -m tests.gpu_bundles``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+DATA = Path(__file__).parent / "data" / "gpu"
+
+LT_EPILOGUES = ("DEFAULT", "BIAS", "RELU", "RELU_BIAS", "GELU", "GELU_BIAS")
+
+
+def epilogue_graph(epilogue: str, dtype: str, m: int = 64, n: int = 96, k: int = 128) -> Any:
+    from planner.graph import GraphBuilder
+    from planner.ops import CUBLASLT_EPILOGUES, OPS
+
+    b = GraphBuilder(f"lt-{epilogue}-{dtype}")
+    b.input("x", (m, k), dtype)
+    b.input("w", (k, n), dtype)
+    y = b.op("mm", "MatMul", ["x", "w"])
+    for i, op in enumerate(CUBLASLT_EPILOGUES[epilogue]):
+        if OPS[op].arity == 2:
+            b.input("b", (n,), dtype)
+            y = b.op(f"e{i}", op, [y, "b"])
+        else:
+            y = b.op(f"e{i}", op, [y])
+    return b.build([y])
+
+
+def _specs() -> dict[str, tuple[Callable[[], Any], Callable[[Any], bool] | None]]:
+    from planner.examples import ew_chain, mlp_epilogue
+
+    one = lambda p: len(p.kernels) == 1  # noqa: E731
+    specs: dict[str, tuple[Callable[[], Any], Callable[[Any], bool] | None]] = {
+        "mlp_fp16": (lambda: mlp_epilogue(24, 40, 36, "fp16"), None),
+        "mlp_bf16": (lambda: mlp_epilogue(130, 136, 72, "bf16"), None),
+        "mlp_decode": (lambda: mlp_epilogue(16, 512, 256, "fp16"), None),
+        "ew_fp32": (lambda: ew_chain(4, 2**20 + 3, "fp32"), lambda p: len(p.kernels) <= 2),
+        "ew_fp16": (lambda: ew_chain(3, 1001, "fp16"), lambda p: len(p.kernels) <= 2),
+        "ew_bf16": (lambda: ew_chain(3, 4099, "bf16"), lambda p: len(p.kernels) <= 2),
+        "fat": (lambda: ew_chain(4, 2**20, "fp32", fat_temps=48), one),
+        "lean": (lambda: ew_chain(4, 2**20, "fp32"), one),
+        "lt_gelu_fp32": (lambda: epilogue_graph("GELU_BIAS", "fp32", 128, 128, 64), one),
+    }
+    for epi in LT_EPILOGUES:
+        specs[f"lt_{epi}"] = (lambda e=epi: epilogue_graph(e, "fp16"), one)
+    return specs
+
+
+def build(name: str) -> dict[str, Any]:
+    from backends.cupy.bundle import export_bundle
+    from planner.candidates import build_candidates
+
+    make, keep = _specs()[name]
+    cands = build_candidates(make(), "h200")
+    plans = [p for p in cands.plans if keep is None or keep(p)]
+    return export_bundle(cands, seed=0, plans=plans)
+
+
+def names() -> list[str]:
+    return sorted(_specs())
+
+
+def path(name: str) -> Path:
+    return DATA / f"{name}.json"
+
+
+def write_all() -> None:
+    DATA.mkdir(parents=True, exist_ok=True)
+    for name in names():
+        path(name).write_text(json.dumps(build(name), indent=None, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    write_all()

@@ -1,0 +1,154 @@
+"""Remote timing on the CPU: export-candidates -> python -m backends.cupy time --executor numpy -> load_measured."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backends.cupy.bundle import BundleError, export_bundle, load_bundle
+from backends.cupy.runner import MeasuredError, NumpyExecutor, load_measured, time_bundle
+from backends.reference import execute_plan
+from planner.candidates import build_candidates
+from planner.cli import main
+from planner.examples import ew_chain, mlp_epilogue
+
+ROOT = Path(__file__).resolve().parents[1]
+
+BLOCK_EGGLOG = """
+import sys
+class _Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == "egglog" or name.startswith("egglog."):
+            raise ImportError("egglog is blocked in this test")
+        return None
+sys.meta_path.insert(0, _Block())
+"""
+
+
+@pytest.fixture(scope="module")
+def bundle_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bundle") / "cands.json"
+    rc = main(["export-candidates", "--example", "mlp-epilogue", "--m", "24", "--n", "40", "--k", "36", "-o", str(path)])
+    assert rc == 0
+    return path
+
+
+def test_bundle_is_self_contained_and_reproduces_every_plan(bundle_file):
+    """The JSON alone re-executes every candidate bit-for-bit like the in-memory plan."""
+    cands = build_candidates(mlp_epilogue(24, 40, 36, "fp16"), "h200")
+    bundle = load_bundle(bundle_file)
+    assert [c.plan.key for c in bundle.candidates] == [p.key for p in cands.plans]
+    inputs = bundle.make_inputs()
+    for cand, plan in zip(bundle.candidates, cands.plans, strict=True):
+        got = execute_plan(cand.plan, inputs, mode="device")
+        want = execute_plan(plan, inputs, mode="device")
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a, b)
+        for bk in cand.kernels:
+            assert (bk.cuda is not None) != (bk.cublas is not None)
+            if bk.cublas is not None:
+                assert (bk.cublas.m, bk.cublas.n, bk.cublas.k) == (24, 40, 36)
+                assert (bk.cublas.bias is not None) == ("BIAS" in bk.cublas.epilogue)
+
+
+def test_export_time_merge_end_to_end_without_egglog(bundle_file, tmp_path):
+    out = tmp_path / "measured.json"
+    code = BLOCK_EGGLOG + (
+        "from backends.cupy.__main__ import main\n"
+        f"rc = main(['time', {str(bundle_file)!r}, '-o', {str(out)!r}, '--executor', 'numpy', '--repeats', '2'])\n"
+        "assert not any(m == 'egglog' or m.startswith(('egglog.', 'planner.egraph', 'planner.candidates', "
+        "'planner.extract')) for m in sys.modules), sorted(sys.modules)\n"
+        "raise SystemExit(rc)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "15/15 candidates verified and timed on numpy" in proc.stdout
+    measured = load_measured(out)
+    bundle = load_bundle(bundle_file)
+    assert set(measured) == {c.plan.key for c in bundle.candidates}
+    for m in measured.values():
+        assert m.verdict == "timed" and m.meas_us > 0 and len(m.samples_us) == 2
+        assert m.executor == "numpy"
+    raw = json.loads(out.read_text())
+    assert sum(1 for c in raw["candidates"] if c.get("best_so_far")) >= 1
+
+
+def test_a_wrong_kernel_is_rejected_not_timed(tmp_path):
+    cands = build_candidates(ew_chain(2, 64, "fp32"), "h200")
+    data = export_bundle(cands)
+    # corrupt one candidate's body: a different Affine constant than the graph's
+    body = data["candidates"][0]["kernels"][0]["body"]
+    node = body
+    while node.get("op") != "Affine":
+        node = node["args"][0]
+    node["attrs"]["a"] = 3.0
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(data))
+    result = time_bundle(load_bundle(path), NumpyExecutor(), warmup=0, repeats=1)
+    first, rest = result["candidates"][0], result["candidates"][1:]
+    assert first["verdict"].startswith("rejected: mismatch") and first["meas_us"] is None
+    assert all(c["verdict"] == "timed" for c in rest)
+
+
+def test_bad_files_name_the_problem(tmp_path):
+    p = tmp_path / "x.json"
+    p.write_text(json.dumps({"schema": "nope"}))
+    with pytest.raises(BundleError, match="not a candidates bundle"):
+        load_bundle(p)
+    with pytest.raises(MeasuredError, match="not a measured-results file"):
+        load_measured(p)
+    p.write_text(json.dumps({"schema": "fusion-planner/measured/1", "candidates": [{"key": "k", "verdict": "timed",
+                                                                                  "meas_us": -1}]}))
+    with pytest.raises(MeasuredError, match="meas_us"):
+        load_measured(p)
+
+
+def test_runner_cli_rejects_a_missing_bundle(tmp_path):
+    from backends.cupy.__main__ import main as runner_main
+
+    assert runner_main(["time", str(tmp_path / "none.json"), "-o", str(tmp_path / "m.json"), "--executor", "numpy"]) == 2
+
+
+@pytest.mark.nvcc
+def test_bench_c05_offline_modes(capsys):
+    assert main(["bench", "c05", "--mode", "modes", "--offline"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[1]: line.split() for line in out.splitlines() if line[:3].strip() == "4"}
+    assert set(rows) == {"naive", "fused", "fat"}
+    # columns: k tag plan kernels regs spill blocks/SM est
+    assert int(rows["fat"][4]) > 128 and rows["fat"][6] == "1"
+    assert int(rows["fused"][4]) < 64 and rows["fused"][6] == "8"
+    assert rows["naive"][3] == "4" and rows["fused"][3] == "1"
+
+
+@pytest.mark.nvcc
+def test_explain_kernel_facts_json(capsys):
+    assert main(["explain", "--example", "ew-chain", "--n", "4096", "--device", "h200", "--kernel-facts", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    for c in data["candidates"]:
+        for k in c["kernels"]:
+            assert {"regs", "spill_bytes", "occupancy"} <= set(k)
+
+
+def test_bench_rejects_bad_block(capsys):
+    assert main(["bench", "c05", "--block", "100", "--offline"]) == 2
+    assert "--block" in capsys.readouterr().err
+
+
+def test_gpu_bundles_match_the_current_code_generator():
+    """tests/data/gpu holds what the GPU tests run: each stored kernel source must be what the code
+    generator makes of its stored body today (regenerate with `python -m tests.gpu_bundles`)."""
+    from backends.cupy.codegen import generate
+    from tests import gpu_bundles
+
+    assert sorted(p.stem for p in gpu_bundles.DATA.glob("*.json")) == gpu_bundles.names()
+    for name in gpu_bundles.names():
+        bundle = load_bundle(gpu_bundles.path(name))
+        assert bundle.candidates, name
+        for cand in bundle.candidates:
+            for bk in cand.kernels:
+                if bk.cuda is not None:
+                    assert bk.cuda == generate(bk.kernel, cand.plan.tensors), f"{name}: stale; regenerate"
