@@ -152,3 +152,36 @@ def test_gpu_bundles_match_the_current_code_generator():
             for bk in cand.kernels:
                 if bk.cuda is not None:
                     assert bk.cuda == generate(bk.kernel, cand.plan.tensors), f"{name}: stale; regenerate"
+
+
+def test_plan_measured_merges_remote_results_into_the_search(bundle_file, tmp_path, capsys, monkeypatch):
+    """export -> time (numpy executor) -> plan --measured: the search and its log use the remote timings."""
+    from backends.cupy.__main__ import main as runner_main
+
+    out = tmp_path / "measured.json"
+    assert runner_main(["time", str(bundle_file), "-o", str(out), "--executor", "numpy", "--repeats", "2"]) == 0
+    measured = load_measured(out)
+    # drop one candidate and mark another rejected: the search must show both verdicts
+    raw = json.loads(out.read_text())
+    dropped = raw["candidates"].pop()["key"]
+    raw["candidates"][1]["verdict"] = "rejected: tolerance: planted for this test"
+    raw["candidates"][1]["meas_us"] = None
+    rejected_key = raw["candidates"][1]["key"]
+    out.write_text(json.dumps(raw))
+    capsys.readouterr()
+    monkeypatch.setenv("SEARCH_LOG", "1")
+    rc = main(["plan", "--example", "mlp-epilogue", "--m", "24", "--n", "40", "--k", "36", "--measured", str(out),
+               "--max-candidates", "32", "--json"])
+    assert rc == 0
+    cap = capsys.readouterr()
+    res = json.loads(cap.out)
+    verdicts = [c["verdict"] for c in res["candidates"]]
+    assert any(v.startswith("rejected") and "remote rejected: tolerance" in v for v in verdicts)
+    assert any("not measured remotely" in v for v in verdicts)
+    timed = [c for c in res["candidates"] if c["meas_us"] is not None]
+    best = min(timed, key=lambda c: c["meas_us"])
+    assert res["best"]["plan"] == best["plan"]
+    remote = sorted(m.meas_us for k, m in measured.items() if k not in (dropped, rejected_key))
+    assert sorted(c["meas_us"] for c in timed) == pytest.approx(remote)
+    assert "measured(numpy)" in cap.err and "Searched in" in cap.err
+    assert dropped and rejected_key

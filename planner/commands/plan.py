@@ -54,6 +54,8 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--atol", type=float, default=None, help="override the dtype's absolute tolerance")
     g.add_argument("--search-log", action="store_true", help="print the search log on stderr (as SEARCH_LOG=1)")
     g.add_argument("--out", metavar="DIR", help="write plan.json, results.json and two PNG plots here")
+    g.add_argument("--measured", metavar="MEASURED.json",
+                   help="merge results timed elsewhere (python -m backends.cupy time) instead of running here")
     g.add_argument("--no-dedup", action="store_true", help="search the whole graph even when regions repeat")
     g.add_argument("--no-cache", action="store_true", help="neither read nor write the plan cache")
     g.add_argument("--cache-dir", help="plan cache folder (default $FUSION_PLANNER_PLAN_CACHE, else $XDG_CACHE_HOME/fusion-planner/plans)")
@@ -79,12 +81,14 @@ def run(args: argparse.Namespace) -> int:
     graph = graph_from_args(args)
     limits = limits_from_args(args)
     spec = load_device(args.device)
-    backend = get_backend(args.backend, spec)
+    backend = measured_backend(args.measured, spec) if args.measured else get_backend(args.backend, spec)
     out_dir = _out_dir(args.out)
     rules = load_rules(args.rules)
     cache = None if args.no_cache else PlanCache(args.cache_dir)
     regions = split_regions(graph)
-    if not args.no_dedup and len({r.key for r in regions}) < len(regions):
+    if args.measured:
+        cache = None  # remote results answer for exactly the exported candidates
+    elif not args.no_dedup and len({r.key for r in regions}) < len(regions):
         return run_regions(args, graph, spec, backend, opts, rules, limits, cache, out_dir)
     cache_key = PlanCache.key(regions[0].key, spec, args.backend, rules_hash(rules)) if len(regions) == 1 else ""
     if cache and cache_key:
@@ -199,6 +203,18 @@ def write_outputs(out: Path, result: SearchResult, graph: Graph, spec: DeviceSpe
     plot_predicted_vs_measured(result, paths[2])
     plot_best_so_far(result, paths[3])
     return paths
+
+
+def measured_backend(path: str, spec: DeviceSpec):
+    from backends.cupy.runner import MeasuredError
+    from backends.measured import MeasuredBackend
+
+    if not Path(path).is_file():
+        raise UsageError(f"--measured {path}: no such file")
+    try:
+        return MeasuredBackend(spec, path)
+    except MeasuredError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def report_cached(args: argparse.Namespace, graph: Graph, spec: DeviceSpec, region: Region, plan: Plan, out_dir: Path | None) -> int:

@@ -1,0 +1,63 @@
+"""Results measured elsewhere, replayed into the search (``plan --measured``).
+
+The remote runner (``python -m backends.cupy time``) verified every candidate
+against a numpy reference computed on the GPU machine and timed it there.  This
+backend hands those results to the search as if they were measured here: a
+candidate the runner rejected is rejected with the runner's reason, a candidate
+the file does not hold is rejected as "not measured remotely", and a timed one
+reports the runner's samples and per-kernel facts.  Its outputs are the local
+reference's: the numerics were checked where the kernels ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import numpy as np
+
+from backends.base import Backend, BackendError, CompiledPlan, Timing
+from backends.reference import execute_plan
+from planner.cost import DeviceSpec
+from planner.plans import Plan
+
+
+class MeasuredCompiledPlan(CompiledPlan):
+    samples: list[float]
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        return execute_plan(self.plan, inputs, mode="device")
+
+    def time(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        warmup: int = 2,
+        repeats: int = 7,
+        stop_if: Callable[[float], bool] | None = None,
+    ) -> Timing:
+        return Timing(list(self.samples), warmup=0, stopped_early=False)
+
+
+class MeasuredBackend(Backend):
+    measures = True
+
+    def __init__(self, spec: DeviceSpec, path: str | Path) -> None:
+        from backends.cupy.runner import load_measured
+
+        super().__init__(spec)
+        self.results = load_measured(path)
+        executors = {m.executor for m in self.results.values()}
+        self.name = f"measured({', '.join(sorted(executors)) or 'empty'})"
+
+    def compile(self, plan: Plan) -> CompiledPlan:
+        m = self.results.get(plan.key)
+        if m is None:
+            raise BackendError("not measured remotely (not in the measured file)")
+        if m.verdict.startswith("rejected"):
+            raise BackendError(f"remote {m.verdict}")
+        if m.meas_us is None:
+            raise BackendError(f"remote verdict {m.verdict!r}: no timing")
+        compiled = MeasuredCompiledPlan(plan, kernel_facts=[dict(k) for k in m.kernels])
+        compiled.samples = list(m.samples_us) or [m.meas_us]
+        return compiled
