@@ -20,6 +20,7 @@ from planner.errors import USER_ERRORS
 #: modules that contribute subcommands, in --help order
 COMMAND_MODULES = (
     "planner.commands.explain",
+    "planner.commands.check_rules",
 )
 
 

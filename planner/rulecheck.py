@@ -34,7 +34,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
@@ -86,7 +86,7 @@ class Call:
         return f"({' '.join([self.name, *map(str, self.args)])})"
 
 
-Term = Union[Var, Lit, Call]
+Term = Var | Lit | Call
 
 #: the rule language beyond the op table: name -> argument sorts
 STRUCTURAL: dict[str, tuple[str, ...]] = {
@@ -200,7 +200,7 @@ def rules_of(path: str, text: str, *, shipped: bool) -> list[RuleSpec]:
         comment = _comment_above(lines, line)
         m = _APPROX_RE.search(comment)
         approx = Approx(float(m.group(1)), float(m.group(2) or 0.0)) if m else None
-        text_1 = " ".join(str(cmd).split())
+        text_1 = re.sub(r"\s+\)", ")", " ".join(str(cmd).split()))
         base = {"path": path, "line": line, "text": text_1, "comment": comment, "approx": approx}
         try:
             if kind == "RuleCommand":
@@ -366,7 +366,7 @@ def _check_arity(t: Term, sorts: dict[str, str], want: str) -> None:
         )
     if t.name == "Opaque" and not isinstance(t.args[0], Lit):
         raise _Unsupported("Opaque with a variable implementation name")
-    for a, s in zip(t.args, want_args):
+    for a, s in zip(t.args, want_args, strict=True):
         if t.name in ("In", "Opaque") and s == "String" and isinstance(a, Var):
             continue  # names only: a tensor's identity, not a value
         _check_arity(a, sorts, s)
@@ -498,7 +498,7 @@ def _solve_shapes(prep: _Prepared) -> None:
     combos = sorted(itertools.product(range(1, MAX_RANK + 1), repeat=len(prep.leaves)), key=lambda r: (sum(r), r))
     for ranks in combos:
         counter = itertools.count()
-        env = {lf: tuple(_Dim(next(counter)) for _ in range(r)) for lf, r in zip(prep.leaves, ranks)}
+        env = {lf: tuple(_Dim(next(counter)) for _ in range(r)) for lf, r in zip(prep.leaves, ranks, strict=True)}
         try:
             for o in prep.obligations:
                 if o.kind == "eq":
@@ -587,7 +587,7 @@ def _attrs(t: Call, scalars: Mapping[str, Any]) -> dict[str, Any]:
     op = OPS[t.name]
     vals = t.args[op.arity or 0 :]
     out = {}
-    for spec, v in zip(op.attrs, vals):
+    for spec, v in zip(op.attrs, vals, strict=True):
         out[spec.name] = _scalar(v, scalars)
     return out
 
@@ -822,7 +822,7 @@ def check_files(
 ) -> list[RuleResult]:
     """Check rule files (none: the shipped rules).  RuleFileError if one does not parse."""
     if not paths:
-        files = [(rf.path, rf.text, True) for rf in shipped_rules()]
+        files = [(f"rewrite_rules/{Path(rf.path).name}", rf.text, True) for rf in shipped_rules()]
     else:
         files = []
         for p in paths:
