@@ -336,6 +336,8 @@ def _substitute(t: Term, binds: Mapping[str, Term], depth: int = 0) -> Term:
 def _check_arity(t: Term, sorts: dict[str, str], want: str) -> None:
     """Infer variable sorts; raise _Unsupported for unknown constructors, ValueError if ill-typed."""
     if isinstance(t, Var):
+        if want == "scalar":  # a primitive's argument: any number sort, f64 unless known
+            want = sorts.get(t.name) if sorts.get(t.name) in ("f64", "i64") else "f64"
         if sorts.setdefault(t.name, want) != want:
             raise ValueError(f"variable {t.name} is used both as {sorts[t.name]} and {want}")
         return
@@ -731,8 +733,9 @@ def _structural(o: Obligation, prep: _Prepared) -> str | None:
     return f"asserts (Ew {t}) but {t} is not computed by an elementwise op"
 
 
-def check_rule(rule: RuleSpec, examples: int = DEFAULT_EXAMPLES, seed: int = 0) -> RuleResult:
-    """Check one rule on ``examples`` random instantiations (hypothesis, shrunk on failure)."""
+def check_rule(rule: RuleSpec, examples: int = DEFAULT_EXAMPLES, seed: int = 0, *, shrink: bool = True) -> RuleResult:
+    """Check one rule on ``examples`` random instantiations (hypothesis; ``shrink``: minimise
+    a counterexample, which costs a few seconds per unsound rule)."""
     try:
         prep = prepare(rule)
     except _Unsupported as exc:
@@ -748,11 +751,11 @@ def check_rule(rule: RuleSpec, examples: int = DEFAULT_EXAMPLES, seed: int = 0) 
         return RuleResult(rule, "sound", detail="adds no equalities (structural facts only)")
     if not prep.schemes:
         return RuleResult(rule, "invalid", detail="no shapes make both sides well-typed under the op table")
-    return _search(rule, prep, examples, seed)
+    return _search(rule, prep, examples, seed, shrink)
 
 
-def _search(rule: RuleSpec, prep: _Prepared, examples: int, seed: int) -> RuleResult:
-    from hypothesis import HealthCheck, Verbosity, given, settings
+def _search(rule: RuleSpec, prep: _Prepared, examples: int, seed: int, shrink: bool) -> RuleResult:
+    from hypothesis import HealthCheck, Phase, Verbosity, given, settings
     from hypothesis import seed as hseed
     from hypothesis import strategies as st
     from hypothesis.reporting import with_reporter
@@ -770,6 +773,7 @@ def _search(rule: RuleSpec, prep: _Prepared, examples: int, seed: int) -> RuleRe
         verbosity=Verbosity.quiet,
         report_multiple_bugs=False,
         print_blob=False,
+        phases=[Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if shrink else []),
     )
     @given(st.data())
     def prop(data: Any) -> None:
@@ -812,9 +816,15 @@ def _summary(d: dict[str, Any]) -> str:
 
 
 def check_text(
-    text: str, path: str, *, shipped: bool = False, examples: int = DEFAULT_EXAMPLES, seed: int = 0
+    text: str,
+    path: str,
+    *,
+    shipped: bool = False,
+    examples: int = DEFAULT_EXAMPLES,
+    seed: int = 0,
+    shrink: bool = True,
 ) -> list[RuleResult]:
-    return [check_rule(r, examples, seed) for r in rules_of(path, text, shipped=shipped)]
+    return [check_rule(r, examples, seed, shrink=shrink) for r in rules_of(path, text, shipped=shipped)]
 
 
 def check_files(
@@ -838,7 +848,7 @@ def check_files(
 
 def refuse_unsound(path: str, text: str, examples: int = 50, seed: int = 0) -> None:
     """The planner's gate for user rule files: raise naming the first rule not found sound."""
-    for res in check_text(text, path, shipped=False, examples=examples, seed=seed):
+    for res in check_text(text, path, shipped=False, examples=examples, seed=seed, shrink=False):
         if not res.ok:
             raise UnsoundRuleError(
                 f"{res.rule.label}: rule {res.rule.text} is {res.verdict}: {res.detail} "
