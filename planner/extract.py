@@ -127,8 +127,10 @@ def view_egraph(serialized: dict[str, Any], graph: Graph) -> EGraphView:
     order: dict[str, int] = {}
     index = {n.id: i for i, n in enumerate(graph.nodes)}
     for cls, data in class_data.items():
-        node = let_to_node.get(data.get("let", ""))
-        if node is not None:
+        # merged (CSE) nodes share a class: egglog lists its lets as "$n1, $n2"; the first names it
+        merged = [let_to_node[x] for x in _lets(data) if x in let_to_node]
+        if merged:
+            node = min(merged, key=lambda n: index[n.id])
             tensor[cls] = node.id
             types[cls] = node.type
             order[cls] = index[node.id]
@@ -143,7 +145,7 @@ def view_egraph(serialized: dict[str, Any], graph: Graph) -> EGraphView:
     for cls in stored:
         if cls not in tensor:
             raise ExtractionError(f"stored e-class {cls} has no graph node (a rule stored a new value)")
-    class_of_let = {d["let"]: c for c, d in class_data.items() if "let" in d}
+    class_of_let = {x: c for c, d in class_data.items() for x in _lets(d)}
     alias = structural_aliases(graph)
     roots = []
     for o in graph.outputs:
@@ -152,6 +154,10 @@ def view_egraph(serialized: dict[str, Any], graph: Graph) -> EGraphView:
             raise ExtractionError(f"output {o!r} was merged with another node and has no e-class of its own")
         roots.append(cls)
     return EGraphView(classes, stored, inputs, tensor, value_node, types, order, tuple(roots))
+
+
+def _lets(class_data: dict[str, Any]) -> list[str]:
+    return [x.strip() for x in class_data.get("let", "").split(",") if x.strip()]
 
 
 def structural_aliases(graph: Graph) -> dict[str, str]:
