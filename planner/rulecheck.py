@@ -469,7 +469,11 @@ def _shape(t: Term, env: Mapping[Term, Any], scalars: Mapping[str, Any]) -> Any:
         return out
     if t.name == "Opaque":
         ins = [_shape(x, env, scalars) for x in _oplist(t.args[2])]
-        return OPS["Opaque"].out_shape(ins, {"impl": t.args[0].value})  # type: ignore[union-attr]
+        impl = str(t.args[0].value)  # type: ignore[union-attr]
+        symbolic = any(isinstance(d, _Dim) for s in ins for d in s)
+        if symbolic and impl in SHAPE_OVERRIDES:
+            return SHAPE_OVERRIDES[impl](ins)
+        return OPS["Opaque"].out_shape(ins, {"impl": impl})
     op = OPS[t.name]
     ins = [_shape(x, env, scalars) for x in t.args[: op.arity]]
     if any(s is None for s in ins):
@@ -495,6 +499,26 @@ def _tensor_terms(prep: _Prepared) -> list[Term]:
     return out + prep.creates
 
 
+def _attention_shape(shapes: Sequence[Any]) -> Any:
+    q, k, v = shapes
+    if len(q) != 2 or len(k) != 2 or len(v) != 2:
+        raise OpError("attention takes 2-D q, k, v")
+    _ = (k == v, q[1] == k[1])  # unify: k and v alike, one model dim (heads=1 in rules)
+    return q
+
+
+#: hand-written symbolic shape rules, only for registered Opaque implementations whose
+#: shape rule does arithmetic on dimensions (the op table's own rules need none)
+SHAPE_OVERRIDES: dict[str, Callable[[Sequence[Any]], Any]] = {"attention": _attention_shape}
+
+
+class _AnyScalar(dict):
+    """Attribute variables while deriving shapes: the op table's shape rules ignore their values."""
+
+    def __missing__(self, key: str) -> int:
+        return 1
+
+
 def _solve_shapes(prep: _Prepared) -> None:
     """Every rank assignment under which the shape rules hold, with unified dims."""
     combos = sorted(itertools.product(range(1, MAX_RANK + 1), repeat=len(prep.leaves)), key=lambda r: (sum(r), r))
@@ -504,13 +528,13 @@ def _solve_shapes(prep: _Prepared) -> None:
         try:
             for o in prep.obligations:
                 if o.kind == "eq":
-                    left, right = _shape(o.lhs, env, {}), _shape(o.rhs, env, {})  # type: ignore[arg-type]
+                    left, right = _shape(o.lhs, env, _AnyScalar()), _shape(o.rhs, env, _AnyScalar())  # type: ignore[arg-type]
                     if left is None or right is None or len(left) != len(right):
                         raise OpError("sides differ in rank")
                     _ = left == right
             for t in _tensor_terms(prep):
-                _shape(t, env, {})
-        except OpError:
+                _shape(t, env, _AnyScalar())
+        except (OpError, IndexError, ValueError):  # this rank assignment does not type-check
             continue
         except TypeError as exc:
             raise _Unsupported(f"a shape rule the checker cannot run symbolically ({exc})") from None
@@ -598,7 +622,7 @@ def _scalar(t: Term, scalars: Mapping[str, Any]) -> Any:
     if isinstance(t, Lit):
         return t.value
     if isinstance(t, Var):
-        return scalars.get(t.name, 1)
+        return scalars[t.name]
     assert isinstance(t, Call)
     return SCALAR_FNS[t.name](*(_scalar(a, scalars) for a in t.args))
 
@@ -748,7 +772,7 @@ def check_rule(rule: RuleSpec, examples: int = DEFAULT_EXAMPLES, seed: int = 0, 
             if why:
                 return RuleResult(rule, "UNSOUND", detail=why)
     if not any(o.kind == "eq" for o in prep.obligations):
-        return RuleResult(rule, "sound", detail="adds no equalities (structural facts only)")
+        return RuleResult(rule, "sound", detail="adds no equalities (only facts it shows hold, or new terms)")
     if not prep.schemes:
         return RuleResult(rule, "invalid", detail="no shapes make both sides well-typed under the op table")
     return _search(rule, prep, examples, seed, shrink)
@@ -797,6 +821,9 @@ def _search(rule: RuleSpec, prep: _Prepared, examples: int, seed: int, shrink: b
         return RuleResult(rule, "UNSOUND", tried[0], _summary(d), d)
     except _Unsupported as exc:
         return RuleResult(rule, "unsupported", tried[0], str(exc))
+    except (OpError, ArithmeticError, LookupError, TypeError, ValueError) as exc:
+        # the op table refused an instantiation the shape derivation allowed: name it, do not crash
+        return RuleResult(rule, "unsupported", tried[0], f"cannot evaluate the rule: {type(exc).__name__}: {exc}")
     detail = f"documented approximation abs {rule.approx.abs:g} rel {rule.approx.rel:g}" if rule.approx else ""
     return RuleResult(rule, "sound", tried[0], detail)
 

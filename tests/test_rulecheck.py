@@ -225,3 +225,18 @@ def test_plans_with_a_user_rule_compute_what_the_graph_computes():
         (got,) = execute_plan(plan, inputs)
         ok, max_abs, _ = allclose_report(got, want, "fp16")
         assert ok, f"{plan.notation()}: max abs {max_abs}"
+
+
+def test_opaque_terms_and_rule_actions_are_checked():
+    text = "\n".join(
+        [
+            '(rewrite (Opaque "softmax" "n" (Cons (Affine x 1.0 0.0) (Nil))) (Opaque "softmax" "n" (Cons (Affine x 1.0 5.0) (Nil))))',
+            '(rewrite (Opaque "attention" "n" (Cons q (Cons k (Cons v (Nil))))) (Opaque "attention" "n" (Cons q (Cons v (Cons k (Nil))))))',
+            "(rule ((= e (Add x y))) ((union e (Add y x))))",
+            "(rule ((= e (Add x y))) ((union e (Mul y x))))",
+            "(rule ((= e (MatMul x y))) ((Ew e)))",
+            "(rule ((= e (K x))) ((Mem e)))",
+        ]
+    )
+    verdicts = [r.verdict for r in check_text(text, "o.egg", examples=40, shrink=False)]
+    assert verdicts == ["sound", "UNSOUND", "sound", "UNSOUND", "UNSOUND", "sound"]
