@@ -782,10 +782,10 @@ def _search(rule: RuleSpec, prep: _Prepared, examples: int, seed: int, shrink: b
     from hypothesis import HealthCheck, Phase, Verbosity, given, settings
     from hypothesis import seed as hseed
     from hypothesis import strategies as st
+    from hypothesis.errors import Unsatisfiable
     from hypothesis.reporting import with_reporter
 
-    tried = [0]  # cases evaluated before the first failure (shrinking not counted)
-    failed = [False]
+    progress = {"tried": 0, "failed": False}  # cases evaluated up to the first failure (not shrinking)
     last: list[dict[str, Any]] = []
 
     @hseed(seed)
@@ -805,11 +805,12 @@ def _search(rule: RuleSpec, prep: _Prepared, examples: int, seed: int, shrink: b
 
         case = _draw_case(data, prep)
         assume(_conditions_hold(prep, case))
-        tried[0] += 0 if failed[0] else 1
+        if not progress["failed"]:
+            progress["tried"] += 1
         try:
             check_case(rule, prep, case)
         except _Failure as exc:
-            failed[0] = True
+            progress["failed"] = True
             last[:] = [exc.detail]
             raise
 
@@ -818,14 +819,16 @@ def _search(rule: RuleSpec, prep: _Prepared, examples: int, seed: int, shrink: b
             prop()
     except _Failure as exc:
         d = last[0] if last else exc.detail
-        return RuleResult(rule, "UNSOUND", tried[0], _summary(d), d)
+        return RuleResult(rule, "UNSOUND", int(progress["tried"]), _summary(d), d)
     except _Unsupported as exc:
-        return RuleResult(rule, "unsupported", tried[0], str(exc))
+        return RuleResult(rule, "unsupported", int(progress["tried"]), str(exc))
+    except Unsatisfiable:
+        return RuleResult(rule, "unsupported", 0, "its :when conditions never held on random cases")
     except (OpError, ArithmeticError, LookupError, TypeError, ValueError) as exc:
         # the op table refused an instantiation the shape derivation allowed: name it, do not crash
-        return RuleResult(rule, "unsupported", tried[0], f"cannot evaluate the rule: {type(exc).__name__}: {exc}")
+        return RuleResult(rule, "unsupported", int(progress["tried"]), f"cannot evaluate the rule: {type(exc).__name__}: {exc}")
     detail = f"documented approximation abs {rule.approx.abs:g} rel {rule.approx.rel:g}" if rule.approx else ""
-    return RuleResult(rule, "sound", tried[0], detail)
+    return RuleResult(rule, "sound", int(progress["tried"]), detail)
 
 
 def _summary(d: dict[str, Any]) -> str:

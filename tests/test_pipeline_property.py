@@ -98,10 +98,18 @@ def check_candidates(graph_json: dict, seed: int, rules: list[RuleFile] | None =
     event(f"candidates: {'1' if len(cands.plans) == 1 else '2-8' if len(cands.plans) <= 8 else '9+'}")
     for kind in sorted({k.label for p in plans for k in p.kernels}):
         event(f"kernel {kind}")
+    exact = execute_graph(graph, inputs, mode="oracle")
     for plan in plans:
         got = execute_plan(plan, inputs)
-        for name, g, w in zip(plan.outputs, got, want, strict=True):
-            ok, max_abs, max_rel = allclose_report(g, w, graph[name].type.dtype)
+        for name, g, w, o in zip(plan.outputs, got, want, exact, strict=True):
+            dtype = graph[name].type.dtype
+            ok, max_abs, max_rel = allclose_report(g, w, dtype)
+            if not ok:
+                # an ill-conditioned graph (a norm over near-equal values) amplifies the rounding a
+                # fusion moves: accept a candidate no further from the exact (fp64) result than
+                # the unfused plan is, up to twice its error
+                unfused_err = float(np.nanmax(np.abs(w.astype(np.float64) - o), initial=0.0))
+                ok = allclose_report(g, o, dtype, extra_atol=2 * unfused_err)[0]
             assert ok, (
                 f"plan {plan.notation()} ({plan.composition()}) differs from the unfused plan at output "
                 f"{name!r}: max abs {max_abs:.3g}, max rel {max_rel:.3g}"

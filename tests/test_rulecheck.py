@@ -240,3 +240,8 @@ def test_opaque_terms_and_rule_actions_are_checked():
     )
     verdicts = [r.verdict for r in check_text(text, "o.egg", examples=40, shrink=False)]
     assert verdicts == ["sound", "UNSOUND", "sound", "UNSOUND", "UNSOUND", "sound"]
+
+
+def test_a_rule_whose_conditions_never_hold_is_not_called_sound():
+    (res,) = check_text("(rewrite (Affine x a b) x :when ((> a 100.0)))", "n.egg", examples=20)
+    assert res.verdict == "unsupported" and "never held" in res.detail
