@@ -118,18 +118,26 @@ def check_candidates(graph_json: dict, seed: int, rules: list[RuleFile] | None =
 
 def test_the_property_catches_an_unsound_rule_and_prints_a_small_graph():
     # the planner refuses this file; load it unchecked to prove the property can fail
-    bad = Path(__file__).parent / "fixtures" / "bad_rules" / "relu_silu_swap.egg"
+    bad = Path(__file__).parent / "fixtures" / "bad_rules" / "drops_term.egg"
     rules = shipped_rules() + user_rules([bad], check=False)
 
-    @settings(max_examples=300, deadline=None, database=None, phases=[Phase.generate, Phase.shrink])
+    @settings(
+        max_examples=500,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        report_multiple_bugs=False,
+        phases=[Phase.generate, Phase.shrink],
+    )
     @given(graph=graphs(), seed=st.integers(0, 3))
     def prop(graph: dict, seed: int) -> None:
         check_candidates(graph, seed, rules)
 
-    with pytest.raises(AssertionError) as info:
+    # a candidate (or the unfused plan) differs, or the extractor trips over the classes the
+    # unsound union merged; either way the shrunk graph is printed
+    with pytest.raises(Exception) as info:  # noqa: B017
         prop()
     notes = "\n".join(getattr(info.value, "__notes__", []))
-    assert "unfused plan" in str(info.value)  # a candidate differs, or the unfused plan itself
     shown = json.loads(notes[notes.index("graph JSON:") + len("graph JSON:") : notes.rindex("}") + 1])
-    assert "Relu" in [n["op"] for n in shown["nodes"]]
-    assert len(shown["nodes"]) <= 5, notes  # shrunk to a handful of nodes
+    assert [n["op"] for n in shown["nodes"]].count("Add") >= 2
+    assert len(shown["nodes"]) <= 8, notes  # shrunk to a handful of nodes
