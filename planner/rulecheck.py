@@ -208,9 +208,8 @@ def rules_of(path: str, text: str, *, shipped: bool) -> list[RuleSpec]:
             else:
                 out.append(_from_rewrite(node, "rewrite" if kind == "RewriteCommand" else "birewrite", base))
         except _Unsupported as exc:
-            out.append(
-                RuleSpec(kind=kind, bindings=(), conditions=(), obligations=(), problem=str(exc), **base)
-            )
+            short = {"RewriteCommand": "rewrite", "BiRewriteCommand": "birewrite"}.get(kind, "rule")
+            out.append(RuleSpec(kind=short, bindings=(), conditions=(), obligations=(), problem=str(exc), **base))
     return out
 
 
@@ -333,7 +332,7 @@ def _substitute(t: Term, binds: Mapping[str, Term], depth: int = 0) -> Term:
     return t
 
 
-def _check_arity(t: Term, sorts: dict[str, str], want: str) -> None:
+def _infer_sorts(t: Term, sorts: dict[str, str], want: str) -> None:
     """Infer variable sorts; raise _Unsupported for unknown constructors, ValueError if ill-typed."""
     if isinstance(t, Var):
         if want == "scalar":  # a primitive's argument: any number sort, f64 unless known
@@ -350,12 +349,12 @@ def _check_arity(t: Term, sorts: dict[str, str], want: str) -> None:
         if want not in ("f64", "i64", "scalar", "bool"):
             raise ValueError(f"primitive {t.name} where a {want} is expected")
         for a in t.args:
-            _check_arity(a, sorts, want if want in ("f64", "i64") else "scalar")
+            _infer_sorts(a, sorts, want if want in ("f64", "i64") else "scalar")
         return
     if t.name in RELATIONS:
         if len(t.args) != 1:
             raise ValueError(f"{t.name} takes one argument")
-        _check_arity(t.args[0], sorts, "Op")
+        _infer_sorts(t.args[0], sorts, "Op")
         return
     want_args = arg_sorts(t.name)
     if want_args is None:
@@ -371,7 +370,7 @@ def _check_arity(t: Term, sorts: dict[str, str], want: str) -> None:
     for a, s in zip(t.args, want_args, strict=True):
         if t.name in ("In", "Opaque") and s == "String" and isinstance(a, Var):
             continue  # names only: a tensor's identity, not a value
-        _check_arity(a, sorts, s)
+        _infer_sorts(a, sorts, s)
 
 
 def _leaves(t: Term, sorts: Mapping[str, str], out: dict[Term, None]) -> None:
@@ -399,11 +398,11 @@ def prepare(rule: RuleSpec) -> _Prepared:
     for o in obs:
         for side in (o.lhs, o.rhs):
             if side is not None:
-                _check_arity(side, sorts, "Op")
+                _infer_sorts(side, sorts, "Op")
     for c in conds:
-        _check_arity(c, sorts, "bool" if isinstance(c, Call) and c.name in COMPARISONS else "Op")
+        _infer_sorts(c, sorts, "bool" if isinstance(c, Call) and c.name in COMPARISONS else "Op")
     for c in creates:
-        _check_arity(c, sorts, "Op")
+        _infer_sorts(c, sorts, "Op")
     leaves: dict[Term, None] = {}
     for t in [*(x for o in obs for x in (o.lhs, o.rhs) if x is not None), *conds, *creates]:
         _leaves(t, sorts, leaves)
