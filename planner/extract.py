@@ -142,6 +142,7 @@ def view_egraph(serialized: dict[str, Any], graph: Graph) -> EGraphView:
                 (v,) = n.children
                 value_node.setdefault(v, tensor[cls])
                 types.setdefault(v, types[cls])
+    _infer_types(classes, types)
     for cls in stored:
         if cls not in tensor:
             raise ExtractionError(f"stored e-class {cls} has no graph node (a rule stored a new value)")
@@ -154,6 +155,28 @@ def view_egraph(serialized: dict[str, Any], graph: Graph) -> EGraphView:
             raise ExtractionError(f"output {o!r} was merged with another node and has no e-class of its own")
         roots.append(cls)
     return EGraphView(classes, stored, inputs, tensor, value_node, types, order, tuple(roots))
+
+
+def _infer_types(classes: dict[str, list[ENode]], types: dict[str, TensorType]) -> None:
+    """Types of value classes a rule created (e.g. distributing a Mul adds two new products),
+    from the op table's shape rules over their children's types."""
+    changed = True
+    while changed:
+        changed = False
+        for cls, enodes in classes.items():
+            if cls in types:
+                continue
+            for n in enodes:
+                opd = OPS.get(n.op)
+                if opd is None or opd.shape_rule is None or opd.kind == "opaque" or not n.children:
+                    continue
+                if not all(c in types for c in n.children):
+                    continue
+                attrs = {a.name: lit for a, lit in zip(opd.attrs, n.lits, strict=False)}
+                shape = opd.out_shape([types[c].shape for c in n.children], attrs)
+                types[cls] = TensorType(shape, types[n.children[0]].dtype)
+                changed = True
+                break
 
 
 def _lets(class_data: dict[str, Any]) -> list[str]:

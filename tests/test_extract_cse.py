@@ -21,3 +21,24 @@ def test_two_identical_nodes_share_a_class_and_both_outputs_are_planned():
         assert len(got) == 2
         for g, w in zip(got, want, strict=True):
             assert allclose_report(g, w, "fp16")[0], plan.notation()
+
+
+def test_values_a_user_rule_creates_are_typed_and_planned():
+    from pathlib import Path
+
+    from planner.candidates import load_rules
+
+    b = GraphBuilder("dist")
+    for name in ("x", "y", "z"):
+        b.input(name, (3, 7), "bf16")
+    b.op("a", "Add", ["y", "z"])
+    b.op("m", "Mul", ["x", "a"])
+    graph = b.build(["m"])
+    rules = load_rules([Path(__file__).parent / "fixtures" / "good_rules" / "distribute.egg"])
+    cands = build_candidates(graph, "seed-k4", rules=rules)
+    assert any(k.ops.count("Mul") == 2 for p in cands.plans for k in p.kernels)  # the rule's form is a candidate
+    inputs = random_inputs(graph, seed=3)
+    (want,) = execute_graph(graph, inputs)
+    for plan in cands.plans:
+        (got,) = execute_plan(plan, inputs)
+        assert allclose_report(got, want, "bf16")[0], plan.notation()
