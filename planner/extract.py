@@ -134,6 +134,9 @@ def view_egraph(serialized: dict[str, Any], graph: Graph) -> EGraphView:
             tensor[cls] = node.id
             types[cls] = node.type
             order[cls] = index[node.id]
+    for cls in stored:
+        if cls not in tensor:
+            raise ExtractionError(f"stored e-class {cls} has no graph node (a rule stored a new value)")
     # class_data names one let per class; merged (CSE) nodes share the class
     value_node: dict[str, str] = {}
     for cls in sorted(stored, key=lambda c: order.get(c, -1)):
@@ -143,9 +146,6 @@ def view_egraph(serialized: dict[str, Any], graph: Graph) -> EGraphView:
                 value_node.setdefault(v, tensor[cls])
                 types.setdefault(v, types[cls])
     _infer_types(classes, types)
-    for cls in stored:
-        if cls not in tensor:
-            raise ExtractionError(f"stored e-class {cls} has no graph node (a rule stored a new value)")
     class_of_let = {x: c for c, d in class_data.items() for x in _lets(d)}
     alias = structural_aliases(graph)
     roots = []

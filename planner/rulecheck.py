@@ -756,6 +756,34 @@ def _structural(o: Obligation, prep: _Prepared) -> str | None:
     return f"asserts (Ew {t}) but {t} is not computed by an elementwise op"
 
 
+_STORES = ("K", "CublasLt")
+
+
+def _stored_subterms(t: Term, root: bool = True) -> set[Term]:
+    out: set[Term] = set()
+    if isinstance(t, Call):
+        if t.name in _STORES and not root:
+            out.add(t)
+        for a in t.args:
+            out |= _stored_subterms(a, False)
+    return out
+
+
+def _new_store(o: Obligation, both_ways: bool) -> Term | None:
+    """A stored (K/CublasLt) subterm the rewritten-to side adds that the other lacks: a new
+    tensor no graph node names.  A stored root replacing a stored root (K -> CublasLt) is the
+    same tensor; dropping a store (fusion) is what rules are for."""
+    assert o.rhs is not None
+    for a, b in ((o.lhs, o.rhs), (o.rhs, o.lhs))[: 2 if both_ways else 1]:
+        have = _stored_subterms(a) | ({a} if isinstance(a, Call) and a.name in _STORES else set())
+        extra = _stored_subterms(b) - have
+        if isinstance(b, Call) and b.name in _STORES and b not in have and not (isinstance(a, Call) and a.name in _STORES):
+            extra.add(b)
+        if extra:
+            return sorted(extra, key=str)[0]
+    return None
+
+
 def check_rule(rule: RuleSpec, examples: int = DEFAULT_EXAMPLES, seed: int = 0, *, shrink: bool = True) -> RuleResult:
     """Check one rule on ``examples`` random instantiations (hypothesis; ``shrink``: minimise
     a counterexample, which costs a few seconds per unsound rule)."""
@@ -774,7 +802,13 @@ def check_rule(rule: RuleSpec, examples: int = DEFAULT_EXAMPLES, seed: int = 0, 
         return RuleResult(rule, "sound", detail="adds no equalities (only facts it shows hold, or new terms)")
     if not prep.schemes:
         return RuleResult(rule, "invalid", detail="no shapes make both sides well-typed under the op table")
-    return _search(rule, prep, examples, seed, shrink)
+    result = _search(rule, prep, examples, seed, shrink)
+    for o in prep.obligations:
+        stray = _new_store(o, both_ways=rule.kind != "rewrite") if o.kind == "eq" else None
+        if result.ok and stray is not None:
+            detail = f"stores a value the other side does not: {stray} (plans store only graph nodes' values)"
+            return RuleResult(rule, "unsupported", result.cases, detail)
+    return result
 
 
 def _search(rule: RuleSpec, prep: _Prepared, examples: int, seed: int, shrink: bool) -> RuleResult:

@@ -132,6 +132,8 @@ def test_unsupported_and_invalid_rules_are_named(tmp_path):
     assert unknown.verdict == "unsupported" and "Foo" in unknown.detail
     assert untyped.verdict == "invalid" and "MatMul" in untyped.detail
     assert nobias.verdict == "invalid"
+    (stores,) = check_text("(rewrite (Mul x (Add y z)) (Add (K (Mul x y)) (Mul x z)))", "s.egg", examples=10)
+    assert stores.verdict == "unsupported" and "(K (Mul x y))" in stores.detail
     with pytest.raises(UnsoundRuleError, match="unsupported.*Foo"):
         user_rules([_write(tmp_path, "unknown.egg", "(rewrite (Foo x) x)")])
 
