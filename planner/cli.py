@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "planner.commands.calibrate",
     "planner.commands.export",
     "planner.commands.bench",
+    "planner.commands.check_rules",
 )
 
 

@@ -92,7 +92,7 @@ def parse_rule_text(text: str, path: str, *, shipped: bool) -> list[Any]:
     try:
         cmds = bindings.EGraph().parse_program(text)
     except Exception as exc:  # egglog raises EggSmolError
-        msg = str(exc).strip()
+        msg = " ".join(str(exc).split())
         m = re.search(r"In (\d+):(\d+)", msg)
         where = f"{path}:{m.group(1)}" if m else path
         raise RuleFileError(f"{where}: does not parse: {msg}") from None
@@ -100,21 +100,28 @@ def parse_rule_text(text: str, path: str, *, shipped: bool) -> list[Any]:
     for cmd in cmds:
         name = type(cmd).__name__
         if name not in allowed:
-            line = _line_of(text, str(cmd))
+            line, keyword = _where(text, cmd)
             raise RuleFileError(
                 f"{path}:{line}: a {'shipped' if shipped else 'user'} rule file may hold only "
-                f"rewrite, birewrite, rule and ruleset commands; found {str(cmd).split()[0]}…"
+                f"rewrite, birewrite, rule and ruleset commands; found ({keyword} …)"
             )
     return cmds
 
 
-def _line_of(text: str, cmd_text: str) -> int:
-    head = cmd_text.split()[0] if cmd_text.split() else cmd_text
-    head = head.lstrip("(")
-    for i, line in enumerate(text.splitlines(), 1):
+def _where(text: str, cmd: Any) -> tuple[int, str]:
+    """Line and keyword of a parsed command, from egglog's source span where it has one."""
+    span = getattr(cmd, "span", None)
+    for attr in ("schedule", "rule", "rewrite"):
+        span = span or getattr(getattr(cmd, attr, None), "span", None)
+    data = text.encode()
+    if span is not None:
+        m = re.match(rb"\(\s*([^\s()]+)", data[span.i :])
+        return data.count(b"\n", 0, span.i) + 1, m.group(1).decode() if m else str(cmd).split()[0].lstrip("(")
+    head = str(cmd).split()[0].lstrip("(") if str(cmd).split() else str(cmd)
+    for i, line in enumerate(text.splitlines(), 1):  # spanless commands (push): first line opening with it
         if re.match(rf"\s*\(\s*{re.escape(head)}\b", line):
-            return i
-    return 1
+            return i, head
+    return 1, head
 
 
 def shipped_rules() -> list[RuleFile]:
@@ -123,7 +130,9 @@ def shipped_rules() -> list[RuleFile]:
     ]
 
 
-def user_rules(paths: Iterable[str | Path]) -> list[RuleFile]:
+def user_rules(paths: Iterable[str | Path], *, check: bool = True) -> list[RuleFile]:
+    """User rule files: only rule commands, and (``check``) every rule found sound by
+    :mod:`planner.rulecheck`; an unsound rule raises ``UnsoundRuleError`` naming it."""
     out = []
     for p in paths:
         path = Path(p)
@@ -132,6 +141,10 @@ def user_rules(paths: Iterable[str | Path]) -> list[RuleFile]:
         except OSError as exc:
             raise RuleFileError(f"{path}: cannot read rule file: {exc.strerror}") from None
         parse_rule_text(text, str(path), shipped=False)
+        if check:
+            from planner.rulecheck import refuse_unsound
+
+            refuse_unsound(str(path), text)
         out.append(RuleFile(str(path), text, False))
     return out
 

@@ -127,11 +127,16 @@ def view_egraph(serialized: dict[str, Any], graph: Graph) -> EGraphView:
     order: dict[str, int] = {}
     index = {n.id: i for i, n in enumerate(graph.nodes)}
     for cls, data in class_data.items():
-        node = let_to_node.get(data.get("let", ""))
-        if node is not None:
+        # merged (CSE) nodes share a class: egglog lists its lets as "$n1, $n2"; the first names it
+        merged = [let_to_node[x] for x in _lets(data) if x in let_to_node]
+        if merged:
+            node = min(merged, key=lambda n: index[n.id])
             tensor[cls] = node.id
             types[cls] = node.type
             order[cls] = index[node.id]
+    for cls in stored:
+        if cls not in tensor:
+            raise ExtractionError(f"stored e-class {cls} has no graph node (a rule stored a new value)")
     # class_data names one let per class; merged (CSE) nodes share the class
     value_node: dict[str, str] = {}
     for cls in sorted(stored, key=lambda c: order.get(c, -1)):
@@ -140,10 +145,8 @@ def view_egraph(serialized: dict[str, Any], graph: Graph) -> EGraphView:
                 (v,) = n.children
                 value_node.setdefault(v, tensor[cls])
                 types.setdefault(v, types[cls])
-    for cls in stored:
-        if cls not in tensor:
-            raise ExtractionError(f"stored e-class {cls} has no graph node (a rule stored a new value)")
-    class_of_let = {d["let"]: c for c, d in class_data.items() if "let" in d}
+    _infer_types(classes, types)
+    class_of_let = {x: c for c, d in class_data.items() for x in _lets(d)}
     alias = structural_aliases(graph)
     roots = []
     for o in graph.outputs:
@@ -152,6 +155,32 @@ def view_egraph(serialized: dict[str, Any], graph: Graph) -> EGraphView:
             raise ExtractionError(f"output {o!r} was merged with another node and has no e-class of its own")
         roots.append(cls)
     return EGraphView(classes, stored, inputs, tensor, value_node, types, order, tuple(roots))
+
+
+def _infer_types(classes: dict[str, list[ENode]], types: dict[str, TensorType]) -> None:
+    """Types of value classes a rule created (e.g. distributing a Mul adds two new products),
+    from the op table's shape rules over their children's types."""
+    changed = True
+    while changed:
+        changed = False
+        for cls, enodes in classes.items():
+            if cls in types:
+                continue
+            for n in enodes:
+                opd = OPS.get(n.op)
+                if opd is None or opd.shape_rule is None or opd.kind == "opaque" or not n.children:
+                    continue
+                if not all(c in types for c in n.children):
+                    continue
+                attrs = {a.name: lit for a, lit in zip(opd.attrs, n.lits, strict=False)}
+                shape = opd.out_shape([types[c].shape for c in n.children], attrs)
+                types[cls] = TensorType(shape, types[n.children[0]].dtype)
+                changed = True
+                break
+
+
+def _lets(class_data: dict[str, Any]) -> list[str]:
+    return [x.strip() for x in class_data.get("let", "").split(",") if x.strip()]
 
 
 def structural_aliases(graph: Graph) -> dict[str, str]:
