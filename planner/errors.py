@@ -12,11 +12,16 @@ class UsageError(ValueError):
     """A command-line value is out of range or inconsistent."""
 
 
+class TorchImportError(ValueError):
+    """A torch module could not be imported: untraceable code, a bad dtype or mismatched inputs."""
+
+
 USER_ERRORS: tuple[type[BaseException], ...] = (
     GraphError,
     OpError,
     DeviceSpecError,
     RuleFileError,
     UsageError,
+    TorchImportError,
     FileNotFoundError,
 )
