@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 
 TORCH_DTYPES: dict[torch.dtype, str] = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 _TORCH_DIR = os.path.dirname(torch.__file__)
+_PLANNER_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def ir_dtype(dtype: torch.dtype, what: str) -> str:
@@ -183,7 +184,8 @@ class _Recorder(fx.Interpreter):
 def _user_frame(exc: BaseException) -> str | None:
     """``file:line: source`` of the innermost frame of user code in a traceback."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_TORCH_DIR)]
-    frames = [f for f in frames if not f.filename.endswith(("torch_frontend.py", "api.py"))]
+    frames = [f for f in frames if not f.filename.startswith("<") and f.line]  # generated code has no source
+    frames = [f for f in frames if os.path.dirname(os.path.abspath(f.filename)) != _PLANNER_DIR]
     if not frames:
         return None
     f = frames[-1]
