@@ -181,17 +181,24 @@ def _runner(name: str, spec: DeviceSpec, plan: Plan, backend: Backend | None) ->
 def _choose(
     cands: CandidateSet, backend: str, spec: DeviceSpec, feed: Mapping[str, np.ndarray], search_opts: dict[str, Any]
 ) -> tuple[Plan, list[str], Any, Backend | None]:
-    """The measured search's choice; the cost model's best where planner.search is absent."""
-    try:
-        from planner.search import SearchOptions, search
-    except ImportError:
+    """The measured search's choice; the cost model's best where nothing can be measured."""
+    unmeasured = None
+    if backend == "reference":
+        unmeasured = "the reference backend does not time plans"
+    else:
+        try:
+            from planner.search import SearchOptions, search
+        except ImportError:
+            unmeasured = "planner.search is not available"
+    if unmeasured is not None:
         msg = (
-            f"planner.search is not available: chose the cost model's best of {len(cands.plans)} candidate(s) "
+            f"{unmeasured}: chose the cost model's best of {len(cands.plans)} candidate(s) "
             f"without measuring ({cands.best.composition()}, est {cands.best.est_us:,.2f} us)"
         )
-        if search_opts:
-            log.warning("search options %s ignored: %s", sorted(search_opts), msg)
-        log.warning("%s", msg)
+        ignored = sorted(set(search_opts) - {"seed"})
+        if ignored:
+            log.warning("search options %s ignored: %s", ignored, msg)
+        log.info("%s", msg)
         return cands.best, [msg], None, None
     be = _backend(backend, spec)
     result = search(cands, be, dict(feed), SearchOptions(**search_opts))
