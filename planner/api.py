@@ -109,7 +109,8 @@ class PlanResult:
         return errors
 
     def table(self) -> str:
-        """The ledger table of the candidates, the chosen plan starred (measured times when searched)."""
+        """Ledger table, the chosen plan starred: the tried candidates with measured times after a search,
+        else every costed candidate."""
         extra: list[tuple[str, Callable[[Plan], str]]] = []
         if self.search_result is not None:
             meas = {e.plan.key: e for e in self.search_result.entries}
@@ -123,7 +124,9 @@ class PlanResult:
                 return "-" if e is None else str(e.verdict)
 
             extra = [("meas_us", measured), ("verdict", verdict)]
-        return ledger_table(self.candidates.plans, self.plan.key, extra)
+            tried = [e.plan for e in self.search_result.entries if e.verdict != "not timed"]
+            return ledger_table(sorted(tried, key=Plan.sort_key), self.plan.key, extra)
+        return ledger_table(self.candidates.plans, self.plan.key)
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {

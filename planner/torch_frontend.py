@@ -809,7 +809,10 @@ def dynamo_backend(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], *
             return gm.forward
         raise
     backend = options.pop("backend", None) or _default_backend()
-    result = plan(imported, example_inputs, backend=backend, **options)
+    # compiling happens on the first call: keep the measured search short unless told otherwise
+    opts: dict[str, Any] = {} if backend == "reference" else {"max_candidates": 16, "time_budget_s": 10.0}
+    opts.update(options)
+    result = plan(imported, example_inputs, backend=backend, **opts)
     with torch.no_grad():
         result.check(gm(*example_inputs), *example_inputs)
     log.info("fusion_planner: planned %s on %s backend: %s", gm.__class__.__name__, backend, result.plan.composition())
