@@ -8,9 +8,11 @@ inputs, and returns a :class:`PlanResult` that executes it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from collections.abc import Callable, Mapping, Sequence
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -204,8 +206,30 @@ def _choose(
         log.info("%s", msg)
         return cands.best, [msg], None, None
     be = _backend(backend, spec)
-    result = search(cands, be, dict(feed), SearchOptions(**search_opts))
+    with _quiet_torch_threads(backend):
+        result = search(cands, be, dict(feed), SearchOptions(**search_opts))
     return result.best, list(result.log_lines), result, be
+
+
+@contextlib.contextmanager
+def _quiet_torch_threads(backend: str) -> Iterator[None]:
+    """Run torch single-threaded while the cpu backend is timed.
+
+    Torch's OpenMP workers keep spinning after an eager call (the import, the
+    check, torch-backed Opaque kernels) and steal the cores that the
+    generated kernels and BLAS are timed on: measured on a 2-core machine,
+    medians jumped from ~32 us to ~32,000 us until the spinning stopped.
+    """
+    torch = sys.modules.get("torch")
+    if backend != "cpu" or torch is None:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def plan(
