@@ -206,19 +206,18 @@ def _choose(
         log.info("%s", msg)
         return cands.best, [msg], None, None
     be = _backend(backend, spec)
-    with _quiet_torch_threads(backend):
-        result = search(cands, be, dict(feed), SearchOptions(**search_opts))
+    result = search(cands, be, dict(feed), SearchOptions(**search_opts))
     return result.best, list(result.log_lines), result, be
 
 
 @contextlib.contextmanager
 def _quiet_torch_threads(backend: str) -> Iterator[None]:
-    """Run torch single-threaded while the cpu backend is timed.
+    """Run torch single-threaded while planning for the cpu backend.
 
     Torch's OpenMP workers keep spinning after an eager call (the import, the
     check, torch-backed Opaque kernels) and steal the cores that the
     generated kernels and BLAS are timed on: measured on a 2-core machine,
-    medians jumped from ~32 us to ~32,000 us until the spinning stopped.
+    medians jumped from ~32 us to ~32,000 us while they spun.
     """
     torch = sys.modules.get("torch")
     if backend != "cpu" or torch is None:
@@ -254,6 +253,22 @@ def plan(
     model.  Remaining keywords go to :class:`planner.search.SearchOptions`.
     With ``verify`` the chosen plan is checked against eager torch once.
     """
+    with _quiet_torch_threads(backend):
+        return _plan(module_or_graph, example_inputs, backend, device, rules, limits, cap, k, verify, search_opts)
+
+
+def _plan(
+    module_or_graph: Any,
+    example_inputs: Any,
+    backend: str,
+    device: str | DeviceSpec | None,
+    rules: Sequence[str | Path],
+    limits: Limits | None,
+    cap: int,
+    k: int,
+    verify: bool,
+    search_opts: dict[str, Any],
+) -> PlanResult:
     spec = device if isinstance(device, DeviceSpec) else load_device(device)
     imported, module, args = None, None, None
     if isinstance(module_or_graph, Graph):
