@@ -182,14 +182,14 @@ class _Recorder(fx.Interpreter):
 
 
 def _user_frame(exc: BaseException) -> str | None:
-    """``file:line: source`` of the innermost frame of user code in a traceback."""
+    """``file:line (`source`)`` of the innermost frame of user code in a traceback."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_TORCH_DIR)]
     frames = [f for f in frames if not f.filename.startswith("<") and f.line]  # generated code has no source
     frames = [f for f in frames if os.path.dirname(os.path.abspath(f.filename)) != _PLANNER_DIR]
     if not frames:
         return None
     f = frames[-1]
-    return f"{f.filename}:{f.lineno}: {f.line}"
+    return f"{f.filename}:{f.lineno} (`{(f.line or '').strip()}`)"
 
 
 def _first_line(exc: BaseException) -> str:
@@ -248,19 +248,18 @@ def _untraceable(fx_exc: BaseException | None, export_exc: BaseException | None)
     where = _user_frame(fx_exc) if fx_exc is not None else None
     if where is None and export_exc is not None:
         where = _user_frame(export_exc)
-    parts = ["the module cannot be traced"]
-    if where:
-        parts.append(f"at {where.strip()}")
-    if fx_exc is not None:
-        parts.append(f"torch.fx: {_first_line(fx_exc)}")
-    if export_exc is not None:
-        parts.append(f"torch.export: {_first_line(export_exc)}")
-    hint = (
-        "data-dependent Python control flow (an `if`/`while` on tensor values) cannot be planned; "
-        "rewrite it with torch.cond / torch.where so that torch.export.export(module, inputs) succeeds, "
-        "and pass the module (or the ExportedProgram) again"
-    )
-    return TorchImportError("; ".join(parts) + ". " + hint)
+    head = "the module cannot be traced" + (f" at {where}" if where else "")
+    errors = [f"torch.fx: {_first_line(e)}" for e in (fx_exc,) if e is not None]
+    errors += [f"torch.export: {_first_line(e)}" for e in (export_exc,) if e is not None]
+    text = " ".join(errors)
+    if "control flow" in text or "data-dependent" in text or "DataDependent" in text:
+        hint = (
+            "Data-dependent Python control flow (an `if`/`while` on tensor values) cannot be planned: "
+            "rewrite it with torch.cond or torch.where so that torch.export.export(module, inputs) succeeds"
+        )
+    else:
+        hint = "Run torch.export.export(module, inputs) to see the failing construct, then pass the ExportedProgram"
+    return TorchImportError(f"{head}: {'; '.join(errors)}. {hint}.")
 
 
 # ---------------------------------------------------------------- values during import
