@@ -8,11 +8,9 @@ inputs, and returns a :class:`PlanResult` that executes it.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -210,27 +208,6 @@ def _choose(
     return result.best, list(result.log_lines), result, be
 
 
-@contextlib.contextmanager
-def _quiet_torch_threads(backend: str) -> Iterator[None]:
-    """Run torch single-threaded while planning for the cpu backend.
-
-    Torch's OpenMP workers keep spinning after an eager call (the import, the
-    check, torch-backed Opaque kernels) and steal the cores that the
-    generated kernels and BLAS are timed on: measured on a 2-core machine,
-    medians jumped from ~32 us to ~32,000 us while they spun.
-    """
-    torch = sys.modules.get("torch")
-    if backend != "cpu" or torch is None:
-        yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def plan(
     module_or_graph: Any,
     example_inputs: Any = None,
@@ -253,8 +230,7 @@ def plan(
     model.  Remaining keywords go to :class:`planner.search.SearchOptions`.
     With ``verify`` the chosen plan is checked against eager torch once.
     """
-    with _quiet_torch_threads(backend):
-        return _plan(module_or_graph, example_inputs, backend, device, rules, limits, cap, k, verify, search_opts)
+    return _plan(module_or_graph, example_inputs, backend, device, rules, limits, cap, k, verify, search_opts)
 
 
 def _plan(
