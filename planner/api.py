@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,6 +209,11 @@ def _choose(
     return result.best, list(result.log_lines), result, be
 
 
+def _omp_quiet() -> bool:
+    env = os.environ
+    return env.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" or env.get("OMP_NUM_THREADS") == "1"
+
+
 def plan(
     module_or_graph: Any,
     example_inputs: Any = None,
@@ -265,6 +271,12 @@ def _plan(
             imported = import_module(module, args)
         graph = imported.graph
         feed = graph_inputs_from_module(imported, module, args)
+    if backend == "cpu" and imported is not None and imported.opaque_ops and not _omp_quiet():
+        log.warning(
+            "torch-backed Opaque kernels share the cores with the timed cpu kernels: torch's spinning OpenMP "
+            "workers can stall measurements by tens of ms; set OMP_WAIT_POLICY=PASSIVE (or OMP_NUM_THREADS=1) "
+            "before torch is imported for stable timings"
+        )
     cands = build_candidates(graph, spec, rules=load_rules(rules), limits=limits, cap=cap, k=k,
                              seed=int(search_opts.get("seed", 0)))
     best, lines, search_result, be = _choose(cands, backend, spec, feed, search_opts)
