@@ -177,7 +177,8 @@ class _Recorder(fx.Interpreter):
 
     def run_node(self, n: fx.Node) -> Any:
         v = super().run_node(n)
-        self.values[n] = v
+        # an in-place op later in the graph must not change the value recorded here
+        self.values[n] = v.detach().clone() if isinstance(v, torch.Tensor) and n.op.startswith("call_") else v
         return v
 
 
@@ -313,6 +314,8 @@ _canon("view", ("method", "view"), ("method", "reshape"), ("method", "flatten"),
        ("method", "squeeze"), ("method", "view_as"), ("method", "reshape_as"), torch.reshape, torch.flatten,
        torch.unsqueeze, torch.squeeze, _aten.view.default, _aten.reshape.default, _aten._unsafe_view.default,
        _aten.unsqueeze.default, _aten.squeeze.dim, _aten.flatten.using_ints)
+_INPLACE_OPERATORS = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+                      operator.itruediv: operator.truediv}
 _SHAPE_QUERIES = {("method", "size"), ("method", "dim"), ("method", "numel"), getattr, operator.getitem, len,
                   _aten.sym_size.int}
 
@@ -437,10 +440,38 @@ class _Importer:
         return fx.node.map_arg(a, lambda n: self.env[n])
 
     def call(self, node: fx.Node) -> Any:
+        """Map one call; an in-place op is mapped out of place and rebinds the tensor it mutated."""
+        out = self._call(node)
+        mutated = self.mutated_input(node)
+        if mutated is not None and isinstance(out, (_T, torch.Tensor)):
+            self.env[mutated] = out
+        return out
+
+    def mutated_input(self, node: fx.Node) -> fx.Node | None:
+        first = node.args[0] if node.args else None
+        if not isinstance(first, fx.Node):
+            return None
+        if node.op == "call_method":
+            name = str(node.target)
+            inplace = name.endswith("_") and not name.startswith("_")
+        elif node.op == "call_module":
+            inplace = bool(getattr(self.gm.get_submodule(str(node.target)), "inplace", False))
+        else:
+            inplace = node.target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True
+        return first if inplace else None
+
+    def _call(self, node: fx.Node) -> Any:
         args, kwargs = self.arg(node.args), self.arg(node.kwargs)
         if node.op == "call_module":
             return self.call_module(node, args, kwargs)
-        target = ("method", node.target) if node.op == "call_method" else node.target
+        fn_target: Any = node.target
+        if self.mutated_input(node) is not None:
+            if node.op == "call_method":
+                fn_target = str(node.target)[:-1]
+            fn_target = _INPLACE_OPERATORS.get(fn_target, fn_target)
+            if "inplace" in kwargs:
+                kwargs = {**kwargs, "inplace": False}
+        target = ("method", fn_target) if node.op == "call_method" else fn_target
         leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, (_T, _Multi))]
         concrete = self.values[node]
         if not any(isinstance(x, _Multi) or x.runtime for x in leaves):
@@ -464,7 +495,7 @@ class _Importer:
             out = handler(node, args, kwargs, concrete)
             if out is not None:
                 return out
-        return self.generic(node, node.target)
+        return self.generic(node, fn_target, args, kwargs)
 
     def fold(self, node: fx.Node, concrete: Any) -> Any:
         """A value computed from constants and parameters only: captured at import."""
@@ -617,7 +648,7 @@ class _Importer:
         return self.opaque_call(node, "torch.nn.functional.layer_norm", call_args, {}, concrete)
 
     # -- everything else
-    def generic(self, node: fx.Node, target: Any) -> Any:
+    def generic(self, node: fx.Node, target: Any, args: Any, kwargs: Any) -> Any:
         name = torch_fn_name(target)
         if name is None:
             raise TorchImportError(
@@ -627,7 +658,6 @@ class _Importer:
         concrete = self.values[node]
         if isinstance(concrete, (tuple, list)):
             return _Multi(node, name, concrete)
-        args, kwargs = self.arg(node.args), self.arg(node.kwargs)
         return self.opaque_call(node, name, args, kwargs, concrete)
 
     def opaque(self, getitem: fx.Node, impl: str, call_node: fx.Node, item: int) -> _T:

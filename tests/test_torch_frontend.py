@@ -188,6 +188,26 @@ def test_parameters_are_bound_at_call_time() -> None:
         _assert_close(result(x), m(x))
 
 
+def test_in_place_ops_are_mapped_out_of_place() -> None:
+    class InPlace(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.act = nn.Linear(16, 16), nn.ReLU(inplace=True)
+
+        def forward(self, x):
+            h = self.fc(x)
+            h += x  # a residual written in place
+            h.mul_(2.0)
+            return self.act(h) + h  # the ReLU overwrote h: eager gives 2 * relu(h)
+
+    m = InPlace().eval()
+    x = torch.randn(2, 6, 16)
+    result = planner.plan(m, (x,), backend="reference")
+    assert "Opaque" not in {n.op for n in result.graph.ops}
+    with torch.no_grad():
+        _assert_close(result(x), m(x.clone()))
+
+
 def test_shape_dependent_control_flow_falls_back_to_export() -> None:
     class Shapey(nn.Module):
         def __init__(self) -> None:
