@@ -147,16 +147,26 @@ class PlanResult:
         return d
 
     def save(self, directory: str | Path) -> Path:
-        """Write graph.json, plan.json (kernels with bodies; opaque impls by name), results.json."""
+        """Write graph.json, plan.json (re-executable with ``fusion-planner run``) and results.json.
+
+        Opaque kernels name their registered implementation; nothing is pickled.
+        """
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         (out / "graph.json").write_text(self.graph.dumps() + "\n")
-        plan = self.plan.to_json()
-        plan["graph"] = self.graph.name
-        plan["outputs"] = list(self.plan.outputs)
-        for kd, k in zip(plan["kernels"], self.plan.kernels, strict=True):
-            kd["body"] = expr_to_json(k.body)
-        (out / "plan.json").write_text(json.dumps(plan, indent=1) + "\n")
+        meta: dict[str, Any] = {"backend": self.backend}
+        if self.imported is not None:
+            meta.update(tracer=self.imported.tracer, opaque_ops=list(self.imported.opaque_ops))
+        try:
+            from planner.planfile import save_plan
+        except ImportError:  # planner/planfile.py comes with the search; until it is merged: bodies only
+            plan = self.plan.to_json()
+            plan.update(graph=self.graph.name, outputs=list(self.plan.outputs), meta=meta)
+            for kd, k in zip(plan["kernels"], self.plan.kernels, strict=True):
+                kd["body"] = expr_to_json(k.body)
+            (out / "plan.json").write_text(json.dumps(plan, indent=1) + "\n")
+        else:
+            save_plan(out / "plan.json", self.plan, self.graph, self.spec, meta)
         (out / "results.json").write_text(json.dumps(self.to_json(), indent=1, default=str) + "\n")
         return out
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -17,6 +18,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import planner  # noqa: E402
+import planner.torch_frontend  # noqa: E402
 from planner.api import allclose_report  # noqa: E402
 from planner.errors import TorchImportError  # noqa: E402
 from planner.ops import OpError  # noqa: E402
@@ -152,24 +154,35 @@ def test_opaque_ops_are_logged_and_saved_by_name(tmp_path: Path, caplog: pytest.
     assert "stayed opaque" in caplog.text and "scaled_dot_product_attention" in caplog.text
     out = result.save(tmp_path)
     plan = json.loads((out / "plan.json").read_text())
-    impls = {k["body"]["attrs"]["impl"] for k in plan["kernels"] if k["kind"] == "opaque"}
+    kernels = plan["plan"]["kernels"] if "plan" in plan else plan["kernels"]
+    impls = {k["body"]["attrs"]["impl"] for k in kernels if k["kind"] == "opaque"}
     assert {"torch.nn.functional.layer_norm", "torch.nn.functional.scaled_dot_product_attention"} <= impls
     assert json.loads((out / "graph.json").read_text())["format"] == "fusion-planner-graph"
 
 
-def test_saved_graph_evaluates_in_a_fresh_process(tmp_path: Path) -> None:
+def test_saved_plan_executes_in_a_fresh_process(tmp_path: Path) -> None:
+    """Torch-backed Opaque impls are found by name in a process that never imported the frontend."""
     m, (x,) = _block()
     result = planner.plan(m, (x,), backend="reference")
     result.save(tmp_path)
+    feed = planner.torch_frontend.graph_inputs_from_module(result.imported, m, (x,))
+    np.savez(tmp_path / "feed.npz", **feed)
     code = (
-        "import sys, numpy as np; from planner.graph import load_graph; "
-        "from backends.reference import execute_graph, random_inputs; "
-        "g = load_graph(sys.argv[1]); y = execute_graph(g, random_inputs(g)); print(np.isfinite(y[0]).all())"
+        "import sys, numpy as np; from planner.graph import load_graph; from backends.reference import execute_graph;"
+        "g = load_graph(sys.argv[1] + '/graph.json'); feed = dict(np.load(sys.argv[1] + '/feed.npz'));"
+        "assert 'planner.torch_frontend' not in sys.modules; outs = [execute_graph(g, feed)[0]];"
+        "from importlib.util import find_spec\n"
+        "if find_spec('planner.planfile'):\n"
+        "    from planner.planfile import load_plan; from backends.reference import execute_plan\n"
+        "    plan, graph, spec, meta = load_plan(sys.argv[1] + '/plan.json'); outs.append(execute_plan(plan, feed)[0])\n"
+        "np.save(sys.argv[1] + '/out.npy', np.stack(outs))"
     )
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "graph.json")], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "True"
+    with torch.no_grad():
+        want = m(x).reshape(-1, 64).numpy()
+    for got in np.load(tmp_path / "out.npy"):
+        assert allclose_report(got, want, "fp32")[0]
 
 
 def test_opaque_names_are_an_allowlist() -> None:
