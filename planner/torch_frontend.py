@@ -830,6 +830,13 @@ def dynamo_backend(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], *
     """``torch.compile(model, backend="fusion_planner")``: plan the captured graph and run the plan."""
     from planner.api import plan
 
+    dynamic = [i for i, t in enumerate(example_inputs) if not isinstance(t, torch.Tensor)]
+    if dynamic:
+        raise TorchImportError(
+            f"the captured graph has dynamic shapes (input {dynamic[0]} is a {type(example_inputs[dynamic[0]]).__name__}); "
+            "a plan is made for fixed shapes: use torch.compile(model, backend='fusion_planner', dynamic=False) "
+            "so that each new shape is planned on its own"
+        )
     try:
         imported = import_fx_graph(gm, example_inputs)
     except TorchImportError as exc:

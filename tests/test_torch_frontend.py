@@ -284,6 +284,21 @@ def test_torch_compile_backend_matches_eager() -> None:
     torch._dynamo.reset()
 
 
+def test_torch_compile_dynamic_shapes_are_a_clear_error() -> None:
+    torch._dynamo.reset()
+    m, x = _model("mlp-relu", torch.float32)
+    compiled = torch.compile(m, backend="fusion_planner")
+    with torch.no_grad():
+        compiled(x)
+        with pytest.raises(Exception, match="dynamic=False"):  # dynamo wraps it in BackendCompilerFailed
+            compiled(torch.randn(3, 6, 16))
+        fixed = torch.compile(m, backend="fusion_planner", dynamic=False)
+        for rows in (2, 3):  # each shape gets its own plan
+            x3 = torch.randn(rows, 6, 16)
+            _assert_close(fixed(x3), m(x3))
+    torch._dynamo.reset()
+
+
 def test_torch_compile_backend_is_an_entry_point() -> None:
     """In a fresh interpreter that never imports planner, torch finds the backend by its entry point."""
     code = (
