@@ -22,32 +22,15 @@ from planner.candidates import DEFAULT_CAP, DEFAULT_K, CandidateSet, build_candi
 from planner.cost import DeviceSpec, load_device
 from planner.egraph import Limits
 from planner.graph import Graph
-from planner.plans import Plan, expr_to_json
+from planner.plans import Plan
 from planner.report import ledger_table
+from planner.tolerance import allclose_report, tolerance
 
 if TYPE_CHECKING:
     from backends.base import Backend
     from planner.torch_frontend import ImportedModule
 
 log = logging.getLogger(__name__)
-
-try:
-    from planner.tolerance import allclose_report, tolerance
-except ImportError:  # planner/tolerance.py (helper "rules") not merged yet: same names, kept only here
-
-    def tolerance(dtype: str) -> tuple[float, float]:
-        """(rtol, atol) for comparing a plan's outputs in ``dtype``."""
-        return {"fp32": (1e-3, 1e-4), "fp16": (1e-2, 1e-2), "bf16": (4e-2, 4e-2)}[dtype]
-
-    def allclose_report(actual: np.ndarray, expected: np.ndarray, dtype: str) -> tuple[bool, float, float]:
-        rtol, atol = tolerance(dtype)
-        a = np.asarray(actual, dtype=np.float64)
-        e = np.asarray(expected, dtype=np.float64)
-        diff = np.abs(a - e)
-        max_abs = float(diff.max(initial=0.0))
-        max_rel = float((diff / np.maximum(np.abs(e), 1e-30)).max(initial=0.0))
-        ok = bool(np.isfinite(a).all() and (diff <= atol + rtol * np.abs(e)).all())
-        return ok, max_abs, max_rel
 
 
 class PlanMismatchError(RuntimeError):
@@ -157,16 +140,9 @@ class PlanResult:
         meta: dict[str, Any] = {"backend": self.backend}
         if self.imported is not None:
             meta.update(tracer=self.imported.tracer, opaque_ops=list(self.imported.opaque_ops))
-        try:
-            from planner.planfile import save_plan
-        except ImportError:  # planner/planfile.py comes with the search; until it is merged: bodies only
-            plan = self.plan.to_json()
-            plan.update(graph=self.graph.name, outputs=list(self.plan.outputs), meta=meta)
-            for kd, k in zip(plan["kernels"], self.plan.kernels, strict=True):
-                kd["body"] = expr_to_json(k.body)
-            (out / "plan.json").write_text(json.dumps(plan, indent=1) + "\n")
-        else:
-            save_plan(out / "plan.json", self.plan, self.graph, self.spec, meta)
+        from planner.planfile import save_plan
+
+        save_plan(out / "plan.json", self.plan, self.graph, self.spec, meta)
         (out / "results.json").write_text(json.dumps(self.to_json(), indent=1, default=str) + "\n")
         return out
 
@@ -195,25 +171,19 @@ def _runner(name: str, spec: DeviceSpec, plan: Plan, backend: Backend | None) ->
 def _choose(
     cands: CandidateSet, backend: str, spec: DeviceSpec, feed: Mapping[str, np.ndarray], search_opts: dict[str, Any]
 ) -> tuple[Plan, list[str], Any, Backend | None]:
-    """The measured search's choice; the cost model's best where nothing can be measured."""
-    unmeasured = None
+    """The measured search's choice; the cost model's best on the reference backend, which cannot time."""
     if backend == "reference":
-        unmeasured = "the reference backend does not time plans"
-    else:
-        try:
-            from planner.search import SearchOptions, search
-        except ImportError:
-            unmeasured = "planner.search is not available"
-    if unmeasured is not None:
         msg = (
-            f"{unmeasured}: chose the cost model's best of {len(cands.plans)} candidate(s) "
-            f"without measuring ({cands.best.composition()}, est {cands.best.est_us:,.2f} us)"
+            f"the reference backend does not time plans: chose the cost model's best of {len(cands.plans)} "
+            f"candidate(s) without measuring ({cands.best.composition()}, est {cands.best.est_us:,.2f} us)"
         )
         ignored = sorted(set(search_opts) - {"seed"})
         if ignored:
             log.warning("search options %s ignored: %s", ignored, msg)
         log.info("%s", msg)
         return cands.best, [msg], None, None
+    from planner.search import SearchOptions, search
+
     be = _backend(backend, spec)
     result = search(cands, be, dict(feed), SearchOptions(**search_opts))
     return result.best, list(result.log_lines), result, be
@@ -246,21 +216,6 @@ def plan(
     model.  Remaining keywords go to :class:`planner.search.SearchOptions`.
     With ``verify`` the chosen plan is checked against eager torch once.
     """
-    return _plan(module_or_graph, example_inputs, backend, device, rules, limits, cap, k, verify, search_opts)
-
-
-def _plan(
-    module_or_graph: Any,
-    example_inputs: Any,
-    backend: str,
-    device: str | DeviceSpec | None,
-    rules: Sequence[str | Path],
-    limits: Limits | None,
-    cap: int,
-    k: int,
-    verify: bool,
-    search_opts: dict[str, Any],
-) -> PlanResult:
     spec = device if isinstance(device, DeviceSpec) else load_device(device)
     imported, module, args = None, None, None
     if isinstance(module_or_graph, Graph):

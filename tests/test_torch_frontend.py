@@ -154,8 +154,7 @@ def test_opaque_ops_are_logged_and_saved_by_name(tmp_path: Path, caplog: pytest.
     assert "stayed opaque" in caplog.text and "scaled_dot_product_attention" in caplog.text
     out = result.save(tmp_path)
     plan = json.loads((out / "plan.json").read_text())
-    kernels = plan["plan"]["kernels"] if "plan" in plan else plan["kernels"]
-    impls = {k["body"]["attrs"]["impl"] for k in kernels if k["kind"] == "opaque"}
+    impls = {k["body"]["attrs"]["impl"] for k in plan["plan"]["kernels"] if k["kind"] == "opaque"}
     assert {"torch.nn.functional.layer_norm", "torch.nn.functional.scaled_dot_product_attention"} <= impls
     assert json.loads((out / "graph.json").read_text())["format"] == "fusion-planner-graph"
 
@@ -171,10 +170,8 @@ def test_saved_plan_executes_in_a_fresh_process(tmp_path: Path) -> None:
         "import sys, numpy as np; from planner.graph import load_graph; from backends.reference import execute_graph;"
         "g = load_graph(sys.argv[1] + '/graph.json'); feed = dict(np.load(sys.argv[1] + '/feed.npz'));"
         "assert 'planner.torch_frontend' not in sys.modules; outs = [execute_graph(g, feed)[0]];"
-        "from importlib.util import find_spec\n"
-        "if find_spec('planner.planfile'):\n"
-        "    from planner.planfile import load_plan; from backends.reference import execute_plan\n"
-        "    plan, graph, spec, meta = load_plan(sys.argv[1] + '/plan.json'); outs.append(execute_plan(plan, feed)[0])\n"
+        "from planner.planfile import load_plan; from backends.reference import execute_plan;"
+        "plan, graph, spec, meta = load_plan(sys.argv[1] + '/plan.json'); outs.append(execute_plan(plan, feed)[0]);"
         "np.save(sys.argv[1] + '/out.npy', np.stack(outs))"
     )
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
