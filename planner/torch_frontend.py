@@ -47,7 +47,7 @@ from torch.utils import _pytree as pytree
 from planner.errors import TorchImportError
 from planner.graph import Graph, GraphBuilder, GraphError
 from planner.ops import OpError
-from planner.torch_ops import encode_arg, ensure_registered, flat_shape, torch_fn_name
+from planner.torch_ops import encode_arg, ensure_registered, flat_shape, step_flops, torch_fn_name
 
 log = logging.getLogger(__name__)
 
@@ -276,6 +276,18 @@ class _T:
     id: str | None = None  # IR node id once materialised (computed values always have one)
     source: tuple[str, Any] | None = None  # ("arg", i) | ("state", name) for graph inputs
     name: str = ""
+    #: an Opaque result not emitted yet: its single consumer, if torch-backed too, folds it in
+    program: _Program | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True, eq=False)
+class _Program:
+    """Torch calls (JSON steps) over materialised IR inputs, the last one giving the value."""
+
+    node: fx.Node
+    steps: tuple[dict[str, Any], ...]
+    inputs: tuple[str, ...]
+    in_shapes: tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)
@@ -337,6 +349,8 @@ class _Importer:
     bindings: dict[tuple[Any, ...], Binding] = field(default_factory=dict)
     constants: dict[str, np.ndarray] = field(default_factory=dict)
     opaque_names: list[str] = field(default_factory=list)
+    opaque_kernels: int = 0
+    emitted: dict[int, str] = field(default_factory=dict)  # id(_Program) -> IR id
     ids: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -356,6 +370,8 @@ class _Importer:
 
     def use(self, v: Any, hint: str, transpose: bool = False) -> str:
         """The IR id holding ``v`` (a tensor value), creating a graph input on first use."""
+        if isinstance(v, _T) and v.program is not None:
+            return self.materialise(v)
         if isinstance(v, _T) and v.id is not None and not transpose:
             return v.id
         if isinstance(v, _T):
@@ -597,6 +613,8 @@ class _Importer:
             return None
         if flat_shape(concrete.shape) != flat_shape(x.shape):
             return None
+        if x.program is not None:
+            x = _T(x.shape, x.dtype, x.runtime, self.materialise(x))
         if x.id is None:
             return _T(tuple(concrete.shape), x.dtype, x.runtime, None, x.source, x.name) if concrete.shape == x.shape else None
         return _T(tuple(concrete.shape), x.dtype, x.runtime, x.id)
@@ -665,6 +683,7 @@ class _Importer:
         return self.opaque_call(getitem, impl, args, kwargs, self.values[getitem], item=item)
 
     def opaque_call(self, node: fx.Node, impl: str, args: Any, kwargs: Any, concrete: Any, item: int = -1) -> _T:
+        """A torch call as an Opaque node; single-use torch-backed inputs are folded into its steps."""
         if not isinstance(concrete, torch.Tensor):
             raise TorchImportError(f"{self.where(node)} returns a {type(concrete).__name__}, not a tensor")
         ir_dtype(concrete.dtype, f"the result of {self.where(node)}")
@@ -673,27 +692,80 @@ class _Importer:
         except OpError as exc:
             raise TorchImportError(f"{self.where(node)}: {exc}") from None
         inputs: list[str] = []
-        in_shapes: list[list[int]] = []
+        in_shapes: list[tuple[int, ...]] = []
+        steps: list[dict[str, Any]] = []
+        folded: dict[int, int] = {}  # id(_Program) -> its last step here
 
-        def index(v: Any) -> int | None:
+        def add_input(nid: str, shape: tuple[int, ...]) -> int:
+            if nid not in inputs:
+                inputs.append(nid)
+                in_shapes.append(shape)
+            return inputs.index(nid)
+
+        def fold(p: _Program) -> int:
+            if id(p) not in folded:
+                base = len(steps)
+                remap = {k: add_input(nid, shp) for k, (nid, shp) in enumerate(zip(p.inputs, p.in_shapes, strict=True))}
+                steps.extend(_renumber(st, remap, base) for st in p.steps)
+                folded[id(p)] = len(steps) - 1
+            return folded[id(p)]
+
+        shapes: list[list[int]] = []
+
+        def ref(v: Any) -> dict[str, int] | None:
             is_float = isinstance(v, torch.Tensor) and v.dtype in TORCH_DTYPES
             if not isinstance(v, _T) and not is_float:
                 return None
-            nid = self.use(v, f"{node.name}_const{len(inputs)}")
-            if nid not in inputs:
-                inputs.append(nid)
-                in_shapes.append(list(v.shape))
-            return inputs.index(nid)
+            shapes.append(list(v.shape))
+            if isinstance(v, _T) and v.program is not None and len(v.program.node.users) == 1:
+                return {"$step": fold(v.program)}
+            return {"$in": add_input(self.use(v, f"{node.name}_const{len(inputs)}"), tuple(v.shape))}
 
         try:
-            call = {"args": encode_arg(list(args), index), "kwargs": encode_arg(dict(kwargs), index)}
+            step = {"impl": impl, "args": encode_arg(list(args), ref), "kwargs": encode_arg(dict(kwargs), ref)}
         except TypeError as exc:
             raise TorchImportError(f"{self.where(node)}: {exc}") from None
-        call.update({"in": in_shapes, "out": list(concrete.shape), "item": item})
-        out = self.emit(node, "Opaque", inputs, {"impl": impl, "call": json.dumps(call, separators=(",", ":"))},
-                        concrete.shape, concrete.dtype)
+        step.update({"item": item, "shapes": shapes, "out": list(concrete.shape)})
+        steps.append(step)
         self.opaque_names.append(impl)
-        return out
+        value = _T(tuple(concrete.shape), concrete.dtype, True,
+                   program=_Program(node, tuple(steps), tuple(inputs), tuple(in_shapes)))
+        users = list(node.users)
+        if len(users) == 1 and users[0].op != "output":
+            return value  # emitted when its consumer is not torch-backed
+        return _T(value.shape, value.dtype, True, self.materialise(value))
+
+    def materialise(self, v: _T) -> str:
+        """Emit a pending torch-backed value as one Opaque node (once)."""
+        p = v.program
+        assert p is not None
+        if id(p) not in self.emitted:
+            call = {"steps": list(p.steps), "in": [list(s) for s in p.in_shapes], "out": list(v.shape)}
+            # named after its heaviest call (attention rather than the transposes around it)
+            impl = str(max(reversed(p.steps), key=step_flops)["impl"])
+            out = self.emit(p.node, "Opaque", list(p.inputs), {"impl": impl, "call": json.dumps(call, separators=(",", ":"))},
+                            v.shape, v.dtype)
+            assert out.id is not None
+            self.emitted[id(p)] = out.id
+            self.opaque_kernels += 1
+        return self.emitted[id(p)]
+
+
+def _renumber(step: dict[str, Any], inputs: Mapping[int, int], base: int) -> dict[str, Any]:
+    """A folded step with its input and step references moved to the consumer's numbering."""
+
+    def walk(d: Any) -> Any:
+        if isinstance(d, list):
+            return [walk(x) for x in d]
+        if isinstance(d, dict):
+            if set(d) == {"$in"}:
+                return {"$in": inputs[d["$in"]]}
+            if set(d) == {"$step"}:
+                return {"$step": base + d["$step"]}
+            return {k: walk(x) for k, x in d.items()}
+        return d
+
+    return {**step, "args": walk(step["args"]), "kwargs": walk(step["kwargs"])}
 
 
 def _is_tensor(v: Any) -> bool:
@@ -763,8 +835,8 @@ def _import_graph(gm: fx.GraphModule, ph_values: Sequence[Any], sources: list[tu
         counts: dict[str, int] = {}
         for o in imp.opaque_names:
             counts[o] = counts.get(o, 0) + 1
-        log.info("%s: %d op(s) stayed opaque (executed by torch): %s", name, len(imp.opaque_names),
-                 ", ".join(f"{k} x{v}" for k, v in counts.items()))
+        log.info("%s: %d op(s) stayed opaque (executed by torch, in %d Opaque kernel(s)): %s", name,
+                 len(imp.opaque_names), imp.opaque_kernels, ", ".join(f"{k} x{v}" for k, v in counts.items()))
     return ImportedModule(
         graph=graph,
         bindings=tuple(imp.bindings.values()),

@@ -3,10 +3,15 @@
 An imported op that the planner cannot express in the op table becomes an
 ``Opaque`` node whose ``impl`` is the op's stable dotted name (for example
 ``torch.nn.functional.layer_norm``, ``torch.Tensor.view`` or
-``torch.ops.aten.softmax.int``) and whose ``call`` attribute is a JSON
-description of the call: the non-tensor arguments, which positions take the
-node's tensor inputs, the torch shapes of those inputs and of the output.
-A saved graph or plan therefore names the function and never pickles it.
+``torch.ops.aten.softmax.int``) and whose ``call`` attribute is JSON:
+``{"steps": [...], "in": [torch shapes of the inputs], "out": torch shape}``.
+Each step names one allowed function and holds its non-tensor arguments, with
+tensors as ``{"$in": k}`` (the node's k-th input) or ``{"$step": j}`` (an
+earlier step's result); the last step's result is the node's value.  Torch
+calls whose result has a single torch-backed consumer are folded into that
+consumer's steps (split/view/transpose around an attention call become one
+kernel); the node's ``impl`` names its heaviest step.  A saved graph or plan
+therefore names functions and never pickles them.
 
 Which names may be looked up (also when a saved plan is loaded in a fresh
 process) is decided by namespace in :func:`resolve_torch_fn`: native tensor
@@ -131,21 +136,21 @@ def resolve_torch_fn(name: str) -> Callable[..., Any]:
 # ---------------------------------------------------------------- call encoding
 
 
-def encode_arg(value: Any, tensor_index: Callable[[Any], int | None]) -> Any:
-    """JSON form of one call argument; ``tensor_index`` maps IR tensors to input positions."""
-    k = tensor_index(value)
-    if k is not None:
-        return {"$in": k}
+def encode_arg(value: Any, tensor_ref: Callable[[Any], dict[str, int] | None]) -> Any:
+    """JSON form of one call argument; ``tensor_ref`` encodes tensors (``{"$in": k}`` or ``{"$step": j}``)."""
+    ref = tensor_ref(value)
+    if ref is not None:
+        return ref
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, list):
-        return [encode_arg(v, tensor_index) for v in value]
+        return [encode_arg(v, tensor_ref) for v in value]
     if isinstance(value, tuple):
-        return {"$tuple": [encode_arg(v, tensor_index) for v in value]}
+        return {"$tuple": [encode_arg(v, tensor_ref) for v in value]}
     if isinstance(value, dict):
-        return {"$dict": {str(k2): encode_arg(v, tensor_index) for k2, v in value.items()}}
+        return {"$dict": {str(k2): encode_arg(v, tensor_ref) for k2, v in value.items()}}
     if isinstance(value, slice):
-        return {"$slice": [encode_arg(v, tensor_index) for v in (value.start, value.stop, value.step)]}
+        return {"$slice": [encode_arg(v, tensor_ref) for v in (value.start, value.stop, value.step)]}
     if value is Ellipsis:
         return {"$ellipsis": 0}
     if isinstance(value, torch.dtype):
@@ -162,20 +167,22 @@ def encode_arg(value: Any, tensor_index: Callable[[Any], int | None]) -> Any:
     raise TypeError(f"cannot record an argument of type {type(value).__name__}")
 
 
-def _decode(d: Any, inputs: Sequence[torch.Tensor]) -> Any:
+def _decode(d: Any, inputs: Sequence[torch.Tensor], steps: Sequence[Any]) -> Any:
     if isinstance(d, list):
-        return [_decode(v, inputs) for v in d]
+        return [_decode(v, inputs, steps) for v in d]
     if not isinstance(d, dict):
         return d
     (tag, v), = d.items()
     if tag == "$in":
         return inputs[v]
+    if tag == "$step":
+        return steps[v]
     if tag == "$tuple":
-        return tuple(_decode(x, inputs) for x in v)
+        return tuple(_decode(x, inputs, steps) for x in v)
     if tag == "$dict":
-        return {k: _decode(x, inputs) for k, x in v.items()}
+        return {k: _decode(x, inputs, steps) for k, x in v.items()}
     if tag == "$slice":
-        return slice(*(_decode(x, inputs) for x in v))
+        return slice(*(_decode(x, inputs, steps) for x in v))
     if tag == "$ellipsis":
         return Ellipsis
     if tag == "$dtype":
@@ -213,28 +220,30 @@ def _shape(shapes: Sequence[Shape], attrs: Attrs) -> Shape:
     return flat_shape(call["out"])
 
 
-def _make_eval(fn: Callable[..., Any]) -> Callable[[Sequence[np.ndarray], Attrs], np.ndarray]:
-    def evaluate(xs: Sequence[np.ndarray], attrs: Attrs) -> np.ndarray:
-        call = _call_of(attrs)
-        ts = [torch.from_numpy(np.ascontiguousarray(x)).reshape(s) for x, s in zip(xs, call["in"], strict=False)]
-        with torch.no_grad():
-            out = fn(*_decode(call["args"], ts), **_decode(call["kwargs"], ts))
-        if call.get("item", -1) >= 0:
-            out = out[call["item"]]
-        if not isinstance(out, torch.Tensor):
-            raise OpError(f"Opaque[{attrs['impl']}] returned {type(out).__name__}, not a tensor")
-        work = xs[0].dtype if xs else np.dtype(np.float32)
-        return out.detach().to(torch.float64 if work == np.float64 else torch.float32).reshape(flat_shape(out.shape)).numpy()
-
-    return evaluate
-
-
-def _flops(out: Shape, ins: Sequence[Shape], attrs: Attrs) -> float:
-    """A rough FLOP count: GEMM-like ops by their contraction, the rest 4 per output element."""
-    name = str(attrs["impl"])
+def _evaluate(xs: Sequence[np.ndarray], attrs: Attrs) -> np.ndarray:
+    """Run the node's torch calls in order on the input arrays; the last call's result is the output."""
     call = _call_of(attrs)
-    shapes = [tuple(s) for s in call["in"]]
-    elems = math.prod(call["out"]) if call["out"] else 1
+    ts = [torch.from_numpy(np.ascontiguousarray(x)).reshape(s) for x, s in zip(xs, call["in"], strict=True)]
+    results: list[Any] = []
+    with torch.no_grad():
+        for step in call["steps"]:
+            fn = resolve_torch_fn(step["impl"])
+            out = fn(*_decode(step["args"], ts, results), **_decode(step["kwargs"], ts, results))
+            if step.get("item", -1) >= 0:
+                out = out[step["item"]]
+            results.append(out)
+    out = results[-1]
+    if not isinstance(out, torch.Tensor):
+        raise OpError(f"Opaque[{attrs['impl']}] returned {type(out).__name__}, not a tensor")
+    work = xs[0].dtype if xs else np.dtype(np.float32)
+    return out.detach().to(torch.float64 if work == np.float64 else torch.float32).reshape(flat_shape(out.shape)).numpy()
+
+
+def step_flops(step: dict[str, Any]) -> float:
+    """A rough FLOP count: GEMM-like calls by their contraction, the rest 4 per output element."""
+    name = str(step["impl"])
+    shapes = [tuple(s) for s in step.get("shapes", [])]
+    elems = math.prod(step["out"]) if step["out"] else 1
     if "scaled_dot_product_attention" in name and len(shapes) >= 3:
         q, k = shapes[0], shapes[1]
         return 4.0 * math.prod(q[:-1]) * k[-2] * q[-1]
@@ -243,13 +252,15 @@ def _flops(out: Shape, ins: Sequence[Shape], attrs: Attrs) -> float:
     return 4.0 * elems
 
 
+def _flops(out: Shape, ins: Sequence[Shape], attrs: Attrs) -> float:
+    return sum(step_flops(step) for step in _call_of(attrs)["steps"])
+
+
 def ensure_registered(name: str) -> str:
     """Register the torch-backed Opaque implementation ``name`` (idempotent)."""
     if name not in registered_opaque():
-        fn = resolve_torch_fn(name)
-        register_opaque(
-            OpaqueImpl(name, None, _shape, _make_eval(fn), _flops, f"torch-backed: {name}"),
-        )
+        resolve_torch_fn(name)
+        register_opaque(OpaqueImpl(name, None, _shape, _evaluate, _flops, f"torch-backed: {name}"))
     return name
 
 

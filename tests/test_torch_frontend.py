@@ -182,6 +182,26 @@ def test_saved_plan_executes_in_a_fresh_process(tmp_path: Path) -> None:
         assert allclose_report(got, want, "fp32")[0]
 
 
+def test_single_use_torch_calls_fold_into_one_opaque_kernel() -> None:
+    class Chains(nn.Module):
+        def forward(self, x):
+            s = torch.softmax(x, dim=-1)  # two users: its own kernel
+            t = torch.tanh(s).transpose(0, 1)  # single-use chain: one kernel with two calls
+            u = torch.cat([t, t], dim=1).transpose(0, 1)  # t referenced twice in one call
+            return torch.sigmoid(s) + u[:4]
+
+    m, x = Chains(), torch.randn(4, 8)
+    imported = import_module(m, (x,))
+    opaque = [n for n in imported.graph.ops if n.op == "Opaque"]
+    steps = {n.id: [st["impl"] for st in json.loads(n.attr_dict["call"])["steps"]] for n in opaque}
+    assert len(opaque) == 3, steps  # softmax | sigmoid | tanh+transpose+cat+transpose+getitem
+    used = {i for n in imported.graph.nodes for i in n.inputs} | set(imported.graph.outputs)
+    assert all(n.id in used for n in opaque)  # nothing emitted and then dropped
+    _assert_close(planner.plan(m, (x,), backend="reference")(x), m(x))
+    block = import_module(*_block()).graph
+    assert sum(n.op == "Opaque" for n in block.ops) == 3  # two LayerNorms, one attention (split/view/transpose in it)
+
+
 def test_opaque_names_are_an_allowlist() -> None:
     assert resolve_torch_fn("torch.softmax") is torch.softmax
     assert resolve_torch_fn("torch.ops.aten.softmax.int") is torch.ops.aten.softmax.int
