@@ -14,12 +14,17 @@ class UsageError(ValueError):
     """A command-line value is out of range or inconsistent."""
 
 
+class TorchImportError(ValueError):
+    """A torch module could not be imported: untraceable code, a bad dtype or mismatched inputs."""
+
+
 USER_ERRORS: tuple[type[BaseException], ...] = (
     GraphError,
     OpError,
     DeviceSpecError,
     RuleFileError,
     UsageError,
+    TorchImportError,
     FileNotFoundError,
     PlanFileError,  # a tampered or mismatched plan.json
     BackendUnavailable,  # the chosen backend needs a GPU, compiler or package this machine lacks

@@ -55,6 +55,14 @@ def register_opaque(impl: OpaqueImpl, *, replace: bool = False) -> OpaqueImpl:
 
 
 def opaque_impl(name: str) -> OpaqueImpl:
+    if name not in _REGISTRY and name.startswith("torch."):
+        # torch-backed impls are registered on first use, so a saved plan loads in a fresh process
+        try:
+            from planner.torch_ops import resolve_opaque
+        except ImportError:  # torch is not installed: the name stays unknown
+            pass
+        else:
+            resolve_opaque(name)
     try:
         return _REGISTRY[name]
     except KeyError:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from planner import examples
 from planner.candidates import DEFAULT_CAP, DEFAULT_K
@@ -61,6 +63,10 @@ def graph_from_args(args: argparse.Namespace) -> Graph:
     if args.graph:
         return load_graph(args.graph)
     if getattr(args, "torch", None):
+        if "torch" not in sys.modules:
+            # torch's OpenMP workers spin between calls and stall the timed cpu kernels by ~24 ms
+            # (docs/torch.md); the variable only works when set before torch is loaded
+            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         from planner.torch_frontend import graph_from_factory
 
         return graph_from_factory(args.torch)
