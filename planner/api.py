@@ -46,7 +46,7 @@ class PlanResult:
 
     graph: Graph
     plan: Plan
-    candidates: CandidateSet
+    candidates: CandidateSet | None  # None when regions were planned one by one (``model_plan``)
     backend: str
     spec: DeviceSpec
     log: list[str]
@@ -54,6 +54,7 @@ class PlanResult:
     module: Any = None
     search_result: Any = None  # planner.search.SearchResult when the search ran
     _runner: Runner | None = field(default=None, repr=False)
+    model_plan: Any = None  # planner.model_plan.ModelPlan when repeated regions were planned once each
 
     def __call__(self, *inputs: Any) -> Any:
         """Execute the chosen plan; torch tensors in and out for a module, numpy arrays for a Graph."""
@@ -110,6 +111,11 @@ class PlanResult:
             extra = [("meas_us", measured), ("verdict", verdict)]
             tried = [e.plan for e in self.search_result.entries if e.verdict != "not timed"]
             return ledger_table(sorted(tried, key=Plan.sort_key), self.plan.key, extra)
+        if self.candidates is None:  # region-wise: the composite plan and each region's choice
+            lines = [ledger_table([self.plan], self.plan.key)]
+            for u in self.model_plan.unique.values():
+                lines.append(f"region {u.key} x{u.instances}: {u.plan.composition()}  est {u.plan.est_us:,.2f} us")
+            return "\n".join(lines)
         return ledger_table(self.candidates.plans, self.plan.key)
 
     def to_json(self) -> dict[str, Any]:
@@ -122,8 +128,10 @@ class PlanResult:
         }
         if self.search_result is not None:
             d["search"] = self.search_result.to_json()
-        else:
+        elif self.candidates is not None:
             d["candidates"] = self.candidates.to_json()
+        if self.model_plan is not None:
+            d["regions"] = self.model_plan.summary()
         if self.imported is not None:
             d["opaque_ops"] = list(self.imported.opaque_ops)
             d["tracer"] = self.imported.tracer
@@ -189,6 +197,29 @@ def _choose(
     return result.best, list(result.log_lines), result, be
 
 
+def _plan_regions(graph, backend, spec, rules, limits, cap, k, cache, search_opts) -> PlanResult:
+    """Each distinct region searched once on its own random inputs; the composite plan runs."""
+    from backends.reference import random_inputs
+    from planner.model_plan import plan_model
+    from planner.plancache import PlanCache
+
+    lines: list[str] = []
+    seed = int(search_opts.get("seed", 0))
+
+    def choose(cands: CandidateSet) -> Plan:
+        best, region_lines, _, _ = _choose(cands, backend, spec, random_inputs(cands.graph, seed), search_opts)
+        lines.extend(region_lines)
+        return best
+
+    mp = plan_model(graph, spec, backend=backend, choose=choose, rules=load_rules(rules), limits=limits,
+                    cache=PlanCache() if cache else None, cap=cap, k=k, seed=seed)
+    s = mp.summary()
+    lines.append(f"{graph.name}: {s['regions']} regions, {s['unique_regions']} distinct, "
+                 f"{s['cache_hits']} from the plan cache")
+    return PlanResult(graph, mp.plan, None, backend, spec, lines, None, None, None,
+                      _runner(backend, spec, mp.plan, None), model_plan=mp)
+
+
 def _omp_quiet() -> bool:
     env = os.environ
     return env.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" or env.get("OMP_NUM_THREADS") == "1"
@@ -205,6 +236,8 @@ def plan(
     cap: int = DEFAULT_CAP,
     k: int = DEFAULT_K,
     verify: bool = True,
+    dedup: bool = True,
+    cache: bool = True,
     **search_opts: Any,
 ) -> PlanResult:
     """Plan a torch module (or an IR graph) and return the executable :class:`PlanResult`.
@@ -215,6 +248,9 @@ def plan(
     (reference, model, cpu, cupy); ``device`` is the DeviceSpec of the cost
     model.  Remaining keywords go to :class:`planner.search.SearchOptions`.
     With ``verify`` the chosen plan is checked against eager torch once.
+    With ``dedup``, a graph whose regions repeat (a layer stack) is planned region
+    by region, each distinct region searched once; chosen region plans are kept
+    in the plan cache unless ``cache`` is false (docs/scaling.md).
     """
     spec = device if isinstance(device, DeviceSpec) else load_device(device)
     imported, module, args = None, None, None
@@ -242,11 +278,19 @@ def plan(
             "workers can stall measurements by tens of ms; set OMP_WAIT_POLICY=PASSIVE (or OMP_NUM_THREADS=1) "
             "before torch is imported for stable timings"
         )
-    cands = build_candidates(graph, spec, rules=load_rules(rules), limits=limits, cap=cap, k=k,
-                             seed=int(search_opts.get("seed", 0)))
-    best, lines, search_result, be = _choose(cands, backend, spec, feed, search_opts)
-    result = PlanResult(graph, best, cands, backend, spec, lines, imported, module, search_result,
-                        _runner(backend, spec, best, be))
+    from planner.regions import split_regions
+
+    regions = split_regions(graph)
+    if dedup and len({r.key for r in regions}) < len(regions):
+        result = _plan_regions(graph, backend, spec, rules, limits, cap, k, cache, search_opts)
+        result.imported, result.module = imported, module
+        best = result.plan
+    else:
+        cands = build_candidates(graph, spec, rules=load_rules(rules), limits=limits, cap=cap, k=k,
+                                 seed=int(search_opts.get("seed", 0)))
+        best, lines, search_result, be = _choose(cands, backend, spec, feed, search_opts)
+        result = PlanResult(graph, best, cands, backend, spec, lines, imported, module, search_result,
+                            _runner(backend, spec, best, be))
     log.info("%s: chose %s (%s) on %s", graph.name, best.notation(), best.composition(), backend)
     if verify and module is not None and args is not None:
         import torch

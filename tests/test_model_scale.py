@@ -110,3 +110,31 @@ def test_plan_cli_single_region_cache(tmp_path, capsys):
     assert "from the cache" not in capsys.readouterr().out
     assert main(args) == 0
     assert "plan from the cache, not re-searched" in capsys.readouterr().out
+
+
+def test_torch_defined_stack_dedups_and_matches_eager():
+    torch = pytest.importorskip("torch")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    from transformer_block import Block
+
+    import planner
+    from planner.torch_frontend import import_module
+
+    torch.manual_seed(0)
+    keys = []
+    for layers in (2, 4):
+        stack = torch.nn.Sequential(*[Block(32, 4, 64) for _ in range(layers)]).eval()
+        x = torch.randn(1, 8, 32)
+        regions = split_regions(import_module(stack, (x,)).graph)
+        keys.append({r.key for r in regions})
+        assert len(regions) > len(keys[-1])  # layers repeat without any layer markers
+    assert keys[0] == keys[1]
+    result = planner.plan(stack, (x,), backend="reference")
+    assert result.model_plan is not None and len(result.model_plan.unique) == len(keys[1])
+    with torch.no_grad():
+        expected = stack(x)
+    torch.testing.assert_close(result(x), expected, rtol=1e-4, atol=1e-4)
+    assert "regions" in result.table() or "region" in result.table()
