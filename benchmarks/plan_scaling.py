@@ -88,8 +88,10 @@ def main() -> None:
         "",
         "E-nodes grow linearly with the graph: each op contributes one stored class and one",
         "register form per fusable input, plus at most six cuBLASLt nodes per GEMM.",
-        "Spaces up to the default cap (4096) are enumerated exactly; larger ones use the",
-        "tree DP + exact local search, neighbours of the best, and seeded samples.",
+        "Spaces up to the default cap (4096) are enumerated exactly; larger ones take the better of",
+        "the tree DP and the stitched per-region exact plans, refined by exact local search, plus its",
+        "neighbours and seeded samples (docs/cost-model.md). ew-chain k >= 16 needs two or more kernels",
+        "because a fused kernel holds at most 16 ops (`--max-region-ops`).",
     ]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
