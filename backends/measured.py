@@ -11,32 +11,12 @@ reference's: the numerics were checked where the kernels ran.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from pathlib import Path
 
-import numpy as np
-
-from backends.base import Backend, BackendError, CompiledPlan, Timing
-from backends.reference import execute_plan
+from backends.base import Backend, BackendError, CompiledPlan
+from backends.model import ReplayedPlan
 from planner.cost import DeviceSpec
 from planner.plans import Plan
-
-
-class MeasuredCompiledPlan(CompiledPlan):
-    samples: list[float]
-
-    def run(self, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-        return execute_plan(self.plan, inputs, mode="device")
-
-    def time(
-        self,
-        inputs: Mapping[str, np.ndarray],
-        *,
-        warmup: int = 2,
-        repeats: int = 7,
-        stop_if: Callable[[float], bool] | None = None,
-    ) -> Timing:
-        return Timing(list(self.samples), warmup=0, stopped_early=False)
 
 
 class MeasuredBackend(Backend):
@@ -58,6 +38,4 @@ class MeasuredBackend(Backend):
             raise BackendError(f"remote {m.verdict}")
         if m.meas_us is None:
             raise BackendError(f"remote verdict {m.verdict!r}: no timing")
-        compiled = MeasuredCompiledPlan(plan, kernel_facts=[dict(k) for k in m.kernels])
-        compiled.samples = list(m.samples_us) or [m.meas_us]
-        return compiled
+        return ReplayedPlan(plan, [dict(k) for k in m.kernels], samples_us=list(m.samples_us) or [m.meas_us])

@@ -8,6 +8,7 @@ single sample, so a search over this backend ranks plans by the model alone.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -17,7 +18,13 @@ from backends.reference_backend import ledger_facts
 from planner.plans import Plan
 
 
-class ModelCompiledPlan(CompiledPlan):
+@dataclass
+class ReplayedPlan(CompiledPlan):
+    """Runs on the reference executor; its timing is given, not measured here
+    (the cost model's estimate, or samples measured on another machine)."""
+
+    samples_us: list[float] = field(default_factory=list)
+
     def run(self, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         return execute_plan(self.plan, inputs, mode="device")
 
@@ -29,14 +36,13 @@ class ModelCompiledPlan(CompiledPlan):
         repeats: int = 7,
         stop_if: Callable[[float], bool] | None = None,
     ) -> Timing:
-        """One sample: the estimate.  Nothing runs, so warm-ups and repeats do not apply."""
-        est = self.plan.est_us
-        return Timing([est], warmup=0, stopped_early=False)
+        """The given samples.  Nothing runs, so warm-ups and repeats do not apply."""
+        return Timing(list(self.samples_us), warmup=0, stopped_early=False)
 
 
 class ModelBackend(Backend):
     name = "model"
     measures = False
 
-    def compile(self, plan: Plan) -> ModelCompiledPlan:
-        return ModelCompiledPlan(plan, ledger_facts(plan))
+    def compile(self, plan: Plan) -> ReplayedPlan:
+        return ReplayedPlan(plan, ledger_facts(plan), samples_us=[plan.est_us])

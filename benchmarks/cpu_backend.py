@@ -23,10 +23,10 @@ import numpy as np
 
 from backends.cpu import CpuBackend
 from backends.reference import execute_plan, random_inputs
-from planner.calibrate import cpu_model
 from planner.candidates import build_candidates
 from planner.cost import load_device
 from planner.examples import ew_chain
+from planner.machine import cpu_model
 
 
 def measure(k: int, n: int, rounds: int, backend: CpuBackend) -> dict:

@@ -42,18 +42,9 @@ from planner.candidates import build_candidates  # noqa: E402
 from planner.cost import DeviceSpec, load_device  # noqa: E402
 from planner.examples import ew_chain, mlp_epilogue  # noqa: E402
 from planner.graph import Graph  # noqa: E402
+from planner.machine import cpu_model  # noqa: E402
 from planner.search import SearchOptions, SearchResult, search  # noqa: E402
 from planner.searchlog import SearchLog  # noqa: E402
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def _mlp_reading(result: SearchResult) -> str:

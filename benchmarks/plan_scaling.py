@@ -9,25 +9,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
-import platform
 import time
 from pathlib import Path
 
 from planner.candidates import build_candidates
 from planner.examples import ew_chain, mlp_stack
-
-
-def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{platform.machine()}, {os.cpu_count()} cores, {cpu}, Python {platform.python_version()}"
+from planner.machine import describe
 
 
 def measure(graph, repeats: int) -> dict:
@@ -71,7 +58,7 @@ def main() -> None:
         "# Planning time vs graph size",
         "",
         f"Command: `python benchmarks/plan_scaling.py --repeats {args.repeats}`  ",
-        f"Machine: {machine()}  ",
+        f"Machine: {describe()}  ",
         f"Date: {datetime.date.today().isoformat()}  ",
         "Device spec: h200 (cost model only; nothing is executed). Best of "
         f"{args.repeats} in-process runs; interpreter start excluded.",

@@ -16,8 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plan_scaling import machine  # noqa: E402
+from planner.machine import describe
 
 CHILD = r"""
 import json, resource, sys, time
@@ -74,7 +73,7 @@ def main() -> None:
         "# Whole-model planning: scaling with depth",
         "",
         f"Command: `python benchmarks/scaling.py --layers {args.layers} --no-dedup-layers {args.no_dedup_layers}`  ",
-        f"Machine: {machine()}  ",
+        f"Machine: {describe()}  ",
         f"Date: {datetime.date.today().isoformat()}  ",
         f"Graph: `--example transformer` (pre-LN decoder, GELU MLP), D={args.d_model}, S={args.seq}, fp16; "
         "device spec h200; backend `model` (cost-model choice). One fresh process per row; times exclude "

@@ -31,6 +31,7 @@ import numpy as np
 
 from planner.cost import DeviceSpec
 from planner.graph import TensorType
+from planner.machine import cpu_model
 from planner.plans import Expr, Load
 
 log = logging.getLogger(__name__)
@@ -72,15 +73,6 @@ class Calibration:
         )
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def _samples_us(fn: Callable[[], None], repeats: int, warmup: int = 1) -> list[float]:

@@ -26,6 +26,7 @@ import numpy as np
 from backends.cupy.bundle import Bundle, Candidate
 from backends.cupy.verify import allclose_report
 from backends.reference import execute_plan
+from planner.machine import cpu_model
 
 log = logging.getLogger(__name__)
 
@@ -83,21 +84,13 @@ class NumpyExecutor:
     name = "numpy"
 
     def machine(self) -> dict[str, Any]:
-        return {"executor": "numpy", "machine": platform.machine(), "processor": _cpu_model()}
+        return {"executor": "numpy", "machine": platform.machine(), "processor": cpu_model()}
 
     def prepare(self, cand: Candidate, inputs: Mapping[str, np.ndarray]) -> Prepared:
         facts = [{"kind": bk.kernel.kind, **bk.kernel.facts} for bk in cand.kernels]
         return NumpyPrepared(cand, inputs, facts)
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def make_executor(name: str) -> Executor:
