@@ -138,6 +138,18 @@ def test_bench_rejects_bad_block(capsys):
     assert "--block" in capsys.readouterr().err
 
 
+def test_bench_without_nvcc_is_a_clear_error(capsys, monkeypatch, tmp_path):
+    from backends.cupy import facts
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvcc here
+    facts.nvcc_version.cache_clear()
+    try:
+        assert main(["bench", "c05", "--mode", "modes", "--offline"]) == 2
+    finally:
+        facts.nvcc_version.cache_clear()
+    assert "needs nvcc on PATH" in capsys.readouterr().err
+
+
 def test_gpu_bundles_match_the_current_code_generator():
     """tests/data/gpu holds what the GPU tests run: each stored kernel source must be what the code
     generator makes of its stored body today (regenerate with `python -m tests.gpu_bundles`)."""
