@@ -249,10 +249,10 @@ def run_regions(args, graph, spec, backend, opts, rules, limits, cache, out_dir)
     try:
         mp = plan_model(graph, spec, backend=args.backend, choose=choose, rules=rules, limits=limits,
                         cache=cache, cap=args.cap, k=args.top, seed=args.seed)
+        meas = measure_composite(mp, backend, opts)
     except SearchError as exc:
         print(f"fusion-planner plan: search failed: {exc}", file=sys.stderr)
         return 1
-    meas = measure_composite(mp, backend, opts)
     if args.json:
         emit_json(dict(mp.summary(), backend=args.backend, **meas, best=mp.plan.to_json(),
                        regions=[region_json(u) for u in mp.unique.values()]))
