@@ -182,3 +182,14 @@ def test_plan_cli_composite_mismatch_is_one_line_exit_1(tmp_path, capsys, monkey
     err = capsys.readouterr().err
     assert "search failed: the composite plan does not match the reference: tolerance: planted" in err
     assert "Traceback" not in err
+
+
+def test_fp16_transformer_composite_passes_the_reference_check():
+    """Unit-normal weights made 4 fp16 layers chaotic (attention logits ~100): max_rel 0.24 for a correct plan."""
+    from planner.search import check_outputs
+
+    g = transformer(4, 64, 8, "fp16")
+    mp = plan_model(g, "h200")
+    x = random_inputs(g, 0)
+    problem, _, _ = check_outputs(mp.plan, execute_plan(mp.plan, x), execute_graph(g, x))
+    assert problem is None
