@@ -11,6 +11,7 @@ reference's: the numerics were checked where the kernels ran.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from backends.base import Backend, BackendError, CompiledPlan
@@ -27,6 +28,8 @@ class MeasuredBackend(Backend):
 
         super().__init__(spec)
         self.results = load_measured(path)
+        #: the graph the remote runner timed (plan keys do not encode shapes, so callers must compare it)
+        self.graph_name = str(json.loads(Path(path).read_text()).get("graph") or "")
         executors = {m.executor for m in self.results.values()}
         self.name = f"measured({', '.join(sorted(executors)) or 'empty'})"
 

@@ -138,6 +138,18 @@ def test_bench_rejects_bad_block(capsys):
     assert "--block" in capsys.readouterr().err
 
 
+def test_bench_without_nvcc_is_a_clear_error(capsys, monkeypatch, tmp_path):
+    from backends.cupy import facts
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvcc here
+    facts.nvcc_version.cache_clear()
+    try:
+        assert main(["bench", "c05", "--mode", "modes", "--offline"]) == 2
+    finally:
+        facts.nvcc_version.cache_clear()
+    assert "needs nvcc on PATH" in capsys.readouterr().err
+
+
 def test_gpu_bundles_match_the_current_code_generator():
     """tests/data/gpu holds what the GPU tests run: each stored kernel source must be what the code
     generator makes of its stored body today (regenerate with `python -m tests.gpu_bundles`)."""
@@ -185,3 +197,15 @@ def test_plan_measured_merges_remote_results_into_the_search(bundle_file, tmp_pa
     assert sorted(c["meas_us"] for c in timed) == pytest.approx(remote, rel=1e-4)
     assert "measured(numpy)" in cap.err and "Searched in" in cap.err
     assert dropped and rejected_key
+
+
+def test_plan_measured_refuses_another_graphs_timings(bundle_file, tmp_path, capsys):
+    """Plan keys do not encode shapes: timings of the 24x40x36 bundle must not merge into a 48x40x36 plan."""
+    from backends.cupy.__main__ import main as runner_main
+
+    out = tmp_path / "measured.json"
+    assert runner_main(["time", str(bundle_file), "-o", str(out), "--executor", "numpy", "--repeats", "1"]) == 0
+    capsys.readouterr()
+    rc = main(["plan", "--example", "mlp-epilogue", "--m", "48", "--n", "40", "--k", "36", "--measured", str(out)])
+    assert rc == 2
+    assert "timed for graph 'mlp-epilogue-24x40x36-fp16-tanh', not 'mlp-epilogue-48x40x36" in capsys.readouterr().err

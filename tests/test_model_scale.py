@@ -7,6 +7,7 @@ import pytest
 
 from backends.reference import execute_graph, execute_plan, random_inputs
 from planner.cli import main
+from planner.egraph import Limits
 from planner.examples import ew_chain, mlp_epilogue, mlp_stack, transformer
 from planner.model_plan import plan_model
 from planner.plancache import PlanCache
@@ -39,6 +40,30 @@ def test_four_layer_plan_equals_one_layer_plan_layer_by_layer():
         assert chunk[-1].out == f"res{i}"
     assert four.plan.est_us == pytest.approx(4 * one.plan.est_us)
     assert len(four.unique) == 1 and four.unique[next(iter(four.unique))].instances == 4
+
+
+@pytest.mark.parametrize("mlp", ["gelu", "swiglu"])
+def test_four_layer_transformer_plan_equals_one_layer_plan(mlp):
+    one = plan_model(transformer(1, 32, 8, "fp32", mlp), "h200")
+    four = plan_model(transformer(4, 32, 8, "fp32", mlp), "h200")
+    n = len(one.plan.kernels)
+    assert len(four.plan.kernels) == 4 * n
+    shape = [(k.kind, k.epilogue, k.ops) for k in one.plan.kernels]
+    for i in range(4):
+        chunk = four.plan.kernels[i * n : (i + 1) * n]
+        assert [(k.kind, k.epilogue, k.ops) for k in chunk] == shape
+        assert {k.out.split(".")[0] for k in chunk} == {f"l{i}"}
+    assert four.plan.est_us == pytest.approx(4 * one.plan.est_us)
+
+
+def test_limits_hit_in_a_region_is_logged_and_the_plan_stays_valid(caplog):
+    g = transformer(2, 32, 8, "fp32")
+    mp = plan_model(g, "h200", limits=Limits(max_iterations=1))
+    assert "saturation stopped early: iteration limit (1)" in caplog.text
+    x = random_inputs(g, 1)
+    np.testing.assert_allclose(execute_plan(mp.plan, x)[0], execute_graph(g, x)[0], rtol=1e-4, atol=1e-4)
+    full = plan_model(g, "h200")
+    assert mp.plan.est_us >= full.plan.est_us  # fewer rewrites: never a better plan than the full search
 
 
 @pytest.mark.parametrize("graph", [mlp_stack(4, 16, 4, "fp32"), transformer(3, 32, 8, "fp32", "swiglu")])
@@ -137,4 +162,34 @@ def test_torch_defined_stack_dedups_and_matches_eager():
     with torch.no_grad():
         expected = stack(x)
     torch.testing.assert_close(result(x), expected, rtol=1e-4, atol=1e-4)
-    assert "regions" in result.table() or "region" in result.table()
+    region_rows = [line for line in result.table().splitlines() if line.startswith("region ")]
+    assert len(region_rows) == len(result.model_plan.unique)
+
+
+def test_plan_cli_composite_mismatch_is_one_line_exit_1(tmp_path, capsys, monkeypatch):
+    import planner.search
+
+    real = planner.search.check_outputs
+    name = "transformer-L2-d32-s8-fp32-gelu"  # region searches check plans of "<name>.rN": only the composite fails
+
+    def planted(plan, *args, **kw):
+        return ("tolerance: planted for this test", 1.0, 1.0) if plan.graph == name else real(plan, *args, **kw)
+
+    monkeypatch.setattr(planner.search, "check_outputs", planted)
+    args = ["plan", "--example", "transformer", "--layers", "2", "--d-model", "32", "--seq", "8", "--dtype", "fp32",
+            "--backend", "reference", "--no-cache"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "search failed: the composite plan does not match the reference: tolerance: planted" in err
+    assert "Traceback" not in err
+
+
+def test_fp16_transformer_composite_passes_the_reference_check():
+    """Unit-normal weights made 4 fp16 layers chaotic (attention logits ~100): max_rel 0.24 for a correct plan."""
+    from planner.search import check_outputs
+
+    g = transformer(4, 64, 8, "fp16")
+    mp = plan_model(g, "h200")
+    x = random_inputs(g, 0)
+    problem, _, _ = check_outputs(mp.plan, execute_plan(mp.plan, x), execute_graph(g, x))
+    assert problem is None

@@ -123,6 +123,8 @@ def test_plan_matches_eager(name: str, dtype: torch.dtype, backend: str) -> None
         _assert_close(result(x2), m(x2))
     assert result.plan in result.candidates.plans
     assert result.log
+    starred = [line for line in result.table().splitlines() if line.startswith("*")]
+    assert len(starred) == 1 and starred[0].endswith(" | ".join(k.describe() for k in result.plan.kernels))
 
 
 def test_mapping_uses_the_op_table() -> None:
@@ -337,6 +339,17 @@ def test_example_factories_plan_from_the_cli(example: str) -> None:
     from planner.cli import main
 
     assert main(["explain", "--torch", str(ROOT / f"examples/{example}.py:build"), "--device", "h200"]) == 0
+
+
+def test_plan_torch_cli_searches_and_verifies(capsys: pytest.CaptureFixture) -> None:
+    from planner.cli import main
+
+    args = ["plan", "--torch", str(ROOT / "examples/mlp.py:build"), "--backend", "reference", "--no-cache", "--json"]
+    assert main(args) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["graph"] == "MLP" and res["best"]["plan"] and res["candidates"]
+    verdicts = [c["verdict"] for c in res["candidates"]]
+    assert verdicts.count("best") == 1 and not any(v.startswith("rejected") for v in verdicts)
 
 
 def test_cli_bad_factory_exits_2(tmp_path: Path) -> None:

@@ -127,6 +127,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--ks must be comma-separated integers, got {args.ks!r}") from None
     if any(k < 1 or k > 10 for k in ks):
         raise UsageError("stage counts must be between 1 and 10")
+    from backends.cupy.facts import nvcc_available
+
+    if not nvcc_available():
+        raise UsageError("bench c05 needs nvcc on PATH: registers and spills come from nvcc -arch=sm_90 --resource-usage")
     variants = [v for k in ks for v in chain_variants(k, args.n, spec, args.fat_temps, args.mode == "modes")]
     offline = [offline_row(v, spec, args.block) for v in variants]
     data = c05.c05_bundle([(v.tag, v.k, v.plan) for v in variants], args.mode, args.n, args.block, spec, offline)

@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     graph = graph_from_args(args)
     limits = limits_from_args(args)
     spec = load_device(args.device)
-    backend = measured_backend(args.measured, spec) if args.measured else get_backend(args.backend, spec)
+    backend = measured_backend(args.measured, spec, graph) if args.measured else get_backend(args.backend, spec)
     out_dir = _out_dir(args.out)
     rules = load_rules(args.rules)
     cache = None if args.no_cache else PlanCache(args.cache_dir)
@@ -205,16 +205,21 @@ def write_outputs(out: Path, result: SearchResult, graph: Graph, spec: DeviceSpe
     return paths
 
 
-def measured_backend(path: str, spec: DeviceSpec):
+def measured_backend(path: str, spec: DeviceSpec, graph: Graph):
     from backends.cupy.runner import MeasuredError
     from backends.measured import MeasuredBackend
 
     if not Path(path).is_file():
         raise UsageError(f"--measured {path}: no such file")
     try:
-        return MeasuredBackend(spec, path)
+        backend = MeasuredBackend(spec, path)
     except MeasuredError as exc:
         raise UsageError(str(exc)) from None
+    # plan keys name kernels, not shapes: another graph's timings would merge silently
+    if backend.graph_name != graph.name:
+        raise UsageError(f"--measured {path}: timed for graph {backend.graph_name!r}, not {graph.name!r}; "
+                         "plan the graph that export-candidates wrote")
+    return backend
 
 
 def report_cached(args: argparse.Namespace, graph: Graph, spec: DeviceSpec, region: Region, plan: Plan, out_dir: Path | None) -> int:
@@ -244,10 +249,10 @@ def run_regions(args, graph, spec, backend, opts, rules, limits, cache, out_dir)
     try:
         mp = plan_model(graph, spec, backend=args.backend, choose=choose, rules=rules, limits=limits,
                         cache=cache, cap=args.cap, k=args.top, seed=args.seed)
+        meas = measure_composite(mp, backend, opts)
     except SearchError as exc:
         print(f"fusion-planner plan: search failed: {exc}", file=sys.stderr)
         return 1
-    meas = measure_composite(mp, backend, opts)
     if args.json:
         emit_json(dict(mp.summary(), backend=args.backend, **meas, best=mp.plan.to_json(),
                        regions=[region_json(u) for u in mp.unique.values()]))
