@@ -177,7 +177,7 @@ def test_plan_cli_composite_mismatch_is_one_line_exit_1(tmp_path, capsys, monkey
 
     monkeypatch.setattr(planner.search, "check_outputs", planted)
     args = ["plan", "--example", "transformer", "--layers", "2", "--d-model", "32", "--seq", "8", "--dtype", "fp32",
-            "--backend", "reference", "--no-cache"]
+            "--backend", "cpu", "--no-cache", "--max-candidates", "2"]
     assert main(args) == 1
     err = capsys.readouterr().err
     assert "search failed: the composite plan does not match the reference: tolerance: planted" in err
