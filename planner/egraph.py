@@ -64,6 +64,8 @@ def prelude() -> str:
             "(constructor Opaque (String String OpList) Op)",
             "(relation Mem (Op))",
             "(relation Ew (Op))",
+            "; a value every plan stores (read by a GEMM or an Opaque op, or a graph output)",
+            "(relation Forced (Op))",
             "(ruleset analysis)",
             "; a value computed by an elementwise op (may be fused into its consumer)",
             *ew_rules,
@@ -184,7 +186,12 @@ def _literal(v: Any, sort: str) -> str:
 
 
 def graph_program(graph: Graph) -> str:
-    return "\n".join(f"(let {let_name(i)} {node_term(n, graph)})" for i, n in enumerate(graph.nodes))
+    lines = [f"(let {let_name(i)} {node_term(n, graph)})" for i, n in enumerate(graph.nodes)]
+    pos = {n.id: i for i, n in enumerate(graph.nodes)}
+    for o in dict.fromkeys(graph.outputs):
+        if graph[o].op != "In":  # an output is stored by every plan: (K v) -> v is Forced
+            lines.append(f"(rule ((= m {let_name(pos[o])}) (= m (K v))) ((Forced v)) :ruleset analysis)")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- saturation

@@ -216,12 +216,8 @@ class Extractor:
     _bytes: dict[str, int] = field(default_factory=dict)
     _counts: dict[str, int] | None = None
     _by_sig: dict[str, Option] | None = None
-    _forced: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        from planner.regions import forced_stores
-
-        self._forced = forced_stores(self.graph)
         for cls in sorted(self.view.stored - self.view.inputs, key=self.view.order.__getitem__):
             opts = self._options_for(cls)
             if not opts:
@@ -245,10 +241,6 @@ class Extractor:
             for c in n.children:
                 if c in self.view.stored:
                     per_child.append([_Body({}, frozenset([c]), 0)])
-                elif self.view.value_node.get(c) in self._forced:
-                    # stored in every plan anyway: read it, never recompute it (the sibling
-                    # node reading it from memory covers that choice)
-                    per_child.append([])
                 else:
                     # an Opaque op is always its own kernel: never inlined into a consumer
                     subs = [b for b in self._bodies_of(c) if self.view.classes[c][b.assign[c]].op != "Opaque"]

@@ -98,7 +98,7 @@ STRUCTURAL: dict[str, tuple[str, ...]] = {
     "Cons": ("Op", "OpList"),
     "Nil": (),
 }
-RELATIONS = ("Mem", "Ew")
+RELATIONS = ("Mem", "Ew", "Forced")
 SCALAR_FNS: dict[str, Callable[..., Any]] = {
     "+": lambda a, b: a + b,
     "-": lambda a, b: a - b,
@@ -261,8 +261,10 @@ def _from_rule(rule: Any, base: dict[str, Any]) -> RuleSpec:
                 obs.append(Obligation(t.name, t.args[0]))
             else:
                 creates.append(t)
+        elif kind == "Change":
+            pass  # subsume/delete only removes an alternative: it adds no equality, so no value changes
         else:
-            raise _Unsupported(f"action {kind} (rule actions may be union, let, terms and Mem/Ew facts)")
+            raise _Unsupported(f"action {kind} (rule actions may be union, let, terms, subsume and Mem/Ew/Forced facts)")
     return RuleSpec(
         kind="rule",
         bindings=tuple(binds),
@@ -747,6 +749,8 @@ def _structural(o: Obligation, prep: _Prepared) -> str | None:
     declared = {c.args[0] for c in prep.conditions if isinstance(c, Call) and c.name == o.kind}
     if t in declared:
         return None
+    if o.kind == "Forced":
+        return None  # a planning hint (the value is stored anyway): it never changes a value
     if o.kind == "Mem":
         if isinstance(t, Call) and t.name in ("K", "In", "CublasLt"):
             return None
