@@ -141,3 +141,16 @@ def test_bad_input_exits_2(extra, message, capsys):
 def test_run_missing_plan_file(capsys):
     assert main(["run", "/no/such/plan.json"]) == 2
     assert "plan file not found" in capsys.readouterr().err
+
+
+def test_a_cached_plan_does_not_hide_the_search_evidence(fake_backend, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("SEARCH_LOG", raising=False)
+    run = ["plan", *CHAIN, "--max-candidates", "2"]
+    assert main(run) == 0 and main(run) == 0
+    assert "plan from the cache" in capsys.readouterr().out  # a plain repeat uses the cache
+    assert main([*run, "--search-log"]) == 0
+    assert capsys.readouterr().err.splitlines()[-1].startswith("Searched in ")
+    assert main([*run, "--json"]) == 0
+    assert "candidates" in json.loads(capsys.readouterr().out)
+    assert main([*run, "--out", str(tmp_path / "o")]) == 0
+    assert (tmp_path / "o" / "results.json").exists() and (tmp_path / "o" / "best_so_far.png").exists()

@@ -23,7 +23,7 @@ from planner.plans import Plan
 from planner.regions import Region, split_regions
 from planner.report import ledger_table
 from planner.search import SearchError, SearchOptions, SearchResult, search
-from planner.searchlog import SearchLog, fmt_us
+from planner.searchlog import SearchLog, env_flag, fmt_us
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     elif not args.no_dedup and len({r.key for r in regions}) < len(regions):
         return run_regions(args, graph, spec, backend, opts, rules, limits, cache, out_dir)
     cache_key = PlanCache.key(regions[0].key, spec, args.backend, rules_hash(rules)) if len(regions) == 1 else ""
-    if cache and cache_key:
+    if cache and cache_key and not _wants_search_evidence(args):
         cached = cache.load(cache_key, regions[0].graph, spec)
         if cached is not None:
             return report_cached(args, graph, spec, regions[0], cached, out_dir)
@@ -115,6 +115,13 @@ def run(args: argparse.Namespace) -> int:
         if out_dir is not None:
             print("wrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def _wants_search_evidence(args: argparse.Namespace) -> bool:
+    """--out, --json and the search log report the search itself (results, plots, the
+    candidate table, the log); a cached choice has none of that, so such a run searches
+    again (and refreshes the cache entry)."""
+    return bool(args.out or args.json or args.search_log or env_flag("SEARCH_LOG"))
 
 
 def _out_dir(path: str | None) -> Path | None:
