@@ -154,3 +154,11 @@ def test_a_cached_plan_does_not_hide_the_search_evidence(fake_backend, tmp_path,
     assert "candidates" in json.loads(capsys.readouterr().out)
     assert main([*run, "--out", str(tmp_path / "o")]) == 0
     assert (tmp_path / "o" / "results.json").exists() and (tmp_path / "o" / "best_so_far.png").exists()
+
+
+@pytest.mark.parametrize("cmd", [["plan", *CHAIN], ["explain", *CHAIN[:6]], ["run", "plan.json"], ["check-rules"]])
+def test_negative_seed_exits_2(cmd, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([*cmd, "--seed", "-1"])
+    assert exc.value.code == 2
+    assert "--seed: must be a non-negative integer" in capsys.readouterr().err
