@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from backends.base import Backend, BackendError
+from backends.base import Backend, BackendError, BackendUnavailable
 from backends.reference import execute_graph, random_inputs
 from planner.candidates import CandidateSet
 from planner.errors import UsageError
@@ -320,6 +320,8 @@ class _Run:
         self.entries.append(entry)
         try:
             self._evaluate(entry, baseline)
+        except BackendUnavailable:  # the machine cannot run this backend at all: not the candidate's fault
+            raise
         except Exception as exc:  # a crashing candidate never takes the search down
             log.debug("candidate %s failed", plan.key, exc_info=True)
             self._reject(entry, f"{type(exc).__name__}: {_one_line(exc)}")

@@ -228,3 +228,19 @@ def test_random_mutants_of_random_plans_are_valid(stack, seed):
     m = Mutator(ex).random_mutant(parent, random.Random(seed))
     assert m is not None and m.key != ex.key(parent)
     assert _equal_to_graph(stack, ex.plan_of(m.choice)), m.label
+
+
+def test_an_unavailable_backend_stops_the_search_instead_of_rejecting_every_candidate(chain, capsys, monkeypatch):
+    from backends.base import BackendUnavailable
+    from planner.cli import main
+    from planner.commands import plan as plan_cmd
+
+    class Missing(EstimateBackend):
+        def compile(self, plan):
+            raise BackendUnavailable("this backend needs a device this machine lacks")
+
+    with pytest.raises(BackendUnavailable):
+        search(chain, Missing(chain.spec), options=SearchOptions(max_candidates=2, **FAST))
+    monkeypatch.setattr(plan_cmd, "get_backend", lambda name, spec: Missing(spec))
+    assert main(["plan", "--example", "ew-chain", "--k", "2", "--n", "64", "--no-cache"]) == 2
+    assert capsys.readouterr().err.strip() == "fusion-planner plan: error: this backend needs a device this machine lacks"
