@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     for r in results:
         print(_line(r))
     summary = ", ".join(f"{n} {v}" for v, n in sorted(counts.items()))
-    print(f"{len(results)} rule{'' if len(results) == 1 else 's'}: {summary}")
+    print(f"{len(results)} rule{'' if len(results) == 1 else 's'}" + (f": {summary}" if summary else " (the files hold no rules)"))
     return status
 
 
