@@ -162,3 +162,16 @@ def test_negative_seed_exits_2(cmd, capsys):
         main([*cmd, "--seed", "-1"])
     assert exc.value.code == 2
     assert "--seed: must be a non-negative integer" in capsys.readouterr().err
+
+
+def test_the_plan_cache_is_keyed_by_the_search_options(fake_backend, capsys, monkeypatch):
+    monkeypatch.delenv("SEARCH_LOG", raising=False)
+
+    def cached(*extra: str) -> bool:
+        assert main(["plan", *CHAIN, *extra]) == 0
+        return "plan from the cache" in capsys.readouterr().out
+
+    assert not cached("--max-candidates", "1")
+    assert not cached("--max-candidates", "3")  # a bigger budget searches again
+    assert not cached("--max-candidates", "3", "--seed", "1")
+    assert cached("--max-candidates", "3", "--seed", "1")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -90,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         cache = None  # remote results answer for exactly the exported candidates
     elif not args.no_dedup and len({r.key for r in regions}) < len(regions):
         return run_regions(args, graph, spec, backend, opts, rules, limits, cache, out_dir)
-    cache_key = PlanCache.key(regions[0].key, spec, args.backend, rules_hash(rules)) if len(regions) == 1 else ""
+    cache_key = PlanCache.key(regions[0].key, spec, cache_tag(args.backend, opts), rules_hash(rules)) if len(regions) == 1 else ""
     if cache and cache_key and not _wants_search_evidence(args):
         cached = cache.load(cache_key, regions[0].graph, spec)
         if cached is not None:
@@ -115,6 +116,12 @@ def run(args: argparse.Namespace) -> int:
         if out_dir is not None:
             print("wrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def cache_tag(backend: str, opts: SearchOptions) -> str:
+    """The plan cache's backend field: the backend and every search option, so a choice
+    made under a smaller budget or another seed never answers a run with other options."""
+    return f"{backend} {json.dumps(dataclasses.asdict(opts), sort_keys=True)}"
 
 
 def _wants_search_evidence(args: argparse.Namespace) -> bool:
@@ -249,7 +256,7 @@ def run_regions(args, graph, spec, backend, opts, rules, limits, cache, out_dir)
         return result.best
 
     try:
-        mp = plan_model(graph, spec, backend=args.backend, choose=choose, rules=rules, limits=limits,
+        mp = plan_model(graph, spec, backend=cache_tag(args.backend, opts), choose=choose, rules=rules, limits=limits,
                         cache=cache, cap=args.cap, k=args.top, seed=args.seed)
     except SearchError as exc:
         print(f"fusion-planner plan: search failed: {exc}", file=sys.stderr)
