@@ -200,3 +200,15 @@ def test_cli_non_utf8_device_or_rule_file_exits_2(tmp_path, capsys, flag):
     assert main(["explain", "--example", "heavy", flag, str(f)]) == 2
     err = capsys.readouterr().err
     assert str(f) in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    ("attrs", "needle"),
+    [({"flops": 1e300}, "64-bit integer"), ({"regs": -5}, "'regs' must be at least 0"), ({"temps": 1.5}, "64-bit integer")],
+)
+def test_integer_attributes_are_range_checked(attrs, needle):
+    b = GraphBuilder("stage")
+    b.input("x", (4,), "fp32")
+    with pytest.raises(GraphError, match=needle):
+        b.op("y", "Stage", ["x"], attrs)
+        b.build(["y"])
