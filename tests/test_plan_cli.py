@@ -175,3 +175,13 @@ def test_the_plan_cache_is_keyed_by_the_search_options(fake_backend, capsys, mon
     assert not cached("--max-candidates", "3")  # a bigger budget searches again
     assert not cached("--max-candidates", "3", "--seed", "1")
     assert cached("--max-candidates", "3", "--seed", "1")
+
+
+def test_a_layer_stack_repeat_with_the_search_log_searches_again(fake_backend, capsys, monkeypatch):
+    monkeypatch.delenv("SEARCH_LOG", raising=False)
+    stack = ["plan", "--example", "mlp-stack", "--layers", "2", "--m", "8", "--d-model", "16", "--max-candidates", "2"]
+    assert main(stack) == 0 and main(stack) == 0
+    assert "(1 from the cache)" in capsys.readouterr().out
+    assert main([*stack, "--search-log"]) == 0
+    cap = capsys.readouterr()
+    assert "(0 from the cache)" in cap.out and cap.err.splitlines()[0].startswith("Search mlp-stack")

@@ -85,14 +85,14 @@ def run(args: argparse.Namespace) -> int:
     backend = measured_backend(args.measured, spec) if args.measured else get_backend(args.backend, spec)
     out_dir = _out_dir(args.out)
     rules = load_rules(args.rules)
-    cache = None if args.no_cache else PlanCache(args.cache_dir)
+    cache = None if args.no_cache else PlanCache(args.cache_dir, read=not _wants_search_evidence(args))
     regions = split_regions(graph)
     if args.measured:
         cache = None  # remote results answer for exactly the exported candidates
     elif not args.no_dedup and len({r.key for r in regions}) < len(regions):
         return run_regions(args, graph, spec, backend, opts, rules, limits, cache, out_dir)
     cache_key = PlanCache.key(regions[0].key, spec, cache_tag(args.backend, opts), rules_hash(rules)) if len(regions) == 1 else ""
-    if cache and cache_key and not _wants_search_evidence(args):
+    if cache and cache_key:
         cached = cache.load(cache_key, regions[0].graph, spec)
         if cached is not None:
             return report_cached(args, graph, spec, regions[0], cached, out_dir)
