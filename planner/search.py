@@ -206,12 +206,19 @@ def check_outputs(
     expected: Sequence[np.ndarray],
     rtol: float | None = None,
     atol: float | None = None,
+    oracle: Sequence[np.ndarray] | None = None,
 ) -> tuple[str | None, float, float]:
-    """(reason the outputs are wrong or None, worst max_abs, worst max_rel) against the reference."""
+    """(reason the outputs are wrong or None, worst max_abs, worst max_rel) against the reference.
+
+    With ``oracle`` (the graph's fp64 values), an output outside the tolerance is still
+    accepted when it is no further from the oracle than twice the reference's own error:
+    in a deep, ill-conditioned fp16 graph (a residual stream in the thousands, norms) the
+    rounding a fusion moves grows far beyond any fixed tolerance (docs/rules.md).
+    """
     if len(outs) != len(expected):
         return f"{len(outs)} outputs, expected {len(expected)}", float("inf"), float("inf")
     worst_abs = worst_rel = 0.0
-    for name, got, want in zip(plan.outputs, outs, expected, strict=True):
+    for i, (name, got, want) in enumerate(zip(plan.outputs, outs, expected, strict=True)):
         got = np.asarray(got)
         if got.shape != want.shape:
             return f"output {name} has shape {list(got.shape)}, expected {list(want.shape)}", float("inf"), float("inf")
@@ -221,6 +228,9 @@ def check_outputs(
             return reason, float("inf"), float("inf")
         dtype = plan.tensors[name].dtype
         ok, max_abs, max_rel = _allclose(got, want, dtype, rtol, atol)
+        if not ok and oracle is not None:
+            ref_err = float(np.max(np.abs(want.astype(np.float64) - oracle[i]), initial=0.0))
+            ok = allclose_report(got, oracle[i], dtype, extra_atol=2 * ref_err)[0]
         worst_abs, worst_rel = max(worst_abs, max_abs), max(worst_rel, max_rel)
         if not ok:
             reason = f"tolerance: output {name} max_abs {max_abs:.3g} max_rel {max_rel:.3g} ({_tol_text(dtype, rtol, atol)})"

@@ -261,7 +261,11 @@ def run_regions(args, graph, spec, backend, opts, rules, limits, cache, out_dir)
     except SearchError as exc:
         print(f"fusion-planner plan: search failed: {exc}", file=sys.stderr)
         return 1
-    meas = measure_composite(mp, backend, opts)
+    try:
+        meas = measure_composite(mp, backend, opts)
+    except SearchError as exc:
+        print(f"fusion-planner plan: {exc}", file=sys.stderr)
+        return 1
     if args.json:
         emit_json(dict(mp.summary(), backend=args.backend, **meas, best=mp.plan.to_json(),
                        regions=[region_json(u) for u in mp.unique.values()]))
@@ -270,8 +274,23 @@ def run_regions(args, graph, spec, backend, opts, rules, limits, cache, out_dir)
     if out_dir is not None:
         save_plan(out_dir / "plan.json", mp.plan, graph, spec, dict(backend=args.backend, **meas))
         (out_dir / "results.json").write_text(json.dumps({k: r.to_json() for k, r in results.items()}, indent=1) + "\n")
-        print(f"wrote {out_dir / 'plan.json'}, {out_dir / 'results.json'}")
+        written = [out_dir / "plan.json", out_dir / "results.json", *region_plots(out_dir, results)]
+        print("wrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def region_plots(out: Path, results: dict[str, SearchResult]) -> list[Path]:
+    """The two plots of each searched region, named by its suffix: predicted_vs_measured.r0.png, ..."""
+    from planner.searchplots import plot_best_so_far, plot_predicted_vs_measured
+
+    paths = []
+    for name, result in results.items():
+        tag = name.rsplit(".", 1)[-1]
+        pair = (out / f"predicted_vs_measured.{tag}.png", out / f"best_so_far.{tag}.png")
+        plot_predicted_vs_measured(result, pair[0])
+        plot_best_so_far(result, pair[1])
+        paths += pair
+    return paths
 
 
 def region_json(u) -> dict:
@@ -286,8 +305,9 @@ def measure_composite(mp: ModelPlan, backend, opts: SearchOptions) -> dict:
 
     inputs = random_inputs(mp.graph, opts.seed)
     expected = execute_graph(mp.graph, inputs)
+    oracle = execute_graph(mp.graph, inputs, "oracle")
     compiled = backend.compile(mp.plan)
-    problem, _, _ = check_outputs(mp.plan, compiled.run(inputs), expected, opts.rtol, opts.atol)
+    problem, _, _ = check_outputs(mp.plan, compiled.run(inputs), expected, opts.rtol, opts.atol, oracle)
     if problem:
         raise SearchError(f"the composite plan does not match the reference: {problem}")
     out: dict = {"verified": True, "meas_us": None, "unfused_meas_us": None, "speedup_vs_unfused": None}

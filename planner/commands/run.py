@@ -52,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
     inputs = random_inputs(graph, seed=args.seed)
     compiled = backend.compile(plan)
     outs = compiled.run(inputs)
-    reason, max_abs, max_rel = check_outputs(plan, outs, execute_graph(graph, inputs, "device"), args.rtol, args.atol)
+    expected, oracle = execute_graph(graph, inputs, "device"), execute_graph(graph, inputs, "oracle")
+    reason, max_abs, max_rel = check_outputs(plan, outs, expected, args.rtol, args.atol, oracle)
     if reason is not None:
         raise PlanFileError(f"{args.plan_file}: the plan does not compute its graph on backend {args.backend}: {reason}")
     meas: float | None = None
