@@ -185,3 +185,10 @@ def test_a_layer_stack_repeat_with_the_search_log_searches_again(fake_backend, c
     assert main([*stack, "--search-log"]) == 0
     cap = capsys.readouterr()
     assert "(0 from the cache)" in cap.out and cap.err.splitlines()[0].startswith("Search mlp-stack")
+
+
+def test_out_dir_of_a_layer_stack_has_per_region_plots(fake_backend, tmp_path):
+    stack = ["plan", "--example", "mlp-stack", "--layers", "2", "--m", "8", "--d-model", "16", "--max-candidates", "2"]
+    assert main([*stack, "--out", str(tmp_path)]) == 0
+    names = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
+    assert names == ["best_so_far.r0.png", "plan.json", "predicted_vs_measured.r0.png", "results.json"]
