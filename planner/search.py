@@ -210,8 +210,9 @@ def check_outputs(
 ) -> tuple[str | None, float, float]:
     """(reason the outputs are wrong or None, worst max_abs, worst max_rel) against the reference.
 
-    With ``oracle`` (the graph's fp64 values), an output outside the tolerance is still
-    accepted when it is no further from the oracle than twice the reference's own error:
+    With ``oracle`` (the graph's fp64 values) and no ``rtol``/``atol`` override, an output
+    outside the tolerance is still accepted when it is no further from the oracle than
+    twice the reference's own error:
     in a deep, ill-conditioned fp16 graph (a residual stream in the thousands, norms) the
     rounding a fusion moves grows far beyond any fixed tolerance (docs/rules.md).
     """
@@ -228,7 +229,7 @@ def check_outputs(
             return reason, float("inf"), float("inf")
         dtype = plan.tensors[name].dtype
         ok, max_abs, max_rel = _allclose(got, want, dtype, rtol, atol)
-        if not ok and oracle is not None:
+        if not ok and oracle is not None and rtol is None and atol is None:
             ref_err = float(np.max(np.abs(want.astype(np.float64) - oracle[i]), initial=0.0))
             ok = allclose_report(got, oracle[i], dtype, extra_atol=2 * ref_err)[0]
         worst_abs, worst_rel = max(worst_abs, max_abs), max(worst_rel, max_rel)
@@ -300,6 +301,7 @@ class _Run:
     ) -> None:
         self.cands, self.backend, self.inputs, self.opts, self.slog = cands, backend, inputs, opts, slog
         self.expected = execute_graph(cands.graph, inputs, "device")
+        self.oracle: list[np.ndarray] | None = None  # fp64 values, computed on the first tolerance miss
         self.entries: list[Entry] = []
         self.seen: set[str] = set()
         self.best: Entry | None = None
@@ -368,6 +370,12 @@ class _Run:
         reason, entry.max_abs, entry.max_rel = check_outputs(
             entry.plan, outs, self.expected, self.opts.rtol, self.opts.atol
         )
+        if reason is not None and reason.startswith("tolerance"):  # the fp64 allowance, computed on demand
+            if self.oracle is None:
+                self.oracle = execute_graph(self.cands.graph, self.inputs, "oracle")
+            reason, entry.max_abs, entry.max_rel = check_outputs(
+                entry.plan, outs, self.expected, self.opts.rtol, self.opts.atol, self.oracle
+            )
         return reason
 
     def _reject(self, entry: Entry, reason: str) -> None:

@@ -265,3 +265,12 @@ def test_plan_of_a_deep_fp16_transformer_is_verified_and_exits_0(capsys):
     args = ["plan", "--example", "transformer", "--layers", "2", "--d-model", "64", "--seq", "16"]
     assert main([*args, "--backend", "model", "--max-candidates", "2", "--no-cache"]) == 0
     assert "verified against the reference" in capsys.readouterr().out
+
+
+def test_search_keeps_fused_candidates_of_a_deep_fp16_graph():
+    cands = build_candidates(examples.transformer(2, 256, 64, "fp16"), "h200")
+    plain = search(cands, EstimateBackend(cands.spec), options=SearchOptions(max_candidates=3, **FAST))
+    assert not plain.rejected and plain.best.key != cands.unfused.key
+    # an explicit tolerance replaces the allowance: the same fused plans then fail it
+    strict = search(cands, EstimateBackend(cands.spec), options=SearchOptions(max_candidates=3, rtol=1e-2, atol=1.0, **FAST))
+    assert strict.rejected
