@@ -121,7 +121,7 @@ def load_device(name_or_file: str | None) -> DeviceSpec:
         )
     try:
         data = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise DeviceSpecError(f"device file {p}: {exc}") from None
     return device_from_json(data, str(p))
 

@@ -142,6 +142,8 @@ def user_rules(paths: Iterable[str | Path], *, check: bool = True) -> list[RuleF
             text = path.read_text()
         except OSError as exc:
             raise RuleFileError(f"{path}: cannot read rule file: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise RuleFileError(f"{path}: rule file is not UTF-8 text (byte {exc.start})") from None
         parse_rule_text(text, str(path), shipped=False)
         if check:
             from planner.rulecheck import refuse_unsound

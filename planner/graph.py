@@ -278,6 +278,8 @@ def load_graph(path: str | Path) -> Graph:
         raise GraphError(f"graph file not found: {p}") from None
     except OSError as exc:
         raise GraphError(f"cannot read graph file {p}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise GraphError(f"{p}: not UTF-8 text (byte {exc.start})") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

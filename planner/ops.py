@@ -55,6 +55,7 @@ class AttrSpec:
     name: str
     sort: str  # "f64" | "i64" | "String"
     default: Any = None
+    minimum: float | None = None  # smallest valid value of a numeric attribute
 
     def coerce(self, value: Any, op: str) -> Any:
         if value is None:
@@ -66,16 +67,21 @@ class AttrSpec:
                 out = float(value)
                 if not math.isfinite(out):
                     raise OpError(f"{op}: attribute {self.name!r} must be finite, got {value!r}")
-                return out
+                return self._at_least(out, op)
             if self.sort == "i64":
-                if isinstance(value, bool) or int(value) != value:
-                    raise OpError(f"{op}: attribute {self.name!r} must be an integer, got {value!r}")
-                return int(value)
+                if isinstance(value, bool) or int(value) != value or not -(2**63) <= int(value) < 2**63:
+                    raise OpError(f"{op}: attribute {self.name!r} must be a 64-bit integer, got {value!r}")
+                return self._at_least(int(value), op)
             return str(value)
         except (TypeError, ValueError) as exc:
             if isinstance(exc, OpError):
                 raise
             raise OpError(f"{op}: attribute {self.name!r} has bad value {value!r}") from exc
+
+    def _at_least(self, value: Any, op: str) -> Any:
+        if self.minimum is not None and value < self.minimum:
+            raise OpError(f"{op}: attribute {self.name!r} must be at least {self.minimum:g}, got {value!r}")
+        return value
 
 
 # ---------------------------------------------------------------- shape rules
@@ -345,9 +351,9 @@ OPS: dict[str, OpDef] = {
             kind="elementwise",
             arity=1,
             attrs=(
-                AttrSpec("flops", "i64", 1),
-                AttrSpec("regs", "i64", 8),
-                AttrSpec("temps", "i64", 0),
+                AttrSpec("flops", "i64", 1, minimum=0),
+                AttrSpec("regs", "i64", 8, minimum=0),
+                AttrSpec("temps", "i64", 0, minimum=0),
             ),
             shape_rule=_same_shape,
             numpy_fn=lambda xs, attrs: xs[0],

@@ -50,8 +50,10 @@ def _digest(obj: Any) -> str:
 
 
 class PlanCache:
-    def __init__(self, root: str | Path | None = None) -> None:
+    def __init__(self, root: str | Path | None = None, *, read: bool = True) -> None:
+        """``read=False``: store fresh choices but never answer from the cache."""
         self.root = Path(root) if root else default_cache_dir()
+        self.read = read
         self.rebuilt: list[str] = []  # keys of entries found corrupt or stale
 
     @staticmethod
@@ -63,7 +65,7 @@ class PlanCache:
 
     def load(self, key: str, region: Graph, spec: DeviceSpec) -> Plan | None:
         p = self.path(key)
-        if not p.exists():
+        if not self.read or not p.exists():
             return None
         try:
             doc = json.loads(p.read_text())

@@ -907,6 +907,8 @@ def check_files(
                 files.append((str(p), Path(p).read_text(), False))
             except OSError as exc:
                 raise RuleFileError(f"{p}: cannot read rule file: {exc.strerror}") from None
+            except UnicodeDecodeError as exc:
+                raise RuleFileError(f"{p}: rule file is not UTF-8 text (byte {exc.start})") from None
     out: list[RuleResult] = []
     for path, text, shipped in files:
         out += check_text(text, path, shipped=shipped, examples=examples, seed=seed)

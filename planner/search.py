@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from backends.base import Backend, BackendError
+from backends.base import Backend, BackendError, BackendUnavailable
 from backends.reference import execute_graph, random_inputs
 from planner.candidates import CandidateSet
 from planner.errors import UsageError
@@ -206,12 +206,20 @@ def check_outputs(
     expected: Sequence[np.ndarray],
     rtol: float | None = None,
     atol: float | None = None,
+    oracle: Sequence[np.ndarray] | None = None,
 ) -> tuple[str | None, float, float]:
-    """(reason the outputs are wrong or None, worst max_abs, worst max_rel) against the reference."""
+    """(reason the outputs are wrong or None, worst max_abs, worst max_rel) against the reference.
+
+    With ``oracle`` (the graph's fp64 values) and no ``rtol``/``atol`` override, an output
+    outside the tolerance is still accepted when it is no further from the oracle than
+    twice the reference's own error:
+    in a deep, ill-conditioned fp16 graph (a residual stream in the thousands, norms) the
+    rounding a fusion moves grows far beyond any fixed tolerance (docs/rules.md).
+    """
     if len(outs) != len(expected):
         return f"{len(outs)} outputs, expected {len(expected)}", float("inf"), float("inf")
     worst_abs = worst_rel = 0.0
-    for name, got, want in zip(plan.outputs, outs, expected, strict=True):
+    for i, (name, got, want) in enumerate(zip(plan.outputs, outs, expected, strict=True)):
         got = np.asarray(got)
         if got.shape != want.shape:
             return f"output {name} has shape {list(got.shape)}, expected {list(want.shape)}", float("inf"), float("inf")
@@ -221,6 +229,9 @@ def check_outputs(
             return reason, float("inf"), float("inf")
         dtype = plan.tensors[name].dtype
         ok, max_abs, max_rel = _allclose(got, want, dtype, rtol, atol)
+        if not ok and oracle is not None and rtol is None and atol is None:
+            ref_err = float(np.max(np.abs(want.astype(np.float64) - oracle[i]), initial=0.0))
+            ok = allclose_report(got, oracle[i], dtype, extra_atol=2 * ref_err)[0]
         worst_abs, worst_rel = max(worst_abs, max_abs), max(worst_rel, max_rel)
         if not ok:
             reason = f"tolerance: output {name} max_abs {max_abs:.3g} max_rel {max_rel:.3g} ({_tol_text(dtype, rtol, atol)})"
@@ -290,6 +301,7 @@ class _Run:
     ) -> None:
         self.cands, self.backend, self.inputs, self.opts, self.slog = cands, backend, inputs, opts, slog
         self.expected = execute_graph(cands.graph, inputs, "device")
+        self.oracle: list[np.ndarray] | None = None  # fp64 values, computed on the first tolerance miss
         self.entries: list[Entry] = []
         self.seen: set[str] = set()
         self.best: Entry | None = None
@@ -320,6 +332,8 @@ class _Run:
         self.entries.append(entry)
         try:
             self._evaluate(entry, baseline)
+        except BackendUnavailable:  # the machine cannot run this backend at all: not the candidate's fault
+            raise
         except Exception as exc:  # a crashing candidate never takes the search down
             log.debug("candidate %s failed", plan.key, exc_info=True)
             self._reject(entry, f"{type(exc).__name__}: {_one_line(exc)}")
@@ -356,6 +370,12 @@ class _Run:
         reason, entry.max_abs, entry.max_rel = check_outputs(
             entry.plan, outs, self.expected, self.opts.rtol, self.opts.atol
         )
+        if reason is not None and reason.startswith("tolerance"):  # the fp64 allowance, computed on demand
+            if self.oracle is None:
+                self.oracle = execute_graph(self.cands.graph, self.inputs, "oracle")
+            reason, entry.max_abs, entry.max_rel = check_outputs(
+                entry.plan, outs, self.expected, self.opts.rtol, self.opts.atol, self.oracle
+            )
         return reason
 
     def _reject(self, entry: Entry, reason: str) -> None:

@@ -327,6 +327,15 @@ def test_calibrate_refuses_other_backends(capsys) -> None:
     assert "cannot be calibrated" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("where, message", [(".", "it is a folder"), ("no/such/dir/x.json", "no such folder")])
+def test_calibrate_refuses_an_unwritable_output_before_measuring(where, message, tmp_path, capsys, monkeypatch) -> None:
+    from planner.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["calibrate", "--backend", "cpu", "-o", where]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_blas_threads_are_pinned_while_plans_run(monkeypatch) -> None:
     from threadpoolctl import threadpool_info
 

@@ -162,3 +162,53 @@ def test_ties_break_on_launches_then_registers():
     tied = [p for p in cands.plans if p.launches == 2]
     regs = [p.reg_peak for p in tied if round(p.est_us, 6) == round(tied[0].est_us, 6)]
     assert regs == sorted(regs)
+
+
+_NODES_X = [{"id": "x", "op": "In", "shape": [4, 4], "dtype": "fp32"}]
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "needle"),
+    [
+        ("malformed.json", "{bad", "malformed JSON at line 1"),
+        ("unknown.json", {"nodes": [*_NODES_X, {"id": "y", "op": "Frob", "inputs": ["x"]}], "outputs": ["y"]}, "node 'y': unknown op 'Frob'"),
+        ("shape.json", {"nodes": [*_NODES_X, {"id": "w", "op": "In", "shape": [8, 4], "dtype": "fp32"}, {"id": "y", "op": "MatMul", "inputs": ["x", "w"]}], "outputs": ["y"]}, "node 'y': MatMul"),
+        ("cycle.json", {"nodes": [*_NODES_X, {"id": "a", "op": "Relu", "inputs": ["b"]}, {"id": "b", "op": "Relu", "inputs": ["a"]}], "outputs": ["b"]}, "cycle"),
+        ("empty.json", {"nodes": _NODES_X, "outputs": ["x"]}, "is empty"),
+        ("binary.json", b"\xff\xfe{}", "not UTF-8"),
+    ],
+)
+def test_cli_bad_graph_files_exit_2_naming_the_culprit(tmp_path, capsys, name, content, needle):
+    from planner.cli import main
+
+    f = tmp_path / name
+    if isinstance(content, bytes):
+        f.write_bytes(content)
+    else:
+        f.write_text(content if isinstance(content, str) else json.dumps(content))
+    assert main(["explain", "--graph", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("flag", ["--device", "--rules"])
+def test_cli_non_utf8_device_or_rule_file_exits_2(tmp_path, capsys, flag):
+    from planner.cli import main
+
+    f = tmp_path / "binary.txt"
+    f.write_bytes(b"\xff\xfe")
+    assert main(["explain", "--example", "heavy", flag, str(f)]) == 2
+    err = capsys.readouterr().err
+    assert str(f) in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    ("attrs", "needle"),
+    [({"flops": 1e300}, "64-bit integer"), ({"regs": -5}, "'regs' must be at least 0"), ({"temps": 1.5}, "64-bit integer")],
+)
+def test_integer_attributes_are_range_checked(attrs, needle):
+    b = GraphBuilder("stage")
+    b.input("x", (4,), "fp32")
+    with pytest.raises(GraphError, match=needle):
+        b.op("y", "Stage", ["x"], attrs)
+        b.build(["y"])

@@ -141,3 +141,54 @@ def test_bad_input_exits_2(extra, message, capsys):
 def test_run_missing_plan_file(capsys):
     assert main(["run", "/no/such/plan.json"]) == 2
     assert "plan file not found" in capsys.readouterr().err
+
+
+def test_a_cached_plan_does_not_hide_the_search_evidence(fake_backend, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("SEARCH_LOG", raising=False)
+    run = ["plan", *CHAIN, "--max-candidates", "2"]
+    assert main(run) == 0 and main(run) == 0
+    assert "plan from the cache" in capsys.readouterr().out  # a plain repeat uses the cache
+    assert main([*run, "--search-log"]) == 0
+    assert capsys.readouterr().err.splitlines()[-1].startswith("Searched in ")
+    assert main([*run, "--json"]) == 0
+    assert "candidates" in json.loads(capsys.readouterr().out)
+    assert main([*run, "--out", str(tmp_path / "o")]) == 0
+    assert (tmp_path / "o" / "results.json").exists() and (tmp_path / "o" / "best_so_far.png").exists()
+
+
+@pytest.mark.parametrize("cmd", [["plan", *CHAIN], ["explain", *CHAIN[:6]], ["run", "plan.json"], ["check-rules"]])
+def test_negative_seed_exits_2(cmd, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([*cmd, "--seed", "-1"])
+    assert exc.value.code == 2
+    assert "--seed: must be a non-negative integer" in capsys.readouterr().err
+
+
+def test_the_plan_cache_is_keyed_by_the_search_options(fake_backend, capsys, monkeypatch):
+    monkeypatch.delenv("SEARCH_LOG", raising=False)
+
+    def cached(*extra: str) -> bool:
+        assert main(["plan", *CHAIN, *extra]) == 0
+        return "plan from the cache" in capsys.readouterr().out
+
+    assert not cached("--max-candidates", "1")
+    assert not cached("--max-candidates", "3")  # a bigger budget searches again
+    assert not cached("--max-candidates", "3", "--seed", "1")
+    assert cached("--max-candidates", "3", "--seed", "1")
+
+
+def test_a_layer_stack_repeat_with_the_search_log_searches_again(fake_backend, capsys, monkeypatch):
+    monkeypatch.delenv("SEARCH_LOG", raising=False)
+    stack = ["plan", "--example", "mlp-stack", "--layers", "2", "--m", "8", "--d-model", "16", "--max-candidates", "2"]
+    assert main(stack) == 0 and main(stack) == 0
+    assert "(1 from the cache)" in capsys.readouterr().out
+    assert main([*stack, "--search-log"]) == 0
+    cap = capsys.readouterr()
+    assert "(0 from the cache)" in cap.out and cap.err.splitlines()[0].startswith("Search mlp-stack")
+
+
+def test_out_dir_of_a_layer_stack_has_per_region_plots(fake_backend, tmp_path):
+    stack = ["plan", "--example", "mlp-stack", "--layers", "2", "--m", "8", "--d-model", "16", "--max-candidates", "2"]
+    assert main([*stack, "--out", str(tmp_path)]) == 0
+    names = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
+    assert names == ["best_so_far.r0.png", "plan.json", "predicted_vs_measured.r0.png", "results.json"]

@@ -190,6 +190,10 @@ def test_cli_exit_codes(capsys, tmp_path):
     err = capsys.readouterr().err
     assert "broken.egg:2: does not parse" in err and "\n" not in err.strip()
     assert main(["check-rules", "--examples", "0"]) == 2
+    empty = _write(tmp_path, "empty.egg", ";; nothing yet\n")
+    capsys.readouterr()
+    assert main(["check-rules", str(empty)]) == 0
+    assert capsys.readouterr().out == "0 rules (the files hold no rules)\n"
 
 
 def test_cli_json_and_seed_reproducibility(capsys):

@@ -228,3 +228,49 @@ def test_random_mutants_of_random_plans_are_valid(stack, seed):
     m = Mutator(ex).random_mutant(parent, random.Random(seed))
     assert m is not None and m.key != ex.key(parent)
     assert _equal_to_graph(stack, ex.plan_of(m.choice)), m.label
+
+
+def test_an_unavailable_backend_stops_the_search_instead_of_rejecting_every_candidate(chain, capsys, monkeypatch):
+    from backends.base import BackendUnavailable
+    from planner.cli import main
+    from planner.commands import plan as plan_cmd
+
+    class Missing(EstimateBackend):
+        def compile(self, plan):
+            raise BackendUnavailable("this backend needs a device this machine lacks")
+
+    with pytest.raises(BackendUnavailable):
+        search(chain, Missing(chain.spec), options=SearchOptions(max_candidates=2, **FAST))
+    monkeypatch.setattr(plan_cmd, "get_backend", lambda name, spec: Missing(spec))
+    assert main(["plan", "--example", "ew-chain", "--k", "2", "--n", "64", "--no-cache"]) == 2
+    assert capsys.readouterr().err.strip() == "fusion-planner plan: error: this backend needs a device this machine lacks"
+
+
+def test_check_outputs_accepts_a_deep_graph_result_no_worse_than_the_reference(chain):
+    from planner.search import check_outputs
+
+    plan = chain.best
+    shape = plan.tensors[plan.outputs[0]].shape
+    exact = np.full(shape, 1000.0)
+    ref = (exact + 8.0).astype(np.float32)  # the reference's own rounding error: 8
+    near, far = (exact - 12.0).astype(np.float32), (exact - 40.0).astype(np.float32)
+    assert check_outputs(plan, [near], [ref])[0] is not None  # 20 apart: outside the fp32 tolerance
+    assert check_outputs(plan, [near], [ref], oracle=[exact])[0] is None  # 12 from exact <= 2 x 8
+    assert check_outputs(plan, [far], [ref], oracle=[exact])[0].startswith("tolerance")
+
+
+def test_plan_of_a_deep_fp16_transformer_is_verified_and_exits_0(capsys):
+    from planner.cli import main
+
+    args = ["plan", "--example", "transformer", "--layers", "2", "--d-model", "64", "--seq", "16"]
+    assert main([*args, "--backend", "model", "--max-candidates", "2", "--no-cache"]) == 0
+    assert "verified against the reference" in capsys.readouterr().out
+
+
+def test_search_keeps_fused_candidates_of_a_deep_fp16_graph():
+    cands = build_candidates(examples.transformer(2, 256, 64, "fp16"), "h200")
+    plain = search(cands, EstimateBackend(cands.spec), options=SearchOptions(max_candidates=3, **FAST))
+    assert not plain.rejected and plain.best.key != cands.unfused.key
+    # an explicit tolerance replaces the allowance: the same fused plans then fail it
+    strict = search(cands, EstimateBackend(cands.spec), options=SearchOptions(max_candidates=3, rtol=1e-2, atol=1.0, **FAST))
+    assert strict.rejected

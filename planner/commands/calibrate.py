@@ -31,6 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.backend not in CALIBRATABLE:
         raise UsageError(f"calibrate: backend {args.backend!r} cannot be calibrated; choose one of {', '.join(CALIBRATABLE)}")
+    out = Path(args.output) if args.output else None
+    if out is not None and (out.is_dir() or not out.parent.is_dir()):
+        raise UsageError(f"calibrate: cannot write {args.output}: " + ("it is a folder" if out.is_dir() else "no such folder"))
     from backends.base import BackendUnavailable
     from backends.codegen_c import CompilerUnavailable
     from planner.calibrate import calibrate_cpu
@@ -47,8 +50,11 @@ def run(args: argparse.Namespace) -> int:
         f"(row-tiled {cal.tiled_gemm_gflops:.1f}) | vector {cal.vector_gflops:.2f} GFLOP/s | {cal.seconds:.1f} s",
         file=sys.stderr,
     )
-    if args.output:
-        Path(args.output).write_text(text)
+    if out is not None:
+        try:
+            out.write_text(text)
+        except OSError as exc:
+            raise UsageError(f"calibrate: cannot write {args.output}: {exc.strerror}") from None
         print(f"wrote {args.output}", file=sys.stderr)
     else:
         sys.stdout.write(text)

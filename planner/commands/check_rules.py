@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from planner.cli import emit_json
+from planner.commands.common import seed_arg
 from planner.errors import UsageError
 from planner.rulecheck import DEFAULT_EXAMPLES, RuleResult, check_files, verdict_counts
 
@@ -22,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("files", nargs="*", metavar="FILE.egg", help="rule files (default: the shipped rules)")
     p.add_argument("--examples", type=int, default=DEFAULT_EXAMPLES, help="random cases per rule")
-    p.add_argument("--seed", type=int, default=0, help="seed for the random cases")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed for the random cases")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(handler=run)
 
@@ -39,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     for r in results:
         print(_line(r))
     summary = ", ".join(f"{n} {v}" for v, n in sorted(counts.items()))
-    print(f"{len(results)} rule{'' if len(results) == 1 else 's'}: {summary}")
+    print(f"{len(results)} rule{'' if len(results) == 1 else 's'}" + (f": {summary}" if summary else " (the files hold no rules)"))
     return status
 
 

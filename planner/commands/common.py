@@ -13,6 +13,17 @@ from planner.errors import UsageError
 from planner.graph import Graph, load_graph
 
 
+def seed_arg(text: str) -> int:
+    """argparse type of every --seed: numpy's generators take only non-negative seeds."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
+    return value
+
+
 def add_graph_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("graph (one of --example or --graph)")
     src = g.add_mutually_exclusive_group()
@@ -36,7 +47,7 @@ def add_planning_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rules", action="append", default=[], metavar="FILE.egg", help="extra rule file (repeatable)")
     g.add_argument("--cap", type=int, default=DEFAULT_CAP, help="enumerate every plan up to this many")
     g.add_argument("--top", type=int, default=DEFAULT_K, help="plans to keep when the space is larger than --cap")
-    g.add_argument("--seed", type=int, default=0, help="seed for sampling")
+    g.add_argument("--seed", type=seed_arg, default=0, help="seed for sampling")
     d = Limits()
     g.add_argument("--max-iterations", type=int, default=d.max_iterations, help="saturation iterations per stage")
     g.add_argument("--max-nodes", type=int, default=d.max_nodes, help="e-graph size limit")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -23,7 +24,7 @@ from planner.plans import Plan
 from planner.regions import Region, split_regions
 from planner.report import ledger_table
 from planner.search import SearchError, SearchOptions, SearchResult, search
-from planner.searchlog import SearchLog, fmt_us
+from planner.searchlog import SearchLog, env_flag, fmt_us
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -84,13 +85,13 @@ def run(args: argparse.Namespace) -> int:
     backend = measured_backend(args.measured, spec, graph) if args.measured else get_backend(args.backend, spec)
     out_dir = _out_dir(args.out)
     rules = load_rules(args.rules)
-    cache = None if args.no_cache else PlanCache(args.cache_dir)
+    cache = None if args.no_cache else PlanCache(args.cache_dir, read=not _wants_search_evidence(args))
     regions = split_regions(graph)
     if args.measured:
         cache = None  # remote results answer for exactly the exported candidates
     elif not args.no_dedup and len({r.key for r in regions}) < len(regions):
         return run_regions(args, graph, spec, backend, opts, rules, limits, cache, out_dir)
-    cache_key = PlanCache.key(regions[0].key, spec, args.backend, rules_hash(rules)) if len(regions) == 1 else ""
+    cache_key = PlanCache.key(regions[0].key, spec, cache_tag(args.backend, opts), rules_hash(rules)) if len(regions) == 1 else ""
     if cache and cache_key:
         cached = cache.load(cache_key, regions[0].graph, spec)
         if cached is not None:
@@ -115,6 +116,19 @@ def run(args: argparse.Namespace) -> int:
         if out_dir is not None:
             print("wrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def cache_tag(backend: str, opts: SearchOptions) -> str:
+    """The plan cache's backend field: the backend and every search option, so a choice
+    made under a smaller budget or another seed never answers a run with other options."""
+    return f"{backend} {json.dumps(dataclasses.asdict(opts), sort_keys=True)}"
+
+
+def _wants_search_evidence(args: argparse.Namespace) -> bool:
+    """--out, --json and the search log report the search itself (results, plots, the
+    candidate table, the log); a cached choice has none of that, so such a run searches
+    again (and refreshes the cache entry)."""
+    return bool(args.out or args.json or args.search_log or env_flag("SEARCH_LOG"))
 
 
 def _out_dir(path: str | None) -> Path | None:
@@ -247,7 +261,7 @@ def run_regions(args, graph, spec, backend, opts, rules, limits, cache, out_dir)
         return result.best
 
     try:
-        mp = plan_model(graph, spec, backend=args.backend, choose=choose, rules=rules, limits=limits,
+        mp = plan_model(graph, spec, backend=cache_tag(args.backend, opts), choose=choose, rules=rules, limits=limits,
                         cache=cache, cap=args.cap, k=args.top, seed=args.seed)
         meas = measure_composite(mp, backend, opts)
     except SearchError as exc:
@@ -261,8 +275,23 @@ def run_regions(args, graph, spec, backend, opts, rules, limits, cache, out_dir)
     if out_dir is not None:
         save_plan(out_dir / "plan.json", mp.plan, graph, spec, dict(backend=args.backend, **meas))
         (out_dir / "results.json").write_text(json.dumps({k: r.to_json() for k, r in results.items()}, indent=1) + "\n")
-        print(f"wrote {out_dir / 'plan.json'}, {out_dir / 'results.json'}")
+        written = [out_dir / "plan.json", out_dir / "results.json", *region_plots(out_dir, results)]
+        print("wrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def region_plots(out: Path, results: dict[str, SearchResult]) -> list[Path]:
+    """The two plots of each searched region, named by its suffix: predicted_vs_measured.r0.png, ..."""
+    from planner.searchplots import plot_best_so_far, plot_predicted_vs_measured
+
+    paths = []
+    for name, result in results.items():
+        tag = name.rsplit(".", 1)[-1]
+        pair = (out / f"predicted_vs_measured.{tag}.png", out / f"best_so_far.{tag}.png")
+        plot_predicted_vs_measured(result, pair[0])
+        plot_best_so_far(result, pair[1])
+        paths += pair
+    return paths
 
 
 def region_json(u) -> dict:
@@ -283,8 +312,9 @@ def measure_composite(mp: ModelPlan, backend, opts: SearchOptions) -> dict:
 
     inputs = random_inputs(mp.graph, opts.seed)
     expected = execute_graph(mp.graph, inputs)
+    oracle = execute_graph(mp.graph, inputs, "oracle")
     compiled = backend.compile(mp.plan)
-    problem, _, _ = check_outputs(mp.plan, compiled.run(inputs), expected, opts.rtol, opts.atol)
+    problem, _, _ = check_outputs(mp.plan, compiled.run(inputs), expected, opts.rtol, opts.atol, oracle)
     if problem:
         raise SearchError(f"the composite plan does not match the reference: {problem}")
     best = compiled.time(inputs, warmup=opts.warmup, repeats=opts.repeats).median_us

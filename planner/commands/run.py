@@ -8,7 +8,7 @@ from backends import BACKENDS, get_backend
 from backends.base import BackendError
 from backends.reference import execute_graph, random_inputs
 from planner.cli import emit_json
-from planner.commands.common import add_graph_args, graph_from_args
+from planner.commands.common import add_graph_args, graph_from_args, seed_arg
 from planner.cost import load_device
 from planner.errors import UsageError
 from planner.planfile import PlanFileError, load_plan
@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("plan_file", metavar="plan.json")
     p.add_argument("--backend", default="reference", help=f"one of {', '.join(BACKENDS)} (default reference)")
     p.add_argument("--device", default=None, help="device spec for the backend (default: the one saved in the plan)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the random inputs")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--rtol", type=float, default=None, help="override the dtype's relative tolerance")
@@ -52,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
     inputs = random_inputs(graph, seed=args.seed)
     compiled = backend.compile(plan)
     outs = compiled.run(inputs)
-    reason, max_abs, max_rel = check_outputs(plan, outs, execute_graph(graph, inputs, "device"), args.rtol, args.atol)
+    expected, oracle = execute_graph(graph, inputs, "device"), execute_graph(graph, inputs, "oracle")
+    reason, max_abs, max_rel = check_outputs(plan, outs, expected, args.rtol, args.atol, oracle)
     if reason is not None:
         raise PlanFileError(f"{args.plan_file}: the plan does not compute its graph on backend {args.backend}: {reason}")
     meas: float | None = None
