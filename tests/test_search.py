@@ -271,6 +271,5 @@ def test_search_keeps_fused_candidates_of_a_deep_fp16_graph():
     cands = build_candidates(examples.transformer(2, 256, 64, "fp16"), "h200")
     plain = search(cands, EstimateBackend(cands.spec), options=SearchOptions(max_candidates=3, **FAST))
     assert not plain.rejected and plain.best.key != cands.unfused.key
-    # an explicit tolerance replaces the allowance: the same fused plans then fail it
-    strict = search(cands, EstimateBackend(cands.spec), options=SearchOptions(max_candidates=3, rtol=1e-2, atol=1.0, **FAST))
-    assert strict.rejected
+    # (random_inputs scales GEMM weights by K^-1/2, so these activations stay tame; the
+    # oracle allowance itself is checked directly in test_check_outputs_accepts_a_deep_graph_result_no_worse_than_the_reference)
