@@ -29,7 +29,9 @@ class MeasuredBackend(Backend):
         super().__init__(spec)
         self.results = load_measured(path)
         #: the graph the remote runner timed (plan keys do not encode shapes, so callers must compare it)
-        self.graph_name = str(json.loads(Path(path).read_text()).get("graph") or "")
+        head = json.loads(Path(path).read_text())
+        self.graph_name = str(head.get("graph") or "")
+        self.graph_sha256 = str(head.get("graph_sha256") or "")
         executors = {m.executor for m in self.results.values()}
         self.name = f"measured({', '.join(sorted(executors)) or 'empty'})"
 

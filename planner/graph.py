@@ -122,6 +122,14 @@ class Graph:
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=1)
 
+    def fingerprint(self) -> str:
+        """SHA-256 of the graph's structure (ops, wiring, attributes, shapes, dtypes; not its name)."""
+        import hashlib
+
+        body = self.to_json()
+        body.pop("name")
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
 
 class GraphBuilder:
     """Builds a :class:`Graph` node by node, checking each node as it is added."""

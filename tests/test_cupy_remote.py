@@ -209,3 +209,28 @@ def test_plan_measured_refuses_another_graphs_timings(bundle_file, tmp_path, cap
     rc = main(["plan", "--example", "mlp-epilogue", "--m", "48", "--n", "40", "--k", "36", "--measured", str(out)])
     assert rc == 2
     assert "timed for graph 'mlp-epilogue-24x40x36-fp16-tanh', not 'mlp-epilogue-48x40x36" in capsys.readouterr().err
+
+
+def test_plan_measured_refuses_a_same_named_graph_with_other_shapes(tmp_path, capsys):
+    """Same graph name, other shapes: the structural fingerprint in the bundle tells them apart."""
+    from backends.cupy.__main__ import main as runner_main
+    from planner.graph import GraphBuilder
+
+    def graph(m: int) -> dict:
+        b = GraphBuilder("same-name")
+        b.input("x", (m, 8), "fp32")
+        b.op("r", "Relu", ["x"])
+        b.op("s", "Silu", ["r"])
+        return json.loads(b.build(["s"]).dumps())
+
+    (tmp_path / "a.json").write_text(json.dumps(graph(4)))
+    (tmp_path / "b.json").write_text(json.dumps(graph(6)))
+    bundle, out = tmp_path / "cands.json", tmp_path / "measured.json"
+    assert main(["export-candidates", "--graph", str(tmp_path / "a.json"), "-o", str(bundle)]) == 0
+    assert runner_main(["time", str(bundle), "-o", str(out), "--executor", "numpy", "--repeats", "1"]) == 0
+    assert json.loads(out.read_text())["graph_sha256"]
+    capsys.readouterr()
+    assert main(["plan", "--graph", str(tmp_path / "a.json"), "--measured", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["plan", "--graph", str(tmp_path / "b.json"), "--measured", str(out)]) == 2
+    assert "another graph of the same name 'same-name'" in capsys.readouterr().err

@@ -76,6 +76,7 @@ class Bundle:
     scales: dict[str, float]
     reference: Plan
     candidates: tuple[Candidate, ...]
+    graph_sha256: str = ""  # Graph.fingerprint() of the exported graph
 
     def make_inputs(self) -> dict[str, np.ndarray]:
         """Seeded normal inputs (in bundle order), scaled, representable in their dtype."""
@@ -158,6 +159,7 @@ def export_bundle(cands: Any, seed: int = 0, plans: list[Plan] | None = None) ->
     return {
         "schema": SCHEMA,
         "graph": graph.name,
+        "graph_sha256": graph.fingerprint(),
         "device": cands.spec.name,
         "tensors": {n.id: {"shape": list(n.type.shape), "dtype": n.type.dtype} for n in graph.nodes},
         "inputs": {
@@ -258,6 +260,7 @@ def bundle_from_json(data: Any, source: str = "<json>") -> Bundle:
         seed=int(_need(inputs, "seed", f"{source}.inputs")),
         scales={str(k): float(v) for k, v in (inputs.get("scales") or {}).items()},
         reference=ref,
+        graph_sha256=str(data.get("graph_sha256", "")),
         candidates=cands,
     )
 

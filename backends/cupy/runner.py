@@ -191,6 +191,7 @@ def time_bundle(
     return {
         "schema": MEASURED_SCHEMA,
         "graph": bundle.graph,
+        "graph_sha256": bundle.graph_sha256,
         "bundle_device": bundle.device,
         "machine": executor.machine(),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),

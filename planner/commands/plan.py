@@ -233,6 +233,9 @@ def measured_backend(path: str, spec: DeviceSpec, graph: Graph):
     if backend.graph_name != graph.name:
         raise UsageError(f"--measured {path}: timed for graph {backend.graph_name!r}, not {graph.name!r}; "
                          "plan the graph that export-candidates wrote")
+    if backend.graph_sha256 and backend.graph_sha256 != graph.fingerprint():
+        raise UsageError(f"--measured {path}: timed for another graph of the same name {graph.name!r} "
+                         "(its structure or shapes differ); plan the graph that export-candidates wrote")
     return backend
 
 
