@@ -39,6 +39,25 @@ class Timing:
         return statistics.median(self.samples_us)
 
 
+def collect_samples(
+    measure_us: Callable[[], float],
+    *,
+    warmup: int,
+    repeats: int,
+    stop_if: Callable[[float], bool] | None = None,
+) -> Timing:
+    """Warm-ups, then up to ``repeats`` samples of ``measure_us()``; ``stop_if(running median)``
+    ends the sampling early.  Shared by every backend that really times."""
+    for _ in range(warmup):
+        measure_us()
+    samples: list[float] = []
+    for _ in range(repeats):
+        samples.append(measure_us())
+        if stop_if is not None and len(samples) < repeats and stop_if(statistics.median(samples)):
+            return Timing(samples, warmup, stopped_early=True)
+    return Timing(samples, warmup)
+
+
 @dataclass
 class CompiledPlan(ABC):
     plan: Plan

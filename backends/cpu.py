@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from backends.base import Backend, BackendError, BackendUnavailable, CompiledPlan, Timing
+from backends.base import Backend, BackendError, BackendUnavailable, CompiledPlan, Timing, collect_samples
 from backends.codegen_c import CKernel, CodegenError, Compiler, CompilerUnavailable, generate, rows_cols, widen_source
 from backends.reference import eval_expr
 from planner.cost import DeviceSpec
@@ -214,17 +213,14 @@ class CpuCompiledPlan(CompiledPlan):
         stop_if: Callable[[float], bool] | None = None,
     ) -> Timing:
         self._load_inputs(inputs)
+
+        def measure_us() -> float:
+            t0 = time.perf_counter_ns()
+            self._execute()
+            return (time.perf_counter_ns() - t0) / 1e3
+
         with limit_blas_threads(self.threads, self.controller):
-            for _ in range(warmup):
-                self._execute()
-            samples: list[float] = []
-            for _ in range(repeats):
-                t0 = time.perf_counter_ns()
-                self._execute()
-                samples.append((time.perf_counter_ns() - t0) / 1e3)
-                if stop_if is not None and len(samples) < repeats and stop_if(statistics.median(samples)):
-                    return Timing(samples, warmup, stopped_early=True)
-        return Timing(samples, warmup)
+            return collect_samples(measure_us, warmup=warmup, repeats=repeats, stop_if=stop_if)
 
 
 class CpuBackend(Backend):

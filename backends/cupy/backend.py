@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -10,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from backends.base import Backend, BackendError, BackendUnavailable, CompiledPlan, Timing
+from backends.base import Backend, BackendError, BackendUnavailable, CompiledPlan, Timing, collect_samples
 from backends.cupy.bundle import BundleKernel, Candidate, cublas_call
 from backends.cupy.codegen import CodegenError, generate
 from planner.plans import Plan
@@ -54,14 +53,7 @@ class CupyCompiledPlan(CompiledPlan):
         stop_if: Callable[[float], bool] | None = None,
     ) -> Timing:
         self._load(inputs)
-        samples = self.prepared.time(warmup, 1)
-        stopped = False
-        while len(samples) < repeats:
-            if stop_if is not None and stop_if(statistics.median(samples)):
-                stopped = True
-                break
-            samples += self.prepared.time(0, 1)
-        return Timing(samples, warmup, stopped)
+        return collect_samples(lambda: self.prepared.time(0, 1)[0], warmup=warmup, repeats=repeats, stop_if=stop_if)
 
 
 class CupyBackend(Backend):
