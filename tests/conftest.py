@@ -22,15 +22,9 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True, scope="session")
 def _session_plan_cache(tmp_path_factory):
     """Session-wide fixtures never read the user's plan cache."""
-    import os
-
-    old = os.environ.get("FUSION_PLANNER_PLAN_CACHE")
-    os.environ["FUSION_PLANNER_PLAN_CACHE"] = str(tmp_path_factory.mktemp("session-plan-cache"))
-    yield
-    if old is None:
-        os.environ.pop("FUSION_PLANNER_PLAN_CACHE", None)
-    else:
-        os.environ["FUSION_PLANNER_PLAN_CACHE"] = old
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FUSION_PLANNER_PLAN_CACHE", str(tmp_path_factory.mktemp("session-plan-cache")))
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,5 @@
 """CUDA generation and offline kernel facts (nvcc -arch=sm_90 where nvcc exists)."""
 
-import os
 import re
 
 import pytest
@@ -24,13 +23,9 @@ H200 = load_device("h200")
 @pytest.fixture(scope="session", autouse=True)
 def _nvcc_cache(tmp_path_factory):
     """A fresh cache per session: every kernel really compiles once, then is reused."""
-    old = os.environ.get("FUSION_PLANNER_CACHE")
-    os.environ["FUSION_PLANNER_CACHE"] = str(tmp_path_factory.mktemp("nvcc-cache"))
-    yield
-    if old is None:
-        os.environ.pop("FUSION_PLANNER_CACHE", None)
-    else:
-        os.environ["FUSION_PLANNER_CACHE"] = old
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FUSION_PLANNER_CACHE", str(tmp_path_factory.mktemp("nvcc-cache")))
+        yield
 
 
 def _example_graphs():
