@@ -21,7 +21,7 @@ import numpy as np
 from planner.candidates import DEFAULT_CAP, DEFAULT_K, CandidateSet, build_candidates, load_rules
 from planner.cost import DeviceSpec, load_device
 from planner.egraph import Limits
-from planner.graph import Graph
+from planner.graph import Graph, load_graph
 from planner.plans import Plan
 from planner.report import ledger_table
 from planner.tolerance import allclose_report, tolerance
@@ -238,6 +238,7 @@ def plan(
     verify: bool = True,
     dedup: bool = True,
     cache: bool = True,
+    allow_torch_ops: Sequence[str] = (),
     **search_opts: Any,
 ) -> PlanResult:
     """Plan a torch module (or an IR graph) and return the executable :class:`PlanResult`.
@@ -251,7 +252,16 @@ def plan(
     With ``dedup``, a graph whose regions repeat (a layer stack) is planned region
     by region, each distinct region searched once; chosen region plans are kept
     in the plan cache unless ``cache`` is false (docs/scaling.md).
+    A ``str`` or ``Path`` is a graph JSON file, loaded as untrusted data: its torch-backed
+    Opaque nodes may name only allowlisted torch callables and ``allow_torch_ops``
+    (exact canonical names the caller trusts; docs/security.md).
     """
+    if allow_torch_ops:
+        from planner.torch_ops import allow_torch_ops as allow  # torch is optional
+
+        allow(allow_torch_ops)
+    if isinstance(module_or_graph, (str, Path)):
+        module_or_graph = load_graph(module_or_graph)
     spec = device if isinstance(device, DeviceSpec) else load_device(device)
     imported, module, args = None, None, None
     if isinstance(module_or_graph, Graph):

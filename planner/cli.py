@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from planner.errors import USER_ERRORS
+from planner.errors import USER_ERRORS, UsageError
 
 #: modules that contribute subcommands, in --help order
 COMMAND_MODULES = (
@@ -62,6 +62,16 @@ def _json_default(o: Any) -> Any:
     return str(o)
 
 
+def _allow_torch_ops(names: Sequence[str]) -> None:
+    if not names:
+        return
+    try:
+        from planner.torch_ops import allow_torch_ops
+    except ImportError as exc:  # torch is optional
+        raise UsageError(f"--allow-torch-op needs torch, which is not importable here ({exc})") from None
+    allow_torch_ops(names)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -70,6 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     try:
+        _allow_torch_ops(getattr(args, "allow_torch_op", None) or [])
         return int(args.handler(args) or 0)
     except USER_ERRORS as exc:
         print(f"fusion-planner {args.command}: error: {exc}", file=sys.stderr)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.ops import DTYPE_BYTES, OpError, Shape, op_def
+from planner.torch_allowlist import loading_file
 
 GRAPH_FORMAT = "fusion-planner-graph"
 GRAPH_VERSION = 1
@@ -234,8 +235,17 @@ def _check_shape(shape: Any, node_id: str) -> Shape:
 # ---------------------------------------------------------------- loading
 
 
-def graph_from_json(data: Any, source: str = "<json>") -> Graph:
-    """Build a graph from parsed JSON, with errors that name the field or node."""
+def graph_from_json(data: Any, source: str = "<json>", *, allow_torch: Iterable[str] = ()) -> Graph:
+    """Build a graph from parsed JSON, with errors that name the file and the field or node.
+
+    The data is untrusted: torch-backed Opaque nodes may name only allowlisted torch
+    callables, the user's ``allow_torch_ops`` and ``allow_torch`` (docs/security.md).
+    """
+    with loading_file(allow_torch):
+        return _graph_from_json(data, source)
+
+
+def _graph_from_json(data: Any, source: str) -> Graph:
     if not isinstance(data, dict):
         raise GraphError(f"{source}: top level must be a JSON object")
     if data.get("format", GRAPH_FORMAT) != GRAPH_FORMAT:
@@ -256,22 +266,37 @@ def graph_from_json(data: Any, source: str = "<json>") -> Graph:
         nid = nd["id"]
         inputs = nd.get("inputs", [])
         if not isinstance(inputs, list) or not all(isinstance(x, str) for x in inputs):
-            raise GraphError(f"node {nid!r}: 'inputs' must be a list of node ids")
+            raise GraphError(f"{source}: node {nid!r}: 'inputs' must be a list of node ids")
         later = [x for x in inputs if x not in seen]
         if later and any(x == nid or _defined_later(nodes, i, x) for x in later):
             raise GraphError(
-                f"node {nid!r}: input(s) {later} come later in the list or from itself: "
+                f"{source}: node {nid!r}: input(s) {later} come later in the list or from itself: "
                 "the graph has a cycle or is not in topological order"
             )
         attrs = nd.get("attrs", {})
         if not isinstance(attrs, dict):
-            raise GraphError(f"node {nid!r}: 'attrs' must be an object")
-        b.op(nid, nd["op"], inputs, attrs, shape=nd.get("shape"), dtype=nd.get("dtype"))
+            raise GraphError(f"{source}: node {nid!r}: 'attrs' must be an object")
+        try:
+            b.op(nid, nd["op"], inputs, attrs, shape=nd.get("shape"), dtype=nd.get("dtype"))
+        except GraphError as exc:
+            raise GraphError(f"{source}: {exc}") from None
         seen.add(nid)
     outs = data.get("outputs")
     if not isinstance(outs, list) or not outs:
         raise GraphError(f"{source}: 'outputs' must be a non-empty list of node ids")
     return b.build(outs)
+
+
+def torch_names(graph: Graph) -> frozenset[str]:
+    """Every torch callable the graph's torch-backed Opaque nodes name (node impls and call steps)."""
+    names: set[str] = set()
+    for n in graph.nodes:
+        impl = str(n.attr_dict.get("impl", "")) if n.op == "Opaque" else ""
+        if impl.startswith("torch."):
+            names.add(impl)
+            call = json.loads(str(n.attr_dict.get("call", "{}")))
+            names.update(str(st.get("impl")) for st in call.get("steps", []) if isinstance(st, dict))
+    return frozenset(names)
 
 
 def _defined_later(nodes: list[Any], index: int, node_id: str) -> bool:

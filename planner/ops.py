@@ -169,8 +169,15 @@ class OpDef:
     flops_per_elem: Callable[[Attrs], float] | None = None  # elementwise ops
     regs: Callable[[Attrs], int] = field(default=lambda attrs: 0)
     code: CodeFn | None = None
-    #: input positions that may be read from registers (fused) rather than memory
+    #: input positions that may be read from registers (fused) rather than memory; each one gets the
+    #: generated register-read, GEMM-epilogue and subsume rules (planner/rulegen.py)
     fusable_inputs: tuple[int, ...] = ()
+    #: whether a fusable input may come from a GEMM in registers (the generated epilogue rule)
+    gemm_epilogue: bool = True
+    #: canonical names of the torch callables this op is (``torch.square``, ``torch.Tensor.square``):
+    #: the torch importer maps a call of one of them on a single tensor, with no other argument,
+    #: to this op (only for ops with one input and no attributes)
+    torch_names: tuple[str, ...] = ()
     #: live temporaries a code generator must keep (the C-05 register-pressure probe)
     probe_temps: Callable[[Attrs], int] = field(default=lambda attrs: 0)
     doc: str = ""
@@ -183,6 +190,10 @@ class OpDef:
         out = {a.name: a.coerce(attrs.get(a.name), self.name) for a in self.attrs}
         if self.kind == "opaque":
             out.update({k: v for k, v in attrs.items() if k not in known})
+            if str(out["impl"]).startswith("torch."):
+                from planner.torch_allowlist import check_torch_call
+
+                check_torch_call(str(out["impl"]), out.get("call"))  # names only; nothing is looked up
         return out
 
     def out_shape(self, in_shapes: Sequence[Shape], attrs: Attrs) -> Shape:
@@ -361,6 +372,7 @@ OPS: dict[str, OpDef] = {
             regs=lambda attrs: int(attrs["regs"]),
             code=lambda v, attrs: f"({v[0]})",
             fusable_inputs=(0,),
+            gemm_epilogue=False,  # the seed's synthetic stages model elementwise chains, never GEMM epilogues
             probe_temps=lambda attrs: int(attrs["temps"]),
             doc=(
                 "Synthetic stage: the identity on values, with FLOPs per element and live "
@@ -381,8 +393,14 @@ OPS: dict[str, OpDef] = {
     ]
 }
 
-#: op kinds that may appear inside a fused elementwise region
-ELEMENTWISE = frozenset(n for n, o in OPS.items() if o.kind == "elementwise")
+
+
+def register_op(op: OpDef) -> OpDef:
+    """Add an op kind to the table (the one step adding an op takes: rules, codegen and import follow)."""
+    if op.name in OPS:
+        raise OpError(f"op {op.name!r} is already in the op table")
+    OPS[op.name] = op
+    return op
 
 
 def op_def(name: str) -> OpDef:

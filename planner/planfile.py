@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from planner.cost import DeviceSpec, DeviceSpecError, KernelCost, device_from_json
-from planner.graph import Graph, GraphError, graph_from_json
+from planner.graph import Graph, GraphError, graph_from_json, torch_names
 from planner.ops import OpError
 from planner.plans import KERNEL_KINDS, Expr, Kernel, Load, Plan, expr_from_json, expr_to_json
+from planner.torch_allowlist import loading_file
 
 PLAN_FORMAT = "fusion-planner-plan"
 PLAN_VERSION = 1
@@ -88,6 +89,16 @@ def load_plan(path: str | Path, expect_graph: Graph | None = None) -> tuple[Plan
 def plan_from_document(
     doc: Any, source: str = "<plan>", expect_graph: Graph | None = None
 ) -> tuple[Plan, Graph, DeviceSpec, dict[str, Any]]:
+    """Parse a plan document as untrusted data; torch names the in-memory ``expect_graph`` already uses
+    are accepted (the caller holds that graph), others must be on the allowlist (docs/security.md)."""
+    allow = torch_names(expect_graph) if expect_graph is not None else frozenset()
+    with loading_file(allow):
+        return _plan_from_document(doc, source, expect_graph, allow)
+
+
+def _plan_from_document(
+    doc: Any, source: str, expect_graph: Graph | None, allow: frozenset[str]
+) -> tuple[Plan, Graph, DeviceSpec, dict[str, Any]]:
     if not isinstance(doc, dict):
         raise PlanFileError(f"{source}: top level must be an object")
     if doc.get("format") != PLAN_FORMAT:
@@ -97,7 +108,7 @@ def plan_from_document(
     if doc.get("sha256") != content_hash(doc):
         raise PlanFileError(f"{source}: content hash mismatch: the file was edited or corrupted after it was written")
     try:
-        graph = graph_from_json(doc.get("graph"), f"{source}: graph")
+        graph = graph_from_json(doc.get("graph"), f"{source}: graph", allow_torch=allow)
         spec = device_from_json(doc.get("device"), f"{source}: device")
     except (GraphError, DeviceSpecError, OpError) as exc:
         raise PlanFileError(f"{source}: {exc}") from None

@@ -180,7 +180,7 @@ def expr_to_json(e: Expr | Load) -> dict[str, Any]:
 def expr_from_json(d: Any, where: str = "body") -> Expr | Load:
     """Rebuild a body; validates structure but does not trust it (no code is loaded)."""
     from planner.graph import GraphBuilder  # noqa: F401  (ids are checked by the op table below)
-    from planner.ops import op_def
+    from planner.ops import OpError, op_def
 
     if not isinstance(d, dict):
         raise ValueError(f"{where}: expected an object")
@@ -192,7 +192,10 @@ def expr_from_json(d: Any, where: str = "body") -> Expr | Load:
     if not isinstance(op, str):
         raise ValueError(f"{where}: missing 'op'")
     opd = op_def(op)
-    attrs = opd.check_attrs(d.get("attrs", {}))
+    try:
+        attrs = opd.check_attrs(d.get("attrs", {}))
+    except OpError as exc:
+        raise OpError(f"node {d.get('node')!r}: {exc}") from None
     args = tuple(expr_from_json(a, f"{where}.{op}") for a in d.get("args", []))
     shape = d.get("shape")
     dtype = d.get("dtype")

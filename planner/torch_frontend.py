@@ -40,14 +40,14 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from planner.errors import TorchImportError
 from planner.graph import Graph, GraphBuilder, GraphError
-from planner.ops import OpError
-from planner.torch_ops import encode_arg, ensure_registered, flat_shape, step_flops, torch_fn_name
+from planner.ops import OPS, OpError
+from planner.torch_ops import IMPORTER_TABLE as _CANON
+from planner.torch_ops import encode_arg, ensure_registered, flat_shape, step_flops, torch_fn_name, trust_traced
 
 log = logging.getLogger(__name__)
 
@@ -299,37 +299,22 @@ class _Multi:
     value: Any
 
 
-_CANON: dict[Any, str] = {}
-
-
-def _canon(kind: str, *targets: Any) -> None:
-    for t in targets:
-        _CANON[t] = kind
-
-
-_aten = torch.ops.aten
-_canon("linear", F.linear, torch._C._nn.linear, _aten.linear.default)
-_canon("gelu", F.gelu, torch._C._nn.gelu, _aten.gelu.default, ("method", "gelu"))
-_canon("relu", F.relu, torch.relu, _aten.relu.default, ("method", "relu"))
-_canon("silu", F.silu, torch._C._nn.silu if hasattr(torch._C._nn, "silu") else F.silu, _aten.silu.default, ("method", "silu"))
-_canon("add", operator.add, operator.iadd, torch.add, _aten.add.Tensor, _aten.add.Scalar, ("method", "add"))
-_canon("sub", operator.sub, operator.isub, torch.sub, _aten.sub.Tensor, _aten.sub.Scalar, ("method", "sub"))
-_canon("mul", operator.mul, operator.imul, torch.mul, _aten.mul.Tensor, _aten.mul.Scalar, ("method", "mul"))
-_canon("div", operator.truediv, operator.itruediv, torch.div, _aten.div.Tensor, _aten.div.Scalar, ("method", "div"))
-_canon("neg", operator.neg, torch.neg, _aten.neg.default, ("method", "neg"))
-_canon("rsub", _aten.rsub.Scalar, torch.rsub)
-_canon("dropout", F.dropout, _aten.dropout.default, torch.dropout)
-_canon("same", ("method", "contiguous"), ("method", "clone"), ("method", "detach"), _aten.clone.default,
-       _aten.alias.default, _aten.detach.default, torch.clone)
-_canon("to", ("method", "to"), ("method", "float"), ("method", "type_as"), _aten.to.dtype, _aten._to_copy.default)
-_canon("view", ("method", "view"), ("method", "reshape"), ("method", "flatten"), ("method", "unsqueeze"),
-       ("method", "squeeze"), ("method", "view_as"), ("method", "reshape_as"), torch.reshape, torch.flatten,
-       torch.unsqueeze, torch.squeeze, _aten.view.default, _aten.reshape.default, _aten._unsafe_view.default,
-       _aten.unsqueeze.default, _aten.squeeze.dim, _aten.flatten.using_ints)
 _INPLACE_OPERATORS = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
                       operator.itruediv: operator.truediv}
+_aten = torch.ops.aten
 _SHAPE_QUERIES = {("method", "size"), ("method", "dim"), ("method", "numel"), getattr, operator.getitem, len,
                   _aten.sym_size.int}
+
+
+def _op_for_torch_call(target: Any, args: Any, kwargs: Any) -> str | None:
+    """The op-table op whose ``torch_names`` name this call of one tensor and nothing else."""
+    if len(args) != 1 or kwargs or not isinstance(args[0], _T):
+        return None
+    name = torch_fn_name(target)
+    for op in OPS.values():
+        if name in op.torch_names and op.arity == 1 and not op.attrs and op.kind == "elementwise":
+            return op.name
+    return None
 
 
 def _is_scalar(v: Any) -> bool:
@@ -506,6 +491,10 @@ class _Importer:
         if target is operator.getitem and not isinstance(args[0], _T):
             return concrete  # indexing a shape tuple
         kind = _CANON.get(target)
+        if kind is None:
+            op = _op_for_torch_call(fn_target, args, kwargs)
+            if op is not None:
+                return self.unary(node, op, args[0], concrete)
         handler = getattr(self, f"map_{kind}", None) if kind else None
         if handler is not None:
             out = handler(node, args, kwargs, concrete)
@@ -667,7 +656,7 @@ class _Importer:
 
     # -- everything else
     def generic(self, node: fx.Node, target: Any, args: Any, kwargs: Any) -> Any:
-        name = torch_fn_name(target)
+        name = trust_traced(target)  # the module is trusted code: an unlisted op is kept, for this process only
         if name is None:
             raise TorchImportError(
                 f"{self.where(node)}: {target!r} is not a torch function the planner can name; "

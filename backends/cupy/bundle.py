@@ -25,6 +25,7 @@ from planner.cost import KernelCost
 from planner.graph import TensorType
 from planner.ops import CUBLASLT_EPILOGUES, epilogue_has_bias, op_def, round_to
 from planner.plans import Expr, Kernel, Load, Plan, expr_from_json, expr_to_json
+from planner.torch_allowlist import loading_file
 
 SCHEMA = "fusion-planner/candidates/1"
 
@@ -230,6 +231,12 @@ def candidate_from_json(d: Mapping[str, Any], graph: str, tensors: dict[str, Ten
 
 
 def bundle_from_json(data: Any, source: str = "<json>") -> Bundle:
+    """Parse a candidates bundle as untrusted data (torch names checked as in docs/security.md)."""
+    with loading_file():
+        return _bundle_from_json(data, source)
+
+
+def _bundle_from_json(data: Any, source: str) -> Bundle:
     if not isinstance(data, Mapping) or data.get("schema") != SCHEMA:
         raise BundleError(f"{source}: not a candidates bundle (schema {SCHEMA!r} expected)")
     try:

@@ -39,6 +39,11 @@ def add_graph_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--d-model", type=int, default=1024, help="mlp-stack/transformer width")
     g.add_argument("--seq", type=int, default=128, help="transformer sequence length (rows)")
     g.add_argument("--mlp", choices=["gelu", "swiglu"], default="gelu", help="transformer MLP kind")
+    p.add_argument(
+        "--allow-torch-op", action="append", default=[], metavar="NAME",
+        help="trust one more torch callable named by the graph/plan file, by exact canonical name, e.g. "
+        "torch.nn.functional.mish (repeatable; docs/security.md)",
+    )
 
 
 def add_planning_args(p: argparse.ArgumentParser) -> None:
