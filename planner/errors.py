@@ -7,6 +7,7 @@ from planner.cost import DeviceSpecError
 from planner.egraph import RuleFileError
 from planner.graph import GraphError
 from planner.ops import OpError
+from planner.plancache import CacheClearRefused
 from planner.planfile import PlanFileError
 
 
@@ -27,5 +28,6 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     TorchImportError,
     FileNotFoundError,
     PlanFileError,  # a tampered or mismatched plan.json
+    CacheClearRefused,  # cache clear would touch files the cache did not write
     BackendUnavailable,  # the chosen backend needs a GPU, compiler or package this machine lacks
 )

@@ -13,7 +13,8 @@ import hashlib
 import json
 import logging
 import os
-import shutil
+import re
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 from planner.cost import DeviceSpec
 from planner.egraph import RuleFile
 from planner.graph import Graph
-from planner.planfile import PlanFileError, plan_document, plan_from_document
+from planner.planfile import PLAN_FORMAT, PlanFileError, plan_document, plan_from_document
 from planner.plans import Plan
 
 log = logging.getLogger(__name__)
@@ -83,11 +84,67 @@ class PlanCache:
     def store(self, key: str, plan: Plan, region: Graph, spec: DeviceSpec) -> None:
         doc = plan_document(plan, region, spec, {"cache_key": key, "cache_version": CACHE_VERSION})
         self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.path(key).with_suffix(".tmp")
-        tmp.write_text(json.dumps(doc))
-        tmp.replace(self.path(key))
+        # a unique temporary name per writer: two processes storing one key never share a file
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f"{key}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(doc))
+        os.replace(tmp, self.path(key))
 
-    def clear(self) -> int:
-        n = len(list(self.root.glob("*.json"))) if self.root.exists() else 0
-        shutil.rmtree(self.root, ignore_errors=True)
-        return n
+    def entries(self) -> list[Path]:
+        """The files this cache wrote: ``<32 hex>.json`` plan files whose meta carries that key, and
+        leftover ``<32 hex>.<random>.tmp`` files of interrupted writes; regular files only, never symlinks."""
+        if not self.root.is_dir():
+            return []
+        out = []
+        for p in sorted(self.root.iterdir()):
+            if p.is_symlink() or not p.is_file() or not _ENTRY_NAME.match(p.name):
+                continue
+            if p.suffix == ".tmp" or _is_entry(p):
+                out.append(p)
+        return out
+
+    def clear(self, *, force: bool = False) -> int:
+        """Remove this cache's own entries; the number removed.
+
+        Anything else in the folder (another file, a folder, a symlink) is never touched, and
+        unless ``force`` its presence refuses the whole clear with :class:`CacheClearRefused`.
+        """
+        if not self.root.exists():
+            return 0
+        if not self.root.is_dir():
+            raise CacheClearRefused(f"{self.root} is not a folder; nothing removed")
+        own = self.entries()
+        foreign = sorted(set(self.root.iterdir()) - set(own))
+        if foreign and not force:
+            names = ", ".join(p.name for p in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            raise CacheClearRefused(
+                f"{self.root} holds {len(foreign)} item(s) the plan cache did not write ({names}); nothing removed. "
+                "Pass --force (force=True) to remove only the cache's own entries and leave the rest"
+            )
+        for p in own:
+            p.unlink()
+        return len(own)
+
+
+class CacheClearRefused(ValueError):
+    """``cache clear`` would have to touch files the plan cache did not write."""
+
+
+_ENTRY_NAME = re.compile(r"^[0-9a-f]{32}(\.json|\.[A-Za-z0-9_]+\.tmp)$")
+
+
+def _is_entry(p: Path) -> bool:
+    """Is ``p`` a plan file written by this cache (its meta names the key in its file name)?"""
+    try:
+        if p.stat().st_size > 64 * 2**20:
+            return False
+        doc = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    meta = doc.get("meta") if isinstance(doc, dict) else None
+    return (
+        isinstance(meta, dict)
+        and doc.get("format") == PLAN_FORMAT
+        and meta.get("cache_key") == p.stem
+        and "cache_version" in meta
+    )

@@ -193,3 +193,47 @@ def test_fp16_transformer_composite_passes_the_reference_check():
     x = random_inputs(g, 0)
     problem, _, _ = check_outputs(mp.plan, execute_plan(mp.plan, x), execute_graph(g, x))
     assert problem is None
+
+
+def _cache_with_entry(root):
+    plan_model(mlp_stack(2, 16, 4), "h200", cache=PlanCache(root))
+    (entry,) = root.glob("*.json")
+    return entry
+
+
+def test_cache_clear_leaves_foreign_files_alone(tmp_path, capsys):
+    """A cache folder that also holds a project: clear refuses, --force removes only the cache's entries."""
+    root = tmp_path / "project"
+    root.mkdir()
+    entry = _cache_with_entry(root)
+    leftover = root / f"{entry.stem}.x1y2z3.tmp"
+    leftover.write_text("{")
+    foreign = {root / "main.py": "print('hi')", root / "notes.json": "{}",
+               root / ("0" * 32 + ".json"): json.dumps({"format": "fusion-planner-plan", "meta": {}})}
+    for p, text in foreign.items():
+        p.write_text(text)
+    (root / "src").mkdir()
+    (root / "src" / "lib.py").write_text("x = 1")
+    outside = tmp_path / "outside.json"
+    outside.write_text(entry.read_text())
+    (root / ("f" * 32 + ".json")).symlink_to(outside)  # never followed out of the cache
+
+    assert main(["cache", "clear", "--cache-dir", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert "did not write" in err and "nothing removed" in err
+    assert entry.exists() and all(p.exists() for p in foreign)
+
+    assert main(["cache", "clear", "--cache-dir", str(root), "--force"]) == 0
+    assert "removed 2 cached plan(s)" in capsys.readouterr().out  # the entry and the interrupted write
+    assert not entry.exists() and not leftover.exists()
+    assert all(p.read_text() == text for p, text in foreign.items())
+    assert (root / "src" / "lib.py").exists() and outside.exists() and (root / ("f" * 32 + ".json")).is_symlink()
+
+
+def test_cache_clear_refuses_a_file_and_ignores_a_missing_folder(tmp_path, capsys):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("data")
+    assert main(["cache", "clear", "--cache-dir", str(not_a_dir)]) == 2
+    assert not_a_dir.read_text() == "data"
+    assert main(["cache", "clear", "--cache-dir", str(tmp_path / "missing")]) == 0
+    assert "removed 0" in capsys.readouterr().out
