@@ -20,12 +20,13 @@ from typing import Any
 import rewrite_rules
 from planner.graph import Graph, Node
 from planner.ops import OPS
+from planner.rulegen import generated_text
 
 log = logging.getLogger(__name__)
 
 RULES_DIR = Path(rewrite_rules.__file__).resolve().parent
-#: shipped rule files, in schedule order
-SHIPPED_RULE_FILES = ("limits.egg", "elementwise.egg", "epilogue.egg", "cublaslt.egg")
+#: shipped rules in declaration order: hand-written files and ``generated:<ruleset>`` texts from the op table
+SHIPPED_RULE_FILES = ("limits.egg", "generated:limits", "generated:elementwise", "generated:epilogue", "cublaslt.egg")
 #: saturation stages: analysis facts always run with each stage
 STAGES = ("elementwise", "epilogue", "cublaslt", "user")
 ANALYSIS_RULESETS = ("analysis", "limits")
@@ -127,9 +128,14 @@ def _where(text: str, cmd: Any) -> tuple[int, str]:
 
 
 def shipped_rules() -> list[RuleFile]:
-    return [
-        RuleFile(str(RULES_DIR / f), (RULES_DIR / f).read_text(), True) for f in SHIPPED_RULE_FILES
-    ]
+    """The hand-written rule files and the rules generated from the op table (planner/rulegen.py)."""
+    out = []
+    for f in SHIPPED_RULE_FILES:
+        if f.startswith("generated:"):
+            out.append(RuleFile(f, generated_text(f.removeprefix("generated:")), True))
+        else:
+            out.append(RuleFile(str(RULES_DIR / f), (RULES_DIR / f).read_text(), True))
+    return out
 
 
 def user_rules(paths: Iterable[str | Path], *, check: bool = True) -> list[RuleFile]:

@@ -899,7 +899,8 @@ def check_files(
 ) -> list[RuleResult]:
     """Check rule files (none: the shipped rules).  RuleFileError if one does not parse."""
     if not paths:
-        files = [(f"rewrite_rules/{Path(rf.path).name}", rf.text, True) for rf in shipped_rules()]
+        files = [(rf.path if rf.path.startswith("generated:") else f"rewrite_rules/{Path(rf.path).name}", rf.text, True)
+                 for rf in shipped_rules()]
     else:
         files = []
         for p in paths:

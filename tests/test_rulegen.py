@@ -1,0 +1,147 @@
+"""Mechanical fusion rules come from the op table: adding an elementwise op is one OpDef entry."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backends.reference import execute_graph, execute_plan, random_inputs
+from planner.candidates import build_candidates
+from planner.egraph import parse_rule_text, shipped_rules
+from planner.graph import GraphBuilder
+from planner.ops import OPS, OpDef, _same_shape, register_op
+from planner.rulecheck import check_files
+from planner.rulegen import fusion_rules, generated_text
+from planner.search import check_outputs
+
+BEFORE = Path(__file__).parent / "fixtures" / "mechanical_rules" / "before_generation.egg"
+_NOT_VARS = {"rewrite", "rule", "subsume", "K", "Ew", "Forced", "MatMul"}
+
+
+def _canonical(text: str) -> set[str]:
+    """Each rule command as egglog prints it, pattern variables renamed by first appearance."""
+    out = set()
+    for cmd in parse_rule_text(text, "<rules>", shipped=True):
+        if type(cmd).__name__ not in ("RewriteCommand", "RuleCommand"):
+            continue
+        printed = " ".join(str(cmd).split())
+        names: dict[str, str] = {}
+
+        def rename(m: re.Match[str]) -> str:
+            word = m.group(0)
+            if word in _NOT_VARS or word[0].isupper() or m.string[max(0, m.start() - 9):m.start()] == ":ruleset ":
+                return word
+            return names.setdefault(word, f"v{len(names)}")
+
+        out.add(re.sub(r"(?<![\w:\"])[A-Za-z_][\w]*", rename, printed))
+    return out
+
+
+def test_generated_rules_equal_the_hand_written_ones_they_replace():
+    before = _canonical(BEFORE.read_text())
+    assert len(before) == 32
+    generated = set()
+    for ruleset in ("limits", "elementwise", "epilogue"):
+        text = generated_text(ruleset)
+        generated |= _canonical(("(ruleset limits)\n" if ruleset == "limits" else "") + text)
+    assert generated == before
+    assert len(fusion_rules()) == 32
+
+
+def test_hand_written_files_hold_no_mechanical_rule():
+    generated = {r.text for r in fusion_rules()}
+    for rf in shipped_rules():
+        if not rf.path.startswith("generated:"):
+            assert not _canonical(rf.text) & _canonical("(ruleset limits)(ruleset elementwise)(ruleset epilogue)\n"
+                                                        + "\n".join(generated)), rf.path
+
+
+def test_an_op_opts_out_of_gemm_epilogues():
+    assert not [r for r in fusion_rules() if r.op == "Stage" and r.ruleset == "epilogue"]
+    assert {r.ruleset for r in fusion_rules() if r.op == "Relu"} == {"elementwise", "epilogue", "limits"}
+
+
+# ---------------------------------------------------------------- adding an op is one entry
+
+
+SQUARE = OpDef(
+    name="Square",
+    kind="elementwise",
+    arity=1,
+    shape_rule=_same_shape,
+    numpy_fn=lambda xs, attrs: xs[0] * xs[0],
+    flops_per_elem=lambda attrs: 1.0,
+    regs=lambda attrs: 4,
+    code=lambda v, attrs: f"({v[0]} * {v[0]})",
+    fusable_inputs=(0,),
+    torch_names=("torch.square", "torch.Tensor.square"),
+    doc="x * x.",
+)
+
+
+@pytest.fixture
+def square():
+    register_op(SQUARE)
+    try:
+        yield SQUARE
+    finally:
+        del OPS["Square"]
+
+
+def _chain():
+    b = GraphBuilder("square-chain")
+    b.input("x", (64, 32), "fp32")
+    b.op("s1", "Square", ["x"])
+    b.op("r", "Relu", ["s1"])
+    b.op("s2", "Square", ["r"])
+    return b.build(["s2"])
+
+
+def test_a_new_op_fuses_into_one_kernel_that_runs_on_the_cpu(square):
+    from backends.base import BackendUnavailable
+    from backends.cpu import CpuBackend
+
+    graph = _chain()
+    cands = build_candidates(graph, "h200")
+    one = [p for p in cands.plans if len(p.kernels) == 1]
+    assert one and one[0].kernels[0].kind == "elementwise"
+    assert cands.best.key == one[0].key  # the cost model prefers the fused kernel
+    feed = random_inputs(graph, 0)
+    expected = execute_graph(graph, feed)
+    try:
+        backend = CpuBackend(cands.spec)
+    except BackendUnavailable as exc:
+        pytest.skip(f"no C compiler: {exc}")
+    outs = backend.compile(one[0]).run(feed)
+    reason, _, _ = check_outputs(one[0], outs, expected)
+    assert reason is None
+    np.testing.assert_allclose(outs[0], execute_plan(one[0], feed)[0], rtol=1e-6)
+
+
+def test_a_new_op_becomes_a_gemm_epilogue_and_its_rules_are_checked(square):
+    b = GraphBuilder("gemm-square")
+    b.input("a", (32, 16), "fp32")
+    b.input("w", (16, 8), "fp32")
+    b.op("mm", "MatMul", ["a", "w"])
+    b.op("sq", "Square", ["mm"])
+    graph = b.build(["sq"])
+    kinds = {tuple(k.kind for k in p.kernels) for p in build_candidates(graph, "h200").plans}
+    assert ("gemm_epilogue",) in kinds
+    results = [r for r in check_files(examples=20) if "Square" in r.rule.text]
+    assert {r.rule.path for r in results} == {"generated:elementwise", "generated:epilogue", "generated:limits"}
+    assert all(r.ok for r in results)
+
+
+def test_the_torch_importer_maps_a_new_op_from_its_table_entry(square):
+    torch = pytest.importorskip("torch")
+    from planner.torch_frontend import import_module
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return torch.square(torch.relu(x)).square()
+
+    graph = import_module(M(), (torch.randn(4, 8),)).graph
+    assert [n.op for n in graph.ops] == ["Relu", "Square", "Square"]
