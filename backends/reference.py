@@ -16,10 +16,12 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from planner.graph import Graph
+from planner.inputs import random_inputs
 from planner.ops import op_def, round_to
 from planner.plans import Expr, Kernel, Load, Plan
 
 MODES = ("device", "oracle")
+__all__ = ["MODES", "ExecutionError", "execute_graph", "execute_plan", "random_inputs"]
 
 
 class ExecutionError(RuntimeError):
@@ -97,25 +99,3 @@ def execute_graph(graph: Graph, inputs: Mapping[str, np.ndarray], mode: str = "d
             v = np.asarray(op_def(n.op).evaluate([mem[i] for i in n.inputs], n.attr_dict), dtype=work)
         mem[n.id] = round_to(v, n.type.dtype) if mode == "device" else v
     return [mem[o] for o in graph.outputs]
-
-
-def random_inputs(graph: Graph, seed: int = 0, scale: float = 1.0) -> dict[str, np.ndarray]:
-    """Seeded normal inputs for every graph input, already representable in its dtype.
-
-    An input read as a GEMM's right operand, shape (K, N), is scaled by K^-1/2 as
-    weight initialisers do: with unit weights a deep stack's activations and
-    attention logits grow with depth, and softmax then turns fp16 rounding
-    differences between equally valid plans into errors far beyond the dtype's
-    tolerance.
-    """
-    fan_in = {
-        graph[n.inputs[1]].id: graph[n.inputs[1]].type.shape[0]
-        for n in graph.ops
-        if op_def(n.op).kind == "matmul" and graph[n.inputs[1]].op == "In"
-    }
-    rng = np.random.default_rng(seed)
-    out = {}
-    for n in graph.inputs:
-        x = rng.standard_normal(n.type.shape) * (scale / np.sqrt(fan_in.get(n.id, 1)))
-        out[n.id] = round_to(x, n.type.dtype).astype(np.float32)
-    return out

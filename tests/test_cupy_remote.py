@@ -8,12 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from backends.cupy.bundle import BundleError, export_bundle, load_bundle
+from backends.cupy.bundle import BundleError, bundle_from_json, export_bundle, load_bundle
 from backends.cupy.runner import MeasuredError, NumpyExecutor, load_measured, time_bundle
-from backends.reference import execute_plan
+from backends.reference import execute_graph, execute_plan, random_inputs
 from planner.candidates import build_candidates
 from planner.cli import main
-from planner.examples import ew_chain, mlp_epilogue
+from planner.examples import ew_chain, mlp_epilogue, mlp_stack
+from planner.tolerance import check_outputs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -234,3 +235,20 @@ def test_plan_measured_refuses_a_same_named_graph_with_other_shapes(tmp_path, ca
     capsys.readouterr()
     assert main(["plan", "--graph", str(tmp_path / "b.json"), "--measured", str(out)]) == 2
     assert "another graph of the same name 'same-name'" in capsys.readouterr().err
+
+
+def test_the_remote_runner_draws_the_same_inputs_and_checks_like_the_search():
+    """One input recipe and one output check: a deep fp16 stack's candidates get the same verdicts
+    from the runner (numpy executor) as from the local check with the fp64-oracle allowance."""
+    graph = mlp_stack(6, 32, 8, "fp16")
+    cands = build_candidates(graph, "h200", cap=16, k=8)
+    bundle = bundle_from_json(json.loads(json.dumps(export_bundle(cands))))
+    inputs = random_inputs(graph, 0)
+    for name, x in bundle.make_inputs().items():
+        np.testing.assert_array_equal(x, inputs[name])
+    device, oracle = execute_graph(graph, inputs), execute_graph(graph, inputs, "oracle")
+    local = {p.key: check_outputs(p, execute_plan(p, inputs), device, oracle=oracle)[0] is None for p in cands.plans}
+    remote = {c["key"]: not c["verdict"].startswith("rejected") for c in time_bundle(bundle, NumpyExecutor(),
+                                                                                      warmup=0, repeats=1)["candidates"]}
+    assert remote == local and any(local.values())
+

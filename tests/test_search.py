@@ -206,7 +206,7 @@ def test_verify_only_backend(mlp):
 
 
 def test_tolerance_overrides(chain):
-    from planner.search import check_outputs
+    from planner.tolerance import check_outputs
 
     plan = chain.unfused
     want = [np.array([1.0, 2.0, 100.0], dtype=np.float32)]
@@ -247,7 +247,7 @@ def test_an_unavailable_backend_stops_the_search_instead_of_rejecting_every_cand
 
 
 def test_check_outputs_accepts_a_deep_graph_result_no_worse_than_the_reference(chain):
-    from planner.search import check_outputs
+    from planner.tolerance import check_outputs
 
     plan = chain.best
     shape = plan.tensors[plan.outputs[0]].shape

@@ -23,7 +23,8 @@ import numpy as np
 from backends.cupy.codegen import CodegenError, CudaKernel, cuda_kernel_from_json, generate
 from planner.cost import KernelCost
 from planner.graph import TensorType
-from planner.ops import CUBLASLT_EPILOGUES, epilogue_has_bias, op_def, round_to
+from planner.inputs import RECIPE, input_scales, seeded_inputs
+from planner.ops import CUBLASLT_EPILOGUES, epilogue_has_bias, op_def
 from planner.plans import Expr, Kernel, Load, Plan, expr_from_json, expr_to_json
 from planner.torch_allowlist import loading_file
 
@@ -80,14 +81,8 @@ class Bundle:
     graph_sha256: str = ""  # Graph.fingerprint() of the exported graph
 
     def make_inputs(self) -> dict[str, np.ndarray]:
-        """Seeded normal inputs (in bundle order), scaled, representable in their dtype."""
-        rng = np.random.default_rng(self.seed)
-        out = {}
-        for name in self.inputs:
-            t = self.tensors[name]
-            x = rng.standard_normal(t.shape) * self.scales.get(name, 1.0)
-            out[name] = round_to(x, t.dtype).astype(np.float32)
-        return out
+        """Seeded normal inputs (in bundle order), scaled, representable in their dtype (planner.inputs)."""
+        return seeded_inputs(self.inputs, self.tensors, self.seed, self.scales)
 
 
 # ---------------------------------------------------------------- writing
@@ -137,21 +132,6 @@ def plan_to_json(p: Plan) -> dict[str, Any]:
     }
 
 
-def input_scales(plans: list[Plan]) -> dict[str, float]:
-    """GEMM operands get K^-1/4 so that products stay O(1) in fp16; others 1."""
-    scales: dict[str, float] = {}
-    for p in plans:
-        for k in p.kernels:
-            for e in k.body.walk():
-                if op_def(e.op).kind == "matmul":
-                    inner = e.args[0]
-                    kdim = p.tensors[inner.tensor].shape[1] if isinstance(inner, Load) else 1
-                    for a in e.args:
-                        if isinstance(a, Load):
-                            scales[a.tensor] = float(kdim) ** -0.25
-    return scales
-
-
 def export_bundle(cands: Any, seed: int = 0, plans: list[Plan] | None = None) -> dict[str, Any]:
     """The bundle JSON of a CandidateSet (``planner.candidates``), or of some of its ``plans``."""
     graph = cands.graph
@@ -166,9 +146,8 @@ def export_bundle(cands: Any, seed: int = 0, plans: list[Plan] | None = None) ->
         "inputs": {
             "names": [n.id for n in graph.inputs],
             "seed": seed,
-            "scales": input_scales([reference, *plans]),
-            "recipe": "numpy.random.default_rng(seed).standard_normal(shape) * scale per input, in this order, "
-            "rounded to the input's dtype",
+            "scales": input_scales(graph),
+            "recipe": RECIPE,
         },
         "outputs": list(graph.outputs),
         "reference": {

@@ -24,9 +24,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from backends.cupy.bundle import Bundle, Candidate
-from backends.cupy.verify import allclose_report
 from backends.reference import execute_plan
 from planner.machine import cpu_model
+from planner.tolerance import check_outputs
 
 log = logging.getLogger(__name__)
 
@@ -106,16 +106,17 @@ def make_executor(name: str) -> Executor:
 # ---------------------------------------------------------------- timing a bundle
 
 
-def reference_outputs(bundle: Bundle, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-    return execute_plan(bundle.reference, inputs, mode="oracle")
+def reference_outputs(bundle: Bundle, inputs: Mapping[str, np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The unfused plan's outputs as a device computes them, and in fp64 (the oracle): what
+    :func:`planner.tolerance.check_outputs` compares a candidate with, here as in the search."""
+    return execute_plan(bundle.reference, inputs, mode="device"), execute_plan(bundle.reference, inputs, mode="oracle")
 
 
 def measure_candidate(
     cand: Candidate,
     executor: Executor,
     inputs: Mapping[str, np.ndarray],
-    expected: list[np.ndarray],
-    out_dtypes: list[str],
+    expected: tuple[list[np.ndarray], list[np.ndarray]],
     warmup: int,
     repeats: int,
 ) -> dict[str, Any]:
@@ -143,13 +144,11 @@ def measure_candidate(
         log.warning("candidate %s failed: %s", cand.plan.notation(), exc)
         entry["verdict"] = f"rejected: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         return entry
-    worst = (True, 0.0, 0.0)
-    for got, want, dt in zip(outs, expected, out_dtypes, strict=True):
-        ok, max_abs, max_rel = allclose_report(got, want, dt)
-        worst = (worst[0] and ok, max(worst[1], max_abs), max(worst[2], max_rel))
-    entry["max_abs"], entry["max_rel"] = worst[1], worst[2]
-    if not worst[0]:
-        entry["verdict"] = f"rejected: mismatch (max_abs {worst[1]:.3g}, max_rel {worst[2]:.3g})"
+    device, oracle = expected
+    reason, max_abs, max_rel = check_outputs(cand.plan, outs, device, oracle=oracle)
+    entry["max_abs"], entry["max_rel"] = max_abs, max_rel
+    if reason is not None:
+        entry["verdict"] = f"rejected: mismatch ({reason})"
         return entry
     samples = prepared.time(warmup, repeats)
     entry["samples_us"] = [round(s, 3) for s in samples]
@@ -173,12 +172,11 @@ def time_bundle(
     """Verify then time every candidate; returns the measured JSON."""
     inputs = bundle.make_inputs()
     expected = reference_outputs(bundle, inputs)
-    out_dtypes = [bundle.tensors[o].dtype for o in bundle.reference.outputs]
     cands = bundle.candidates[:max_candidates] if max_candidates else bundle.candidates
     entries = []
     best: float = math.inf
     for i, cand in enumerate(cands):
-        e = measure_candidate(cand, executor, inputs, expected, out_dtypes, warmup, repeats)
+        e = measure_candidate(cand, executor, inputs, expected, warmup, repeats)
         if e["meas_us"] is not None and e["meas_us"] < best:
             best = e["meas_us"]
             e["best_so_far"] = True
