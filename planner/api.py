@@ -18,12 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from planner.candidates import DEFAULT_CAP, DEFAULT_K, CandidateSet, build_candidates, load_rules
+from backends.reference import execute_plan, random_inputs
+from planner.candidates import DEFAULT_CAP, DEFAULT_K, CandidateSet, load_rules
 from planner.cost import DeviceSpec, load_device
 from planner.egraph import Limits
 from planner.graph import Graph, load_graph
+from planner.pipeline import Planned, PlanOptions, plan_graph
+from planner.plancache import PlanCache
 from planner.plans import Plan
 from planner.report import ledger_table
+from planner.search import SearchOptions
 from planner.tolerance import allclose_report, tolerance
 
 if TYPE_CHECKING:
@@ -55,6 +59,7 @@ class PlanResult:
     search_result: Any = None  # planner.search.SearchResult when the search ran
     _runner: Runner | None = field(default=None, repr=False)
     model_plan: Any = None  # planner.model_plan.ModelPlan when repeated regions were planned once each
+    planned: Planned | None = None  # what the pipeline decided (cache key, from the cache, composite check)
 
     def __call__(self, *inputs: Any) -> Any:
         """Execute the chosen plan; torch tensors in and out for a module, numpy arrays for a Graph."""
@@ -111,6 +116,8 @@ class PlanResult:
             extra = [("meas_us", measured), ("verdict", verdict)]
             tried = [e.plan for e in self.search_result.entries if e.verdict != "not timed"]
             return ledger_table(sorted(tried, key=Plan.sort_key), self.plan.key, extra)
+        if self.model_plan is None:  # answered from the plan cache
+            return ledger_table([self.plan], self.plan.key) + "\n(plan from the plan cache, not re-searched)"
         if self.candidates is None:  # region-wise: the composite plan and each region's choice
             lines = [ledger_table([self.plan], self.plan.key)]
             for u in self.model_plan.unique.values():
@@ -167,57 +174,10 @@ def _backend(name: str, spec: DeviceSpec) -> Backend:
         ) from exc
 
 
-def _runner(name: str, spec: DeviceSpec, plan: Plan, backend: Backend | None) -> Runner:
-    if name == "reference":  # the numpy executor needs no Backend object and always works
-        from backends.reference import execute_plan
-
+def _runner(name: str, spec: DeviceSpec, plan: Plan, backend: Backend) -> Runner:
+    if name == "reference":  # the numpy executor in device mode, without timing machinery
         return lambda feed: execute_plan(plan, feed, mode="device")
-    compiled = (backend or _backend(name, spec)).compile(plan)
-    return compiled.run
-
-
-def _choose(
-    cands: CandidateSet, backend: str, spec: DeviceSpec, feed: Mapping[str, np.ndarray], search_opts: dict[str, Any]
-) -> tuple[Plan, list[str], Any, Backend | None]:
-    """The measured search's choice; the cost model's best on the reference backend, which cannot time."""
-    if backend == "reference":
-        msg = (
-            f"the reference backend does not time plans: chose the cost model's best of {len(cands.plans)} "
-            f"candidate(s) without measuring ({cands.best.composition()}, est {cands.best.est_us:,.2f} us)"
-        )
-        ignored = sorted(set(search_opts) - {"seed"})
-        if ignored:
-            log.warning("search options %s ignored: %s", ignored, msg)
-        log.info("%s", msg)
-        return cands.best, [msg], None, None
-    from planner.search import SearchOptions, search
-
-    be = _backend(backend, spec)
-    result = search(cands, be, dict(feed), SearchOptions(**search_opts))
-    return result.best, list(result.log_lines), result, be
-
-
-def _plan_regions(graph, backend, spec, rules, limits, cap, k, cache, search_opts) -> PlanResult:
-    """Each distinct region searched once on its own random inputs; the composite plan runs."""
-    from backends.reference import random_inputs
-    from planner.model_plan import plan_model
-    from planner.plancache import PlanCache
-
-    lines: list[str] = []
-    seed = int(search_opts.get("seed", 0))
-
-    def choose(cands: CandidateSet) -> Plan:
-        best, region_lines, _, _ = _choose(cands, backend, spec, random_inputs(cands.graph, seed), search_opts)
-        lines.extend(region_lines)
-        return best
-
-    mp = plan_model(graph, spec, backend=backend, choose=choose, rules=load_rules(rules), limits=limits,
-                    cache=PlanCache() if cache else None, cap=cap, k=k, seed=seed)
-    s = mp.summary()
-    lines.append(f"{graph.name}: {s['regions']} regions, {s['unique_regions']} distinct, "
-                 f"{s['cache_hits']} from the plan cache")
-    return PlanResult(graph, mp.plan, None, backend, spec, lines, None, None, None,
-                      _runner(backend, spec, mp.plan, None), model_plan=mp)
+    return backend.compile(plan).run
 
 
 def _omp_quiet() -> bool:
@@ -267,8 +227,6 @@ def plan(
     if isinstance(module_or_graph, Graph):
         graph = module_or_graph
         if example_inputs is None:
-            from backends.reference import random_inputs
-
             example_inputs = random_inputs(graph, seed=int(search_opts.get("seed", 0)))
         feed = dict(example_inputs)
     else:
@@ -288,19 +246,13 @@ def plan(
             "workers can stall measurements by tens of ms; set OMP_WAIT_POLICY=PASSIVE (or OMP_NUM_THREADS=1) "
             "before torch is imported for stable timings"
         )
-    from planner.regions import split_regions
-
-    regions = split_regions(graph)
-    if dedup and len({r.key for r in regions}) < len(regions):
-        result = _plan_regions(graph, backend, spec, rules, limits, cap, k, cache, search_opts)
-        result.imported, result.module = imported, module
-        best = result.plan
-    else:
-        cands = build_candidates(graph, spec, rules=load_rules(rules), limits=limits, cap=cap, k=k,
-                                 seed=int(search_opts.get("seed", 0)))
-        best, lines, search_result, be = _choose(cands, backend, spec, feed, search_opts)
-        result = PlanResult(graph, best, cands, backend, spec, lines, imported, module, search_result,
-                            _runner(backend, spec, best, be))
+    options = PlanOptions(backend, spec, tuple(load_rules(rules)), limits, cap, k, SearchOptions(**search_opts), dedup)
+    options.search.validate()
+    be = _backend(backend, spec)
+    planned = plan_graph(graph, options, be, cache=PlanCache() if cache else None, inputs=feed)
+    best = planned.plan
+    result = PlanResult(graph, best, planned.candidates, backend, spec, planned.log_lines, imported, module,
+                        planned.search, _runner(backend, spec, best, be), model_plan=planned.model, planned=planned)
     log.info("%s: chose %s (%s) on %s", graph.name, best.notation(), best.composition(), backend)
     if verify and module is not None and args is not None:
         import torch

@@ -95,6 +95,12 @@ def split_regions(graph: Graph) -> list[Region]:
     return regions
 
 
+def whole_graph_region(graph: Graph) -> Region:
+    """The whole graph as one canonical region: the plan-cache key of a graph searched whole."""
+    ops = graph.ops
+    return _canonical(graph, 0, ops, {n.id for n in ops}, tuple(dict.fromkeys(graph.outputs)))
+
+
 def _canonical(graph: Graph, index: int, members: list, inside: set[str], outputs: tuple[str, ...]) -> Region:
     inputs: list[str] = []
     for n in members:

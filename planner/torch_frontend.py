@@ -887,9 +887,12 @@ def _default_backend() -> str:
     return "cpu" if importlib.util.find_spec("backends.cpu") else "reference"
 
 
-def dynamo_backend(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], **options: Any) -> Callable[..., Any]:
-    """``torch.compile(model, backend="fusion_planner")``: plan the captured graph and run the plan."""
+def dynamo_backend(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], **kwargs: Any) -> Callable[..., Any]:
+    """``torch.compile(model, backend="fusion_planner", options={...})``: plan the captured graph and run the
+    plan; ``options`` are ``planner.plan``'s keywords (``backend``, ``max_candidates``, ...)."""
     from planner.api import plan
+
+    options = {**(kwargs.pop("options", None) or {}), **kwargs}
 
     dynamic = [i for i, t in enumerate(example_inputs) if not isinstance(t, torch.Tensor)]
     if dynamic:

@@ -167,15 +167,15 @@ def test_torch_defined_stack_dedups_and_matches_eager():
 
 
 def test_plan_cli_composite_mismatch_is_one_line_exit_1(tmp_path, capsys, monkeypatch):
-    import planner.search
+    import planner.pipeline
 
-    real = planner.search.check_outputs
+    real = planner.pipeline.check_outputs
     name = "transformer-L2-d32-s8-fp32-gelu"  # region searches check plans of "<name>.rN": only the composite fails
 
     def planted(plan, *args, **kw):
         return ("tolerance: planted for this test", 1.0, 1.0) if plan.graph == name else real(plan, *args, **kw)
 
-    monkeypatch.setattr(planner.search, "check_outputs", planted)
+    monkeypatch.setattr(planner.pipeline, "check_outputs", planted)
     args = ["plan", "--example", "transformer", "--layers", "2", "--d-model", "32", "--seq", "8", "--dtype", "fp32",
             "--backend", "cpu", "--no-cache", "--max-candidates", "2"]
     assert main(args) == 1
@@ -186,7 +186,7 @@ def test_plan_cli_composite_mismatch_is_one_line_exit_1(tmp_path, capsys, monkey
 
 def test_fp16_transformer_composite_passes_the_reference_check():
     """Unit-normal weights made 4 fp16 layers chaotic (attention logits ~100): max_rel 0.24 for a correct plan."""
-    from planner.search import check_outputs
+    from planner.tolerance import check_outputs
 
     g = transformer(4, 64, 8, "fp16")
     mp = plan_model(g, "h200")

@@ -4,26 +4,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from backends import BACKENDS, get_backend
-from planner.candidates import build_candidates, load_rules
+from planner.candidates import load_rules
 from planner.cli import emit_json
 from planner.commands.common import add_graph_args, add_planning_args, graph_from_args, limits_from_args
 from planner.cost import DeviceSpec, load_device
 from planner.errors import UsageError
 from planner.graph import Graph
-from planner.model_plan import ModelPlan, _compose, plan_model, rename_kernel
-from planner.plancache import PlanCache, rules_hash
+from planner.model_plan import ModelPlan
+from planner.pipeline import Planned, PlanOptions, plan_graph
+from planner.plancache import PlanCache
 from planner.planfile import save_plan
 from planner.plans import Plan
-from planner.regions import Region, split_regions
 from planner.report import ledger_table
-from planner.search import SearchError, SearchOptions, SearchResult, search
+from planner.search import SearchError, SearchOptions, SearchResult
 from planner.searchlog import SearchLog, env_flag, fmt_us
 
 
@@ -80,35 +79,26 @@ def options_from_args(args: argparse.Namespace) -> SearchOptions:
 def run(args: argparse.Namespace) -> int:
     opts = options_from_args(args)
     graph = graph_from_args(args)
-    limits = limits_from_args(args)
     spec = load_device(args.device)
     backend = measured_backend(args.measured, spec, graph) if args.measured else get_backend(args.backend, spec)
     out_dir = _out_dir(args.out)
-    rules = load_rules(args.rules)
-    cache = None if args.no_cache else PlanCache(args.cache_dir, read=not _wants_search_evidence(args))
-    regions = split_regions(graph)
-    if args.measured:
-        cache = None  # remote results answer for exactly the exported candidates
-    elif not args.no_dedup and len({r.key for r in regions}) < len(regions):
-        return run_regions(args, graph, spec, backend, opts, rules, limits, cache, out_dir)
-    cache_key = PlanCache.key(regions[0].key, spec, cache_tag(args.backend, opts), rules_hash(rules)) if len(regions) == 1 else ""
-    if cache and cache_key:
-        cached = cache.load(cache_key, regions[0].graph, spec)
-        if cached is not None:
-            return report_cached(args, graph, spec, regions[0], cached, out_dir)
-    cands = build_candidates(graph, spec, rules=rules, limits=limits, cap=args.cap, k=args.top, seed=args.seed)
-    with _progress(args.search_log) as (slog, tick):
-        try:
-            result = search(cands, backend, options=opts, log=slog, on_candidate=tick)
-        except SearchError as exc:
-            print(f"fusion-planner plan: search failed: {exc}", file=sys.stderr)
-            return 1
-    if cache and cache_key:
-        canonical = {g: c for c, g in regions[0].renaming().items()}
-        store = _compose(regions[0].graph, [rename_kernel(k, canonical) for k in result.best.kernels], result.best.key)
-        cache.store(cache_key, store, regions[0].graph, spec)
+    options = PlanOptions(args.backend, spec, tuple(load_rules(args.rules)), limits_from_args(args), args.cap,
+                          args.top, opts, dedup=not args.no_dedup and not args.measured)
+    # remote results answer for exactly the exported candidates: never from or into the cache
+    cache = None if args.no_cache or args.measured else PlanCache(args.cache_dir, read=not _wants_search_evidence(args))
+    try:
+        planned = plan_graph(graph, options, backend, cache=cache, progress=lambda: _progress(args.search_log))
+    except SearchError as exc:
+        print(f"fusion-planner plan: search failed: {exc}", file=sys.stderr)
+        return 1
+    if planned.model is not None:
+        return report_regions(args, planned, out_dir)
+    if planned.from_cache:
+        return report_cached(args, planned, out_dir)
+    result = planned.search
+    assert result is not None and planned.candidates is not None
     if out_dir is not None:
-        written = write_outputs(out_dir, result, cands.graph, spec)
+        written = write_outputs(out_dir, result, planned.candidates.graph, spec)
     if args.json:
         emit_json(result.to_json())
     else:
@@ -116,12 +106,6 @@ def run(args: argparse.Namespace) -> int:
         if out_dir is not None:
             print("wrote " + ", ".join(str(p) for p in written))
     return 0
-
-
-def cache_tag(backend: str, opts: SearchOptions) -> str:
-    """The plan cache's backend field: the backend and every search option, so a choice
-    made under a smaller budget or another seed never answers a run with other options."""
-    return f"{backend} {json.dumps(dataclasses.asdict(opts), sort_keys=True)}"
 
 
 def _wants_search_evidence(args: argparse.Namespace) -> bool:
@@ -239,11 +223,12 @@ def measured_backend(path: str, spec: DeviceSpec, graph: Graph):
     return backend
 
 
-def report_cached(args: argparse.Namespace, graph: Graph, spec: DeviceSpec, region: Region, plan: Plan, out_dir: Path | None) -> int:
-    """A cached choice for this graph, device, backend and rule set: no re-search."""
-    full = _compose(graph, [rename_kernel(k, region.renaming()) for k in plan.kernels], plan.key)
+def report_cached(args: argparse.Namespace, planned: Planned, out_dir: Path | None) -> int:
+    """A cached choice for this graph, device, backend, search options and rule set: no re-search."""
+    graph, spec, full = planned.graph, planned.options.spec, planned.plan
     if args.json:
-        emit_json({"graph": graph.name, "device": spec.name, "backend": args.backend, "from_cache": True, "best": full.to_json()})
+        emit_json({"graph": graph.name, "device": spec.name, "backend": args.backend, "from_cache": True,
+                   "cache_key": planned.cache_key, "best": full.to_json()})
     else:
         print(f"{graph.name} on {spec.name}, backend {args.backend}: plan from the cache, not re-searched "
               "(--no-cache searches again)")
@@ -253,30 +238,17 @@ def report_cached(args: argparse.Namespace, graph: Graph, spec: DeviceSpec, regi
     return 0
 
 
-def run_regions(args, graph, spec, backend, opts, rules, limits, cache, out_dir) -> int:
-    """Search each structurally unique region once and reuse its plan (docs/scaling.md)."""
-    results: dict[str, SearchResult] = {}
-
-    def choose(cands):
-        with _progress(args.search_log) as (slog, tick):
-            result = search(cands, backend, options=opts, log=slog, on_candidate=tick)
-        results[cands.graph.name] = result
-        return result.best
-
-    try:
-        mp = plan_model(graph, spec, backend=cache_tag(args.backend, opts), choose=choose, rules=rules, limits=limits,
-                        cache=cache, cap=args.cap, k=args.top, seed=args.seed)
-        meas = measure_composite(mp, backend, opts)
-    except SearchError as exc:
-        print(f"fusion-planner plan: search failed: {exc}", file=sys.stderr)
-        return 1
+def report_regions(args: argparse.Namespace, planned: Planned, out_dir: Path | None) -> int:
+    """A layer stack: each structurally unique region searched once (docs/scaling.md)."""
+    mp, meas, results = planned.model, planned.composite, planned.region_searches
+    assert mp is not None
     if args.json:
         emit_json(dict(mp.summary(), backend=args.backend, **meas, best=mp.plan.to_json(),
                        regions=[region_json(u) for u in mp.unique.values()]))
     else:
         print_regions(mp, args.backend, meas)
     if out_dir is not None:
-        save_plan(out_dir / "plan.json", mp.plan, graph, spec, dict(backend=args.backend, **meas))
+        save_plan(out_dir / "plan.json", mp.plan, mp.graph, mp.spec, dict(backend=args.backend, **meas))
         (out_dir / "results.json").write_text(json.dumps({k: r.to_json() for k, r in results.items()}, indent=1) + "\n")
         written = [out_dir / "plan.json", out_dir / "results.json", *region_plots(out_dir, results)]
         print("wrote " + ", ".join(str(p) for p in written))
@@ -300,31 +272,6 @@ def region_plots(out: Path, results: dict[str, SearchResult]) -> list[Path]:
 def region_json(u) -> dict:
     return {"key": u.key, "instances": u.instances, "from_cache": u.cached, "ops": len(u.region.ops),
             "plan": u.plan.to_json()}
-
-
-def measure_composite(mp: ModelPlan, backend, opts: SearchOptions) -> dict:
-    """On a measuring backend: verify the whole composite plan against the reference, then time it
-    and the unfused plan.  Otherwise nothing more runs: every region's plan was verified by its
-    search, and the composite is those plans renamed (executing a deep model at full size in numpy
-    would cost far more than planning it)."""
-    out: dict = {"verified": "per region", "meas_us": None, "unfused_meas_us": None, "speedup_vs_unfused": None}
-    if not backend.measures:
-        return out
-    from backends.reference import execute_graph, random_inputs
-    from planner.search import check_outputs
-
-    inputs = random_inputs(mp.graph, opts.seed)
-    expected = execute_graph(mp.graph, inputs)
-    oracle = execute_graph(mp.graph, inputs, "oracle")
-    compiled = backend.compile(mp.plan)
-    problem, _, _ = check_outputs(mp.plan, compiled.run(inputs), expected, opts.rtol, opts.atol, oracle)
-    if problem:
-        raise SearchError(f"the composite plan does not match the reference: {problem}")
-    best = compiled.time(inputs, warmup=opts.warmup, repeats=opts.repeats).median_us
-    del compiled
-    base = backend.compile(mp.unfused).time(inputs, warmup=opts.warmup, repeats=opts.repeats).median_us
-    out.update(verified="whole graph", meas_us=best, unfused_meas_us=base, speedup_vs_unfused=base / best)
-    return out
 
 
 def print_regions(mp: ModelPlan, backend: str, meas: dict) -> None:

@@ -12,8 +12,8 @@ from planner.commands.common import add_graph_args, graph_from_args, seed_arg
 from planner.cost import load_device
 from planner.errors import UsageError
 from planner.planfile import PlanFileError, load_plan
-from planner.search import check_outputs
 from planner.searchlog import fmt_us
+from planner.tolerance import check_outputs
 
 
 def register(sub: argparse._SubParsersAction) -> None:
