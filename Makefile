@@ -20,7 +20,9 @@ explain: $(STAMP)
 	$(VENV)/bin/fusion-planner explain --example mlp-epilogue --device seed-k4
 
 test: $(STAMP)
-	$(PY) -m ruff check planner backends tests benchmarks examples
+	$(PY) -m ruff check fusion_planner planner backends tests benchmarks examples
+	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 clean:

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import numpy as np
 
-from backends.cpu import CpuBackend
-from backends.reference import execute_plan, random_inputs
-from planner.candidates import build_candidates
-from planner.cost import load_device
-from planner.examples import ew_chain
-from planner.machine import cpu_model
+from fusion_planner.backends.cpu.backend import CpuBackend
+from fusion_planner.backends.reference import execute_plan, random_inputs
+from fusion_planner.core.cost import load_device
+from fusion_planner.core.examples import ew_chain
+from fusion_planner.core.machine import cpu_model
+from fusion_planner.egraph.candidates import build_candidates
 
 
 def measure(k: int, n: int, rounds: int, backend: CpuBackend) -> dict:

@@ -16,16 +16,16 @@ prepare() {
   local py=${PYTHON:-/work/main/.venv/bin/python}
   mkdir -p "$BUNDLES"
   $py -m tests.gpu_bundles  # the GPU tests' bundles (tests/data/gpu), fresh from this checkout
-  $py -m planner bench c05 --mode sweep --export "$BUNDLES/c05_sweep.json"
-  $py -m planner bench c05 --mode modes --export "$BUNDLES/c05_modes.json"
-  $py -m planner export-candidates --example mlp-epilogue --m 4096 --n 4096 --k 4096 --dtype fp16 \
+  $py -m fusion_planner bench c05 --mode sweep --export "$BUNDLES/c05_sweep.json"
+  $py -m fusion_planner bench c05 --mode modes --export "$BUNDLES/c05_modes.json"
+  $py -m fusion_planner export-candidates --example mlp-epilogue --m 4096 --n 4096 --k 4096 --dtype fp16 \
       --device h200 -o "$BUNDLES/mlp_4096.json"
-  $py -m planner export-candidates --example mlp-epilogue --m 16 --n 4096 --k 4096 --dtype fp16 \
+  $py -m fusion_planner export-candidates --example mlp-epilogue --m 16 --n 4096 --k 4096 --dtype fp16 \
       --device h200 -o "$BUNDLES/mlp_decode16.json"
   # dry run of the device side on the CPU: the same runner, numpy executor, decode bundle
-  $py -m backends.cupy time "$BUNDLES/mlp_decode16.json" -o /tmp/gpu_suite_dry_measured.json \
+  $py -m fusion_planner.backends.cupy time "$BUNDLES/mlp_decode16.json" -o /tmp/gpu_suite_dry_measured.json \
       --executor numpy --warmup 0 --repeats 1 --max-candidates 3
-  $py -m backends.cupy c05 "$BUNDLES/c05_modes.json"
+  $py -m fusion_planner.backends.cupy c05 "$BUNDLES/c05_modes.json"
   $py benchmarks/torch_baseline.py "$BUNDLES/mlp_decode16.json" -o /dev/null --check-cpu
   mkdir -p /tmp/gpu_suite_dry && $py benchmarks/gpu_report.py /tmp/gpu_suite_dry
   $py -m pytest -q tests/test_cupy_gpu.py -p no:cacheprovider
@@ -45,10 +45,10 @@ device() {
     $py -c "import nvmath; print('nvmath', nvmath.__version__)" || echo "nvmath-python missing: cuBLASLt candidates will be rejected"
   } 2>&1 | tee "$out/suite.log"
   $py -m pytest -q -m gpu tests/test_cupy_gpu.py -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" || true
-  $py -m backends.cupy c05 "$BUNDLES/c05_sweep.json" -o "$res/c05_sweep.json" 2>&1 | tee -a "$out/suite.log"
-  $py -m backends.cupy c05 "$BUNDLES/c05_modes.json" -o "$res/c05_modes.json" 2>&1 | tee -a "$out/suite.log"
+  $py -m fusion_planner.backends.cupy c05 "$BUNDLES/c05_sweep.json" -o "$res/c05_sweep.json" 2>&1 | tee -a "$out/suite.log"
+  $py -m fusion_planner.backends.cupy c05 "$BUNDLES/c05_modes.json" -o "$res/c05_modes.json" 2>&1 | tee -a "$out/suite.log"
   for shape in mlp_4096 mlp_decode16; do
-    $py -m backends.cupy time "$BUNDLES/$shape.json" -o "$res/measured_$shape.json" --executor cupy 2>&1 \
+    $py -m fusion_planner.backends.cupy time "$BUNDLES/$shape.json" -o "$res/measured_$shape.json" --executor cupy 2>&1 \
       | tee -a "$out/suite.log"
     $py benchmarks/torch_baseline.py "$BUNDLES/$shape.json" -o "$res/torch_$shape.json" 2>&1 | tee -a "$out/suite.log"
   done

@@ -12,9 +12,9 @@ import datetime
 import time
 from pathlib import Path
 
-from planner.candidates import build_candidates
-from planner.examples import ew_chain, mlp_stack
-from planner.machine import describe
+from fusion_planner.core.examples import ew_chain, mlp_stack
+from fusion_planner.core.machine import describe
+from fusion_planner.egraph.candidates import build_candidates
 
 
 def measure(graph, repeats: int) -> dict:

@@ -7,9 +7,9 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from backends.base import Backend, CompiledPlan, Timing
-from backends.reference import execute_plan
-from planner.plans import Plan
+from fusion_planner.backends.base import Backend, CompiledPlan, Timing
+from fusion_planner.backends.reference import execute_plan
+from fusion_planner.core.plans import Plan
 
 
 class TimedReference(CompiledPlan):

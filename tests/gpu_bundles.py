@@ -18,8 +18,8 @@ LT_EPILOGUES = ("DEFAULT", "BIAS", "RELU", "RELU_BIAS", "GELU", "GELU_BIAS")
 
 
 def epilogue_graph(epilogue: str, dtype: str, m: int = 64, n: int = 96, k: int = 128) -> Any:
-    from planner.graph import GraphBuilder
-    from planner.ops import CUBLASLT_EPILOGUES, OPS
+    from fusion_planner.core.graph import GraphBuilder
+    from fusion_planner.core.ops import CUBLASLT_EPILOGUES, OPS
 
     b = GraphBuilder(f"lt-{epilogue}-{dtype}")
     b.input("x", (m, k), dtype)
@@ -35,7 +35,7 @@ def epilogue_graph(epilogue: str, dtype: str, m: int = 64, n: int = 96, k: int =
 
 
 def _specs() -> dict[str, tuple[Callable[[], Any], Callable[[Any], bool] | None]]:
-    from planner.examples import ew_chain, mlp_epilogue
+    from fusion_planner.core.examples import ew_chain, mlp_epilogue
 
     one = lambda p: len(p.kernels) == 1  # noqa: E731
     specs: dict[str, tuple[Callable[[], Any], Callable[[Any], bool] | None]] = {
@@ -55,8 +55,8 @@ def _specs() -> dict[str, tuple[Callable[[], Any], Callable[[Any], bool] | None]
 
 
 def build(name: str) -> dict[str, Any]:
-    from backends.cupy.bundle import export_bundle
-    from planner.candidates import build_candidates
+    from fusion_planner.backends.cupy.bundle import export_bundle
+    from fusion_planner.egraph.candidates import build_candidates
 
     make, keep = _specs()[name]
     cands = build_candidates(make(), "h200")

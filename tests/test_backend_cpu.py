@@ -9,19 +9,19 @@ import random
 import numpy as np
 import pytest
 
-from backends import get_backend
-from backends.base import BackendError, BackendUnavailable
-from backends.codegen_c import PRELUDE, Compiler, CompilerUnavailable, generate
-from backends.reference import execute_graph, execute_plan, random_inputs
-from planner import examples
-from planner.candidates import build_candidates
-from planner.cost import device_from_json, load_device
-from planner.graph import Graph, GraphBuilder, TensorType
-from planner.ops import numpy_dtype
-from planner.plans import Expr, Load, Plan
+from fusion_planner.backends import get_backend
+from fusion_planner.backends.base import BackendError, BackendUnavailable
+from fusion_planner.backends.cpu.codegen import PRELUDE, Compiler, CompilerUnavailable, generate
+from fusion_planner.backends.reference import execute_graph, execute_plan, random_inputs
+from fusion_planner.core import examples
+from fusion_planner.core.cost import device_from_json, load_device
+from fusion_planner.core.graph import Graph, GraphBuilder, TensorType
+from fusion_planner.core.ops import numpy_dtype
+from fusion_planner.core.plans import Expr, Load, Plan
+from fusion_planner.egraph.candidates import build_candidates
 
 SPEC = load_device("seed-k4")
-#: (rtol, atol) per stored dtype, as the search compares (kept here until planner.tolerance lands)
+#: (rtol, atol) per stored dtype, as the search compares (kept here until fusion_planner.core.tolerance lands)
 TOL = {"fp32": (1e-4, 1e-5), "fp16": (1e-2, 2e-3), "bf16": (5e-2, 2e-2)}
 
 
@@ -34,7 +34,7 @@ def compiler() -> Compiler:
 
 
 def cpu_backend(tile_bytes: int | None = None):
-    from backends.cpu import CpuBackend
+    from fusion_planner.backends.cpu.backend import CpuBackend
 
     try:
         return CpuBackend(SPEC, tile_bytes=tile_bytes)
@@ -113,7 +113,7 @@ def test_every_candidate_matches_reference_and_counts_model_bytes(name: str) -> 
 
 
 def test_gemm_runs_in_row_tiles_within_budget() -> None:
-    from backends.cpu import cache_bytes
+    from fusion_planner.backends.cpu.backend import cache_bytes
 
     default = cpu_backend()
     assert default.tile_bytes == cache_bytes()[0] // 4
@@ -221,7 +221,7 @@ def test_kernels_are_cached_by_source_hash(tmp_path, monkeypatch) -> None:
         first = Compiler()
     except CompilerUnavailable as exc:
         pytest.skip(f"no C compiler: {exc}")
-    from backends.cpu import CpuBackend
+    from fusion_planner.backends.cpu.backend import CpuBackend
 
     graph = examples.ew_chain(2, 64)
     plan = build_candidates(graph, SPEC).unfused
@@ -235,7 +235,7 @@ def test_kernels_are_cached_by_source_hash(tmp_path, monkeypatch) -> None:
 
 
 def test_missing_compiler_is_backend_unavailable(monkeypatch) -> None:
-    from backends.cpu import CpuBackend
+    from fusion_planner.backends.cpu.backend import CpuBackend
 
     monkeypatch.setenv("CC", "no-such-compiler-fp")
     with pytest.raises(BackendUnavailable, match="no-such-compiler-fp"):
@@ -305,8 +305,8 @@ def test_calibration_writes_a_spec_that_device_accepts(tmp_path) -> None:
         Compiler()
     except CompilerUnavailable as exc:
         pytest.skip(f"no C compiler: {exc}")
-    from planner.calibrate import calibrate_cpu
-    from planner.cli import main
+    from fusion_planner.backends.cpu.calibrate import calibrate_cpu
+    from fusion_planner.cli import main
 
     cal = calibrate_cpu(triad_n=1 << 16, gemm_sizes=(32, 64, 128))
     assert cal.triad_gbps > 0 and cal.launch_us > 0 and cal.vector_gflops > 0
@@ -321,7 +321,7 @@ def test_calibration_writes_a_spec_that_device_accepts(tmp_path) -> None:
 
 
 def test_calibrate_refuses_other_backends(capsys) -> None:
-    from planner.cli import main
+    from fusion_planner.cli import main
 
     assert main(["calibrate", "--backend", "cupy"]) == 2
     assert "cannot be calibrated" in capsys.readouterr().err
@@ -329,7 +329,7 @@ def test_calibrate_refuses_other_backends(capsys) -> None:
 
 @pytest.mark.parametrize("where, message", [(".", "it is a folder"), ("no/such/dir/x.json", "no such folder")])
 def test_calibrate_refuses_an_unwritable_output_before_measuring(where, message, tmp_path, capsys, monkeypatch) -> None:
-    from planner.cli import main
+    from fusion_planner.cli import main
 
     monkeypatch.chdir(tmp_path)
     assert main(["calibrate", "--backend", "cpu", "-o", where]) == 2
@@ -339,7 +339,7 @@ def test_calibrate_refuses_an_unwritable_output_before_measuring(where, message,
 def test_blas_threads_are_pinned_while_plans_run(monkeypatch) -> None:
     from threadpoolctl import threadpool_info
 
-    from backends.cpu import CpuBackend, limit_blas_threads
+    from fusion_planner.backends.cpu.backend import CpuBackend, limit_blas_threads
 
     def numpy_blas_threads() -> list[int]:
         return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas" and "numpy" in i["filepath"]]

@@ -7,12 +7,12 @@ import sys
 import numpy as np
 import pytest
 
-from backends.reference import execute_graph, execute_plan, random_inputs
-from planner.candidates import build_candidates
-from planner.egraph import Limits
-from planner.examples import ew_chain, mlp_epilogue, mlp_stack
-from planner.graph import GraphBuilder, GraphError, graph_from_json
-from planner.ops import OPS
+from fusion_planner.backends.reference import execute_graph, execute_plan, random_inputs
+from fusion_planner.core.examples import ew_chain, mlp_epilogue, mlp_stack
+from fusion_planner.core.graph import GraphBuilder, GraphError, graph_from_json
+from fusion_planner.core.ops import OPS
+from fusion_planner.egraph.candidates import build_candidates
+from fusion_planner.egraph.program import Limits
 
 
 def _fanout_graph():
@@ -54,7 +54,7 @@ def test_bad_graphs_name_the_culprit(mutate, needle):
 
 def _cli(*args, cwd=None):
     return subprocess.run(
-        [sys.executable, "-m", "planner", *args], capture_output=True, text=True, cwd=cwd, timeout=120
+        [sys.executable, "-m", "fusion_planner", *args], capture_output=True, text=True, cwd=cwd, timeout=120
     )
 
 
@@ -179,7 +179,7 @@ _NODES_X = [{"id": "x", "op": "In", "shape": [4, 4], "dtype": "fp32"}]
     ],
 )
 def test_cli_bad_graph_files_exit_2_naming_the_culprit(tmp_path, capsys, name, content, needle):
-    from planner.cli import main
+    from fusion_planner.cli import main
 
     f = tmp_path / name
     if isinstance(content, bytes):
@@ -193,7 +193,7 @@ def test_cli_bad_graph_files_exit_2_naming_the_culprit(tmp_path, capsys, name, c
 
 @pytest.mark.parametrize("flag", ["--device", "--rules"])
 def test_cli_non_utf8_device_or_rule_file_exits_2(tmp_path, capsys, flag):
-    from planner.cli import main
+    from fusion_planner.cli import main
 
     f = tmp_path / "binary.txt"
     f.write_bytes(b"\xff\xfe")

@@ -4,18 +4,18 @@ import re
 
 import pytest
 
-from backends.cupy.codegen import CodegenError, elementwise_kernel, generate, sanitize
-from backends.cupy.facts import (
+from fusion_planner.backends.cupy.codegen import CodegenError, elementwise_kernel, generate, sanitize
+from fusion_planner.backends.cupy.facts import (
     Resources,
     annotate_candidates,
     compile_many,
     occupancy,
     parse_resource_usage,
 )
-from planner.candidates import build_candidates
-from planner.cost import load_device
-from planner.examples import ew_chain, heavy, mlp_epilogue, mlp_stack
-from planner.graph import GraphBuilder
+from fusion_planner.core.cost import load_device
+from fusion_planner.core.examples import ew_chain, heavy, mlp_epilogue, mlp_stack
+from fusion_planner.core.graph import GraphBuilder
+from fusion_planner.egraph.candidates import build_candidates
 
 H200 = load_device("h200")
 
@@ -202,7 +202,7 @@ def test_measured_registers_recost_only_where_the_spec_asks():
 
 
 def test_plan_with_facts_recosts_from_gpu_style_records():
-    from backends.cupy.facts import plan_with_facts
+    from fusion_planner.backends.cupy.facts import plan_with_facts
 
     cands = build_candidates(mlp_epilogue(256, 256, 256, "fp16"), "h200")
     plan = next(p for p in cands.plans if p.partition == (1, 3) and p.kernels[0].kind == "cublaslt")

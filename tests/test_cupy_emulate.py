@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from backends.cupy.codegen import CTYPE, generate
-from backends.reference import execute_plan, random_inputs
-from planner.candidates import build_candidates
-from planner.examples import ew_chain, mlp_epilogue
-from planner.ops import numpy_dtype
+from fusion_planner.backends.cupy.codegen import CTYPE, generate
+from fusion_planner.backends.reference import execute_plan, random_inputs
+from fusion_planner.core.examples import ew_chain, mlp_epilogue
+from fusion_planner.core.ops import numpy_dtype
+from fusion_planner.egraph.candidates import build_candidates
 
 pytestmark = pytest.mark.nvcc
 
@@ -106,7 +106,7 @@ def test_generated_elementwise_code_matches_the_reference(graph, pred, tmp_path)
     mem = dict(inputs)
     if gemm:  # the GEMM itself runs in numpy; only elementwise kernels are emulated
         for k in gemm:
-            from backends.reference import prepare_inputs, run_kernel
+            from fusion_planner.backends.reference import prepare_inputs, run_kernel
 
             store = prepare_inputs(plan.tensors, inputs, list(inputs), "device")
             mem[k.out] = run_kernel(k, store, "device")
@@ -234,7 +234,7 @@ def test_generated_gemm_epilogue_matches_the_reference(m, n, k, dtype, partition
     subprocess.run([str(exe), *files], check=True, capture_output=True, timeout=300)
     t = plan.tensors[kern.out]
     got = np.frombuffer(Path(files[-1]).read_bytes(), dtype=numpy_dtype(t.dtype)).reshape(t.shape).astype(np.float32)
-    from backends.reference import prepare_inputs, run_kernel
+    from fusion_planner.backends.reference import prepare_inputs, run_kernel
 
     want = run_kernel(kern, prepare_inputs(plan.tensors, inputs, list(inputs), "device"), "device")
     # fp32 accumulation in another order, then one rounding to fp16/bf16

@@ -1,4 +1,4 @@
-"""Remote timing on the CPU: export-candidates -> python -m backends.cupy time --executor numpy -> load_measured."""
+"""Remote timing on the CPU: export-candidates -> python -m fusion_planner.backends.cupy time --executor numpy -> load_measured."""
 
 import json
 import subprocess
@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from backends.cupy.bundle import BundleError, bundle_from_json, export_bundle, load_bundle
-from backends.cupy.runner import MeasuredError, NumpyExecutor, load_measured, time_bundle
-from backends.reference import execute_graph, execute_plan, random_inputs
-from planner.candidates import build_candidates
-from planner.cli import main
-from planner.examples import ew_chain, mlp_epilogue, mlp_stack
-from planner.tolerance import check_outputs
+from fusion_planner.backends.cupy.bundle import BundleError, bundle_from_json, export_bundle, load_bundle
+from fusion_planner.backends.cupy.runner import MeasuredError, NumpyExecutor, load_measured, time_bundle
+from fusion_planner.backends.reference import execute_graph, execute_plan, random_inputs
+from fusion_planner.cli import main
+from fusion_planner.core.examples import ew_chain, mlp_epilogue, mlp_stack
+from fusion_planner.core.tolerance import check_outputs
+from fusion_planner.egraph.candidates import build_candidates
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,10 +58,10 @@ def test_bundle_is_self_contained_and_reproduces_every_plan(bundle_file):
 def test_export_time_merge_end_to_end_without_egglog(bundle_file, tmp_path):
     out = tmp_path / "measured.json"
     code = BLOCK_EGGLOG + (
-        "from backends.cupy.__main__ import main\n"
+        "from fusion_planner.backends.cupy.__main__ import main\n"
         f"rc = main(['time', {str(bundle_file)!r}, '-o', {str(out)!r}, '--executor', 'numpy', '--repeats', '2'])\n"
-        "assert not any(m == 'egglog' or m.startswith(('egglog.', 'planner.egraph', 'planner.candidates', "
-        "'planner.extract')) for m in sys.modules), sorted(sys.modules)\n"
+        "assert not any(m == 'egglog' or m.startswith(('egglog.', 'fusion_planner.egraph.program', 'fusion_planner.egraph.candidates', "
+        "'fusion_planner.egraph.extract')) for m in sys.modules), sorted(sys.modules)\n"
         "raise SystemExit(rc)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -108,7 +108,7 @@ def test_bad_files_name_the_problem(tmp_path):
 
 
 def test_runner_cli_rejects_a_missing_bundle(tmp_path):
-    from backends.cupy.__main__ import main as runner_main
+    from fusion_planner.backends.cupy.__main__ import main as runner_main
 
     assert runner_main(["time", str(tmp_path / "none.json"), "-o", str(tmp_path / "m.json"), "--executor", "numpy"]) == 2
 
@@ -140,7 +140,7 @@ def test_bench_rejects_bad_block(capsys):
 
 
 def test_bench_without_nvcc_is_a_clear_error(capsys, monkeypatch, tmp_path):
-    from backends.cupy import facts
+    from fusion_planner.backends.cupy import facts
 
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvcc here
     facts.nvcc_version.cache_clear()
@@ -154,7 +154,7 @@ def test_bench_without_nvcc_is_a_clear_error(capsys, monkeypatch, tmp_path):
 def test_gpu_bundles_match_the_current_code_generator():
     """tests/data/gpu holds what the GPU tests run: each stored kernel source must be what the code
     generator makes of its stored body today (regenerate with `python -m tests.gpu_bundles`)."""
-    from backends.cupy.codegen import generate
+    from fusion_planner.backends.cupy.codegen import generate
     from tests import gpu_bundles
 
     assert sorted(p.stem for p in gpu_bundles.DATA.glob("*.json")) == gpu_bundles.names()
@@ -169,7 +169,7 @@ def test_gpu_bundles_match_the_current_code_generator():
 
 def test_plan_measured_merges_remote_results_into_the_search(bundle_file, tmp_path, capsys, monkeypatch):
     """export -> time (numpy executor) -> plan --measured: the search and its log use the remote timings."""
-    from backends.cupy.__main__ import main as runner_main
+    from fusion_planner.backends.cupy.__main__ import main as runner_main
 
     out = tmp_path / "measured.json"
     assert runner_main(["time", str(bundle_file), "-o", str(out), "--executor", "numpy", "--repeats", "2"]) == 0
@@ -202,7 +202,7 @@ def test_plan_measured_merges_remote_results_into_the_search(bundle_file, tmp_pa
 
 def test_plan_measured_refuses_another_graphs_timings(bundle_file, tmp_path, capsys):
     """Plan keys do not encode shapes: timings of the 24x40x36 bundle must not merge into a 48x40x36 plan."""
-    from backends.cupy.__main__ import main as runner_main
+    from fusion_planner.backends.cupy.__main__ import main as runner_main
 
     out = tmp_path / "measured.json"
     assert runner_main(["time", str(bundle_file), "-o", str(out), "--executor", "numpy", "--repeats", "1"]) == 0
@@ -214,8 +214,8 @@ def test_plan_measured_refuses_another_graphs_timings(bundle_file, tmp_path, cap
 
 def test_plan_measured_refuses_a_same_named_graph_with_other_shapes(tmp_path, capsys):
     """Same graph name, other shapes: the structural fingerprint in the bundle tells them apart."""
-    from backends.cupy.__main__ import main as runner_main
-    from planner.graph import GraphBuilder
+    from fusion_planner.backends.cupy.__main__ import main as runner_main
+    from fusion_planner.core.graph import GraphBuilder
 
     def graph(m: int) -> dict:
         b = GraphBuilder("same-name")

@@ -1,9 +1,9 @@
 """Identical nodes are hash-consed by egglog into one e-class; planning must still work."""
 
-from backends.reference import execute_graph, execute_plan, random_inputs
-from planner.candidates import build_candidates
-from planner.graph import GraphBuilder
-from planner.tolerance import allclose_report
+from fusion_planner.backends.reference import execute_graph, execute_plan, random_inputs
+from fusion_planner.core.graph import GraphBuilder
+from fusion_planner.core.tolerance import allclose_report
+from fusion_planner.egraph.candidates import build_candidates
 
 
 def test_two_identical_nodes_share_a_class_and_both_outputs_are_planned():
@@ -26,7 +26,7 @@ def test_two_identical_nodes_share_a_class_and_both_outputs_are_planned():
 def test_values_a_user_rule_creates_are_typed_and_planned():
     from pathlib import Path
 
-    from planner.candidates import load_rules
+    from fusion_planner.rules.load import load_rules
 
     b = GraphBuilder("dist")
     for name in ("x", "y", "z"):

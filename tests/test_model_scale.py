@@ -5,13 +5,13 @@ import json
 import numpy as np
 import pytest
 
-from backends.reference import execute_graph, execute_plan, random_inputs
-from planner.cli import main
-from planner.egraph import Limits
-from planner.examples import ew_chain, mlp_epilogue, mlp_stack, transformer
-from planner.model_plan import plan_model
-from planner.plancache import PlanCache
-from planner.regions import split_regions
+from fusion_planner.backends.reference import execute_graph, execute_plan, random_inputs
+from fusion_planner.cli import main
+from fusion_planner.core.examples import ew_chain, mlp_epilogue, mlp_stack, transformer
+from fusion_planner.core.regions import split_regions
+from fusion_planner.egraph.program import Limits
+from fusion_planner.model.plancache import PlanCache
+from fusion_planner.model.stack import plan_model
 
 
 def test_regions_find_repeated_layers_without_markers():
@@ -145,8 +145,8 @@ def test_torch_defined_stack_dedups_and_matches_eager():
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
     from transformer_block import Block
 
-    import planner
-    from planner.torch_frontend import import_module
+    import fusion_planner
+    from fusion_planner.torch.importer import import_module
 
     torch.manual_seed(0)
     keys = []
@@ -157,7 +157,7 @@ def test_torch_defined_stack_dedups_and_matches_eager():
         keys.append({r.key for r in regions})
         assert len(regions) > len(keys[-1])  # layers repeat without any layer markers
     assert keys[0] == keys[1]
-    result = planner.plan(stack, (x,), backend="reference")
+    result = fusion_planner.plan(stack, (x,), backend="reference")
     assert result.model_plan is not None and len(result.model_plan.unique) == len(keys[1])
     with torch.no_grad():
         expected = stack(x)
@@ -167,15 +167,15 @@ def test_torch_defined_stack_dedups_and_matches_eager():
 
 
 def test_plan_cli_composite_mismatch_is_one_line_exit_1(tmp_path, capsys, monkeypatch):
-    import planner.pipeline
+    import fusion_planner.pipeline
 
-    real = planner.pipeline.check_outputs
+    real = fusion_planner.pipeline.check_outputs
     name = "transformer-L2-d32-s8-fp32-gelu"  # region searches check plans of "<name>.rN": only the composite fails
 
     def planted(plan, *args, **kw):
         return ("tolerance: planted for this test", 1.0, 1.0) if plan.graph == name else real(plan, *args, **kw)
 
-    monkeypatch.setattr(planner.pipeline, "check_outputs", planted)
+    monkeypatch.setattr(fusion_planner.pipeline, "check_outputs", planted)
     args = ["plan", "--example", "transformer", "--layers", "2", "--d-model", "32", "--seq", "8", "--dtype", "fp32",
             "--backend", "cpu", "--no-cache", "--max-candidates", "2"]
     assert main(args) == 1
@@ -186,7 +186,7 @@ def test_plan_cli_composite_mismatch_is_one_line_exit_1(tmp_path, capsys, monkey
 
 def test_fp16_transformer_composite_passes_the_reference_check():
     """Unit-normal weights made 4 fp16 layers chaotic (attention logits ~100): max_rel 0.24 for a correct plan."""
-    from planner.tolerance import check_outputs
+    from fusion_planner.core.tolerance import check_outputs
 
     g = transformer(4, 64, 8, "fp16")
     mp = plan_model(g, "h200")

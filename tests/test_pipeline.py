@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.cli import main
+from fusion_planner.cli import main
 
 torch = pytest.importorskip("torch")
 
@@ -18,15 +18,15 @@ OPTIONS = {"max_candidates": 16, "time_budget_s": 10.0}
 
 
 def test_api_cli_and_torch_compile_share_one_plan_and_one_cache_key(capsys, caplog):
-    import planner
-    from planner.torch_frontend import load_factory
+    import fusion_planner
+    from fusion_planner.torch.importer import load_factory
 
     module, (x,) = load_factory(FACTORY)
     with caplog.at_level(logging.WARNING):
-        first = planner.plan(module, (x,), backend="model", **OPTIONS)
+        first = fusion_planner.plan(module, (x,), backend="model", **OPTIONS)
         assert first.planned is not None and not first.planned.from_cache and first.planned.cache_key
 
-        again = planner.plan(module, (x,), backend="model", **OPTIONS)
+        again = fusion_planner.plan(module, (x,), backend="model", **OPTIONS)
         assert again.planned.from_cache and again.planned.cache_key == first.planned.cache_key
         assert again.plan.key == first.plan.key
 
@@ -44,21 +44,21 @@ def test_api_cli_and_torch_compile_share_one_plan_and_one_cache_key(capsys, capl
 
 def test_dynamo_plans_through_the_pipeline_with_the_same_key(monkeypatch):
     """torch.compile's captured graph (another name, other node ids) lands on the API's cache key."""
-    import planner
-    import planner.api
-    from planner.torch_frontend import load_factory
+    import fusion_planner
+    import fusion_planner.api
+    from fusion_planner.torch.importer import load_factory
 
     module, (x,) = load_factory(FACTORY)
     keys = []
-    real = planner.api.plan_graph
+    real = fusion_planner.api.plan_graph
 
     def spy(graph, options, backend, **kw):
         planned = real(graph, options, backend, **kw)
         keys.append((graph.name, planned.cache_key, planned.plan.key, planned.from_cache))
         return planned
 
-    monkeypatch.setattr(planner.api, "plan_graph", spy)
-    planner.plan(module, (x,), backend="model", **OPTIONS)
+    monkeypatch.setattr(fusion_planner.api, "plan_graph", spy)
+    fusion_planner.plan(module, (x,), backend="model", **OPTIONS)
     torch._dynamo.reset()
     with torch.no_grad():
         torch.compile(module, backend="fusion_planner", options={"backend": "model"})(x)

@@ -16,11 +16,12 @@ import pytest
 from hypothesis import HealthCheck, Phase, event, given, note, settings
 from hypothesis import strategies as st
 
-from backends.reference import execute_graph, execute_plan, random_inputs
-from planner.candidates import build_candidates
-from planner.egraph import RuleFile, shipped_rules, user_rules
-from planner.graph import GraphBuilder, graph_from_json
-from planner.tolerance import check_outputs
+from fusion_planner.backends.reference import execute_graph, execute_plan, random_inputs
+from fusion_planner.core.graph import GraphBuilder, graph_from_json
+from fusion_planner.core.tolerance import check_outputs
+from fusion_planner.egraph.candidates import build_candidates
+from fusion_planner.rules.files import RuleFile, shipped_rules
+from fusion_planner.rules.load import user_rules
 
 DIMS = (1, 2, 3, 5, 8, 9)
 MAX_PLANS = 24  # executed per graph (all when there are fewer)
@@ -37,7 +38,7 @@ def graphs(draw: st.DrawFn) -> dict:
     b = GraphBuilder("random")
     pool: dict[str, tuple[int, ...]] = {}
     x = b.input("x", (m, draw(st.sampled_from(DIMS), label="cols")), dtype)
-    pool[x] = b._nodes[x].type.shape
+    pool[x] = b.nodes[x].type.shape
     n_ops = draw(st.integers(1, 7), label="ops")
     for i in range(n_ops):
         kind = draw(st.sampled_from(KINDS), label=f"op{i}")
@@ -69,9 +70,9 @@ def graphs(draw: st.DrawFn) -> dict:
             if impl != "softmax" and draw(st.booleans(), label=f"weight{i}"):
                 ins.append(b.input(f"g{i}", (shape[-1],), dtype))
             b.op(nid, "Opaque", ins, {"impl": impl})
-        pool[nid] = b._nodes[nid].type.shape
-    consumed = {i for n in b._nodes.values() for i in n.inputs}
-    sinks = [n.id for n in b._nodes.values() if n.op != "In" and n.id not in consumed]
+        pool[nid] = b.nodes[nid].type.shape
+    consumed = {i for n in b.nodes.values() for i in n.inputs}
+    sinks = [n.id for n in b.nodes.values() if n.op != "In" and n.id not in consumed]
     return b.build(sinks).to_json()
 
 

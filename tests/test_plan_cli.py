@@ -7,10 +7,10 @@ import json
 import pytest
 from _fake_backend import TimedReferenceBackend
 
-from planner.cli import main
-from planner.commands import plan as plan_cmd
-from planner.commands import run as run_cmd
-from planner.planfile import content_hash
+from fusion_planner.cli import main
+from fusion_planner.commands import plan as plan_cmd
+from fusion_planner.commands import run as run_cmd
+from fusion_planner.core.planfile import content_hash
 
 CHAIN = ["--example", "ew-chain", "--k", "4", "--n", "256", "--device", "seed-k4", "--warmup", "0", "--repeats", "2"]
 
@@ -30,8 +30,8 @@ def fake_backend(monkeypatch):
 
 @pytest.fixture(scope="module")
 def out_dir(tmp_path_factory):
-    import planner.commands.plan as pc
-    import planner.commands.run as rc
+    import fusion_planner.commands.plan as pc
+    import fusion_planner.commands.run as rc
 
     old = pc.get_backend, rc.get_backend
     pc.get_backend = rc.get_backend = lambda name, spec: TimedReferenceBackend(spec)

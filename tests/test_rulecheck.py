@@ -7,12 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from planner.candidates import build_candidates, load_rules
-from planner.cli import main
-from planner.egraph import RuleFileError, shipped_rules, user_rules
-from planner.examples import ew_chain
-from planner.ops import OPS, OpDef, _same_shape
-from planner.rulecheck import (
+from fusion_planner.cli import main
+from fusion_planner.core.examples import ew_chain
+from fusion_planner.core.ops import OPS, OpDef, same_shape
+from fusion_planner.egraph.candidates import build_candidates
+from fusion_planner.rules.check import (
     UnsoundRuleError,
     arg_sorts,
     check_rule,
@@ -20,6 +19,8 @@ from planner.rulecheck import (
     prepare,
     rules_of,
 )
+from fusion_planner.rules.files import RuleFileError, shipped_rules
+from fusion_planner.rules.load import load_rules, user_rules
 
 FIXTURES = Path(__file__).parent / "fixtures"
 BAD = sorted((FIXTURES / "bad_rules").glob("*.egg"))
@@ -68,7 +69,7 @@ def test_rewrite_shapes_are_derived_from_the_op_table():
 
 
 def test_a_new_op_table_entry_is_checkable_without_checker_changes(monkeypatch):
-    neg = OpDef(name="Neg", kind="elementwise", arity=1, shape_rule=_same_shape, numpy_fn=lambda xs, a: -xs[0])
+    neg = OpDef(name="Neg", kind="elementwise", arity=1, shape_rule=same_shape, numpy_fn=lambda xs, a: -xs[0])
     monkeypatch.setitem(OPS, "Neg", neg)
     assert arg_sorts("Neg") == ("Op",)
     good, bad = check_text("(rewrite (Neg (Neg x)) x)\n(rewrite (Neg (K x)) (K x))", "neg.egg", examples=30)
@@ -178,7 +179,7 @@ def test_forbidden_commands_are_refused_with_file_and_line(cmd, keyword, capsys,
 def test_cli_exit_codes(capsys, tmp_path):
     assert main(["check-rules", "--examples", "5"]) == 0
     out = capsys.readouterr().out
-    assert "rewrite_rules/cublaslt.egg:19: sound (5 cases)" in out and out.rstrip().endswith("sound")
+    assert "fusion_planner/rules/shipped/cublaslt.egg:19: sound (5 cases)" in out and out.rstrip().endswith("sound")
     bad = str(FIXTURES / "bad_rules" / "drops_term.egg")
     good = str(FIXTURES / "good_rules" / "affine.egg")
     assert main(["check-rules", good]) == 0
@@ -219,8 +220,8 @@ def test_explain_refuses_an_unsound_rule_file_and_uses_a_sound_one(capsys):
 
 
 def test_plans_with_a_user_rule_compute_what_the_graph_computes():
-    from backends.reference import execute_plan, random_inputs
-    from planner.tolerance import allclose_report
+    from fusion_planner.backends.reference import execute_plan, random_inputs
+    from fusion_planner.core.tolerance import allclose_report
 
     graph = ew_chain(4, 37, "fp16")
     cands = build_candidates(graph, "seed-k4", rules=load_rules([FIXTURES / "good_rules" / "affine.egg"]), cap=256)

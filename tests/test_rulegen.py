@@ -8,14 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from backends.reference import execute_graph, execute_plan, random_inputs
-from planner.candidates import build_candidates
-from planner.egraph import parse_rule_text, shipped_rules
-from planner.graph import GraphBuilder
-from planner.ops import OPS, OpDef, _same_shape, register_op
-from planner.rulecheck import check_files
-from planner.rulegen import fusion_rules, generated_text
-from planner.tolerance import check_outputs
+from fusion_planner.backends.reference import execute_graph, execute_plan, random_inputs
+from fusion_planner.core.graph import GraphBuilder
+from fusion_planner.core.ops import OPS, OpDef, same_shape, register_op
+from fusion_planner.core.tolerance import check_outputs
+from fusion_planner.egraph.candidates import build_candidates
+from fusion_planner.rules.check import check_files
+from fusion_planner.rules.files import parse_rule_text, shipped_rules
+from fusion_planner.rules.rulegen import fusion_rules, generated_text
 
 BEFORE = Path(__file__).parent / "fixtures" / "mechanical_rules" / "before_generation.egg"
 _NOT_VARS = {"rewrite", "rule", "subsume", "K", "Ew", "Forced", "MatMul"}
@@ -74,7 +74,7 @@ SQUARE = OpDef(
     name="Square",
     kind="elementwise",
     arity=1,
-    shape_rule=_same_shape,
+    shape_rule=same_shape,
     numpy_fn=lambda xs, attrs: xs[0] * xs[0],
     flops_per_elem=lambda attrs: 1.0,
     regs=lambda attrs: 4,
@@ -104,8 +104,8 @@ def _chain():
 
 
 def test_a_new_op_fuses_into_one_kernel_that_runs_on_the_cpu(square):
-    from backends.base import BackendUnavailable
-    from backends.cpu import CpuBackend
+    from fusion_planner.backends.base import BackendUnavailable
+    from fusion_planner.backends.cpu.backend import CpuBackend
 
     graph = _chain()
     cands = build_candidates(graph, "h200")
@@ -140,7 +140,7 @@ def test_a_new_op_becomes_a_gemm_epilogue_and_its_rules_are_checked(square):
 
 def test_the_torch_importer_maps_a_new_op_from_its_table_entry(square):
     torch = pytest.importorskip("torch")
-    from planner.torch_frontend import import_module
+    from fusion_planner.torch.importer import import_module
 
     class M(torch.nn.Module):
         def forward(self, x):

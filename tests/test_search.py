@@ -10,14 +10,14 @@ from _fake_backend import CorruptingBackend, EstimateBackend, TimedReferenceBack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backends.reference import execute_graph, execute_plan, random_inputs
-from planner import examples
-from planner.candidates import build_candidates
-from planner.errors import UsageError
-from planner.mutate import OPERATORS, Mutator
-from planner.search import SearchOptions, search, spearman
-from planner.searchlog import SearchLog
-from planner.tolerance import allclose_report
+from fusion_planner.backends.reference import execute_graph, execute_plan, random_inputs
+from fusion_planner.core import examples
+from fusion_planner.core.errors import UsageError
+from fusion_planner.core.tolerance import allclose_report
+from fusion_planner.egraph.candidates import build_candidates
+from fusion_planner.search.engine import SearchOptions, search, spearman
+from fusion_planner.search.mutate import OPERATORS, Mutator
+from fusion_planner.search.searchlog import SearchLog
 
 FAST = dict(warmup=0, repeats=2)
 
@@ -137,7 +137,7 @@ def test_broken_candidate_is_rejected_never_chosen(mlp, mode):
 
 
 def test_every_candidate_rejected_raises(chain):
-    from planner.search import SearchError
+    from fusion_planner.search.engine import SearchError
 
     with pytest.raises(SearchError, match="ZeroDivisionError"):
         search(chain, CorruptingBackend(chain.spec, lambda p: True, "crash"), options=SearchOptions(max_candidates=2))
@@ -206,7 +206,7 @@ def test_verify_only_backend(mlp):
 
 
 def test_tolerance_overrides(chain):
-    from planner.tolerance import check_outputs
+    from fusion_planner.core.tolerance import check_outputs
 
     plan = chain.unfused
     want = [np.array([1.0, 2.0, 100.0], dtype=np.float32)]
@@ -231,9 +231,9 @@ def test_random_mutants_of_random_plans_are_valid(stack, seed):
 
 
 def test_an_unavailable_backend_stops_the_search_instead_of_rejecting_every_candidate(chain, capsys, monkeypatch):
-    from backends.base import BackendUnavailable
-    from planner.cli import main
-    from planner.commands import plan as plan_cmd
+    from fusion_planner.backends.base import BackendUnavailable
+    from fusion_planner.cli import main
+    from fusion_planner.commands import plan as plan_cmd
 
     class Missing(EstimateBackend):
         def compile(self, plan):
@@ -247,7 +247,7 @@ def test_an_unavailable_backend_stops_the_search_instead_of_rejecting_every_cand
 
 
 def test_check_outputs_accepts_a_deep_graph_result_no_worse_than_the_reference(chain):
-    from planner.tolerance import check_outputs
+    from fusion_planner.core.tolerance import check_outputs
 
     plan = chain.best
     shape = plan.tensors[plan.outputs[0]].shape
@@ -260,7 +260,7 @@ def test_check_outputs_accepts_a_deep_graph_result_no_worse_than_the_reference(c
 
 
 def test_plan_of_a_deep_fp16_transformer_is_verified_and_exits_0(capsys):
-    from planner.cli import main
+    from fusion_planner.cli import main
 
     args = ["plan", "--example", "transformer", "--layers", "2", "--d-model", "64", "--seq", "16"]
     assert main([*args, "--backend", "model", "--max-candidates", "2", "--no-cache"]) == 0

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from planner.graph import GraphError, graph_from_json
-from planner.ops import OpError
-from planner.torch_allowlist import TORCH_CALLABLES, check_torch_call
+from fusion_planner.core.graph import GraphError, graph_from_json
+from fusion_planner.core.ops import OpError
+from fusion_planner.core.torch_allowlist import TORCH_CALLABLES, check_torch_call
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,13 +96,13 @@ def test_every_payload_is_refused_on_load_and_nothing_runs(tmp_path: Path) -> No
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "planner", *argv], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    return subprocess.run([sys.executable, "-m", "fusion_planner", *argv], capture_output=True, text=True, cwd=ROOT, timeout=300)
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 def test_cli_and_api_refuse_the_same_file_alike(tmp_path: Path, backend: str) -> None:
     pytest.importorskip("torch")
-    import planner
+    import fusion_planner
 
     marker = tmp_path / "ran"
     path = tmp_path / "evil.json"
@@ -112,7 +112,7 @@ def test_cli_and_api_refuse_the_same_file_alike(tmp_path: Path, backend: str) ->
     assert str(path) in proc.stderr and "node 'y'" in proc.stderr and "torch.nn.functional.torch.os.system" in proc.stderr
     assert "Traceback" not in proc.stderr
     with pytest.raises(GraphError) as info:
-        planner.plan(str(path), backend=backend)
+        fusion_planner.plan(str(path), backend=backend)
     assert str(info.value) in proc.stderr
     assert not marker.exists()
 
@@ -123,7 +123,7 @@ def test_a_refused_name_is_never_imported(tmp_path: Path) -> None:
     path = tmp_path / "lazy.json"
     path.write_text(json.dumps(_graph("torch.softmax", _call("torch._dynamo.reset", []))))
     code = (
-        "import sys, planner.torch_ops; from planner.graph import load_graph\n"
+        "import sys, fusion_planner.torch.ops; from fusion_planner.core.graph import load_graph\n"
         "assert 'torch._dynamo' not in sys.modules\n"
         f"try:\n    load_graph({str(path)!r})\nexcept Exception as e:\n    print(type(e).__name__)\n"
         "print('torch._dynamo' in sys.modules)\n"
@@ -134,8 +134,8 @@ def test_a_refused_name_is_never_imported(tmp_path: Path) -> None:
 
 def test_plan_files_and_bundles_are_checked_too(tmp_path: Path) -> None:
     """A kernel body in plan.json or a bundle names torch calls as well: checked on load."""
-    from backends.cupy.bundle import BundleError, bundle_from_json
-    from planner.plans import expr_from_json
+    from fusion_planner.backends.cupy.bundle import BundleError, bundle_from_json
+    from fusion_planner.core.plans import expr_from_json
 
     body = {"op": "Opaque", "node": "y", "attrs": {"impl": "torch.softmax",
                                                    "call": _call("torch.os.system", ["true"])},
@@ -176,18 +176,18 @@ def test_call_descriptions_are_checked_for_structure() -> None:
 
 def test_the_allowlist_is_what_the_importer_can_emit() -> None:
     pytest.importorskip("torch")
-    from planner.torch_ops import _resolve_canonical, derived_allowlist, torch_fn_name
+    from fusion_planner.torch.ops import resolve_canonical, derived_allowlist, torch_fn_name
 
     assert derived_allowlist() == TORCH_CALLABLES
     for name in TORCH_CALLABLES:  # every name resolves, and back to itself
-        fn = _resolve_canonical(name)
+        fn = resolve_canonical(name)
         target = name.removeprefix("torch.Tensor.") if name.startswith("torch.Tensor.") else fn
         assert torch_fn_name(target) == name
 
 
 def test_allow_torch_ops_takes_only_canonical_names() -> None:
     torch = pytest.importorskip("torch")
-    from planner.torch_ops import allow_torch_ops, resolve_torch_fn
+    from fusion_planner.torch.ops import allow_torch_ops, resolve_torch_fn
 
     for name in HOSTILE_NAMES:
         with pytest.raises(OpError):
@@ -202,7 +202,7 @@ def test_allow_torch_ops_takes_only_canonical_names() -> None:
 
 def test_a_trusted_module_keeps_an_unlisted_op_and_its_saved_plan_needs_an_opt_in(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
-    import planner
+    import fusion_planner
 
     class LogSumExp(torch.nn.Module):
         def forward(self, x):
@@ -210,7 +210,7 @@ def test_a_trusted_module_keeps_an_unlisted_op_and_its_saved_plan_needs_an_opt_i
 
     assert "torch.logsumexp" not in TORCH_CALLABLES
     m, x = LogSumExp(), torch.randn(4, 8)
-    result = planner.plan(m, (x,), backend="reference")
+    result = fusion_planner.plan(m, (x,), backend="reference")
     torch.testing.assert_close(result(x), m(x))
     out = result.save(tmp_path / "saved")
     with pytest.raises(GraphError, match="in-process trace.*--allow-torch-op torch.logsumexp"):

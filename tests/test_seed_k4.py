@@ -2,8 +2,8 @@
 
 import pytest
 
-from planner.candidates import build_candidates
-from planner.examples import ew_chain, heavy, mlp_epilogue
+from fusion_planner.core.examples import ew_chain, heavy, mlp_epilogue
+from fusion_planner.egraph.candidates import build_candidates
 
 
 def _by_partition(cands, custom_only=True):

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from planner.ops import round_to
-from planner.tolerance import TOLERANCES, allclose_report, tolerance
+from fusion_planner.core.ops import round_to
+from fusion_planner.core.tolerance import TOLERANCES, allclose_report, tolerance
 
 
 def test_every_storage_dtype_has_a_tolerance_and_they_order_by_precision():

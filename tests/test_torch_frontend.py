@@ -17,18 +17,17 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-import planner  # noqa: E402
-import planner.torch_frontend  # noqa: E402
-from planner.api import allclose_report  # noqa: E402
-from planner.errors import TorchImportError  # noqa: E402
-from planner.ops import OpError  # noqa: E402
-from planner.torch_frontend import TORCH_DTYPES, import_module, load_factory  # noqa: E402
-from planner.torch_ops import resolve_torch_fn  # noqa: E402
+import fusion_planner.torch.importer  # noqa: E402
+from fusion_planner.api import allclose_report  # noqa: E402
+from fusion_planner.core.ops import OpError  # noqa: E402
+from fusion_planner.torch.errors import TorchImportError  # noqa: E402
+from fusion_planner.torch.importer import TORCH_DTYPES, import_module, load_factory  # noqa: E402
+from fusion_planner.torch.ops import resolve_torch_fn  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # The numpy reference always runs; the generated-C cpu backend once it is importable.
-BACKENDS = ["reference"] + (["cpu"] if importlib.util.find_spec("backends.cpu") else [])
+BACKENDS = ["reference"] + (["cpu"] if importlib.util.find_spec("fusion_planner.backends.cpu.backend") else [])
 
 
 class MLP(nn.Module):
@@ -117,7 +116,7 @@ CASES = [(n, torch.float32) for n in FAMILIES] + [
 def test_plan_matches_eager(name: str, dtype: torch.dtype, backend: str) -> None:
     m, x = _model(name, dtype)
     opts = {} if backend == "reference" else {"max_candidates": 6, "repeats": 3}
-    result = planner.plan(m, (x,), backend=backend, device="h200", **opts)
+    result = fusion_planner.plan(m, (x,), backend=backend, device="h200", **opts)
     x2 = torch.randn_like(x)  # fresh values, the planned shapes
     with torch.no_grad():
         _assert_close(result(x2), m(x2))
@@ -140,7 +139,7 @@ def test_mapping_uses_the_op_table() -> None:
 
 def test_erf_gelu_never_gets_a_cublaslt_gelu_epilogue() -> None:
     def gelu_epilogues(name: str) -> int:
-        result = planner.plan(*_model(name, torch.float32), backend="reference")
+        result = fusion_planner.plan(*_model(name, torch.float32), backend="reference")
         return sum(
             1 for p in result.candidates.plans for k in p.kernels if k.kind == "cublaslt" and "GELU" in (k.epilogue or "")
         )
@@ -151,8 +150,8 @@ def test_erf_gelu_never_gets_a_cublaslt_gelu_epilogue() -> None:
 
 def test_opaque_ops_are_logged_and_saved_by_name(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     m, (x,) = _block()
-    with caplog.at_level(logging.INFO, logger="planner.torch_frontend"):
-        result = planner.plan(m, (x,), backend="reference")
+    with caplog.at_level(logging.INFO, logger="fusion_planner.torch.importer"):
+        result = fusion_planner.plan(m, (x,), backend="reference")
     assert "stayed opaque" in caplog.text and "scaled_dot_product_attention" in caplog.text
     out = result.save(tmp_path)
     plan = json.loads((out / "plan.json").read_text())
@@ -164,15 +163,15 @@ def test_opaque_ops_are_logged_and_saved_by_name(tmp_path: Path, caplog: pytest.
 def test_saved_plan_executes_in_a_fresh_process(tmp_path: Path) -> None:
     """Torch-backed Opaque impls are found by name in a process that never imported the frontend."""
     m, (x,) = _block()
-    result = planner.plan(m, (x,), backend="reference")
+    result = fusion_planner.plan(m, (x,), backend="reference")
     result.save(tmp_path)
-    feed = planner.torch_frontend.graph_inputs_from_module(result.imported, m, (x,))
+    feed = fusion_planner.torch.importer.graph_inputs_from_module(result.imported, m, (x,))
     np.savez(tmp_path / "feed.npz", **feed)
     code = (
-        "import sys, numpy as np; from planner.graph import load_graph; from backends.reference import execute_graph;"
+        "import sys, numpy as np; from fusion_planner.core.graph import load_graph; from fusion_planner.backends.reference import execute_graph;"
         "g = load_graph(sys.argv[1] + '/graph.json'); feed = dict(np.load(sys.argv[1] + '/feed.npz'));"
-        "assert 'planner.torch_frontend' not in sys.modules; outs = [execute_graph(g, feed)[0]];"
-        "from planner.planfile import load_plan; from backends.reference import execute_plan;"
+        "assert 'fusion_planner.torch.importer' not in sys.modules; outs = [execute_graph(g, feed)[0]];"
+        "from fusion_planner.core.planfile import load_plan; from fusion_planner.backends.reference import execute_plan;"
         "plan, graph, spec, meta = load_plan(sys.argv[1] + '/plan.json'); outs.append(execute_plan(plan, feed)[0]);"
         "np.save(sys.argv[1] + '/out.npy', np.stack(outs))"
     )
@@ -199,7 +198,7 @@ def test_single_use_torch_calls_fold_into_one_opaque_kernel() -> None:
     assert len(opaque) == 3, steps  # softmax | sigmoid | tanh+transpose+cat+transpose+getitem
     used = {i for n in imported.graph.nodes for i in n.inputs} | set(imported.graph.outputs)
     assert all(n.id in used for n in opaque)  # nothing emitted and then dropped
-    _assert_close(planner.plan(m, (x,), backend="reference")(x), m(x))
+    _assert_close(fusion_planner.plan(m, (x,), backend="reference")(x), m(x))
     block = import_module(*_block()).graph
     assert sum(n.op == "Opaque" for n in block.ops) == 3  # two LayerNorms, one attention (split/view/transpose in it)
 
@@ -214,7 +213,7 @@ def test_opaque_names_are_an_allowlist() -> None:
 
 def test_parameters_are_bound_at_call_time() -> None:
     m, x = _model("mlp-relu", torch.float32)
-    result = planner.plan(m, (x,), backend="reference")
+    result = fusion_planner.plan(m, (x,), backend="reference")
     with torch.no_grad():
         m.fc2.bias.add_(1.0)
         _assert_close(result(x), m(x))
@@ -234,7 +233,7 @@ def test_in_place_ops_are_mapped_out_of_place() -> None:
 
     m = InPlace().eval()
     x = torch.randn(2, 6, 16)
-    result = planner.plan(m, (x,), backend="reference")
+    result = fusion_planner.plan(m, (x,), backend="reference")
     assert "Opaque" not in {n.op for n in result.graph.ops}
     with torch.no_grad():
         _assert_close(result(x), m(x.clone()))
@@ -251,7 +250,7 @@ def test_shape_dependent_control_flow_falls_back_to_export() -> None:
 
     m = Shapey().eval()
     x = torch.randn(4, 16)
-    result = planner.plan(m, (x,), backend="reference")
+    result = fusion_planner.plan(m, (x,), backend="reference")
     assert result.imported.tracer == "export"
     _assert_close(result(x), m(x))
 
@@ -264,7 +263,7 @@ def test_data_dependent_control_flow_is_a_clear_error() -> None:
             return x - 1
 
     with pytest.raises(TorchImportError) as err:
-        planner.plan(Branchy(), torch.randn(4, 8), backend="reference")
+        fusion_planner.plan(Branchy(), torch.randn(4, 8), backend="reference")
     msg = str(err.value)
     assert "if x.sum() > 0" in msg and "torch.export" in msg and "control flow" in msg
 
@@ -282,12 +281,12 @@ def test_data_dependent_control_flow_is_a_clear_error() -> None:
 )
 def test_bad_example_inputs(model: nn.Module, inputs, needle: str) -> None:
     with pytest.raises(TorchImportError, match=needle.replace("(", r"\(").replace(".", r"\.")):
-        planner.plan(model, inputs, backend="reference")
+        fusion_planner.plan(model, inputs, backend="reference")
 
 
 def test_calling_with_other_shapes_is_refused() -> None:
     m, x = _model("mlp-relu", torch.float32)
-    result = planner.plan(m, (x,), backend="reference")
+    result = fusion_planner.plan(m, (x,), backend="reference")
     with pytest.raises(TorchImportError, match="plan again"):
         result(torch.randn(3, 6, 16))
 
@@ -325,7 +324,7 @@ def test_torch_compile_backend_is_an_entry_point() -> None:
         "m = nn.Sequential(nn.Linear(8, 8), nn.GELU(approximate='tanh')).eval(); x = torch.randn(4, 8);"
         "assert 'planner' not in sys.modules;"
         "y = torch.compile(m, backend='fusion_planner')(x);"
-        "assert 'planner.torch_frontend' in sys.modules;"
+        "assert 'fusion_planner.torch.importer' in sys.modules;"
         "print(float((y - m(x)).abs().max()))"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -336,13 +335,13 @@ def test_torch_compile_backend_is_an_entry_point() -> None:
 
 @pytest.mark.parametrize("example", ["mlp", "swiglu_mlp", "transformer_block"])
 def test_example_factories_plan_from_the_cli(example: str) -> None:
-    from planner.cli import main
+    from fusion_planner.cli import main
 
     assert main(["explain", "--torch", str(ROOT / f"examples/{example}.py:build"), "--device", "h200"]) == 0
 
 
 def test_plan_torch_cli_searches_and_verifies(capsys: pytest.CaptureFixture) -> None:
-    from planner.cli import main
+    from fusion_planner.cli import main
 
     args = ["plan", "--torch", str(ROOT / "examples/mlp.py:build"), "--backend", "reference", "--no-cache", "--json"]
     assert main(args) == 0
@@ -353,7 +352,7 @@ def test_plan_torch_cli_searches_and_verifies(capsys: pytest.CaptureFixture) -> 
 
 
 def test_cli_bad_factory_exits_2(tmp_path: Path) -> None:
-    from planner.cli import main
+    from fusion_planner.cli import main
 
     assert main(["explain", "--torch", str(tmp_path / "missing.py:build")]) == 2
     assert main(["explain", "--torch", str(ROOT / "examples/mlp.py:nope")]) == 2

@@ -1,9 +1,5 @@
-"""The CUDA backend: generated fused kernels (cupy RawKernel), cuBLASLt epilogues, remote timing.
+"""Deprecated alias of ``fusion_planner.backends.cupy`` (removed in release 0.3)."""
 
-Importing this package needs neither cupy nor a GPU; ``CupyBackend.compile``
-raises ``BackendUnavailable`` where they are missing.  See docs/gpu.md.
-"""
-
-from backends.cupy.backend import CupyBackend
+from fusion_planner.backends.cupy import CupyBackend
 
 __all__ = ["CupyBackend"]

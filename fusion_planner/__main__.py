@@ -1,0 +1,3 @@
+from fusion_planner.cli import main
+
+raise SystemExit(main())

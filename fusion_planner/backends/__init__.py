@@ -1,0 +1,32 @@
+"""Backends that execute plans: reference (numpy), model (cost model), cpu (generated C), cupy (GPU).
+
+``get_backend(name, spec)`` imports a backend lazily, so a machine without a
+C compiler or a GPU can still use the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from fusion_planner.core.errors import UsageError
+
+if TYPE_CHECKING:
+    from fusion_planner.backends.base import Backend
+    from fusion_planner.core.cost import DeviceSpec
+
+#: backend name -> "module:Class"
+BACKENDS: dict[str, str] = {
+    "reference": "fusion_planner.backends.reference_backend:ReferenceBackend",
+    "model": "fusion_planner.backends.model:ModelBackend",
+    "cpu": "fusion_planner.backends.cpu.backend:CpuBackend",
+    "cupy": "fusion_planner.backends.cupy:CupyBackend",
+}
+
+
+def get_backend(name: str, spec: DeviceSpec) -> Backend:
+
+    if name not in BACKENDS:
+        raise UsageError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    module, cls = BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)(spec)

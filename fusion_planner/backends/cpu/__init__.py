@@ -1,0 +1,1 @@
+"""The generated-C CPU backend (``backend``), its code generator (``codegen``) and calibration."""

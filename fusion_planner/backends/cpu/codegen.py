@@ -1,0 +1,339 @@
+"""C code generation and compilation for the CPU backend.
+
+A kernel body (an :class:`~fusion_planner.core.plans.Expr` tree) becomes one C function
+with one loop nest over ``rows x cols`` of the output.  Every inner node is one
+``const float vK = <snippet>;`` statement built from the op table's ``code``
+snippet (the strings the CUDA backend reuses); every distinct :class:`Load`
+is one pointer parameter read once per element.  fp16/bf16 tensors are stored
+as ``uint16_t`` and converted by the helpers in :data:`PRELUDE` (float math in
+registers, round-to-nearest-even on store, as ``fusion_planner.core.ops.round_to`` does).
+
+Names never come from the graph: parameters are ``t0, t1, ...``, values
+``v0, v1, ...``, the function is always ``fp_kernel``.  The only graph-derived
+text in a source is what the op table's snippets print from validated
+attributes (floats).
+
+Sources are compiled by the system C compiler into shared objects cached by
+the SHA-256 of (compiler, flags, source) under the user cache directory and
+loaded with ctypes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from fusion_planner.core.ops import DTYPE_BYTES, op_def
+from fusion_planner.core.plans import Expr, Load
+
+log = logging.getLogger(__name__)
+
+SYMBOL = "fp_kernel"
+BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off")
+NATIVE_FLAGS = ("-march=native",)
+#: glibc's vector math library for tanhf/erff/expf (see PRELUDE), used when it links
+VECTOR_MATH = (("-fno-math-errno", "-DFP_VECTOR_MATH=1"), ("-lmvec",))
+
+#: index kinds of a pointer parameter: the output's layout, a row vector
+#: broadcast over rows (a bias), or the fp32 GEMM tile of a GEMM+epilogue kernel
+INDEX = {
+    "full": "{p}[r * cols + c]",
+    "col": "{p}[c]",
+    "tile": "{p}[(r - r0) * cols + c]",
+}
+
+PRELUDE = r"""#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(FP_VECTOR_MATH) && defined(__x86_64__) && defined(__GLIBC__)
+/* glibc declares these SIMD variants (libmvec) only under -ffast-math, which
+   would also break the IEEE rounding the conversions below rely on. */
+float tanhf(float) __attribute__((__simd__("notinbranch")));
+float erff(float) __attribute__((__simd__("notinbranch")));
+float expf(float) __attribute__((__simd__("notinbranch")));
+#endif
+
+/* fmaxf with C99 semantics (a NaN operand yields the other one).  GCC only
+   inlines libm's fmaxf under -ffinite-math-only; as a call it blocks
+   vectorisation of every loop holding a ReLU. */
+static inline float fp_fmaxf(float a, float b) { return (a > b || b != b) ? a : b; }
+#define fmaxf(a, b) fp_fmaxf(a, b)
+
+static inline float fp_bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t fp_f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+static inline float fp_bf16_to_f32(uint16_t h) { return fp_bits_f32((uint32_t)h << 16); }
+
+/* Branch-free conversions (so loops vectorise); the fp16 pair follows
+   Maratyszcza's FP16 library (MIT) and needs IEEE round-to-nearest-even float
+   arithmetic without flush-to-zero, which these flags guarantee. */
+static inline uint16_t fp_f32_to_bf16(float f) {
+    uint32_t u = fp_f32_bits(f);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;      /* round to nearest even */
+    uint32_t qnan = (u >> 16) | 0x40u;                                /* NaN stays a (quiet) NaN */
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? qnan : rounded);
+}
+
+static inline float fp_f16_to_f32(uint16_t h) {
+    uint32_t w = (uint32_t)h << 16, sign = w & 0x80000000u, two_w = w + w;
+    float normal = fp_bits_f32((two_w >> 4) + (0xe0u << 23)) * 0x1.0p-112f;
+    float subnormal = fp_bits_f32((two_w >> 17) | (126u << 23)) - 0.5f;
+    uint32_t bits = two_w < (1u << 27) ? fp_f32_bits(subnormal) : fp_f32_bits(normal);
+    return fp_bits_f32(sign | bits);
+}
+
+static inline uint16_t fp_f32_to_f16(float f) {
+    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;             /* overflows to inf where fp16 does */
+    uint32_t w = fp_f32_bits(f), shl1_w = w + w, sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xff000000u;
+    bias = bias < 0x71000000u ? 0x71000000u : bias;
+    base = fp_bits_f32((bias >> 1) + 0x07800000u) + base;              /* the add rounds to fp16 precision */
+    uint32_t bits = fp_f32_bits(base);
+    uint32_t nonsign = ((bits >> 13) & 0x7c00u) + (bits & 0x0fffu);
+    return (uint16_t)((sign >> 16) | (shl1_w > 0xff000000u ? 0x7e00u : nonsign));
+}
+"""
+
+#: per storage dtype: C element type, load conversion, store conversion
+_STORAGE: dict[str, tuple[str, str, str]] = {
+    "fp32": ("float", "{}", "{}"),
+    "fp16": ("uint16_t", "fp_f16_to_f32({})", "fp_f32_to_f16({})"),
+    "bf16": ("uint16_t", "fp_bf16_to_f32({})", "fp_f32_to_bf16({})"),
+}
+assert set(_STORAGE) == set(DTYPE_BYTES)
+
+
+class CodegenError(ValueError):
+    """A kernel body the C generator cannot express (the message says why)."""
+
+
+@dataclass(frozen=True)
+class Param:
+    """One pointer parameter of a generated kernel (``tensor`` is never printed)."""
+
+    tensor: str | None  # None for the GEMM tile
+    dtype: str  # storage dtype
+    index: str  # key of INDEX
+
+
+@dataclass(frozen=True)
+class CKernel:
+    """A generated kernel: ``void fp_kernel(params..., out, r0, r1, cols)``."""
+
+    source: str
+    params: tuple[Param, ...]
+    out_dtype: str
+    rows: int
+    cols: int
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.source.encode()).hexdigest()
+
+
+def rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
+    """The output viewed as rows x cols, cols being the last dimension."""
+    if not shape:
+        return 1, 1
+    cols = shape[-1]
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    return rows, cols
+
+
+def _index_kind(shape: tuple[int, ...], out_shape: tuple[int, ...]) -> str:
+    if tuple(shape) == tuple(out_shape):
+        return "full"
+    if len(shape) == 1 and out_shape and shape[0] == out_shape[-1]:
+        return "col"
+    raise CodegenError(f"cannot index a tensor of shape {list(shape)} inside a loop over {list(out_shape)}")
+
+
+def generate(
+    body: Expr,
+    tensor_types: dict[str, tuple[tuple[int, ...], str]],
+    tile: Expr | None = None,
+) -> CKernel:
+    """C source of one kernel body; ``tile`` (a node of the body) reads the fp32 GEMM tile.
+
+    ``tensor_types`` maps each loaded tensor to (shape, dtype).
+    """
+    out_shape = tuple(body.type.shape)
+    rows, cols = rows_cols(out_shape)
+    params: list[Param] = []
+    var_of: dict[int, str] = {}
+    param_of: dict[str | None, int] = {}
+    stmts: list[str] = []
+
+    def param(tensor: str | None, dtype: str, index: str) -> str:
+        if tensor not in param_of:
+            param_of[tensor] = len(params)
+            params.append(Param(tensor, dtype, index))
+            p = params[-1]
+            pname = f"t{param_of[tensor]}"
+            load = INDEX[p.index].format(p=pname)
+            conv = "{}" if p.index == "tile" else _STORAGE[p.dtype][1]
+            stmts.append(f"const float {pname}v = {conv.format(load)};")
+        return f"t{param_of[tensor]}v"
+
+    def value(e: Expr | Load) -> str:
+        if isinstance(e, Load):
+            if e.tensor not in tensor_types:
+                raise CodegenError("kernel loads a tensor with no known type")
+            shape, dtype = tensor_types[e.tensor]
+            return param(e.tensor, dtype, _index_kind(shape, out_shape))
+        if tile is not None and e is tile:
+            return param(None, "fp32", "tile")
+        if id(e) in var_of:
+            return var_of[id(e)]
+        opd = op_def(e.op)
+        if opd.code is None:
+            raise CodegenError(f"op {e.op} has no C code snippet")
+        args = [value(a) for a in e.args]
+        name = f"v{len(var_of)}"
+        var_of[id(e)] = name
+        stmts.append(f"const float {name} = {opd.code(args, e.attr_dict)};")
+        return name
+
+    result = value(body)
+    out_dtype = body.type.dtype
+    source = _loop_function([_ctype(p) for p in params], _STORAGE[out_dtype][0], stmts, _STORAGE[out_dtype][2].format(result))
+    return CKernel(source, tuple(params), out_dtype, rows, cols)
+
+
+def _loop_function(in_ctypes: list[str], out_ctype: str, stmts: list[str], store: str) -> str:
+    sig = [f"const {t}* restrict t{i}" for i, t in enumerate(in_ctypes)]
+    sig += [f"{out_ctype}* restrict out", "int64_t r0", "int64_t r1", "int64_t cols"]
+    inner = "\n".join(f"            {s}" for s in stmts)
+    return (
+        PRELUDE
+        + f"\nvoid {SYMBOL}({', '.join(sig)}) {{\n"
+        + "    for (int64_t r = r0; r < r1; ++r) {\n"
+        + "        for (int64_t c = 0; c < cols; ++c) {\n"
+        + f"{inner}\n"
+        + f"            out[r * cols + c] = {store};\n"
+        + "        }\n    }\n}\n"
+    )
+
+
+def widen_source(dtype: str) -> str:
+    """A kernel writing the fp32 values of a ``dtype`` tensor (GEMM operands for BLAS)."""
+    ctype, load, _ = _STORAGE[dtype]
+    return _loop_function([ctype], "float", [], load.format("t0[r * cols + c]"))
+
+
+def _ctype(p: Param) -> str:
+    return "float" if p.index == "tile" else _STORAGE[p.dtype][0]
+
+
+def noop_source() -> str:
+    """A kernel that does nothing, with the generated kernels' calling convention."""
+    return f"#include <stdint.h>\nvoid {SYMBOL}(const float* t0, float* out, int64_t r0, int64_t r1, int64_t cols) {{ }}\n"
+
+
+# ---------------------------------------------------------------- compiler
+
+
+def cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/fusion-planner/cpu``, else ``~/.cache/fusion-planner/cpu``."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "fusion-planner" / "cpu"
+
+
+class CompilerUnavailable(RuntimeError):
+    """No working C compiler on this machine."""
+
+
+@functools.lru_cache(maxsize=4)
+def _probe(cc: str) -> tuple[tuple[str, ...], tuple[str, ...], str]:
+    """(flags, libraries, version line): ``-march=native`` and vector math where they work."""
+    path = shutil.which(cc)
+    if path is None:
+        raise CompilerUnavailable(f"C compiler {cc!r} not found on PATH (set CC)")
+    version = subprocess.run([path, "--version"], capture_output=True, text=True, check=False).stdout
+    version = version.splitlines()[0] if version else path
+    native = BASE_FLAGS + NATIVE_FLAGS
+    attempts = [(native + VECTOR_MATH[0], VECTOR_MATH[1]), (native, ()), (BASE_FLAGS, ())]
+    probe = PRELUDE + "float fp_probe(float x) { return tanhf(x) + erff(x) + expf(x); }\n"
+    last = ""
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "probe.c"
+        src.write_text(probe)
+        for flags, libs in attempts:
+            r = subprocess.run([path, *flags, "-o", str(Path(d) / "probe.so"), str(src), *libs, "-lm"],
+                               capture_output=True, text=True)
+            if r.returncode == 0:
+                if "-march=native" not in flags:
+                    log.warning("%s rejects -march=native; compiling with %s (%s)", cc, " ".join(flags), last)
+                elif not libs:
+                    log.info("%s: no vector math library (libmvec); transcendental ops stay scalar", cc)
+                return flags, libs, version
+            last = r.stderr.strip()
+    raise CompilerUnavailable(f"C compiler {cc!r} cannot build a shared object: {last}")
+
+
+@dataclass
+class Compiler:
+    """Compiles C sources into cached shared objects and loads them."""
+
+    cc: str = ""
+    directory: Path | None = None
+
+    def __post_init__(self) -> None:
+        self.cc = self.cc or os.environ.get("CC", "cc")
+        self.flags, self.libs, self.version = _probe(self.cc)
+        self.directory = self.directory or cache_dir()
+        self._loaded: dict[str, ctypes.CDLL] = {}
+        self.compiled = 0  # sources compiled (not found in the cache) by this object
+
+    def key(self, source: str) -> str:
+        h = hashlib.sha256()
+        for part in (self.version, " ".join(self.flags + self.libs), source):
+            h.update(part.encode())
+            h.update(b"\0")
+        return h.hexdigest()
+
+    def build(self, source: str) -> Path:
+        """The shared object of ``source``, compiling it unless cached."""
+        assert self.directory is not None
+        key = self.key(source)
+        so = self.directory / f"k{key[:32]}.so"
+        if so.exists():
+            return so
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=self.directory) as d:
+            src = Path(d) / "kernel.c"
+            src.write_text(source)
+            tmp = Path(d) / "kernel.so"
+            r = subprocess.run([shutil.which(self.cc) or self.cc, *self.flags, "-o", str(tmp), str(src), *self.libs, "-lm"],
+                               capture_output=True, text=True)
+            if r.returncode != 0:
+                raise CodegenError(f"{self.cc} failed on a generated kernel: {r.stderr.strip()[:2000]}")
+            os.replace(tmp, so)  # atomic: concurrent builders of one key agree
+        self.compiled += 1
+        return so
+
+    def load(self, source: str) -> ctypes.CDLL:
+        key = self.key(source)
+        lib = self._loaded.get(key)
+        if lib is None:
+            lib = ctypes.CDLL(str(self.build(source)))
+            self._loaded[key] = lib
+        return lib
+
+    def function(self, source: str, n_pointers: int) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+        """``fp_kernel`` of ``source``: ``n_pointers`` pointers, then three int64 row/col arguments."""
+        fn = getattr(self.load(source), SYMBOL)
+        fn.argtypes = [ctypes.c_void_p] * n_pointers + [ctypes.c_int64] * 3
+        fn.restype = None
+        return fn

@@ -1,0 +1,260 @@
+"""Self-contained candidate bundles: plan here (egglog), time there (numpy + cupy only).
+
+A bundle (``fusion-planner export-candidates``) holds, for every candidate, each
+kernel's body (op tree), its generated CUDA source and launch shape or its
+cuBLASLt call, plus tensor shapes and dtypes, the input recipe (seed and
+scales) and the reference recipe (the unfused plan, evaluated in fp64 numpy).
+Reading a bundle needs only ``fusion_planner.core.ops``, ``fusion_planner.core.graph``, ``fusion_planner.core.cost``
+and ``fusion_planner.core.plans``; none of them imports egglog.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fusion_planner.backends.cupy.codegen import CodegenError, CudaKernel, cuda_kernel_from_json, generate
+from fusion_planner.core.cost import KernelCost
+from fusion_planner.core.graph import TensorType
+from fusion_planner.core.inputs import RECIPE, input_scales, seeded_inputs
+from fusion_planner.core.ops import CUBLASLT_EPILOGUES, epilogue_has_bias, op_def
+from fusion_planner.core.plans import Expr, Kernel, Load, Plan, expr_from_json, expr_to_json
+from fusion_planner.core.torch_allowlist import loading_file
+
+SCHEMA = "fusion-planner/candidates/1"
+
+
+class BundleError(ValueError):
+    """A candidates file is malformed; the message names the field."""
+
+
+@dataclass(frozen=True)
+class CublasCall:
+    """D(M,N) = epilogue(A(M,K) @ B(K,N) [+ bias(N)]), all row-major."""
+
+    a: str
+    b: str
+    bias: str | None
+    epilogue: str
+    m: int
+    n: int
+    k: int
+    dtype: str
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class BundleKernel:
+    kernel: Kernel
+    cuda: CudaKernel | None  # generated source (elementwise, gemm_epilogue)
+    cublas: CublasCall | None  # library call (cublaslt)
+    unsupported: str | None = None  # why no GPU form exists (opaque, ...)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    plan: Plan
+    kernels: tuple[BundleKernel, ...]
+    est_us: float
+
+
+@dataclass(frozen=True)
+class Bundle:
+    graph: str
+    device: str
+    tensors: dict[str, TensorType]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    seed: int
+    scales: dict[str, float]
+    reference: Plan
+    candidates: tuple[Candidate, ...]
+    graph_sha256: str = ""  # Graph.fingerprint() of the exported graph
+
+    def make_inputs(self) -> dict[str, np.ndarray]:
+        """Seeded normal inputs (in bundle order), scaled, representable in their dtype (fusion_planner.core.inputs)."""
+        return seeded_inputs(self.inputs, self.tensors, self.seed, self.scales)
+
+
+# ---------------------------------------------------------------- writing
+
+
+def cublas_call(k: Kernel, tensors: Mapping[str, TensorType]) -> CublasCall:
+    mm = next(e for e in k.body.walk() if op_def(e.op).kind == "matmul")
+    a, b = (x.tensor for x in mm.args if isinstance(x, Load))
+    bias = None
+    if k.epilogue is None or k.epilogue not in CUBLASLT_EPILOGUES:
+        raise BundleError(f"cublaslt kernel for {k.out!r} has unknown epilogue {k.epilogue!r}")
+    if epilogue_has_bias(k.epilogue):
+        bias = next(r for r in k.reads if r not in (a, b))
+    (m, kk), (_, n) = tensors[a].shape, tensors[b].shape
+    return CublasCall(a, b, bias, k.epilogue, m, n, kk, tensors[k.out].dtype)
+
+
+def kernel_to_json(k: Kernel, tensors: Mapping[str, TensorType]) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "kind": k.kind,
+        "out": k.out,
+        "reads": list(k.reads),
+        "epilogue": k.epilogue,
+        "body": expr_to_json(k.body),
+        "cost": dataclasses.asdict(k.cost),
+        "facts": dict(k.facts),
+    }
+    if k.kind == "cublaslt":
+        d["cublaslt"] = cublas_call(k, tensors).to_json()
+    else:
+        try:
+            d["cuda"] = generate(k, dict(tensors)).to_json()
+        except CodegenError as exc:
+            d["unsupported"] = str(exc)
+    return d
+
+
+def plan_to_json(p: Plan) -> dict[str, Any]:
+    return {
+        "key": p.key,
+        "plan": p.notation(),
+        "partition": list(p.partition) if p.partition is not None else None,
+        "composition": p.composition(),
+        "est_us": p.est_us,
+        "outputs": list(p.outputs),
+        "kernels": [kernel_to_json(k, p.tensors) for k in p.kernels],
+    }
+
+
+def export_bundle(cands: Any, seed: int = 0, plans: list[Plan] | None = None) -> dict[str, Any]:
+    """The bundle JSON of a CandidateSet (``fusion_planner.egraph.candidates``), or of some of its ``plans``."""
+    graph = cands.graph
+    reference = cands.unfused
+    plans = list(cands.plans) if plans is None else list(plans)
+    return {
+        "schema": SCHEMA,
+        "graph": graph.name,
+        "graph_sha256": graph.fingerprint(),
+        "device": cands.spec.name,
+        "tensors": {n.id: {"shape": list(n.type.shape), "dtype": n.type.dtype} for n in graph.nodes},
+        "inputs": {
+            "names": [n.id for n in graph.inputs],
+            "seed": seed,
+            "scales": input_scales(graph),
+            "recipe": RECIPE,
+        },
+        "outputs": list(graph.outputs),
+        "reference": {
+            "recipe": "the unfused plan's kernel bodies evaluated in float64 numpy (oracle mode)",
+            **plan_to_json(reference),
+        },
+        "candidates": [plan_to_json(p) for p in plans],
+    }
+
+
+def write_bundle(cands: Any, path: str | Path, seed: int = 0) -> dict[str, Any]:
+    data = export_bundle(cands, seed)
+    Path(path).write_text(json.dumps(data, indent=1))
+    return data
+
+
+# ---------------------------------------------------------------- reading
+
+
+def _need(d: Mapping[str, Any], key: str, where: str) -> Any:
+    if not isinstance(d, Mapping) or key not in d:
+        raise BundleError(f"{where}: missing field {key!r}")
+    return d[key]
+
+
+def _kernel_from_json(d: Mapping[str, Any], where: str) -> BundleKernel:
+    body = expr_from_json(_need(d, "body", where), f"{where}.body")
+    if not isinstance(body, Expr):
+        raise BundleError(f"{where}: a kernel body must compute something, not only load")
+    try:
+        cost = KernelCost(**_need(d, "cost", where))
+    except TypeError as exc:
+        raise BundleError(f"{where}.cost: {exc}") from None
+    k = Kernel(
+        kind=str(_need(d, "kind", where)),
+        body=body,
+        out=str(_need(d, "out", where)),
+        reads=tuple(str(r) for r in _need(d, "reads", where)),
+        cost=cost,
+        epilogue=d.get("epilogue"),
+        facts=dict(d.get("facts") or {}),
+    )
+    cuda = cuda_kernel_from_json(d["cuda"]) if d.get("cuda") else None
+    cublas = CublasCall(**d["cublaslt"]) if d.get("cublaslt") else None
+    return BundleKernel(k, cuda, cublas, d.get("unsupported"))
+
+
+def candidate_from_json(d: Mapping[str, Any], graph: str, tensors: dict[str, TensorType], where: str) -> Candidate:
+    kernels = tuple(_kernel_from_json(k, f"{where}.kernels[{i}]") for i, k in enumerate(_need(d, "kernels", where)))
+    part = d.get("partition")
+    plan = Plan(
+        graph,
+        tuple(bk.kernel for bk in kernels),
+        tuple(str(o) for o in _need(d, "outputs", where)),
+        tensors,
+        str(_need(d, "key", where)),
+        tuple(part) if part is not None else None,
+    )
+    return Candidate(plan, kernels, float(d.get("est_us", math.nan)))
+
+
+def bundle_from_json(data: Any, source: str = "<json>") -> Bundle:
+    """Parse a candidates bundle as untrusted data (torch names checked as in docs/security.md)."""
+    with loading_file():
+        return _bundle_from_json(data, source)
+
+
+def _bundle_from_json(data: Any, source: str) -> Bundle:
+    if not isinstance(data, Mapping) or data.get("schema") != SCHEMA:
+        raise BundleError(f"{source}: not a candidates bundle (schema {SCHEMA!r} expected)")
+    try:
+        tensors = {
+            str(name): TensorType(tuple(int(x) for x in t["shape"]), str(t["dtype"]))
+            for name, t in _need(data, "tensors", source).items()
+        }
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BundleError(f"{source}.tensors: {exc}") from None
+    graph = str(_need(data, "graph", source))
+    inputs = _need(data, "inputs", source)
+    try:
+        ref = candidate_from_json(_need(data, "reference", source), graph, tensors, f"{source}.reference").plan
+        cands = tuple(
+            candidate_from_json(c, graph, tensors, f"{source}.candidates[{i}]")
+            for i, c in enumerate(_need(data, "candidates", source))
+        )
+    except (ValueError, TypeError) as exc:
+        if isinstance(exc, BundleError):
+            raise
+        raise BundleError(f"{source}: {exc}") from None
+    return Bundle(
+        graph=graph,
+        device=str(data.get("device", "")),
+        tensors=tensors,
+        inputs=tuple(str(n) for n in _need(inputs, "names", f"{source}.inputs")),
+        outputs=tuple(str(o) for o in _need(data, "outputs", source)),
+        seed=int(_need(inputs, "seed", f"{source}.inputs")),
+        scales={str(k): float(v) for k, v in (inputs.get("scales") or {}).items()},
+        reference=ref,
+        graph_sha256=str(data.get("graph_sha256", "")),
+        candidates=cands,
+    )
+
+
+def load_bundle(path: str | Path) -> Bundle:
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise BundleError(f"{p}: not JSON ({exc})") from None
+    return bundle_from_json(data, str(p))

@@ -1,0 +1,415 @@
+"""CUDA C generation for plan kernels, from the op table's code snippets.
+
+Two kernel shapes are generated:
+
+* ``elementwise``: one fused kernel per plan kernel.  A grid-stride loop over
+  16-byte vectors (``VEC`` elements per thread per step; loads and stores as
+  ``uint4``/``uint2`` raw words) followed by a scalar tail.  Values are
+  converted to fp32 at load and rounded to the tensor's dtype at store.
+* ``gemm_epilogue``: a tensor-core (wmma, fp16/bf16 in, fp32 accumulate) GEMM
+  with shared-memory tiles whose epilogue is the rest of the kernel body.
+
+Every op's arithmetic comes from ``OpDef.code``; an op with ``probe_temps`` > 0
+becomes the C-05 register-pressure probe.  No graph text reaches the source:
+tensors become ``p0..pn``, values ``a*``/``t*``, and the kernel name is built
+from a sanitised tensor name.  Shapes are compile-time constants.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from fusion_planner.core.graph import TensorType
+from fusion_planner.core.ops import DTYPE_BYTES, op_def
+from fusion_planner.core.plans import Expr, Kernel, Load, expr_to_json
+
+BLOCK = 256
+GEMM_TILE = (128, 128, 32)  # BM, BN, BK
+GEMM_THREADS = 256
+
+CTYPE = {"fp32": "float", "fp16": "__half", "bf16": "__nv_bfloat16"}
+TO_FLOAT = {"fp32": "{}", "fp16": "__half2float({})", "bf16": "__bfloat162float({})"}
+FROM_FLOAT = {"fp32": "{}", "fp16": "__float2half_rn({})", "bf16": "__float2bfloat16_rn({})"}
+RAW = {4: "unsigned int", 8: "uint2", 16: "uint4"}
+
+PRELUDE = """#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+"""
+
+
+class CodegenError(ValueError):
+    """A kernel cannot be expressed as generated CUDA; the message names it."""
+
+
+@dataclass(frozen=True)
+class CudaKernel:
+    """One generated kernel: source, parameter order and launch shape."""
+
+    name: str
+    kind: str  # "elementwise" | "gemm_epilogue"
+    source: str
+    params: tuple[str, ...]  # tensor names in parameter order; the output is last
+    block: int
+    #: elementwise: grid = min(grid_per_sm * SMs, work_blocks); gemm: fixed (x, y)
+    grid: tuple[int, int]
+    grid_per_sm: int = 0
+    vec: int = 1
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.source.encode()).hexdigest()[:16]
+
+    def grid_for(self, sm_count: int) -> tuple[int, int]:
+        if self.grid_per_sm:
+            return (max(1, min(self.grid_per_sm * sm_count, self.grid[0])), 1)
+        return self.grid
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "source": self.source,
+            "params": list(self.params),
+            "block": self.block,
+            "grid": list(self.grid),
+            "grid_per_sm": self.grid_per_sm,
+            "vec": self.vec,
+        }
+
+
+def cuda_kernel_from_json(d: dict) -> CudaKernel:
+    return CudaKernel(
+        name=str(d["name"]),
+        kind=str(d["kind"]),
+        source=str(d["source"]),
+        params=tuple(str(p) for p in d["params"]),
+        block=int(d["block"]),
+        grid=(int(d["grid"][0]), int(d["grid"][1])),
+        grid_per_sm=int(d.get("grid_per_sm", 0)),
+        vec=int(d.get("vec", 1)),
+    )
+
+
+def sanitize(name: str, limit: int = 40) -> str:
+    """A C identifier fragment from arbitrary text: [A-Za-z0-9_] only, bounded length."""
+    s = re.sub(r"[^A-Za-z0-9_]", "_", name)[:limit]
+    return s or "t"
+
+
+def kernel_name(kind: str, out: str, salt: str) -> str:
+    h = hashlib.sha256(f"{kind}:{out}:{salt}".encode()).hexdigest()[:8]
+    return f"fp_{'ew' if kind == 'elementwise' else 'gemm'}_{sanitize(out)}_{h}"
+
+
+# ---------------------------------------------------------------- expression emitter
+
+LeafFn = Callable[[int, int], str]  # (param index, lane) -> variable holding the loaded value
+
+
+def _leaves(body: Expr) -> list[str]:
+    """Tensors a body loads, in first-use order."""
+    order: list[str] = []
+    for e in body.walk():
+        for a in e.args:
+            if isinstance(a, Load) and a.tensor not in order:
+                order.append(a.tensor)
+    return order
+
+
+def emit_body(
+    body: Expr,
+    lanes: int,
+    leaf_var: Callable[[str, int], str],
+    fixed: dict[int, Sequence[str]] | None = None,
+    indent: str = "    ",
+) -> tuple[list[str], list[str]]:
+    """Statements computing ``body`` for ``lanes`` independent elements, and the result vars.
+
+    ``fixed`` maps ``id(expr)`` to per-lane variables already holding its value
+    (the GEMM accumulator).
+    """
+    fixed = dict(fixed or {})
+    vars_of: dict[int, list[str]] = {k: list(v) for k, v in fixed.items()}
+    lines: list[str] = []
+    for j, e in enumerate(body.walk()):
+        if id(e) in vars_of:
+            continue
+        opd = op_def(e.op)
+        if opd.code is None:
+            raise CodegenError(f"op {e.op} (node {e.node!r}) has no code snippet; it cannot be fused here")
+        attrs = e.attr_dict
+        out = [f"t{j}_{lane}" for lane in range(lanes)]
+        for lane in range(lanes):
+            args = [leaf_var(a.tensor, lane) if isinstance(a, Load) else vars_of[id(a)][lane] for a in e.args]
+            lines.append(f"{indent}float {out[lane]} = {opd.code(args, attrs)};")
+        temps = opd.probe_temps(attrs)
+        if temps > 0:
+            lines += _probe(out, temps, f"q{j}", indent)
+        vars_of[id(e)] = out
+    return lines, vars_of[id(body)]
+
+
+def _probe(values: list[str], temps: int, tag: str, indent: str) -> list[str]:
+    """C-05's fat probe: ``temps`` chained temporaries per lane, all live at once.
+
+    The chain runs forward; the sink consumes it backwards and across lanes, so
+    every temporary of every lane is live when the chain ends.  The value is
+    unchanged unless the bounded sink equals 3e38, which it cannot reach.
+    """
+    lanes = len(values)
+    lines = []
+    for lane, v in enumerate(values):
+        prev = v
+        for t in range(temps):
+            a = 1.0 - 1.0 / (64.0 + t)
+            lines.append(f"{indent}float {tag}_{t}_{lane} = fmaf({prev}, {a!r}f, {0.001 * (t + 1)!r}f);")
+            prev = f"{tag}_{t}_{lane}"
+    for lane in range(lanes):
+        lines.append(f"{indent}float {tag}_s_{lane} = 0.0f;")
+    for t in reversed(range(temps)):
+        for lane in range(lanes):
+            other = (lane + 1) % lanes
+            lines.append(
+                f"{indent}{tag}_s_{lane} = fmaf({tag}_s_{lane}, 0.5f, {tag}_{t}_{lane} * {tag}_{t}_{other});"
+            )
+    for lane, v in enumerate(values):
+        lines.append(f"{indent}{v} = ({tag}_s_{lane} == 3.0e38f) ? {tag}_s_{lane} : {v};")
+    return lines
+
+
+# ---------------------------------------------------------------- elementwise
+
+
+def _broadcast_cols(t: TensorType, out: TensorType, tensor: str) -> int:
+    """0 for a full-shape operand; the row length for a bias broadcast over rows."""
+    if tuple(t.shape) == tuple(out.shape):
+        return 0
+    if len(t.shape) == 1 and len(out.shape) >= 1 and t.shape[0] == out.shape[-1]:
+        return int(t.shape[0])
+    raise CodegenError(f"operand {tensor!r} of shape {list(t.shape)} does not broadcast to {list(out.shape)}")
+
+
+def elementwise_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
+    body = k.body
+    out_t = tensors.get(k.out, body.type)
+    n = math.prod(out_t.shape)
+    leaves = _leaves(body)
+    cols = {t: _broadcast_cols(tensors[t], out_t, t) for t in leaves}
+    widths = [DTYPE_BYTES[tensors[t].dtype] for t in leaves if not cols[t]] + [DTYPE_BYTES[out_t.dtype]]
+    vec = 16 // max(widths)
+    if any(c and c % vec for c in cols.values()) or n < vec:
+        vec = 1
+    index = {t: i for i, t in enumerate(leaves)}
+    params = [f"const {CTYPE[tensors[t].dtype]}* __restrict__ p{index[t]}" for t in leaves]
+    params.append(f"{CTYPE[out_t.dtype]}* __restrict__ out")
+    name = kernel_name("elementwise", k.out, _shape_salt(k, tensors))
+    src = [PRELUDE, f'extern "C" __global__ void {name}({", ".join(params)}) {{']
+    src.append(f"  const long long N = {n}LL;")
+    src.append("  const long long stride = (long long)blockDim.x * gridDim.x;")
+    src.append("  const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;")
+    if vec > 1:
+        src += _vector_loop(body, leaves, index, cols, tensors, out_t, vec)
+        src.append(f"  for (long long i = (N / {vec}) * {vec} + tid; i < N; i += stride) {{")
+    else:
+        src.append("  for (long long i = tid; i < N; i += stride) {")
+    src += _scalar_step(body, leaves, index, cols, tensors, out_t)
+    src.append("  }")
+    src.append("}")
+    work = -(-n // (vec * BLOCK))
+    return CudaKernel(name, "elementwise", "\n".join(src) + "\n", (*leaves, k.out), BLOCK, (work, 1), 8, vec)
+
+
+def _shape_salt(k: Kernel, tensors: dict[str, TensorType]) -> str:
+    """What makes two kernels writing the same tensor differ: body, shapes and dtypes."""
+    shapes = ",".join(f"{t}:{tensors[t].shape}:{tensors[t].dtype}" for t in (*k.reads, k.out) if t in tensors)
+    return shapes + json.dumps(expr_to_json(k.body), sort_keys=True)
+
+
+def _vector_loop(body, leaves, index, cols, tensors, out_t, vec) -> list[str]:
+    ind = "    "
+    lines = [f"  for (long long v = tid; v < N / {vec}; v += stride) {{", f"{ind}const long long i0 = v * {vec};"]
+    for t in leaves:
+        i, dt = index[t], tensors[t].dtype
+        if cols[t]:
+            lines.append(f"{ind}const long long c{i} = i0 % {cols[t]}LL;")
+            for lane in range(vec):
+                lines.append(f"{ind}float a{i}_{lane} = {TO_FLOAT[dt].format(f'p{i}[c{i} + {lane}]')};")
+            continue
+        raw = RAW[vec * DTYPE_BYTES[dt]]
+        lines.append(f"{ind}{raw} r{i} = reinterpret_cast<const {raw}*>(p{i})[v];")
+        lines.append(f"{ind}const {CTYPE[dt]}* e{i} = reinterpret_cast<const {CTYPE[dt]}*>(&r{i});")
+        for lane in range(vec):
+            lines.append(f"{ind}float a{i}_{lane} = {TO_FLOAT[dt].format(f'e{i}[{lane}]')};")
+    stmts, res = emit_body(body, vec, lambda t, lane: f"a{index[t]}_{lane}", indent=ind)
+    lines += stmts
+    raw = RAW[vec * DTYPE_BYTES[out_t.dtype]]
+    ct = CTYPE[out_t.dtype]
+    lines.append(f"{ind}{raw} w;")
+    lines.append(f"{ind}{ct}* we = reinterpret_cast<{ct}*>(&w);")
+    for lane in range(vec):
+        lines.append(f"{ind}we[{lane}] = {FROM_FLOAT[out_t.dtype].format(res[lane])};")
+    lines.append(f"{ind}reinterpret_cast<{raw}*>(out)[v] = w;")
+    lines.append("  }")
+    return lines
+
+
+def _scalar_step(body, leaves, index, cols, tensors, out_t) -> list[str]:
+    ind = "    "
+    lines = []
+    for t in leaves:
+        i, dt = index[t], tensors[t].dtype
+        at = f"i % {cols[t]}LL" if cols[t] else "i"
+        lines.append(f"{ind}float a{i}_0 = {TO_FLOAT[dt].format(f'p{i}[{at}]')};")
+    stmts, res = emit_body(body, 1, lambda t, lane: f"a{index[t]}_0", indent=ind)
+    lines += stmts
+    lines.append(f"{ind}out[i] = {FROM_FLOAT[out_t.dtype].format(res[0])};")
+    return lines
+
+
+# ---------------------------------------------------------------- GEMM + epilogue
+
+_GEMM_TEMPLATE = """#include <mma.h>
+using namespace nvcuda;
+
+extern "C" __global__ void __launch_bounds__({threads}) {name}({params}) {{
+  constexpr int M = {m}, N = {n}, K = {k};
+  constexpr int BM = {bm}, BN = {bn}, BK = {bk};
+  constexpr int LDA = BK + 8, LDB = BN + 8, LDC = 20;
+  __shared__ __align__(32) {ab} As[BM * LDA];
+  __shared__ __align__(32) {ab} Bs[BK * LDB];
+  __shared__ __align__(32) float Cs[{warps} * 16 * LDC];
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int wm = warp / 4, wn = warp % 4;  // 2 x 4 warps, each 64 x 32
+  const int row0 = blockIdx.y * BM, col0 = blockIdx.x * BN;
+  const {ab} zero = {zero};
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4][2];
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
+  for (int k0 = 0; k0 < K; k0 += BK) {{
+    for (int c = tid; c < BM * BK / 8; c += {threads}) {{
+      const int r = c / (BK / 8), kc = (c % (BK / 8)) * 8;
+      const int gr = row0 + r, gk = k0 + kc;
+      {ab}* dst = &As[r * LDA + kc];
+      if ((K % 8 == 0) && gr < M && gk + 8 <= K) {{
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&{a}[(long long)gr * K + gk]);
+      }} else {{
+        for (int t = 0; t < 8; ++t) dst[t] = (gr < M && gk + t < K) ? {a}[(long long)gr * K + gk + t] : zero;
+      }}
+    }}
+    for (int c = tid; c < BK * BN / 8; c += {threads}) {{
+      const int r = c / (BN / 8), nc = (c % (BN / 8)) * 8;
+      const int gk = k0 + r, gc = col0 + nc;
+      {ab}* dst = &Bs[r * LDB + nc];
+      if ((N % 8 == 0) && gk < K && gc + 8 <= N) {{
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&{b}[(long long)gk * N + gc]);
+      }} else {{
+        for (int t = 0; t < 8; ++t) dst[t] = (gk < K && gc + t < N) ? {b}[(long long)gk * N + gc + t] : zero;
+      }}
+    }}
+    __syncthreads();
+    for (int kk = 0; kk < BK; kk += 16) {{
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, {ab}, wmma::row_major> fa[4];
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, {ab}, wmma::row_major> fb[2];
+      for (int i = 0; i < 4; ++i) wmma::load_matrix_sync(fa[i], &As[(wm * 64 + i * 16) * LDA + kk], LDA);
+      for (int j = 0; j < 2; ++j) wmma::load_matrix_sync(fb[j], &Bs[kk * LDB + wn * 32 + j * 16], LDB);
+      for (int i = 0; i < 4; ++i)
+        for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+    }}
+    __syncthreads();
+  }}
+  float* cw = &Cs[warp * 16 * LDC];
+  for (int i = 0; i < 4; ++i) {{
+    for (int j = 0; j < 2; ++j) {{
+      wmma::store_matrix_sync(cw, acc[i][j], LDC, wmma::mem_row_major);
+      __syncwarp();
+      for (int e = lane; e < 256; e += 32) {{
+        const int gr = row0 + wm * 64 + i * 16 + e / 16, gc = col0 + wn * 32 + j * 16 + e % 16;
+        if (gr < M && gc < N) {{
+          const long long i_out = (long long)gr * N + gc;
+          const float acc_v = cw[(e / 16) * LDC + e % 16];
+{epilogue}
+          out[i_out] = {store};
+        }}
+      }}
+      __syncwarp();
+    }}
+  }}
+}}
+"""
+
+
+def _matmul_of(body: Expr) -> Expr:
+    mms = [e for e in body.walk() if op_def(e.op).kind == "matmul"]
+    if len(mms) != 1:
+        raise CodegenError(f"gemm_epilogue kernel for node {body.node!r} holds {len(mms)} MatMuls; expected 1")
+    mm = mms[0]
+    if not all(isinstance(a, Load) for a in mm.args):
+        raise CodegenError(f"MatMul {mm.node!r}: operands must be loaded from memory (no prologue fusion)")
+    return mm
+
+
+def gemm_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
+    body = k.body
+    mm = _matmul_of(body)
+    a_name, b_name = (arg.tensor for arg in mm.args)  # type: ignore[union-attr]
+    at, bt = tensors[a_name], tensors[b_name]
+    if at.dtype != bt.dtype or at.dtype not in ("fp16", "bf16"):
+        raise CodegenError(
+            f"custom GEMM for {k.out!r} needs fp16 or bf16 operands of one dtype, got {at.dtype} and {bt.dtype}"
+        )
+    (m, kk), (_, n) = at.shape, bt.shape
+    out_t = tensors.get(k.out, body.type)
+    leaves = _leaves(body)
+    index = {t: i for i, t in enumerate(leaves)}
+    epi_leaves = [t for t in leaves if t not in (a_name, b_name) or _used_outside(body, mm, t)]
+    ind = "          "
+    lines = []
+    for t in epi_leaves:
+        cols = _broadcast_cols(tensors[t], out_t, t)
+        at_ = "gc" if cols else "i_out"
+        lines.append(f"{ind}const float a{index[t]}_0 = {TO_FLOAT[tensors[t].dtype].format(f'p{index[t]}[{at_}]')};")
+    stmts, res = emit_body(body, 1, lambda t, lane: f"a{index[t]}_0", fixed={id(mm): ["acc_v"]}, indent=ind)
+    lines += stmts
+    params = [f"const {CTYPE[tensors[t].dtype]}* __restrict__ p{index[t]}" for t in leaves]
+    params.append(f"{CTYPE[out_t.dtype]}* __restrict__ out")
+    name = kernel_name("gemm_epilogue", k.out, _shape_salt(k, tensors))
+    bm, bn, bk = GEMM_TILE
+    src = PRELUDE + _GEMM_TEMPLATE.format(
+        threads=GEMM_THREADS,
+        warps=GEMM_THREADS // 32,
+        name=name,
+        params=", ".join(params),
+        m=m,
+        n=n,
+        k=kk,
+        bm=bm,
+        bn=bn,
+        bk=bk,
+        ab=CTYPE[at.dtype],
+        zero=FROM_FLOAT[at.dtype].format("0.0f"),
+        a=f"p{index[a_name]}",
+        b=f"p{index[b_name]}",
+        epilogue="\n".join(lines),
+        store=FROM_FLOAT[out_t.dtype].format(res[0]),
+    )
+    grid = (-(-n // bn), -(-m // bm))
+    return CudaKernel(name, "gemm_epilogue", src, (*leaves, k.out), GEMM_THREADS, grid)
+
+
+def _used_outside(body: Expr, mm: Expr, tensor: str) -> bool:
+    """Whether an epilogue op (not the MatMul) also loads ``tensor``."""
+    return any(e is not mm and any(isinstance(a, Load) and a.tensor == tensor for a in e.args) for e in body.walk())
+
+
+def generate(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
+    """The CUDA kernel of one plan kernel (elementwise or gemm_epilogue)."""
+    if k.kind == "elementwise":
+        return elementwise_kernel(k, tensors)
+    if k.kind == "gemm_epilogue":
+        return gemm_kernel(k, tensors)
+    raise CodegenError(f"kernel {k.describe()} writing {k.out!r} is {k.kind}: not generated as CUDA")

@@ -1,0 +1,82 @@
+"""``fusion-planner``: a thin command line over the Python API.
+
+Each subcommand lives in its own module with a ``register(subparsers)``
+function; the registered handler returns an exit code.  Bad input (a known
+error class) prints one line on stderr and exits 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from fusion_planner.errors import USER_ERRORS, UsageError
+
+#: modules that contribute subcommands, in --help order
+COMMAND_MODULES = (
+    "fusion_planner.commands.explain",
+    "fusion_planner.commands.plan",
+    "fusion_planner.commands.run",
+    "fusion_planner.commands.cache",
+    "fusion_planner.commands.calibrate",
+    "fusion_planner.commands.export",
+    "fusion_planner.commands.bench",
+    "fusion_planner.commands.check_rules",
+)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # argparse exits 2 on usage errors; keep its message short
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(
+        prog="fusion-planner",
+        description="Plan operator fusion with an e-graph and a three-ledger cost model.",
+    )
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
+    for mod in COMMAND_MODULES:
+        importlib.import_module(mod).register(sub)
+    return p
+
+
+def _allow_torch_ops(names: Sequence[str]) -> None:
+    if not names:
+        return
+    try:
+        from fusion_planner.torch.ops import allow_torch_ops
+    except ImportError as exc:  # torch is optional
+        raise UsageError(f"--allow-torch-op needs torch, which is not importable here ({exc})") from None
+    allow_torch_ops(names)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        _allow_torch_ops(getattr(args, "allow_torch_op", None) or [])
+        return int(args.handler(args) or 0)
+    except USER_ERRORS as exc:
+        print(f"fusion-planner {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # output piped into head & co.
+        sys.stderr.close()
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

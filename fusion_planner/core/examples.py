@@ -1,0 +1,115 @@
+"""Built-in example graphs: the seeds' workloads and stacks of them."""
+
+from __future__ import annotations
+
+from fusion_planner.core.graph import Graph, GraphBuilder
+
+
+def mlp_epilogue(m: int = 4096, n: int = 4096, k: int = 4096, dtype: str = "fp16", gelu: str = "tanh") -> Graph:
+    """Seed 000's chain: GEMM -> +bias -> GELU -> +residual."""
+    if gelu not in ("tanh", "erf"):
+        raise ValueError(f"--gelu must be 'tanh' or 'erf', got {gelu!r}")
+    b = GraphBuilder(f"mlp-epilogue-{m}x{n}x{k}-{dtype}-{gelu}")
+    b.input("x", (m, k), dtype)
+    b.input("w", (k, n), dtype)
+    b.input("b", (n,), dtype)
+    b.input("r", (m, n), dtype)
+    b.op("mm", "MatMul", ["x", "w"])
+    b.op("bias", "BiasAdd", ["mm", "b"])
+    b.op("gelu", "GeluTanh" if gelu == "tanh" else "GeluErf", ["bias"])
+    b.op("res", "Add", ["gelu", "r"])
+    return b.build(["res"])
+
+
+def heavy(n: int = 2**26, dtype: str = "fp16") -> Graph:
+    """Seed 000's "fusion loses" pair: 200 + 100 live registers spill when fused."""
+    b = GraphBuilder(f"heavy-{n}-{dtype}")
+    b.input("x", (n,), dtype)
+    b.op("a", "Stage", ["x"], {"flops": 1, "regs": 200})
+    b.op("b", "Stage", ["a"], {"flops": 1, "regs": 100})
+    return b.build(["b"])
+
+
+def ew_chain(k: int = 4, n: int = 2**24, dtype: str = "fp32", fat_temps: int = 0) -> Graph:
+    """Seed 001's chain: stage s is y = a_s*y + b_s, then ReLU on even s.
+
+    ``fat_temps`` > 0 appends the C-05 register-pressure probe: a Stage that
+    keeps that many live temporaries (identity on values).
+    """
+    if k < 1:
+        raise ValueError(f"--k must be at least 1, got {k}")
+    b = GraphBuilder(f"ew-chain-k{k}-{n}-{dtype}" + (f"-fat{fat_temps}" if fat_temps else ""))
+    y = b.input("x", (n,), dtype)
+    for s in range(k):
+        y = b.op(f"affine{s}", "Affine", [y], {"a": 1 + 0.01 * (s + 1), "b": 0.001 * (s + 1)})
+        if s % 2 == 0:
+            y = b.op(f"relu{s}", "Relu", [y])
+    if fat_temps:
+        y = b.op("fat", "Stage", [y], {"flops": 2 * fat_temps, "regs": 2 * fat_temps, "temps": fat_temps})
+    return b.build([y])
+
+
+def mlp_stack(layers: int = 4, d: int = 1024, m: int = 64, dtype: str = "fp16") -> Graph:
+    """``layers`` mlp-epilogue blocks; each block's residual is its own input."""
+    b = GraphBuilder(f"mlp-stack-L{layers}-d{d}-m{m}-{dtype}")
+    x = b.input("x", (m, d), dtype)
+    for i in range(layers):
+        b.input(f"w{i}", (d, d), dtype)
+        b.input(f"b{i}", (d,), dtype)
+        mm = b.op(f"mm{i}", "MatMul", [x, f"w{i}"])
+        bias = b.op(f"bias{i}", "BiasAdd", [mm, f"b{i}"])
+        g = b.op(f"gelu{i}", "GeluTanh", [bias])
+        x = b.op(f"res{i}", "Add", [g, x])
+    return b.build([x])
+
+
+def transformer(
+    layers: int = 2,
+    d_model: int = 1024,
+    seq: int = 128,
+    dtype: str = "fp16",
+    mlp: str = "gelu",
+    heads: int | None = None,
+) -> Graph:
+    """A pre-LN decoder stack: LN, q/k/v projections, attention, output projection and
+    residual; LN, MLP (GELU or SwiGLU) and residual.  LayerNorm and attention stay
+    Opaque (registered implementations)."""
+    if mlp not in ("gelu", "swiglu"):
+        raise ValueError(f"--mlp must be 'gelu' or 'swiglu', got {mlp!r}")
+    heads = heads or max(1, d_model // 64)
+    b = GraphBuilder(f"transformer-L{layers}-d{d_model}-s{seq}-{dtype}-{mlp}")
+    x = b.input("x", (seq, d_model), dtype)
+    hidden = 4 * d_model if mlp == "gelu" else (8 * d_model) // 3
+
+    def linear(name: str, inp: str, d_in: int, d_out: int, bias: bool = True) -> str:
+        b.input(f"{name}.w", (d_in, d_out), dtype)
+        y = b.op(f"{name}.mm", "MatMul", [inp, f"{name}.w"])
+        if bias:
+            b.input(f"{name}.b", (d_out,), dtype)
+            y = b.op(f"{name}.bias", "BiasAdd", [y, f"{name}.b"])
+        return y
+
+    def layer_norm(name: str, inp: str) -> str:
+        b.input(f"{name}.g", (d_model,), dtype)
+        b.input(f"{name}.beta", (d_model,), dtype)
+        return b.op(name, "Opaque", [inp, f"{name}.g", f"{name}.beta"], {"impl": "layer_norm", "eps": 1e-5})
+
+    for i in range(layers):
+        p = f"l{i}"
+        h = layer_norm(f"{p}.ln1", x)
+        q, k, v = (linear(f"{p}.{t}", h, d_model, d_model) for t in "qkv")
+        att = b.op(f"{p}.attn", "Opaque", [q, k, v], {"impl": "attention", "heads": heads, "causal": 1})
+        x = b.op(f"{p}.res1", "Add", [x, linear(f"{p}.o", att, d_model, d_model)])
+        h = layer_norm(f"{p}.ln2", x)
+        if mlp == "gelu":
+            u = b.op(f"{p}.gelu", "GeluTanh", [linear(f"{p}.up", h, d_model, hidden)])
+            d = linear(f"{p}.down", u, hidden, d_model)
+        else:
+            gate = b.op(f"{p}.silu", "Silu", [linear(f"{p}.gate", h, d_model, hidden, bias=False)])
+            u = b.op(f"{p}.glu", "Mul", [gate, linear(f"{p}.up", h, d_model, hidden, bias=False)])
+            d = linear(f"{p}.down", u, hidden, d_model, bias=False)
+        x = b.op(f"{p}.res2", "Add", [x, d])
+    return b.build([x])
+
+
+EXAMPLES = ("mlp-epilogue", "heavy", "ew-chain", "mlp-stack", "transformer")

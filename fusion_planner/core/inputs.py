@@ -1,0 +1,56 @@
+"""The one input recipe: seeded, scaled normal inputs that every checker and timer uses.
+
+The search, ``run``, the composite check of a layer stack, ``export-candidates`` bundles
+(and so the remote runner) and the tests all draw inputs this way, so a candidate is
+verified on the same values wherever it runs.
+
+``numpy.random.default_rng(seed).standard_normal(shape) * scale`` per graph input, in
+graph order, rounded to the input's dtype. An input read as a GEMM's right operand,
+shape (K, N), gets scale K^-1/2, as weight initialisers do: with unit weights a deep
+stack's activations and attention logits grow with depth, and softmax then turns fp16
+rounding differences between equally valid plans into errors far beyond the dtype's
+tolerance. Every other input gets scale 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from fusion_planner.core.graph import Graph, TensorType
+from fusion_planner.core.ops import op_def, round_to
+
+RECIPE = (
+    "numpy.random.default_rng(seed).standard_normal(shape) * scale per input, in this order, "
+    "rounded to the input's dtype"
+)
+
+
+def input_scales(graph: Graph, scale: float = 1.0) -> dict[str, float]:
+    """Each graph input's scale: ``scale`` K^-1/2 for a GEMM's right operand (K, N), else ``scale``."""
+    fan_in = {
+        graph[n.inputs[1]].id: graph[n.inputs[1]].type.shape[0]
+        for n in graph.ops
+        if op_def(n.op).kind == "matmul" and graph[n.inputs[1]].op == "In"
+    }
+    return {n.id: scale / np.sqrt(fan_in.get(n.id, 1)) for n in graph.inputs}
+
+
+def seeded_inputs(
+    names: Sequence[str], types: Mapping[str, TensorType], seed: int, scales: Mapping[str, float]
+) -> dict[str, np.ndarray]:
+    """The recipe itself, for a graph or for a bundle that carries names, types and scales."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name in names:
+        t = types[name]
+        x = rng.standard_normal(t.shape) * scales.get(name, 1.0)
+        out[name] = round_to(x, t.dtype).astype(np.float32)
+    return out
+
+
+def random_inputs(graph: Graph, seed: int = 0, scale: float = 1.0) -> dict[str, np.ndarray]:
+    """Seeded inputs for every graph input, already representable in its dtype (the module docstring)."""
+    names = [n.id for n in graph.inputs]
+    return seeded_inputs(names, {n.id: n.type for n in graph.inputs}, seed, input_scales(graph, scale))

@@ -1,0 +1,413 @@
+"""The op table: every op kind described once.
+
+Each :class:`OpDef` holds, for one op kind, everything the rest of the planner
+needs to know about it: its egglog constructor signature, its shape rule, its
+numpy semantics, its ledger rules (FLOPs and live registers when fused) and the
+C/CUDA code snippet that the generated kernels use.  Adding an op means adding
+one entry to :data:`OPS`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from scipy.special import erf
+
+Shape = tuple[int, ...]
+Attrs = Mapping[str, Any]
+
+#: bytes per element of each supported dtype
+DTYPE_BYTES: dict[str, int] = {"fp16": 2, "bf16": 2, "fp32": 4}
+
+
+class OpError(ValueError):
+    """An op was used with the wrong inputs, attributes or shapes."""
+
+
+def numpy_dtype(dtype: str) -> np.dtype:
+    """The numpy storage dtype of one of our dtypes (bf16 through ml_dtypes)."""
+    if dtype == "fp16":
+        return np.dtype(np.float16)
+    if dtype == "fp32":
+        return np.dtype(np.float32)
+    if dtype == "bf16":
+
+        return np.dtype(ml_dtypes.bfloat16)
+    raise OpError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}")
+
+
+def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
+    """Round float values to ``dtype`` the way a store to global memory does."""
+    return np.asarray(x).astype(numpy_dtype(dtype)).astype(x.dtype)
+
+
+# ---------------------------------------------------------------- attributes
+
+
+@dataclass(frozen=True)
+class AttrSpec:
+    """One attribute of an op: its name, egglog sort and default."""
+
+    name: str
+    sort: str  # "f64" | "i64" | "String"
+    default: Any = None
+    minimum: float | None = None  # smallest valid value of a numeric attribute
+
+    def coerce(self, value: Any, op: str) -> Any:
+        if value is None:
+            if self.default is None:
+                raise OpError(f"{op}: missing attribute {self.name!r}")
+            value = self.default
+        try:
+            if self.sort == "f64":
+                out = float(value)
+                if not math.isfinite(out):
+                    raise OpError(f"{op}: attribute {self.name!r} must be finite, got {value!r}")
+                return self._at_least(out, op)
+            if self.sort == "i64":
+                if isinstance(value, bool) or int(value) != value or not -(2**63) <= int(value) < 2**63:
+                    raise OpError(f"{op}: attribute {self.name!r} must be a 64-bit integer, got {value!r}")
+                return self._at_least(int(value), op)
+            return str(value)
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, OpError):
+                raise
+            raise OpError(f"{op}: attribute {self.name!r} has bad value {value!r}") from exc
+
+    def _at_least(self, value: Any, op: str) -> Any:
+        if self.minimum is not None and value < self.minimum:
+            raise OpError(f"{op}: attribute {self.name!r} must be at least {self.minimum:g}, got {value!r}")
+        return value
+
+
+# ---------------------------------------------------------------- shape rules
+
+
+def same_shape(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
+    first = shapes[0]
+    for s in shapes[1:]:
+        if s != first:
+            raise OpError(f"{op}: input shapes differ: {list(first)} vs {list(s)}")
+    return first
+
+
+def _matmul_shape(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
+    a, b = shapes
+    if len(a) != 2 or len(b) != 2:
+        raise OpError(f"{op}: expects 2-D inputs, got {list(a)} and {list(b)}")
+    if a[1] != b[0]:
+        raise OpError(f"{op}: inner dimensions differ: {list(a)} @ {list(b)}")
+    return (a[0], b[1])
+
+
+def _bias_shape(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
+    x, bias = shapes
+    if len(x) < 1 or len(bias) != 1 or bias[0] != x[-1]:
+        raise OpError(
+            f"{op}: bias must be 1-D with the input's last dimension, got {list(x)} + {list(bias)}"
+        )
+    return x
+
+
+# ---------------------------------------------------------------- semantics
+
+
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    c = x.dtype.type(math.sqrt(2.0 / math.pi))
+    return x.dtype.type(0.5) * x * (1 + np.tanh(c * (x + x.dtype.type(0.044715) * x * x * x)))
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+
+    return erf(x).astype(x.dtype)
+
+
+def _gelu_erf(x: np.ndarray) -> np.ndarray:
+    return x.dtype.type(0.5) * x * (1 + _erf(x / x.dtype.type(math.sqrt(2.0))))
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return x / (1 + np.exp(-x))
+
+
+def _affine(x: np.ndarray, attrs: Attrs) -> np.ndarray:
+    return x.dtype.type(attrs["a"]) * x + x.dtype.type(attrs["b"])
+
+
+def _elems(shape: Shape) -> int:
+    return math.prod(shape)
+
+
+# ---------------------------------------------------------------- code snippets
+# A snippet maps input variable names (and attributes) to one C expression in
+# float arithmetic.  The CPU (C) and CUDA backends share these strings.
+
+
+def _c_float(v: float) -> str:
+    return f"{float(v)!r}f".replace("inf", "INFINITY")
+
+
+CodeFn = Callable[[Sequence[str], Attrs], str]
+
+
+@dataclass(frozen=True)
+class OpDef:
+    """Everything the planner knows about one op kind."""
+
+    name: str
+    kind: str  # "input" | "matmul" | "elementwise" | "opaque"
+    arity: int | None  # tensor inputs; None for variadic (Opaque)
+    attrs: tuple[AttrSpec, ...] = ()
+    shape_rule: Callable[[str, Sequence[Shape], Attrs], Shape] | None = None
+    numpy_fn: Callable[[Sequence[np.ndarray], Attrs], np.ndarray] | None = None
+    flops_per_elem: Callable[[Attrs], float] | None = None  # elementwise ops
+    regs: Callable[[Attrs], int] = field(default=lambda attrs: 0)
+    code: CodeFn | None = None
+    #: input positions that may be read from registers (fused) rather than memory; each one gets the
+    #: generated register-read, GEMM-epilogue and subsume rules (fusion_planner/rules/rulegen.py)
+    fusable_inputs: tuple[int, ...] = ()
+    #: whether a fusable input may come from a GEMM in registers (the generated epilogue rule)
+    gemm_epilogue: bool = True
+    #: canonical names of the torch callables this op is (``torch.square``, ``torch.Tensor.square``):
+    #: the torch importer maps a call of one of them on a single tensor, with no other argument,
+    #: to this op (only for ops with one input and no attributes)
+    torch_names: tuple[str, ...] = ()
+    #: FLOPs of ops whose count is not per element (Opaque: its implementation's rule)
+    flops_rule: Callable[[Shape, Sequence[Shape], Attrs], float] | None = None
+    #: a further check of the coerced attributes (Opaque: the implementation name and its call description)
+    attr_check: Callable[[dict[str, Any]], None] | None = None
+    #: live temporaries a code generator must keep (the C-05 register-pressure probe)
+    probe_temps: Callable[[Attrs], int] = field(default=lambda attrs: 0)
+    doc: str = ""
+
+    def check_attrs(self, attrs: Attrs) -> dict[str, Any]:
+        known = {a.name for a in self.attrs}
+        unknown = sorted(set(attrs) - known)
+        if unknown and self.kind != "opaque":
+            raise OpError(f"{self.name}: unknown attribute(s) {unknown}")
+        out = {a.name: a.coerce(attrs.get(a.name), self.name) for a in self.attrs}
+        if self.kind == "opaque":
+            out.update({k: v for k, v in attrs.items() if k not in known})
+        if self.attr_check is not None:
+            self.attr_check(out)
+        return out
+
+    def out_shape(self, in_shapes: Sequence[Shape], attrs: Attrs) -> Shape:
+        if self.arity is not None and len(in_shapes) != self.arity:
+            raise OpError(f"{self.name}: expects {self.arity} input(s), got {len(in_shapes)}")
+        assert self.shape_rule is not None
+        return self.shape_rule(self.name, in_shapes, attrs)
+
+    def evaluate(self, inputs: Sequence[np.ndarray], attrs: Attrs) -> np.ndarray:
+        assert self.numpy_fn is not None, self.name
+        return self.numpy_fn(inputs, attrs)
+
+    def flops(self, out_shape: Shape, in_shapes: Sequence[Shape], attrs: Attrs) -> float:
+        if self.kind == "matmul":
+            (m, k), (_, n) = in_shapes
+            return 2.0 * m * n * k
+        if self.flops_rule is not None:
+            return self.flops_rule(out_shape, in_shapes, attrs)
+        if self.flops_per_elem is None:
+            return 0.0
+        return self.flops_per_elem(attrs) * _elems(out_shape)
+
+    def live_regs(self, attrs: Attrs) -> int:
+        return int(self.regs(attrs))
+
+
+def _unary(
+    name: str,
+    fn: Callable[[np.ndarray], np.ndarray],
+    flops: float,
+    regs: int,
+    code: CodeFn,
+    doc: str,
+) -> OpDef:
+    return OpDef(
+        name=name,
+        kind="elementwise",
+        arity=1,
+        shape_rule=same_shape,
+        numpy_fn=lambda xs, attrs: fn(xs[0]),
+        flops_per_elem=lambda attrs: flops,
+        regs=lambda attrs: regs,
+        code=code,
+        fusable_inputs=(0,),
+        doc=doc,
+    )
+
+
+_GELU_TANH_C = "0.5f*{0}*(1.0f+tanhf(0.7978845608028654f*({0}+0.044715f*{0}*{0}*{0})))"
+
+OPS: dict[str, OpDef] = {
+    op.name: op
+    for op in [
+        OpDef(
+            name="In",
+            kind="input",
+            arity=0,
+            doc="A graph input or weight, already in memory.",
+        ),
+        OpDef(
+            name="MatMul",
+            kind="matmul",
+            arity=2,
+            shape_rule=_matmul_shape,
+            numpy_fn=lambda xs, attrs: xs[0] @ xs[1],
+            regs=lambda attrs: 128,
+            doc="2-D matrix product (M,K)@(K,N) with fp32 accumulation.",
+        ),
+        OpDef(
+            name="BiasAdd",
+            kind="elementwise",
+            arity=2,
+            shape_rule=_bias_shape,
+            numpy_fn=lambda xs, attrs: xs[0] + xs[1],
+            flops_per_elem=lambda attrs: 1.0,
+            regs=lambda attrs: 8,
+            code=lambda v, attrs: f"({v[0]} + {v[1]})",
+            fusable_inputs=(0,),
+            doc="x + bias, the bias a row vector broadcast over the leading dims.",
+        ),
+        OpDef(
+            name="Add",
+            kind="elementwise",
+            arity=2,
+            shape_rule=same_shape,
+            numpy_fn=lambda xs, attrs: xs[0] + xs[1],
+            flops_per_elem=lambda attrs: 1.0,
+            regs=lambda attrs: 8,
+            code=lambda v, attrs: f"({v[0]} + {v[1]})",
+            fusable_inputs=(0, 1),
+            doc="Elementwise sum of two same-shaped tensors (e.g. a residual).",
+        ),
+        OpDef(
+            name="Mul",
+            kind="elementwise",
+            arity=2,
+            shape_rule=same_shape,
+            numpy_fn=lambda xs, attrs: xs[0] * xs[1],
+            flops_per_elem=lambda attrs: 1.0,
+            regs=lambda attrs: 8,
+            code=lambda v, attrs: f"({v[0]} * {v[1]})",
+            fusable_inputs=(0, 1),
+            doc="Elementwise product of two same-shaped tensors (e.g. a SwiGLU gate).",
+        ),
+        OpDef(
+            name="Affine",
+            kind="elementwise",
+            arity=1,
+            attrs=(AttrSpec("a", "f64"), AttrSpec("b", "f64")),
+            shape_rule=same_shape,
+            numpy_fn=lambda xs, attrs: _affine(xs[0], attrs),
+            flops_per_elem=lambda attrs: 2.0,
+            regs=lambda attrs: 4,
+            code=lambda v, attrs: f"({_c_float(attrs['a'])}*{v[0]} + {_c_float(attrs['b'])})",
+            fusable_inputs=(0,),
+            doc="a*x + b with scalar a and b.",
+        ),
+        _unary(
+            "Relu",
+            lambda x: np.maximum(x, x.dtype.type(0)),
+            1.0,
+            4,
+            lambda v, attrs: f"fmaxf({v[0]}, 0.0f)",
+            "max(x, 0).",
+        ),
+        _unary(
+            "GeluTanh",
+            _gelu_tanh,
+            8.0,
+            16,
+            lambda v, attrs: _GELU_TANH_C.format(v[0]),
+            "GELU, tanh approximation (the form cuBLASLt's GELU epilogue computes).",
+        ),
+        _unary(
+            "GeluErf",
+            _gelu_erf,
+            8.0,
+            16,
+            lambda v, attrs: f"0.5f*{v[0]}*(1.0f+erff({v[0]}*0.7071067811865476f))",
+            "GELU, exact erf form. Never rewritten into the tanh form.",
+        ),
+        _unary(
+            "Silu",
+            _silu,
+            4.0,
+            12,
+            lambda v, attrs: f"({v[0]}/(1.0f+expf(-{v[0]})))",
+            "x * sigmoid(x).",
+        ),
+        OpDef(
+            name="Stage",
+            kind="elementwise",
+            arity=1,
+            attrs=(
+                AttrSpec("flops", "i64", 1, minimum=0),
+                AttrSpec("regs", "i64", 8, minimum=0),
+                AttrSpec("temps", "i64", 0, minimum=0),
+            ),
+            shape_rule=same_shape,
+            numpy_fn=lambda xs, attrs: xs[0],
+            flops_per_elem=lambda attrs: float(attrs["flops"]),
+            regs=lambda attrs: int(attrs["regs"]),
+            code=lambda v, attrs: f"({v[0]})",
+            fusable_inputs=(0,),
+            gemm_epilogue=False,  # the seed's synthetic stages model elementwise chains, never GEMM epilogues
+            probe_temps=lambda attrs: int(attrs["temps"]),
+            doc=(
+                "Synthetic stage: the identity on values, with FLOPs per element and live "
+                "registers given as attributes (the seed's register-pressure examples). "
+                "`temps` > 0 asks code generators for that many extra live temporaries."
+            ),
+        ),
+    ]
+}
+
+
+
+def register_op(op: OpDef) -> OpDef:
+    """Add an op kind to the table (the one step adding an op takes: rules, codegen and import follow)."""
+    if op.name in OPS:
+        raise OpError(f"op {op.name!r} is already in the op table")
+    OPS[op.name] = op
+    return op
+
+
+def op_def(name: str) -> OpDef:
+    """Look up an op kind; unknown names are an error naming the op."""
+    try:
+        return OPS[name]
+    except KeyError:
+        raise OpError(
+            f"unknown op {name!r}; known ops: {', '.join(sorted(OPS))} "
+            "(foreign ops enter only as a registered Opaque implementation)"
+        ) from None
+
+
+# ---------------------------------------------------------------- cuBLASLt
+# The cuBLASLt constructor of the rule language is
+#   (CublasLt a b bias "EPILOGUE")
+# with bias = (NoBias) for the bias-less epilogues.  Its meaning is the op tree
+# below, evaluated in fp32 registers and stored once.  GELU is the tanh form.
+
+CUBLASLT_EPILOGUES: dict[str, tuple[str, ...]] = {
+    # epilogue: elementwise ops applied to the GEMM result, innermost first
+    "DEFAULT": (),
+    "BIAS": ("BiasAdd",),
+    "RELU": ("Relu",),
+    "RELU_BIAS": ("BiasAdd", "Relu"),
+    "GELU": ("GeluTanh",),
+    "GELU_BIAS": ("BiasAdd", "GeluTanh"),
+}
+
+
+def epilogue_has_bias(epilogue: str) -> bool:
+    return "BiasAdd" in CUBLASLT_EPILOGUES[epilogue]

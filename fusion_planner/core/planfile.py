@@ -1,0 +1,205 @@
+"""plan.json: a chosen plan, saved so that ``fusion-planner run`` can re-execute it.
+
+The file holds the graph (graph JSON), the device spec the plan was costed on,
+and the plan: each kernel's kind, output, reads, cuBLASLt epilogue, ledgers and
+body as expression JSON over the op table.  Loading parses JSON only (no pickle,
+no eval, no code): op names are looked up in the op table, attributes coerced by
+it, and the body checked against the graph.  A SHA-256 over the canonical JSON
+of everything else detects edits; a plan that does not fit its graph (or the
+graph the user names) is refused with :class:`PlanFileError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+from fusion_planner.core.cost import DeviceSpec, DeviceSpecError, KernelCost, device_from_json
+from fusion_planner.core.graph import Graph, GraphError, graph_from_json, torch_names
+from fusion_planner.core.ops import OpError
+from fusion_planner.core.plans import KERNEL_KINDS, Expr, Kernel, Load, Plan, expr_from_json, expr_to_json
+from fusion_planner.core.torch_allowlist import loading_file
+
+PLAN_FORMAT = "fusion-planner-plan"
+PLAN_VERSION = 1
+
+
+class PlanFileError(ValueError):
+    """A plan file is unreadable, tampered with, or does not fit its graph."""
+
+
+def content_hash(doc: dict[str, Any]) -> str:
+    body = {k: v for k, v in doc.items() if k != "sha256"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def plan_document(plan: Plan, graph: Graph, spec: DeviceSpec, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    kernels = []
+    for k in plan.kernels:
+        kernels.append(
+            {
+                "kind": k.kind,
+                "out": k.out,
+                "reads": list(k.reads),
+                "epilogue": k.epilogue,
+                "cost": asdict(k.cost),
+                "body": expr_to_json(k.body),
+            }
+        )
+    doc: dict[str, Any] = {
+        "format": PLAN_FORMAT,
+        "version": PLAN_VERSION,
+        "graph": graph.to_json(),
+        "device": spec.to_json(),
+        "plan": {
+            "key": plan.key,
+            "notation": plan.notation(),
+            "outputs": list(plan.outputs),
+            "partition": list(plan.partition) if plan.partition is not None else None,
+            "kernels": kernels,
+        },
+        "meta": meta or {},
+    }
+    doc["sha256"] = content_hash(doc)
+    return doc
+
+
+def save_plan(path: str | Path, plan: Plan, graph: Graph, spec: DeviceSpec, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    doc = plan_document(plan, graph, spec, meta)
+    Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+    return doc
+
+
+def load_plan(path: str | Path, expect_graph: Graph | None = None) -> tuple[Plan, Graph, DeviceSpec, dict[str, Any]]:
+    """(plan, graph, device spec, meta) from a plan file; raises PlanFileError."""
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise PlanFileError(f"plan file not found: {p}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PlanFileError(f"plan file {p}: not readable JSON ({exc})") from None
+    return plan_from_document(doc, str(p), expect_graph)
+
+
+def plan_from_document(
+    doc: Any, source: str = "<plan>", expect_graph: Graph | None = None
+) -> tuple[Plan, Graph, DeviceSpec, dict[str, Any]]:
+    """Parse a plan document as untrusted data; torch names the in-memory ``expect_graph`` already uses
+    are accepted (the caller holds that graph), others must be on the allowlist (docs/security.md)."""
+    allow = torch_names(expect_graph) if expect_graph is not None else frozenset()
+    with loading_file(allow):
+        return _plan_from_document(doc, source, expect_graph, allow)
+
+
+def _plan_from_document(
+    doc: Any, source: str, expect_graph: Graph | None, allow: frozenset[str]
+) -> tuple[Plan, Graph, DeviceSpec, dict[str, Any]]:
+    if not isinstance(doc, dict):
+        raise PlanFileError(f"{source}: top level must be an object")
+    if doc.get("format") != PLAN_FORMAT:
+        raise PlanFileError(f"{source}: not a plan file ('format' must be {PLAN_FORMAT!r})")
+    if doc.get("version") != PLAN_VERSION:
+        raise PlanFileError(f"{source}: unsupported plan version {doc.get('version')!r} (this build reads {PLAN_VERSION})")
+    if doc.get("sha256") != content_hash(doc):
+        raise PlanFileError(f"{source}: content hash mismatch: the file was edited or corrupted after it was written")
+    try:
+        graph = graph_from_json(doc.get("graph"), f"{source}: graph", allow_torch=allow)
+        spec = device_from_json(doc.get("device"), f"{source}: device")
+    except (GraphError, DeviceSpecError, OpError) as exc:
+        raise PlanFileError(f"{source}: {exc}") from None
+    if expect_graph is not None and expect_graph.fingerprint() != graph.fingerprint():  # the name may differ
+        raise PlanFileError(
+            f"{source}: the plan was made for graph {graph.name!r}, which differs from the given graph {expect_graph.name!r}"
+        )
+    pd = doc.get("plan")
+    if not isinstance(pd, dict) or not isinstance(pd.get("kernels"), list) or not pd["kernels"]:
+        raise PlanFileError(f"{source}: 'plan.kernels' must be a non-empty list")
+    tensors = {n.id: n.type for n in graph.nodes}
+    kernels = tuple(_kernel(k, i, source, graph) for i, k in enumerate(pd["kernels"]))
+    outputs = pd.get("outputs")
+    if not isinstance(outputs, list) or not all(isinstance(o, str) for o in outputs):
+        raise PlanFileError(f"{source}: 'plan.outputs' must be a list of tensor names")
+    partition = pd.get("partition")
+    plan = Plan(graph.name, kernels, tuple(outputs), tensors, str(pd.get("key", "")),
+                tuple(partition) if isinstance(partition, list) else None)
+    check_plan(plan, graph, source)
+    raw_meta = doc.get("meta")
+    meta: dict[str, Any] = raw_meta if isinstance(raw_meta, dict) else {}
+    return plan, graph, spec, meta
+
+
+def _kernel(d: Any, i: int, source: str, graph: Graph) -> Kernel:
+    where = f"{source}: kernel {i}"
+    if not isinstance(d, dict):
+        raise PlanFileError(f"{where} must be an object")
+    kind = d.get("kind")
+    if kind not in KERNEL_KINDS:
+        raise PlanFileError(f"{where}: kind {kind!r} is not one of {', '.join(KERNEL_KINDS)}")
+    out, reads = d.get("out"), d.get("reads")
+    if not isinstance(out, str) or not isinstance(reads, list) or not all(isinstance(r, str) for r in reads):
+        raise PlanFileError(f"{where}: needs 'out' (a tensor name) and 'reads' (a list of tensor names)")
+    try:
+        body = expr_from_json(d.get("body"), f"{where}.body")
+    except (ValueError, OpError) as exc:
+        raise PlanFileError(f"{where}: {exc}") from None
+    if not isinstance(body, Expr):
+        raise PlanFileError(f"{where}: the body must compute a value, not just load {body.tensor!r}")
+    cost = _cost(d.get("cost"), where)
+    epilogue = d.get("epilogue")
+    if epilogue is not None and not isinstance(epilogue, str):
+        raise PlanFileError(f"{where}: 'epilogue' must be a string or null")
+    return Kernel(kind, body, out, tuple(reads), cost, epilogue)
+
+
+def _cost(d: Any, where: str) -> KernelCost:
+    names = [f.name for f in fields(KernelCost)]
+    if not isinstance(d, dict) or set(d) != set(names):
+        raise PlanFileError(f"{where}: 'cost' must have exactly the fields {names}")
+    for name, v in d.items():
+        ok = isinstance(v, bool) if name == "spills" else isinstance(v, (int, float)) and not isinstance(v, bool)
+        if not ok:
+            raise PlanFileError(f"{where}: cost field {name!r} has a bad value {v!r}")
+    return KernelCost(**d)
+
+
+def check_plan(plan: Plan, graph: Graph, source: str = "<plan>") -> None:
+    """Structural fit of a plan to its graph: every kernel writes a graph tensor of the
+    right type once, reads only tensors already in memory, and the outputs are written."""
+    memory = {n.id for n in graph.inputs}
+    for i, k in enumerate(plan.kernels):
+        where = f"{source}: kernel {i} ({k.out})"
+        if k.out not in graph or graph[k.out].op == "In":
+            raise PlanFileError(f"{where}: writes {k.out!r}, which is not an op of graph {graph.name!r}")
+        if k.out in memory:
+            raise PlanFileError(f"{where}: {k.out!r} is written twice or is a graph input")
+        if k.body.type != graph[k.out].type:
+            raise PlanFileError(f"{where}: body type {k.body.type} differs from the graph's {graph[k.out].type}")
+        loads = _loads(k.body)
+        if loads != set(k.reads):
+            raise PlanFileError(f"{where}: body loads {sorted(loads)} but 'reads' lists {sorted(k.reads)}")
+        missing = loads - memory
+        if missing:
+            raise PlanFileError(f"{where}: reads {sorted(missing)} before any kernel wrote it")
+        for e in k.body.walk():
+            if e.node in graph and graph[e.node].type != e.type:
+                raise PlanFileError(f"{where}: value {e.node!r} has type {e.type}, the graph says {graph[e.node].type}")
+        memory.add(k.out)
+    if len(plan.outputs) != len(graph.outputs):
+        raise PlanFileError(f"{source}: plan has {len(plan.outputs)} outputs, graph {graph.name!r} has {len(graph.outputs)}")
+    for o in plan.outputs:
+        if o not in memory:
+            raise PlanFileError(f"{source}: output {o!r} is never written")
+
+
+def _loads(e: Expr | Load) -> set[str]:
+    if isinstance(e, Load):
+        return {e.tensor}
+    out: set[str] = set()
+    for a in e.args:
+        out |= _loads(a)
+    return out

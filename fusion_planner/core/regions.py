@@ -1,0 +1,122 @@
+"""Structural deduplication: split a graph at forced stores, hash the pieces.
+
+A *boundary* is a point in the topological order where exactly one computed value
+is live and that value must be stored anyway: a GEMM or an Opaque op reads it
+(both read their operands from memory) or it is a graph output.  Cutting there
+loses no fusion the rules could express, so each piece (a *region*) can be planned
+on its own.  Regions are canonicalised (inputs and ops renamed by first use) and
+hashed; identical hashes mean identical subgraphs up to renaming, such as the
+layers of a transformer imported from torch, which carries no layer markers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+from fusion_planner.core.graph import Graph, GraphBuilder
+from fusion_planner.core.ops import OPS
+
+#: op kinds that read every operand from memory
+_MEMORY_READERS = {name for name, op in OPS.items() if op.kind in ("matmul", "opaque")}
+
+
+@dataclass(frozen=True)
+class Region:
+    index: int
+    ops: tuple[str, ...]  # global ids of the region's ops, in order
+    inputs: tuple[str, ...]  # external tensors read, canonical order (first use)
+    outputs: tuple[str, ...]  # values used after the region (or graph outputs)
+    key: str  # structural hash of the canonical subgraph
+    graph: Graph  # canonical subgraph: inputs i0.., ops n0..
+
+    def renaming(self) -> dict[str, str]:
+        """Canonical name -> global name."""
+        m = {f"i{j}": g for j, g in enumerate(self.inputs)}
+        m.update({f"n{j}": g for j, g in enumerate(self.ops)})
+        return m
+
+
+def forced_stores(graph: Graph) -> set[str]:
+    """Values every plan stores: graph outputs and operands of GEMMs and Opaque ops."""
+    forced = set(graph.outputs)
+    for n in graph.nodes:
+        if n.op in _MEMORY_READERS:
+            forced.update(n.inputs)
+    return forced
+
+
+def boundaries(graph: Graph) -> list[int]:
+    """Indices into ``graph.ops`` after which the graph is cut."""
+    ops = graph.ops
+    pos = {n.id: i for i, n in enumerate(ops)}
+    last_use: dict[str, int] = {}
+    forced = forced_stores(graph)
+    for i, n in enumerate(ops):
+        for x in n.inputs:
+            if x in pos:
+                last_use[x] = max(last_use.get(x, -1), i)
+    for o in graph.outputs:
+        last_use[o] = len(ops)
+    cuts = []
+    live: set[str] = set()
+    for i, n in enumerate(ops):
+        if last_use.get(n.id, -1) > i:
+            live.add(n.id)
+        live -= {x for x in n.inputs if last_use.get(x) == i}
+        if live == {n.id} and n.id in forced and i < len(ops) - 1:
+            cuts.append(i)
+    return cuts
+
+
+def split_regions(graph: Graph) -> list[Region]:
+    ops = graph.ops
+    cuts = boundaries(graph)
+    starts = [0] + [c + 1 for c in cuts]
+    ends = [c + 1 for c in cuts] + [len(ops)]
+    produced_after: dict[str, int] = {}
+    for r, (s, e) in enumerate(zip(starts, ends, strict=True)):
+        for n in ops[s:e]:
+            produced_after[n.id] = r
+    used_later: dict[str, int] = {}
+    for r, (s, e) in enumerate(zip(starts, ends, strict=True)):
+        for n in ops[s:e]:
+            for x in n.inputs:
+                used_later[x] = max(used_later.get(x, -1), r)
+    regions = []
+    for r, (s, e) in enumerate(zip(starts, ends, strict=True)):
+        members = ops[s:e]
+        inside = {n.id for n in members}
+        outputs = tuple(
+            n.id for n in members if used_later.get(n.id, -1) > r or n.id in graph.outputs
+        )
+        regions.append(_canonical(graph, r, members, inside, outputs))
+    return regions
+
+
+def whole_graph_region(graph: Graph) -> Region:
+    """The whole graph as one canonical region: the plan-cache key of a graph searched whole."""
+    ops = graph.ops
+    return _canonical(graph, 0, ops, {n.id for n in ops}, tuple(dict.fromkeys(graph.outputs)))
+
+
+def _canonical(graph: Graph, index: int, members: list, inside: set[str], outputs: tuple[str, ...]) -> Region:
+    inputs: list[str] = []
+    for n in members:
+        for x in n.inputs:
+            if x not in inside and x not in inputs:
+                inputs.append(x)
+    local = {g: f"i{j}" for j, g in enumerate(inputs)}
+    local.update({n.id: f"n{j}" for j, n in enumerate(members)})
+    b = GraphBuilder(f"{graph.name}.r{index}")
+    for j, g in enumerate(inputs):
+        t = graph[g].type
+        b.input(f"i{j}", t.shape, t.dtype)
+    for n in members:
+        b.op(local[n.id], n.op, [local[x] for x in n.inputs], n.attr_dict)
+    sub = b.build([local[o] for o in outputs])
+    canon = sub.to_json()
+    canon.pop("name")
+    key = hashlib.sha256(json.dumps(canon, sort_keys=True).encode()).hexdigest()[:20]
+    return Region(index, tuple(n.id for n in members), tuple(inputs), outputs, key, sub)

@@ -1,0 +1,86 @@
+"""``torch.compile(model, backend="fusion_planner")``: plan each captured graph, run the plan.
+
+Registered through the ``torch_dynamo_backends`` entry point (``pyproject.toml``), and under
+that name when this module is imported. It plans through the same pipeline as
+``fusion_planner.plan``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+
+from fusion_planner.api import plan
+from fusion_planner.torch.errors import TorchImportError
+from fusion_planner.torch.importer import import_fx_graph
+
+log = logging.getLogger(__name__)
+
+
+def _default_backend() -> str:
+    """cupy with a CUDA device, else the generated-C cpu backend, else the numpy reference."""
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() > 0 and importlib.util.find_spec("fusion_planner.backends.cupy"):
+            return "cupy"
+    except Exception:  # no cupy, no driver or no device: not a GPU machine
+        pass
+    return "cpu" if importlib.util.find_spec("fusion_planner.backends.cpu.backend") else "reference"
+
+
+def dynamo_backend(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], **kwargs: Any) -> Callable[..., Any]:
+    """``torch.compile(model, backend="fusion_planner", options={...})``: plan the captured graph and run the
+    plan; ``options`` are ``planner.plan``'s keywords (``backend``, ``max_candidates``, ...)."""
+    options = {**(kwargs.pop("options", None) or {}), **kwargs}
+
+    dynamic = [i for i, t in enumerate(example_inputs) if not isinstance(t, torch.Tensor)]
+    if dynamic:
+        raise TorchImportError(
+            f"the captured graph has dynamic shapes (input {dynamic[0]} is a {type(example_inputs[dynamic[0]]).__name__}); "
+            "a plan is made for fixed shapes: use torch.compile(model, backend='fusion_planner', dynamic=False) "
+            "so that each new shape is planned on its own"
+        )
+    try:
+        imported = import_fx_graph(gm, example_inputs)
+    except TorchImportError as exc:
+        if "is empty" in str(exc):  # a graph break left no op to plan
+            log.info("fusion_planner: captured graph has no ops; running it eagerly")
+            return gm.forward
+        raise
+    backend = options.pop("backend", None) or _default_backend()
+    # compiling happens on the first call: keep the measured search short unless told otherwise
+    opts: dict[str, Any] = {} if backend == "reference" else {"max_candidates": 16, "time_budget_s": 10.0}
+    opts.update(options)
+    result = plan(imported, example_inputs, backend=backend, **opts)
+    with torch.no_grad():
+        result.check(gm(*example_inputs), *example_inputs)
+    log.info("fusion_planner: planned %s on %s backend: %s", gm.__class__.__name__, backend, result.plan.composition())
+
+    def run(*args: torch.Tensor) -> Any:
+        return result(*args)
+
+    run.plan_result = result  # type: ignore[attr-defined]
+    return run
+
+
+def _register_dynamo() -> None:
+    """Make ``backend="fusion_planner"`` work after ``import fusion_planner.dynamo`` too."""
+    try:
+        from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+        if "fusion_planner" not in _BACKENDS:
+            register_backend(name="fusion_planner")(dynamo_backend)
+    except ImportError:  # a torch without dynamo: only the entry point remains
+        pass
+
+
+_register_dynamo()
+
+
+__all__ = ["dynamo_backend"]

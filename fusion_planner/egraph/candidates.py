@@ -1,0 +1,150 @@
+"""The planning pipeline: graph -> e-graph -> extraction -> costed candidates."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fusion_planner.core.cost import DeviceSpec, load_device
+from fusion_planner.core.graph import Graph
+from fusion_planner.core.plans import Plan, rename_kernel
+from fusion_planner.core.regions import split_regions
+from fusion_planner.egraph.extract import Extractor, Option, view_egraph
+from fusion_planner.egraph.program import Limits, saturate
+from fusion_planner.rules.files import RuleFile
+from fusion_planner.rules.load import load_rules
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CAP = 4096
+DEFAULT_K = 16
+
+
+@dataclass
+class CandidateSet:
+    """Costed candidate plans of one graph, best first."""
+
+    graph: Graph
+    spec: DeviceSpec
+    plans: list[Plan]
+    space: int
+    complete: bool
+    enodes: int
+    iterations: int
+    limit_hit: str | None
+    times: dict[str, float]
+    extractor: Extractor
+    choices: dict[str, dict[str, Option]] = field(default_factory=dict, repr=False)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> Plan:
+        return self.plans[0]
+
+    @property
+    def unfused(self) -> Plan:
+        return self.extractor.plan_of(self.extractor.unfused())
+
+    def to_json(self) -> dict[str, Any]:
+        best_key = self.best.key
+        cands = []
+        for p in self.plans:
+            d = p.to_json()
+            d["best"] = p.key == best_key
+            cands.append(d)
+        return {
+            "graph": self.graph.name,
+            "device": self.spec.name,
+            "space": self.space,
+            "enumerated": self.complete,
+            "enodes": self.enodes,
+            "iterations": self.iterations,
+            "limit_hit": self.limit_hit,
+            "times_s": {k: round(v, 6) for k, v in self.times.items()},
+            "notes": self.notes,
+            "candidates": cands,
+        }
+
+
+def _region_seed(graph: Graph, ex: Extractor, spec: DeviceSpec, rules, limits) -> list[dict[str, Option]]:
+    """The per-region best plans, stitched and refined: exact within each region
+    (regions are cut at forced stores, so the optimum decomposes over them)."""
+
+    regions = split_regions(graph)
+    if len(regions) < 2:
+        return []
+    best: dict[str, Plan] = {}
+    kernels = []
+    for r in regions:
+        if r.key not in best:
+            best[r.key] = build_candidates(r.graph, spec, rules=rules, limits=limits, k=1).best
+        kernels += [rename_kernel(kk, r.renaming()) for kk in best[r.key].kernels]
+    choice = ex.choice_from_kernels(kernels)
+    return [ex.improve(choice)] if choice is not None else []
+
+
+def build_candidates(
+    graph: Graph,
+    device: str | DeviceSpec | None = None,
+    *,
+    rules: Sequence[RuleFile] | None = None,
+    limits: Limits | None = None,
+    cap: int = DEFAULT_CAP,
+    k: int = DEFAULT_K,
+    seed: int = 0,
+) -> CandidateSet:
+    """Saturate, extract and cost candidates.
+
+    Every plan is listed when the space holds at most ``cap`` plans; otherwise the
+    best plan (tree DP refined by exact local search), its one-kernel neighbours
+    and seeded uniform samples are costed and the best ``k`` kept.
+    """
+    spec = device if isinstance(device, DeviceSpec) else load_device(device)
+    limits = limits or Limits()
+    rules = load_rules() if rules is None else list(rules)
+    sat = saturate(graph, rules, limits)
+    t0 = time.perf_counter()
+    ex = Extractor(graph, view_egraph(sat.serialized, graph), spec, limits.max_region_ops, limits.max_bodies_per_root)
+    space = ex.space_size()
+    choices: list[dict[str, Option]]
+    if space <= cap:
+        choices, complete = ex.enumerate(cap)
+    else:
+        choices, complete = [], False
+    if not complete:
+        best = min([ex.dp_best(), *_region_seed(graph, ex, spec, rules, limits)], key=ex.cost)
+        choices = [best, ex.unfused(), *ex.neighbours(best), *ex.sample(k, seed)]
+    by_key: dict[str, dict[str, Option]] = {}
+    for c in choices:
+        by_key.setdefault(ex.key(c), c)
+    if not complete:
+        # rank by exact cost before building plans: only the kept ones become Plan objects
+        unfused_key = ex.key(ex.unfused())
+        ranked = sorted(by_key, key=lambda key: (round(ex.cost(by_key[key]), 6), key))[:k]
+        if unfused_key not in ranked:
+            ranked.append(unfused_key)
+        by_key = {key: by_key[key] for key in ranked}
+    plans = sorted((ex.plan_of(c) for c in by_key.values()), key=Plan.sort_key)
+    extract_s = time.perf_counter() - t0
+    notes = list(ex.notes)
+    if sat.limit_hit:
+        notes.insert(0, f"saturation stopped at the {sat.limit_hit}; candidates are still valid")
+    for n in notes:
+        log.info("%s", n)
+    return CandidateSet(
+        graph=graph,
+        spec=spec,
+        plans=plans,
+        space=space,
+        complete=complete,
+        enodes=sat.enodes,
+        iterations=sat.iterations,
+        limit_hit=sat.limit_hit,
+        times={"build": sat.build_s, "saturate": sat.saturate_s, "extract": extract_s},
+        extractor=ex,
+        choices={p.key: by_key[p.key] for p in plans if p.key in by_key},
+        notes=notes,
+    )

@@ -1,0 +1,632 @@
+"""Our extractor: serialized e-graph -> candidate plans.
+
+egglog's built-in extraction sums tree costs; the seed's kernel cost is not
+additive (a max of memory and compute time, register sums with a spill cliff,
+shared producers stored once), so plans are extracted here.
+
+Vocabulary: a *stored* e-class holds a ``K`` node (and maybe ``CublasLt``
+nodes) or an ``In`` node; a *value* e-class holds op nodes.  A kernel option
+for a stored class is either a cuBLASLt node or a *body*: a choice of one op
+node per value class, reached from the stored value through register children,
+down to stored leaves.  A plan picks one option per stored class it needs,
+starting from the graph outputs; a stored tensor read by several kernels is
+written once, a register value used by several kernels is in each body and so
+recomputed (and costed) in each.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fusion_planner.core.cost import DeviceSpec, KernelCost, kernel_cost
+from fusion_planner.core.graph import Graph, TensorType
+from fusion_planner.core.ops import CUBLASLT_EPILOGUES, OPS
+from fusion_planner.core.plans import Expr, Kernel, Load, Plan
+from fusion_planner.egraph.program import let_name
+
+log = logging.getLogger(__name__)
+
+
+class ExtractionError(RuntimeError):
+    """The e-graph holds no valid plan (a rule bug, never bad user input)."""
+
+
+@dataclass(frozen=True)
+class ENode:
+    op: str
+    children: tuple[str, ...]  # e-class ids of Op-sorted children
+    lits: tuple[Any, ...]  # literal arguments (attributes, names)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to compute a stored class: a kernel."""
+
+    root: str
+    kind: str
+    assign: tuple[tuple[str, int], ...]  # value class -> chosen node index
+    leaves: tuple[str, ...]  # stored classes read
+    n_ops: int
+    cost: KernelCost
+    sig: str
+    epilogue: str | None = None
+    lt_args: tuple[str, ...] = ()  # cuBLASLt a, b[, bias] classes
+
+
+@dataclass
+class _Body:
+    assign: dict[str, int]
+    leaves: frozenset[str]
+    n_mm: int
+
+
+@dataclass
+class EGraphView:
+    """The serialized e-graph, indexed for extraction."""
+
+    classes: dict[str, list[ENode]]
+    stored: set[str]
+    inputs: set[str]
+    tensor: dict[str, str]  # stored class -> tensor (graph node id)
+    value_node: dict[str, str]  # value class -> graph node id
+    types: dict[str, TensorType]
+    order: dict[str, int]  # stored class -> topological index
+    roots: tuple[str, ...]  # stored classes of the graph outputs
+
+
+def view_egraph(serialized: dict[str, Any], graph: Graph) -> EGraphView:
+    nodes = serialized["nodes"]
+    class_data = serialized.get("class_data", {})
+    lit_of: dict[str, Any] = {}
+    for key, n in nodes.items():
+        sort = n["eclass"].split("-")[0]
+        if sort in ("String", "f64", "i64"):
+            lit_of[key] = json.loads(n["op"]) if sort == "String" else _number(n["op"], sort)
+    list_of: dict[str, list[str]] = {}
+    for n in nodes.values():
+        if n["op"] == "Nil":
+            list_of[n["eclass"]] = []
+    # OpList classes are built from the graph only, so each holds one Cons/Nil chain
+    cons = {n["eclass"]: n for n in nodes.values() if n["op"] == "Cons"}
+
+    def flatten(list_class: str) -> list[str]:
+        out: list[str] = []
+        while list_class in cons:
+            head, tail = cons[list_class]["children"]
+            out.append(nodes[head]["eclass"])
+            list_class = nodes[tail]["eclass"]
+        return out
+
+    classes: dict[str, list[ENode]] = {}
+    for n in nodes.values():
+        cls = n["eclass"]
+        if not cls.startswith("Op-") or n.get("subsumed"):
+            continue
+        kids: list[str] = []
+        lits: list[Any] = []
+        for c in n["children"]:
+            if c in lit_of:
+                lits.append(lit_of[c])
+            elif nodes[c]["eclass"].startswith("OpList"):
+                kids.extend(flatten(nodes[c]["eclass"]))
+            else:
+                kids.append(nodes[c]["eclass"])
+        classes.setdefault(cls, []).append(ENode(n["op"], tuple(kids), tuple(lits)))
+
+    stored = {c for c, ns in classes.items() if any(n.op in ("K", "In", "CublasLt") for n in ns)}
+    inputs = {c for c, ns in classes.items() if any(n.op == "In" for n in ns)}
+    let_to_node = {let_name(i): n for i, n in enumerate(graph.nodes)}
+    tensor: dict[str, str] = {}
+    types: dict[str, TensorType] = {}
+    order: dict[str, int] = {}
+    index = {n.id: i for i, n in enumerate(graph.nodes)}
+    for cls, data in class_data.items():
+        # merged (CSE) nodes share a class: egglog lists its lets as "$n1, $n2"; the first names it
+        merged = [let_to_node[x] for x in _lets(data) if x in let_to_node]
+        if merged:
+            node = min(merged, key=lambda n: index[n.id])
+            tensor[cls] = node.id
+            types[cls] = node.type
+            order[cls] = index[node.id]
+    for cls in stored:
+        if cls not in tensor:
+            raise ExtractionError(f"stored e-class {cls} has no graph node (a rule stored a new value)")
+    # class_data names one let per class; merged (CSE) nodes share the class
+    value_node: dict[str, str] = {}
+    for cls in sorted(stored, key=lambda c: order.get(c, -1)):
+        for n in classes[cls]:
+            if n.op == "K":
+                (v,) = n.children
+                value_node.setdefault(v, tensor[cls])
+                types.setdefault(v, types[cls])
+    _infer_types(classes, types)
+    class_of_let = {x: c for c, d in class_data.items() for x in _lets(d)}
+    alias = structural_aliases(graph)
+    roots = []
+    for o in graph.outputs:
+        cls = class_of_let.get(let_name(index[alias[o]]))
+        if cls is None:
+            raise ExtractionError(f"output {o!r} was merged with another node and has no e-class of its own")
+        roots.append(cls)
+    return EGraphView(classes, stored, inputs, tensor, value_node, types, order, tuple(roots))
+
+
+def _infer_types(classes: dict[str, list[ENode]], types: dict[str, TensorType]) -> None:
+    """Types of value classes a rule created (e.g. distributing a Mul adds two new products),
+    from the op table's shape rules over their children's types."""
+    changed = True
+    while changed:
+        changed = False
+        for cls, enodes in classes.items():
+            if cls in types:
+                continue
+            for n in enodes:
+                opd = OPS.get(n.op)
+                if opd is None or opd.shape_rule is None or opd.kind == "opaque" or not n.children:
+                    continue
+                if not all(c in types for c in n.children):
+                    continue
+                attrs = {a.name: lit for a, lit in zip(opd.attrs, n.lits, strict=False)}
+                shape = opd.out_shape([types[c].shape for c in n.children], attrs)
+                types[cls] = TensorType(shape, types[n.children[0]].dtype)
+                changed = True
+                break
+
+
+def _lets(class_data: dict[str, Any]) -> list[str]:
+    return [x.strip() for x in class_data.get("let", "").split(",") if x.strip()]
+
+
+def structural_aliases(graph: Graph) -> dict[str, str]:
+    """Map each node to the first node with the same term (egglog hash-conses them)."""
+    alias: dict[str, str] = {}
+    first: dict[Any, str] = {}
+    for n in graph.nodes:
+        key: Any = n.id if n.op in ("In", "Opaque") else (n.op, tuple(alias[i] for i in n.inputs), n.attrs)
+        alias[n.id] = first.setdefault(key, n.id)
+    return alias
+
+
+def _number(text: str, sort: str) -> Any:
+    return int(text) if sort == "i64" else float(text)
+
+
+# ---------------------------------------------------------------- options
+
+
+@dataclass
+class Extractor:
+    graph: Graph
+    view: EGraphView
+    spec: DeviceSpec
+    max_region_ops: int = 16
+    max_bodies_per_root: int = 512
+    options: dict[str, list[Option]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    neighbourhood: int = 8  # options per class tried by local search and mutation
+    _bodies: dict[str, list[_Body]] = field(default_factory=dict)
+    _rank: dict[str, list[Option]] | None = None
+    _facts: dict[tuple[str, int], tuple[float, float, int, str]] = field(default_factory=dict)
+    _bytes: dict[str, int] = field(default_factory=dict)
+    _counts: dict[str, int] | None = None
+    _by_sig: dict[str, Option] | None = None
+
+    def __post_init__(self) -> None:
+        for cls in sorted(self.view.stored - self.view.inputs, key=self.view.order.__getitem__):
+            opts = self._options_for(cls)
+            if not opts:
+                raise ExtractionError(f"no kernel computes {self.view.tensor[cls]!r}")
+            self.options[cls] = opts
+
+    # -- bodies of a value class, as register-resident regions
+    def _bodies_of(self, v: str) -> list[_Body]:
+        if v in self._bodies:
+            return self._bodies[v]
+        self._bodies[v] = []  # cycle guard: a class reached through itself has no body
+        out: list[_Body] = []
+        for idx, n in enumerate(self.view.classes.get(v, [])):
+            if n.op in ("K", "In", "CublasLt", "NoBias"):
+                continue
+            if n.op == "Opaque":
+                if all(c in self.view.stored for c in n.children):
+                    out.append(_Body({v: idx}, frozenset(n.children), 0))
+                continue
+            per_child: list[list[_Body]] = []
+            for c in n.children:
+                if c in self.view.stored:
+                    per_child.append([_Body({}, frozenset([c]), 0)])
+                else:
+                    # an Opaque op is always its own kernel: never inlined into a consumer
+                    subs = [b for b in self._bodies_of(c) if self.view.classes[c][b.assign[c]].op != "Opaque"]
+                    per_child.append(subs)
+            base_mm = 1 if n.op == "MatMul" else 0
+            for combo in itertools.product(*per_child):
+                body = _merge(v, idx, base_mm, combo)
+                if body is None or body.n_mm > 1 or len(body.assign) > self.max_region_ops:
+                    continue
+                out.append(body)
+                if len(out) >= self.max_bodies_per_root:
+                    note = f"body cap ({self.max_bodies_per_root}) reached at {self.view.value_node.get(v, v)}"
+                    if note not in self.notes:
+                        self.notes.append(note)
+                    break
+            if len(out) >= self.max_bodies_per_root:
+                break
+        self._bodies[v] = out
+        return out
+
+    def _options_for(self, cls: str) -> list[Option]:
+        opts: dict[str, Option] = {}
+        for n in self.view.classes[cls]:
+            if n.op == "K":
+                for body in self._bodies_of(n.children[0]):
+                    o = self._body_option(cls, body)
+                    opts.setdefault(o.sig, o)
+            elif n.op == "CublasLt":
+                lib = self._cublaslt_option(cls, n)
+                if lib is not None:
+                    opts.setdefault(lib.sig, lib)
+        return sorted(opts.values(), key=lambda o: (o.cost.est_us, o.sig))
+
+    def _node_facts(self, c: str, i: int) -> tuple[float, float, int, str]:
+        """(GEMM FLOPs, elementwise FLOPs, live registers, op kind) of one e-node."""
+        key = (c, i)
+        facts = self._facts.get(key)
+        if facts is None:
+            v = self.view
+            n = v.classes[c][i]
+            opd = OPS[n.op]
+            attrs = self._attrs(n, v.value_node.get(c, ""))
+            f = opd.flops(v.types[c].shape, [v.types[k].shape for k in n.children], attrs)
+            gemm, ew = (f, 0.0) if opd.kind == "matmul" else (0.0, f)
+            facts = (gemm, ew, opd.live_regs(attrs), opd.kind)
+            self._facts[key] = facts
+        return facts
+
+    def _body_option(self, cls: str, body: _Body) -> Option:
+        v = self.view
+        gemm = ew = 0.0
+        regs = 0
+        kind = "elementwise"
+        for c, i in body.assign.items():
+            g, e, r, op_kind = self._node_facts(c, i)
+            gemm += g
+            ew += e
+            regs += r
+            if op_kind == "matmul":
+                kind = "gemm_epilogue"
+            elif op_kind == "opaque":
+                kind = "opaque"
+        leaves = tuple(sorted(body.leaves, key=v.order.__getitem__))
+        nbytes = sum(self._nbytes(leaf) for leaf in leaves) + self._nbytes(cls)
+        cost = kernel_cost(
+            self.spec, kind=kind, dtype=v.types[cls].dtype, nbytes=nbytes, gemm_flops=gemm, ew_flops=ew, regs=regs
+        )
+        inner = sorted(v.value_node.get(c, c) for c in body.assign)
+        sig = f"{kind}:{'+'.join(inner)}<{','.join(sorted(v.tensor[x] for x in leaves))}"
+        return Option(cls, kind, tuple(sorted(body.assign.items())), leaves, len(body.assign), cost, sig)
+
+    def _cublaslt_option(self, cls: str, n: ENode) -> Option | None:
+        v = self.view
+        a, b, bias = n.children
+        (epilogue,) = n.lits
+        if epilogue not in CUBLASLT_EPILOGUES:
+            self._note(f"unknown cuBLASLt epilogue {epilogue!r} ignored")
+            return None
+        has_bias = any(x.op != "NoBias" for x in v.classes.get(bias, []))
+        args = (a, b, bias) if has_bias else (a, b)
+        if not all(x in v.stored for x in args):
+            self._note(f"cuBLASLt node for {v.tensor[cls]!r} reads a non-stored operand; ignored")
+            return None
+        out = v.types[cls]
+        (m, k), (_, nn) = v.types[a].shape, v.types[b].shape
+        epi_ops = CUBLASLT_EPILOGUES[epilogue]
+        ew = sum(OPS[o].flops(out.shape, [out.shape], {}) for o in epi_ops)
+        leaves = tuple(sorted(set(args), key=v.order.__getitem__))
+        nbytes = sum(v.types[x].nbytes for x in leaves) + out.nbytes
+        regs = OPS["MatMul"].live_regs({})
+        cost = kernel_cost(
+            self.spec, kind="cublaslt", dtype=out.dtype, nbytes=nbytes, gemm_flops=2.0 * m * nn * k, ew_flops=ew, regs=regs
+        )
+        sig = f"cublaslt({epilogue})<{','.join(v.tensor[x] for x in args)}"
+        return Option(cls, "cublaslt", (), leaves, 1 + len(epi_ops), cost, sig, epilogue, args)
+
+    def _nbytes(self, cls: str) -> int:
+        n = self._bytes.get(cls)
+        if n is None:
+            n = self._bytes[cls] = self.view.types[cls].nbytes
+        return n
+
+    def _note(self, msg: str) -> None:
+        if msg not in self.notes:
+            self.notes.append(msg)
+            log.info("%s", msg)
+
+    def _attrs(self, n: ENode, node_id: str) -> dict[str, Any]:
+        if n.op == "Opaque":
+            return self.graph[n.lits[1]].attr_dict
+        return {a.name: lit for a, lit in zip(OPS[n.op].attrs, n.lits, strict=True)}
+
+    # ------------------------------------------------------------ plans
+
+    def required(self, choice: dict[str, Option]) -> list[str]:
+        """Stored classes a choice needs, outputs first, as reached from the roots."""
+        need: list[str] = []
+        seen: set[str] = set()
+        stack = [r for r in self.view.roots if r not in self.view.inputs]
+        while stack:
+            c = stack.pop()
+            if c in seen:
+                continue
+            seen.add(c)
+            need.append(c)
+            stack.extend(x for x in choice[c].leaves if x not in self.view.inputs)
+        return need
+
+    def plan_of(self, choice: dict[str, Option]) -> Plan:
+        used = sorted(self.required(choice), key=self.view.order.__getitem__)
+        kernels = tuple(self._kernel(choice[c]) for c in used)
+        partition = tuple(choice[c].n_ops for c in used) if self.graph.is_chain() else None
+        key = ";".join(choice[c].sig for c in used)
+        tensors = {n.id: n.type for n in self.graph.nodes}
+        outs = tuple(self.view.tensor[r] for r in self.view.roots)
+        return Plan(self.graph.name, kernels, outs, tensors, key, partition)
+
+    def _kernel(self, o: Option) -> Kernel:
+        v = self.view
+        out_name = v.tensor[o.root]
+        body = self._cublaslt_body(o) if o.kind == "cublaslt" else self._expr(self._k_child(o.root), dict(o.assign), {})
+        reads = tuple(v.tensor[x] for x in o.leaves)
+        return Kernel(o.kind, body, out_name, reads, o.cost, o.epilogue)
+
+    def _k_child(self, cls: str) -> str:
+        for n in self.view.classes[cls]:
+            if n.op == "K":
+                return n.children[0]
+        raise ExtractionError(f"stored class {cls} has no K node")
+
+    def _expr(self, v: str, assign: dict[str, int], memo: dict[str, Expr]) -> Expr:
+        if v in memo:
+            return memo[v]
+        n = self.view.classes[v][assign[v]]
+        node_id = self.view.value_node.get(v, "")
+        args: list[Expr | Load] = []
+        for c in n.children:
+            if c in assign:
+                args.append(self._expr(c, assign, memo))
+            else:
+                args.append(Load(self.view.tensor[c]))
+        attrs = self._attrs(n, node_id)
+        e = Expr(n.op, tuple(args), tuple(sorted(attrs.items())), node_id, self.view.types[v])
+        memo[v] = e
+        return e
+
+    def _cublaslt_body(self, o: Option) -> Expr:
+        v = self.view
+        assert o.epilogue is not None
+        a, b = o.lt_args[0], o.lt_args[1]
+        out_t = v.types[o.root]
+        node_id = v.tensor[o.root]
+        e: Expr = Expr("MatMul", (Load(v.tensor[a]), Load(v.tensor[b])), (), node_id + ".gemm", out_t)
+        for op in CUBLASLT_EPILOGUES[o.epilogue]:
+            args: tuple[Expr | Load, ...] = (e, Load(v.tensor[o.lt_args[2]])) if op == "BiasAdd" else (e,)
+            e = Expr(op, args, (), f"{node_id}.{op.lower()}", out_t)
+        return Expr(e.op, e.args, e.attrs, node_id, out_t)
+
+    # ------------------------------------------------------------ search over plans
+
+    def unfused(self) -> dict[str, Option]:
+        """One kernel per op: every value read from memory, no library calls."""
+        choice: dict[str, Option] = {}
+        for c, opts in self.options.items():
+            singles = [o for o in opts if o.kind != "cublaslt" and o.n_ops == 1]
+            if not singles:
+                raise ExtractionError(f"no single-op kernel for {self.view.tensor[c]!r}")
+            choice[c] = singles[0]
+        return choice
+
+    def enumerate(self, cap: int) -> tuple[list[dict[str, Option]], bool]:
+        """All plans if there are at most ``cap``; returns (plans, complete)."""
+        out: list[dict[str, Option]] = []
+        order = self.view.order
+        start = [r for r in dict.fromkeys(self.view.roots) if r not in self.view.inputs]
+
+        def rec(chosen: dict[str, Option], pending: list[str]) -> bool:
+            if not pending:
+                out.append(dict(chosen))
+                return len(out) <= cap
+            pending = sorted(pending, key=order.__getitem__)
+            r = pending.pop()
+            for o in self.options[r]:
+                new = [x for x in o.leaves if x not in self.view.inputs and x not in chosen and x not in pending]
+                chosen[r] = o
+                ok = rec(chosen, pending + new)
+                del chosen[r]
+                if not ok:
+                    return False
+            return True
+
+        complete = rec({}, start)
+        if not complete:
+            out.pop()
+        return out, complete
+
+    def _shared(self) -> set[str]:
+        """Stored classes read by two or more graph ops: their choice is counted once."""
+        uses: dict[str, int] = {}
+        for node in self.graph.nodes:
+            for i in set(node.inputs):
+                uses[i] = uses.get(i, 0) + 1
+        return {c for c in self.options if uses.get(self.view.tensor[c], 0) > 1}
+
+    def _local_counts(self) -> dict[str, int]:
+        if self._counts is not None:
+            return self._counts
+        shared = self._shared()
+        count: dict[str, int] = {}
+        for c in sorted(self.options, key=self.view.order.__getitem__):
+            count[c] = sum(
+                _prod(count[x] for x in o.leaves if x in count and x not in shared) for o in self.options[c]
+            )
+        self._counts = count
+        return count
+
+    def space_size(self) -> int:
+        """Number of plans: exact for chains and trees; with shared producers an
+        estimate that counts each shared producer's choice once."""
+        count = self._local_counts()
+        roots = {r for r in self.view.roots if r not in self.view.inputs} | self._shared()
+        return _prod(count[r] for r in roots)
+
+    def cost(self, choice: dict[str, Option]) -> float:
+        return sum(choice[c].cost.est_us for c in self.required(choice))
+
+    def _ranked(self) -> dict[str, list[Option]]:
+        """Each class's options by tree-DP value: own time plus the best times of its inputs
+        (shared producers counted per use)."""
+        if self._rank is None:
+            best: dict[str, float] = {}
+            ranked: dict[str, list[Option]] = {}
+            for c in sorted(self.options, key=self.view.order.__getitem__):
+                scored = sorted(
+                    (
+                        (o.cost.est_us + sum(best[x] for x in o.leaves if x in best), o.sig, o)
+                        for o in self.options[c]
+                    ),
+                    key=lambda t: (t[0], t[1]),
+                )
+                best[c] = scored[0][0]
+                ranked[c] = [t[2] for t in scored]
+            self._rank = ranked
+        return self._rank
+
+    def dp_best(self) -> dict[str, Option]:
+        """Tree DP on estimated time, then exact local search."""
+        choice = {c: opts[0] for c, opts in self._ranked().items()}
+        return self.improve(choice)
+
+    def improve(self, choice: dict[str, Option], max_passes: int = 4) -> dict[str, Option]:
+        """Greedy local search with exact plan costs: swap one kernel while it helps,
+        trying each class's ``neighbourhood`` best options by DP value."""
+        current = dict(choice)
+        cur_cost = self.cost(current)
+        for _ in range(max_passes):
+            changed = False
+            for trial in list(self.neighbours(current)):
+                t_cost = self.cost(trial)
+                if t_cost < cur_cost - 1e-9:
+                    current, cur_cost, changed = trial, t_cost, True
+            if not changed:
+                break
+        return current
+
+    def sample(self, n: int, seed: int) -> list[dict[str, Option]]:
+        """Seeded, deduplicated samples; uniform over plans when they form trees."""
+        rng = random.Random(seed)
+        count = self._local_counts()
+        shared = self._shared()
+        weights = {
+            c: [_prod(count[x] for x in o.leaves if x in count and x not in shared) for o in opts]
+            for c, opts in self.options.items()
+        }
+        seen: set[str] = set()
+        out: list[dict[str, Option]] = []
+        attempts = 0
+        total = self.space_size()
+        base = self.unfused()
+        while len(out) < min(n, total) and attempts < 20 * n:
+            attempts += 1
+            choice = dict(base)
+            pending = [r for r in dict.fromkeys(self.view.roots) if r not in self.view.inputs]
+            done: set[str] = set()
+            while pending:
+                pending.sort(key=self.view.order.__getitem__)
+                r = pending.pop()
+                if r in done:
+                    continue
+                done.add(r)
+                o = self.options[r][_weighted_index(rng, weights[r])]
+                choice[r] = o
+                pending.extend(x for x in o.leaves if x not in self.view.inputs and x not in done)
+            key = self.key(choice)
+            if key not in seen:
+                seen.add(key)
+                out.append(choice)
+        return out
+
+    def key(self, choice: dict[str, Option]) -> str:
+        used = sorted(self.required(choice), key=self.view.order.__getitem__)
+        return ";".join(choice[c].sig for c in used)
+
+    def choice_from_kernels(self, kernels: Sequence[Kernel]) -> dict[str, Option] | None:
+        """The choice whose kernels are these (by signature), completed with unfused
+        kernels; None when some kernel has no matching option in this e-graph."""
+        if self._by_sig is None:
+            self._by_sig = {o.sig: o for opts in self.options.values() for o in opts}
+        choice = dict(self.unfused())
+        for k in kernels:
+            o = self._by_sig.get(kernel_sig(k))
+            if o is None:
+                log.debug("no option matches kernel %s", k.describe())
+                return None
+            choice[o.root] = o
+        return choice
+
+    def neighbours(self, choice: dict[str, Option]) -> Iterator[dict[str, Option]]:
+        """Plans that differ in one kernel, among each class's best options by DP value."""
+        ranked = self._ranked()
+        for c in sorted(self.required(choice), key=self.view.order.__getitem__):
+            for o in ranked[c][: self.neighbourhood]:
+                if o is not choice[c]:
+                    trial = dict(choice)
+                    trial[c] = o
+                    yield trial
+
+
+def kernel_sig(k: Kernel) -> str:
+    """The signature of the option a kernel was built from (see ``Extractor._body_option``)."""
+    if k.kind == "cublaslt":
+        args: list[str] = []
+        for e in k.body.walk():
+            args += [a.tensor for a in e.args if isinstance(a, Load)]
+        return f"cublaslt({k.epilogue})<{','.join(args)}"
+    inner = sorted(e.node for e in k.body.walk())
+    return f"{k.kind}:{'+'.join(inner)}<{','.join(sorted(k.reads))}"
+
+
+def _merge(v: str, idx: int, base_mm: int, parts: Sequence[_Body]) -> _Body | None:
+    assign: dict[str, int] = {v: idx}
+    leaves: set[str] = set()
+    n_mm = base_mm
+    for p in parts:
+        for c, i in p.assign.items():
+            if assign.get(c, i) != i:
+                return None  # one value computed two ways in one kernel
+            if c not in assign:
+                assign[c] = i
+        leaves |= p.leaves
+        n_mm += p.n_mm
+    return _Body(assign, frozenset(leaves), n_mm)
+
+
+def _prod(xs: Iterator[int] | Sequence[int] | Any) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+def _weighted_index(rng: random.Random, weights: list[int]) -> int:
+    total = sum(weights)
+    r = rng.randrange(total)
+    for i, w in enumerate(weights):
+        if r < w:
+            return i
+        r -= w
+    return len(weights) - 1

@@ -1,0 +1,214 @@
+"""The egglog program: datatypes from the op table, one ``let`` per node, rules.
+
+The unfused program wraps every op in the materialisation marker ``K``: ``(K x)``
+means "a kernel computes x and stores it".  Rule files add register forms and
+library alternatives; saturation runs in stages (elementwise, then epilogue,
+then cuBLASLt, then user rules) under iteration, node-count and time limits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from egglog import bindings
+
+from fusion_planner.core.graph import Graph, Node
+from fusion_planner.core.ops import OPS
+from fusion_planner.rules.files import RuleFile, RuleFileError
+
+log = logging.getLogger(__name__)
+
+#: saturation stages: analysis facts always run with each stage
+STAGES = ("elementwise", "epilogue", "cublaslt", "user")
+ANALYSIS_RULESETS = ("analysis", "limits")
+
+_SORT_OF_ATTR = {"f64": "f64", "i64": "i64", "String": "String"}
+
+
+# ---------------------------------------------------------------- prelude
+
+
+def prelude() -> str:
+    """Datatype declarations and analysis rules, generated from the op table."""
+    ctors = ["  (In String)", "  (K Op)", "  (NoBias)"]
+    ew_rules = []
+    for op in OPS.values():
+        if op.kind in ("input", "opaque"):
+            continue
+        args = ["Op"] * (op.arity or 0) + [_SORT_OF_ATTR[a.sort] for a in op.attrs]
+        ctors.append(f"  ({op.name} {' '.join(args)})")
+        if op.kind == "elementwise":
+            vars_ = " ".join(f"v{i}" for i in range(len(args)))
+            ew_rules.append(
+                f"(rule ((= e ({op.name} {vars_}))) ((Ew e)) :ruleset analysis)"
+            )
+    ctors.append("  (CublasLt Op Op Op String)")
+    return "\n".join(
+        [
+            "(datatype Op",
+            *ctors,
+            ")",
+            "(datatype OpList (Nil) (Cons Op OpList))",
+            "(constructor Opaque (String String OpList) Op)",
+            "(relation Mem (Op))",
+            "(relation Ew (Op))",
+            "; a value every plan stores (read by a GEMM or an Opaque op, or a graph output)",
+            "(relation Forced (Op))",
+            "(ruleset analysis)",
+            "; a value computed by an elementwise op (may be fused into its consumer)",
+            *ew_rules,
+        ]
+    )
+
+
+# ---------------------------------------------------------------- program
+
+
+def let_name(index: int) -> str:
+    """The egglog global naming the graph's ``index``-th node (ids never reach egglog names)."""
+    return f"$n{index}"
+
+
+def node_term(node: Node, graph: Graph) -> str:
+    """The unfused term of one node: every computed input read from memory."""
+    if node.op == "In":
+        return f'(In "{node.id}")'
+    pos = {n.id: i for i, n in enumerate(graph.nodes)}
+    args = [let_name(pos[i]) for i in node.inputs]
+    attrs = node.attr_dict
+    if node.op == "Opaque":
+        lst = "(Nil)"
+        for a in reversed(args):
+            lst = f"(Cons {a} {lst})"
+        return f'(K (Opaque "{attrs["impl"]}" "{node.id}" {lst}))'
+    op = OPS[node.op]
+    lits = [_literal(attrs[a.name], a.sort) for a in op.attrs]
+    return f"(K ({node.op} {' '.join(args + lits)}))"
+
+
+def _literal(v: Any, sort: str) -> str:
+    if sort == "f64":
+        s = repr(float(v))
+        return s if ("." in s or "e" in s or "inf" in s or "nan" in s) else s + ".0"
+    if sort == "i64":
+        return str(int(v))
+    return json.dumps(str(v))
+
+
+def graph_program(graph: Graph) -> str:
+    lines = [f"(let {let_name(i)} {node_term(n, graph)})" for i, n in enumerate(graph.nodes)]
+    pos = {n.id: i for i, n in enumerate(graph.nodes)}
+    for o in dict.fromkeys(graph.outputs):
+        if graph[o].op != "In":  # an output is stored by every plan: (K v) -> v is Forced
+            lines.append(f"(rule ((= m {let_name(pos[o])}) (= m (K v))) ((Forced v)) :ruleset analysis)")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- saturation
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on saturation and extraction; ``docs/cost-model.md`` gives defaults."""
+
+    max_iterations: int = 32  # per stage
+    max_nodes: int = 500_000
+    time_limit_s: float = 10.0
+    max_region_ops: int = 16  # ops in one fused kernel (enforced by the extractor)
+    max_bodies_per_root: int = 512  # kernel bodies considered per stored value
+
+
+@dataclass
+class SaturationResult:
+    serialized: dict[str, Any]
+    enodes: int
+    iterations: int
+    limit_hit: str | None
+    build_s: float
+    saturate_s: float
+    stage_iterations: dict[str, int] = field(default_factory=dict)
+
+
+def saturate(graph: Graph, rules: Sequence[RuleFile], limits: Limits) -> SaturationResult:
+
+    t0 = time.perf_counter()
+    eg = bindings.EGraph()
+    eg.run_program(*eg.parse_program(prelude()))
+    for rf in rules:
+        try:
+            eg.run_program(*eg.parse_program(rf.text))
+        except Exception as exc:
+            raise RuleFileError(f"{rf.path}: egglog rejected the rules: {str(exc).strip()}") from None
+    user_sets = _user_rulesets(rules)
+    eg.run_program(*eg.parse_program(graph_program(graph)))
+    build_s = time.perf_counter() - t0
+
+    t1 = time.perf_counter()
+    limit_hit: str | None = None
+    total_iters = 0
+    stage_iters: dict[str, int] = {}
+    analysis = " ".join(f"(saturate (run {r}))" for r in ANALYSIS_RULESETS)
+    for stage in STAGES:
+        rulesets = user_sets if stage == "user" else [stage]
+        if not rulesets:
+            continue
+        step = " ".join(f"(run {r})" for r in rulesets)
+        cmds = eg.parse_program(f"(run-schedule {analysis} {step})")
+        iters = 0
+        while True:
+            out = eg.run_program(*cmds)
+            iters += 1
+            report = out[0]
+            assert isinstance(report, bindings.RunScheduleOutput), report  # what run-schedule answers
+            updated = report.report.updated
+            if not updated:
+                break
+            if iters >= limits.max_iterations:
+                limit_hit = f"iteration limit ({limits.max_iterations}) in stage {stage}"
+                break
+            if time.perf_counter() - t1 > limits.time_limit_s:
+                limit_hit = f"time limit ({limits.time_limit_s}s) in stage {stage}"
+                break
+            if _size(eg) > limits.max_nodes:
+                limit_hit = f"node limit ({limits.max_nodes}) in stage {stage}"
+                break
+        stage_iters[stage] = iters
+        total_iters += iters
+        if limit_hit:
+            log.warning("saturation stopped early: %s; the plan stays valid", limit_hit)
+            break
+    # analysis facts must be complete for whatever was added before a limit hit
+    eg.run_program(*eg.parse_program(f"(run-schedule {analysis})"))
+    ser = eg.serialize([], max_functions=None, max_calls_per_function=None, include_temporary_functions=False)
+    data = json.loads(ser.to_json())
+    saturate_s = time.perf_counter() - t1
+    enodes = sum(1 for n in data["nodes"].values() if not n["eclass"].startswith(("@", "String", "f64", "i64")))
+    return SaturationResult(data, enodes, total_iters, limit_hit, build_s, saturate_s, stage_iters)
+
+
+def _size(eg: Any) -> int:
+    out = eg.run_program(*eg.parse_program("(print-size)"))
+    return sum(n for _, n in out[0].sizes)
+
+
+def _user_rulesets(rules: Sequence[RuleFile]) -> list[str]:
+    """Rulesets user files declare, plus the default ruleset where they use it."""
+    names: list[str] = []
+    for rf in rules:
+        if rf.shipped:
+            continue
+        names += re.findall(r"\(\s*ruleset\s+([^\s()]+)\s*\)", rf.text)
+        if re.search(r"\((?:rewrite|birewrite|rule)\b", rf.text) and not _all_have_ruleset(rf.text):
+            names.append("")
+    return list(dict.fromkeys(names))
+
+
+def _all_have_ruleset(text: str) -> bool:
+    forms = re.findall(r"\((?:rewrite|birewrite|rule)\b", text)
+    return len(re.findall(r":ruleset\b", text)) >= len(forms)

@@ -1,0 +1,172 @@
+"""The one planning pipeline: what ``planner.plan``, ``fusion-planner plan`` and ``torch.compile`` run.
+
+Given a graph and :class:`PlanOptions`, :func:`plan_graph` decides between planning the
+graph whole and region by region (a layer stack: each distinct region searched once),
+builds the cache key (graph region, device, backend and every search option, rule set),
+answers from the plan cache or searches, stores the choice, and for a layer stack checks
+the composite plan against the reference on a measuring backend. The faces only turn
+their inputs into a graph and options, and present the :class:`Planned` result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fusion_planner.backends.base import Backend
+from fusion_planner.backends.reference import execute_graph, random_inputs
+from fusion_planner.core.cost import DeviceSpec
+from fusion_planner.core.graph import Graph
+from fusion_planner.core.plans import Plan, compose_plan, rename_kernel
+from fusion_planner.core.regions import Region, split_regions, whole_graph_region
+from fusion_planner.core.tolerance import check_outputs
+from fusion_planner.egraph.candidates import DEFAULT_CAP, DEFAULT_K, CandidateSet, build_candidates
+from fusion_planner.egraph.program import Limits
+from fusion_planner.model.plancache import PlanCache
+from fusion_planner.model.stack import ModelPlan, plan_model
+from fusion_planner.rules.files import RuleFile
+from fusion_planner.rules.load import rules_hash
+from fusion_planner.search.engine import SearchError, SearchOptions, SearchResult, search
+from fusion_planner.search.searchlog import SearchLog
+
+Tick = Callable[[int, int], None]
+#: a fresh search log (and progress tick) for each search the pipeline runs
+Progress = Callable[[], contextlib.AbstractContextManager[tuple[SearchLog, Tick | None]]]
+
+
+@contextlib.contextmanager
+def quiet_progress() -> Iterator[tuple[SearchLog, Tick | None]]:
+    """The default: a search log that prints only under SEARCH_LOG=1, no progress bar."""
+    yield SearchLog(), None
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    backend_name: str
+    spec: DeviceSpec
+    rules: Sequence[RuleFile]
+    limits: Limits | None = None
+    cap: int = DEFAULT_CAP
+    k: int = DEFAULT_K
+    search: SearchOptions = field(default_factory=SearchOptions)
+    dedup: bool = True
+
+    @property
+    def seed(self) -> int:
+        return self.search.seed
+
+    def cache_tag(self) -> str:
+        """The plan cache's backend field: the backend and every search option, so a choice made under a
+        smaller budget or another seed never answers a run with other options."""
+        return f"{self.backend_name} {json.dumps(dataclasses.asdict(self.search), sort_keys=True)}"
+
+    def cache_key(self, region: Region) -> str:
+        return PlanCache.key(region.key, self.spec, self.cache_tag(), rules_hash(self.rules))
+
+
+@dataclass
+class Planned:
+    """What the pipeline decided: the whole graph's plan and how it was reached."""
+
+    graph: Graph
+    plan: Plan
+    options: PlanOptions
+    candidates: CandidateSet | None = None  # single-region search
+    search: SearchResult | None = None
+    model: ModelPlan | None = None  # region-wise
+    region_searches: dict[str, SearchResult] = field(default_factory=dict)
+    composite: dict[str, Any] = field(default_factory=dict)  # region-wise: the whole plan's check and timing
+    from_cache: bool = False
+    cache_key: str = ""  # a graph searched whole: the key its plan is cached under
+
+    @property
+    def log_lines(self) -> list[str]:
+        if self.search is not None:
+            return list(self.search.log_lines)
+        lines = [line for r in self.region_searches.values() for line in r.log_lines]
+        if self.model is not None:
+            s = self.model.summary()
+            lines.append(f"{self.graph.name}: {s['regions']} regions, {s['unique_regions']} distinct, "
+                         f"{s['cache_hits']} from the plan cache")
+        elif self.from_cache:
+            lines.append(f"{self.graph.name}: plan from the plan cache, not re-searched")
+        return lines
+
+
+def plan_graph(
+    graph: Graph,
+    options: PlanOptions,
+    backend: Backend,
+    *,
+    cache: PlanCache | None,
+    progress: Progress = quiet_progress,
+    inputs: Mapping[str, np.ndarray] | None = None,
+) -> Planned:
+    """Plan ``graph`` as the module docstring says; raises :class:`SearchError` when no plan verifies.
+
+    ``inputs`` (default: the input recipe) are what a whole-graph search verifies and times on;
+    a layer stack's regions always use the recipe."""
+    regions = split_regions(graph)
+    if options.dedup and len({r.key for r in regions}) < len(regions):
+        return _plan_regions(graph, options, backend, cache, progress)
+    whole = whole_graph_region(graph)
+    key = options.cache_key(whole)
+    if cache is not None:
+        cached = cache.load(key, whole.graph, options.spec)
+        if cached is not None:
+            full = compose_plan(graph, [rename_kernel(k, whole.renaming()) for k in cached.kernels], cached.key)
+            return Planned(graph, full, options, from_cache=True, cache_key=key)
+    cands = build_candidates(graph, options.spec, rules=options.rules, limits=options.limits, cap=options.cap,
+                             k=options.k, seed=options.seed)
+    with progress() as (slog, tick):
+        result = search(cands, backend, inputs, options=options.search, log=slog, on_candidate=tick)
+    if cache is not None:
+        canonical = {g: c for c, g in whole.renaming().items()}
+        store = compose_plan(whole.graph, [rename_kernel(k, canonical) for k in result.best.kernels], result.best.key)
+        cache.store(key, store, whole.graph, options.spec)
+    return Planned(graph, result.best, options, candidates=cands, search=result, cache_key=key)
+
+
+def _plan_regions(graph: Graph, options: PlanOptions, backend: Backend, cache: PlanCache | None,
+                  progress: Progress) -> Planned:
+    searches: dict[str, SearchResult] = {}
+
+    def choose(cands: CandidateSet) -> Plan:
+        with progress() as (slog, tick):
+            result = search(cands, backend, options=options.search, log=slog, on_candidate=tick)
+        searches[cands.graph.name] = result
+        return result.best
+
+    mp = plan_model(graph, options.spec, backend=options.cache_tag(), choose=choose, rules=options.rules,
+                    limits=options.limits, cache=cache, cap=options.cap, k=options.k, seed=options.seed)
+    composite = measure_composite(mp, backend, options.search)
+    return Planned(graph, mp.plan, options, model=mp, region_searches=searches, composite=composite)
+
+
+def measure_composite(mp: ModelPlan, backend: Backend, opts: SearchOptions) -> dict[str, Any]:
+    """On a measuring backend: verify the whole composite plan against the reference, then time it
+    and the unfused plan.  Otherwise nothing more runs: every region's plan was verified by its
+    search, and the composite is those plans renamed (executing a deep model at full size in numpy
+    would cost far more than planning it)."""
+    out: dict[str, Any] = {"verified": "per region", "meas_us": None, "unfused_meas_us": None,
+                           "speedup_vs_unfused": None}
+    if not backend.measures:
+        return out
+    inputs = random_inputs(mp.graph, opts.seed)
+    expected = execute_graph(mp.graph, inputs)
+    oracle = execute_graph(mp.graph, inputs, "oracle")
+    compiled = backend.compile(mp.plan)
+    problem, _, _ = check_outputs(mp.plan, compiled.run(inputs), expected, opts.rtol, opts.atol, oracle)
+    if problem:
+        raise SearchError(f"the composite plan does not match the reference: {problem}")
+    best = compiled.time(inputs, warmup=opts.warmup, repeats=opts.repeats).median_us
+    del compiled
+    base = backend.compile(mp.unfused).time(inputs, warmup=opts.warmup, repeats=opts.repeats).median_us
+    out.update(verified="whole graph", meas_us=best, unfused_meas_us=base, speedup_vs_unfused=base / best)
+    return out

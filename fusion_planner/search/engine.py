@@ -1,0 +1,467 @@
+"""Measured search: compile, verify, then time candidate plans on a backend.
+
+Order of work:
+
+1. The unfused plan (one kernel per op) is compiled, verified and timed first,
+   in full: it is the baseline of the reported speedup.  (A verify-only
+   backend, ``measures = False`` and ``time`` raising ``BackendError`` like
+   ``reference``, leaves every candidate "not timed"; the best is then the
+   cost model's favourite among the verified candidates.)
+2. Candidates in cost-model order (``CandidateSet.plans``).
+3. When extraction did not enumerate the whole space, a genetic phase: parents
+   are picked by tournament among the fastest measured plans and mutated with
+   one operator of :mod:`fusion_planner.search.mutate`; one candidate in four is a fresh
+   seeded sample of the space instead, to keep the population diverse.
+
+Every candidate is compiled (compile time never counts), run once and checked
+against the numpy reference of the unfused graph (``execute_graph`` in device
+mode) with :mod:`fusion_planner.core.tolerance`; a tolerance breach, NaN/Inf or any
+exception rejects it with the reason logged.  A verified candidate is timed
+(warm-ups, repeats, median) and stopped early once its running median exceeds
+best x ``early_stop`` (checked from the third sample on).  Duplicates (same plan key) are skipped.  The search
+ends at ``max_candidates`` candidates besides the baseline, after
+``time_budget_s`` seconds of wall time, or when no new candidate turns up.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fusion_planner.backends.base import Backend, BackendError, BackendUnavailable
+from fusion_planner.backends.reference import execute_graph, random_inputs
+from fusion_planner.core.errors import UsageError
+from fusion_planner.core.plans import Plan
+from fusion_planner.core.tolerance import check_outputs
+from fusion_planner.egraph.candidates import CandidateSet
+from fusion_planner.egraph.extract import Option
+from fusion_planner.search.mutate import Mutator
+from fusion_planner.search.searchlog import SearchLog
+
+log = logging.getLogger(__name__)
+
+#: new candidates tried in a row that were all duplicates before the genetic phase gives up
+STALL_LIMIT = 64
+#: samples a candidate gets before the early stop may end its timing (one sample is too noisy)
+MIN_SAMPLES_BEFORE_STOP = 3
+#: parents for mutation are drawn from this many fastest measured plans
+ELITE = 8
+
+
+class SearchError(RuntimeError):
+    """No candidate could be verified and timed (every one was rejected)."""
+
+
+@dataclass
+class SearchOptions:
+    max_candidates: int = 64  # candidates besides the unfused baseline
+    time_budget_s: float = 60.0
+    early_stop: float = 1.5
+    warmup: int = 2
+    repeats: int = 7
+    seed: int = 0
+    rtol: float | None = None  # override the dtype's tolerance
+    atol: float | None = None
+
+    def validate(self) -> None:
+        if self.max_candidates < 1:
+            raise UsageError(f"max candidates must be at least 1, got {self.max_candidates}")
+        if not self.time_budget_s > 0:
+            raise UsageError(f"time budget must be positive, got {self.time_budget_s}")
+        if not self.early_stop >= 1.0:
+            raise UsageError(f"early stop factor must be at least 1.0, got {self.early_stop}")
+        if self.warmup < 0 or self.repeats < 1:
+            raise UsageError(f"need warmup >= 0 and repeats >= 1, got {self.warmup} and {self.repeats}")
+        for name in ("rtol", "atol"):
+            v = getattr(self, name)
+            if v is not None and not v >= 0:
+                raise UsageError(f"{name} must be non-negative, got {v}")
+
+
+@dataclass
+class Entry:
+    """One candidate's fate."""
+
+    plan: Plan
+    source: str  # "unfused baseline", "model order", "mutant: <operator> <tensors>", "sample"
+    verdict: str = "not timed"  # "best" | "timed" | "rejected: <reason>" | "not timed"
+    meas_us: float | None = None
+    samples_us: list[float] = field(default_factory=list)
+    stopped_early: bool = False
+    compile_s: float | None = None
+    verified: bool = False
+    max_abs: float | None = None
+    max_rel: float | None = None
+    facts: list[dict[str, Any]] = field(default_factory=list)
+    choice: dict[str, Option] | None = field(default=None, repr=False)
+
+    @property
+    def est_us(self) -> float:
+        return self.plan.est_us
+
+    @property
+    def timed(self) -> bool:
+        return self.meas_us is not None
+
+    def to_json(self) -> dict[str, Any]:
+        d = self.plan.to_json()
+        for kj, facts in zip(d["kernels"], self.facts, strict=False):
+            kj.update(facts)
+        d.update(
+            meas_us=None if self.meas_us is None else round(self.meas_us, 4),
+            verdict=self.verdict,
+            verified=self.verified,
+            source=self.source,
+            stopped_early=self.stopped_early,
+            samples_us=[round(s, 4) for s in self.samples_us],
+            compile_s=None if self.compile_s is None else round(self.compile_s, 4),
+            max_abs_err=_json_float(self.max_abs),
+            max_rel_err=_json_float(self.max_rel),
+        )
+        return d
+
+
+@dataclass
+class SearchResult:
+    graph: str
+    backend: str
+    measures: bool
+    device: str
+    space: int
+    enumerated: bool
+    best: Plan
+    unfused: Plan
+    entries: list[Entry]
+    log_lines: list[str]
+    speedup_vs_unfused: float | None
+    spearman: float | None
+    elapsed_s: float
+    stop: str
+    options: SearchOptions
+
+    @property
+    def best_entry(self) -> Entry:
+        return next(e for e in self.entries if e.plan.key == self.best.key)
+
+    @property
+    def unfused_entry(self) -> Entry:
+        return next(e for e in self.entries if e.plan.key == self.unfused.key)
+
+    @property
+    def timed(self) -> list[Entry]:
+        """Timed entries in the order they were timed."""
+        return [e for e in self.entries if e.timed]
+
+    @property
+    def rejected(self) -> list[Entry]:
+        return [e for e in self.entries if e.verdict.startswith("rejected")]
+
+    def best_so_far(self) -> list[float]:
+        """Best fully-timed median after each timed candidate (for the plot)."""
+        out: list[float] = []
+        best = float("inf")
+        for e in self.timed:
+            if not e.stopped_early:
+                best = min(best, e.meas_us or best)
+            out.append(best)
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        cands = []
+        for e in self.entries:
+            d = e.to_json()
+            d["best"] = e.plan.key == self.best.key
+            cands.append(d)
+        return {
+            "graph": self.graph,
+            "backend": self.backend,
+            "measures": self.measures,
+            "device": self.device,
+            "space": self.space,
+            "enumerated": self.enumerated,
+            "options": {k: _json_float(v) if isinstance(v, float) else v for k, v in vars(self.options).items()},
+            "elapsed_s": round(self.elapsed_s, 4),
+            "stop": self.stop,
+            "timed": len(self.timed),
+            "rejected": len(self.rejected),
+            "speedup_vs_unfused": None if self.speedup_vs_unfused is None else round(self.speedup_vs_unfused, 4),
+            "spearman": None if self.spearman is None else round(self.spearman, 4),
+            "best": self.best_entry.to_json(),
+            "unfused": self.unfused_entry.to_json(),
+            "candidates": cands,
+            "log": self.log_lines,
+        }
+
+
+def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    """Spearman rank correlation (average ranks for ties); None below 3 points or for constant data."""
+    if len(xs) != len(ys):
+        raise ValueError("spearman needs two sequences of equal length")
+    if len(xs) < 3:
+        return None
+    rx, ry = _ranks(np.asarray(xs, dtype=float)), _ranks(np.asarray(ys, dtype=float))
+    if rx.std() == 0 or ry.std() == 0:
+        return None
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def _ranks(a: np.ndarray) -> np.ndarray:
+    order = np.argsort(a, kind="mergesort")
+    ranks = np.empty(len(a), dtype=float)
+    ranks[order] = np.arange(len(a), dtype=float)
+    for v in np.unique(a):  # ties share their average rank
+        tie = a == v
+        if tie.sum() > 1:
+            ranks[tie] = ranks[tie].mean()
+    return ranks
+
+
+class _Run:
+    """State of one search."""
+
+    def __init__(
+        self,
+        cands: CandidateSet,
+        backend: Backend,
+        inputs: Mapping[str, np.ndarray],
+        opts: SearchOptions,
+        slog: SearchLog,
+        on_candidate: Callable[[int, int], None] | None,
+    ) -> None:
+        self.cands, self.backend, self.inputs, self.opts, self.slog = cands, backend, inputs, opts, slog
+        self.expected = execute_graph(cands.graph, inputs, "device")
+        self.oracle: list[np.ndarray] | None = None  # fp64 values, computed on the first tolerance miss
+        self.entries: list[Entry] = []
+        self.seen: set[str] = set()
+        self.best: Entry | None = None
+        self.tried = 0  # candidates besides the baseline
+        self.t0 = time.perf_counter()
+        self.on_candidate = on_candidate
+        self.stop = ""
+
+    # -- budgets
+    def budget_left(self) -> bool:
+        if self.tried >= self.opts.max_candidates:
+            self.stop = self.stop or f"max candidates ({self.opts.max_candidates})"
+            return False
+        if time.perf_counter() - self.t0 >= self.opts.time_budget_s:
+            self.stop = self.stop or f"time budget ({self.opts.time_budget_s:g}s)"
+            return False
+        return True
+
+    # -- one candidate
+    def consider(self, plan: Plan, choice: dict[str, Option] | None, source: str, baseline: bool = False) -> bool:
+        """Compile, verify and time a new plan; False if it is a duplicate."""
+        if plan.key in self.seen:
+            return False
+        self.seen.add(plan.key)
+        if not baseline:
+            self.tried += 1
+        entry = Entry(plan, source, choice=choice)
+        self.entries.append(entry)
+        try:
+            self._evaluate(entry, baseline)
+        except BackendUnavailable:  # the machine cannot run this backend at all: not the candidate's fault
+            raise
+        except Exception as exc:  # a crashing candidate never takes the search down
+            log.debug("candidate %s failed", plan.key, exc_info=True)
+            self._reject(entry, f"{type(exc).__name__}: {_one_line(exc)}")
+        if self.on_candidate is not None:
+            self.on_candidate(self.tried, self.opts.max_candidates)
+        return True
+
+    def _evaluate(self, entry: Entry, baseline: bool) -> None:
+        compiled = self.backend.compile(entry.plan)
+        entry.compile_s = compiled.compile_s
+        entry.facts = [dict(f) for f in compiled.kernel_facts]
+        outs = compiled.run(self.inputs)
+        reason = self._verify(entry, outs)
+        if reason is not None:
+            self._reject(entry, reason)
+            return
+        stop_if = None if baseline or self.best is None else _stopper(self.best.meas_us * self.opts.early_stop)  # type: ignore[operator]
+        entry.verified = True
+        try:
+            timing = compiled.time(self.inputs, warmup=self.opts.warmup, repeats=self.opts.repeats, stop_if=stop_if)
+        except BackendError:
+            if self.backend.measures:
+                raise
+            return  # a verify-only backend (reference): verified, "not timed"
+        if not timing.samples_us:
+            raise RuntimeError("backend returned no timing samples")
+        entry.samples_us = list(timing.samples_us)
+        entry.meas_us = timing.median_us
+        entry.stopped_early = timing.stopped_early
+        entry.verdict = "timed"
+        self._record(entry)
+
+    def _verify(self, entry: Entry, outs: Sequence[np.ndarray]) -> str | None:
+        reason, entry.max_abs, entry.max_rel = check_outputs(
+            entry.plan, outs, self.expected, self.opts.rtol, self.opts.atol
+        )
+        if reason is not None and reason.startswith("tolerance"):  # the fp64 allowance, computed on demand
+            if self.oracle is None:
+                self.oracle = execute_graph(self.cands.graph, self.inputs, "oracle")
+            reason, entry.max_abs, entry.max_rel = check_outputs(
+                entry.plan, outs, self.expected, self.opts.rtol, self.opts.atol, self.oracle
+            )
+        return reason
+
+    def _reject(self, entry: Entry, reason: str) -> None:
+        entry.verdict = f"rejected: {reason}"
+        entry.meas_us = None
+        self.slog.rejected(reason, entry.plan, _origin(entry))
+
+    def _record(self, entry: Entry) -> None:
+        meas = entry.meas_us
+        assert meas is not None
+        if self.best is None:
+            self.best = entry
+            self.slog.start(entry.plan, entry.est_us, meas, _origin(entry))
+        elif meas < self.best.meas_us and not entry.stopped_early:  # type: ignore[operator]
+            gain = self.best.meas_us / meas  # type: ignore[operator]
+            self.best = entry
+            self.slog.faster(entry.plan, entry.est_us, meas, gain, _origin(entry))
+        else:
+            ratio = meas / self.best.meas_us  # type: ignore[operator]
+            stopped = len(entry.samples_us) if entry.stopped_early else None
+            self.slog.slower(entry.plan, ratio, entry.est_us, meas, stopped, _origin(entry))
+
+    # -- the genetic phase
+    def evolve(self, rng: random.Random) -> None:
+        ex = self.cands.extractor
+        mutator = Mutator(ex)
+        stall = 0
+        while self.budget_left():
+            if stall >= STALL_LIMIT:
+                self.stop = f"no new candidate in {STALL_LIMIT} tries"
+                return
+            elite = sorted(
+                (e for e in self.entries if e.timed and not e.stopped_early and e.choice is not None),
+                key=lambda e: e.meas_us,  # type: ignore[arg-type, return-value]
+            )[:ELITE]
+            if not elite or rng.random() < 0.25:
+                (choice,) = ex.sample(1, rng.randrange(2**31)) or [ex.unfused()]
+                source = "sample"
+            else:
+                a, b = rng.choice(elite), rng.choice(elite)
+                parent = a if a.meas_us <= b.meas_us else b  # type: ignore[operator]
+                assert parent.choice is not None
+                mutant = mutator.random_mutant(parent.choice, rng, exclude=self.seen)
+                if mutant is None:
+                    stall += 1
+                    continue
+                choice, source = mutant.choice, f"mutant: {mutant.label}"
+            plan = ex.plan_of(choice)
+            if self.consider(plan, choice, source):
+                stall = 0
+            else:
+                stall += 1
+
+
+def search(
+    cands: CandidateSet,
+    backend: Backend,
+    inputs: Mapping[str, np.ndarray] | None = None,
+    options: SearchOptions | None = None,
+    log: SearchLog | None = None,
+    *,
+    on_candidate: Callable[[int, int], None] | None = None,
+) -> SearchResult:
+    """Verify and time candidates on ``backend``; see the module docstring.
+
+    ``on_candidate(done, max_candidates)`` is called after each candidate (progress bars).
+    Raises :class:`SearchError` if no candidate, the baseline included, passes verification.
+    """
+    opts = options or SearchOptions()
+    opts.validate()
+    slog = log if log is not None else SearchLog()
+    inputs = inputs if inputs is not None else random_inputs(cands.graph, seed=opts.seed)
+    slog.header(cands.graph.name, cands.space, cands.complete, backend.name, cands.spec.name)
+    run = _Run(cands, backend, inputs, opts, slog, on_candidate)
+    ex = cands.extractor
+    unfused_choice = ex.unfused()
+    unfused = ex.plan_of(unfused_choice)
+    run.consider(unfused, unfused_choice, "unfused baseline", baseline=True)
+    for plan in cands.plans:
+        if plan.key in run.seen:
+            continue
+        if not run.budget_left():
+            break
+        run.consider(plan, cands.choices.get(plan.key), "model order")
+    else:
+        if cands.complete:
+            run.stop = run.stop or "every candidate tried"
+        else:
+            run.evolve(random.Random(opts.seed))
+    for plan in cands.plans:  # the rest of the cost-model list, for the record
+        if plan.key not in run.seen:
+            run.entries.append(Entry(plan, "model order", choice=cands.choices.get(plan.key)))
+    elapsed = time.perf_counter() - run.t0
+    if run.best is None:
+        verified = [e for e in run.entries if e.verified and not e.verdict.startswith("rejected")]
+        if not verified:
+            reasons = "; ".join(sorted({e.verdict for e in run.entries if e.verdict.startswith("rejected")}))
+            raise SearchError(f"every candidate was rejected ({reasons})")
+        # a verify-only backend: the model's favourite among the verified candidates
+        run.best = min(verified, key=lambda e: e.plan.sort_key())
+    run.best.verdict = "best"
+    base = run.entries[0]
+    speedup = base.meas_us / run.best.meas_us if base.timed and run.best.timed else None  # type: ignore[operator]
+    timed = [e for e in run.entries if e.timed]
+    rho = spearman([e.est_us for e in timed], [e.meas_us for e in timed])  # type: ignore[misc]
+    rejected = sum(e.verdict.startswith("rejected") for e in run.entries)
+    slog.footer(elapsed, run.best.plan, speedup, len(timed), rejected, rho, run.stop or "done")
+    return SearchResult(
+        graph=cands.graph.name,
+        backend=backend.name,
+        measures=backend.measures,
+        device=cands.spec.name,
+        space=cands.space,
+        enumerated=cands.complete,
+        best=run.best.plan,
+        unfused=unfused,
+        entries=run.entries,
+        log_lines=list(slog.lines),
+        speedup_vs_unfused=speedup,
+        spearman=rho,
+        elapsed_s=elapsed,
+        stop=run.stop or "done",
+        options=opts,
+    )
+
+
+def _json_float(x: float | None) -> float | str | None:
+    """Strict JSON has no Infinity/NaN: those become strings."""
+    if x is None or math.isfinite(x):
+        return x
+    return str(x)
+
+
+def _origin(entry: Entry) -> str:
+    """Log suffix for candidates that did not come from the cost-model list."""
+    return entry.source if entry.source.startswith(("mutant", "sample")) else ""
+
+
+def _stopper(bound: float) -> Callable[[float], bool]:
+    """``stop_if`` for CompiledPlan.time: running median above ``bound`` after enough samples."""
+    calls = 0
+
+    def stop_if(median_us: float) -> bool:
+        nonlocal calls
+        calls += 1
+        return calls >= MIN_SAMPLES_BEFORE_STOP and median_us > bound
+
+    return stop_if
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else "(no message)"

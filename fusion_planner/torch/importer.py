@@ -1,0 +1,879 @@
+"""Import a torch ``nn.Module`` (or a torch.compile graph) into the planner's IR.
+
+Tracing: ``torch.fx`` symbolic tracing first, ``torch.export`` where fx fails
+(shape-dependent Python control flow, modules fx cannot trace).  The traced
+graph is run once on the example inputs so every node has a concrete value;
+shapes, dtypes and constants come from those values.
+
+Mapping (everything else becomes an ``Opaque`` node executed by torch, see
+:mod:`fusion_planner.torch.ops`):
+
+* ``nn.Linear`` / ``F.linear``  -> ``MatMul`` with the weight bound transposed as a
+  ``(K, N)`` input, then ``BiasAdd``;
+* GELU by its ``approximate`` argument -> ``GeluTanh`` / ``GeluErf``; relu -> ``Relu``;
+  silu -> ``Silu``;
+* tensor + tensor -> ``Add`` (``BiasAdd`` for a 1-D row vector), tensor * tensor -> ``Mul``,
+  tensor - tensor -> ``Add`` of an ``Affine(-1, 0)``;
+* a tensor with a Python scalar (``x*a``, ``x+b``, ``x-b``, ``b-x``, ``-x``, ``x/a``) -> ``Affine``;
+* views that keep the flattened shape, eval-mode dropout, contiguous/clone -> no node.
+
+IR tensors are stored flattened: leading dims fold into one row dim, so a
+``(B, S, D)`` activation is a ``(B*S, D)`` IR tensor and Linear is a plain 2-D
+GEMM (:func:`fusion_planner.core.opaque.flat_shape`).  Parameters and buffers become
+graph inputs bound from the module at call time; constant tensors computed
+from them at import are captured.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import logging
+import operator
+import os
+import traceback
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import fx, nn
+from torch.export.graph_signature import InputKind
+from torch.utils import _pytree as pytree
+
+from fusion_planner.core.graph import Graph, GraphBuilder, GraphError
+from fusion_planner.core.opaque import flat_shape, step_flops
+from fusion_planner.core.ops import OPS, OpError
+from fusion_planner.torch.errors import TorchImportError
+from fusion_planner.torch.ops import IMPORTER_TABLE as _CANON
+from fusion_planner.torch.ops import encode_arg, resolve_torch_fn, torch_fn_name, trust_traced
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES: dict[torch.dtype, str] = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_PLANNER_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def ir_dtype(dtype: torch.dtype, what: str) -> str:
+    try:
+        return TORCH_DTYPES[dtype]
+    except KeyError:
+        raise TorchImportError(
+            f"{what} has dtype {str(dtype).removeprefix('torch.')}; the planner supports float32, float16 and bfloat16 only"
+        ) from None
+
+
+# ---------------------------------------------------------------- the imported module
+
+
+@dataclass(frozen=True)
+class Binding:
+    """Where the value of one graph input comes from at call time."""
+
+    name: str  # IR input id
+    source: str  # "arg" (flattened call inputs) | "state" (module parameter/buffer) | "const"
+    key: int | str
+    transpose: bool = False  # a Linear weight bound as (K, N)
+    shape: tuple[int, ...] = ()  # torch shape of the source tensor
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    index: int  # position in graph.outputs
+    shape: tuple[int, ...]  # torch shape
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class ImportedModule:
+    """A module's IR graph plus how to feed it and how to rebuild its outputs."""
+
+    graph: Graph
+    bindings: tuple[Binding, ...]
+    constants: Mapping[str, np.ndarray]
+    arg_specs: tuple[tuple[tuple[int, ...], torch.dtype], ...]  # flattened call inputs
+    outputs: tuple[OutputSpec, ...]
+    out_tree: Any  # pytree spec of the module's return value
+    opaque_ops: tuple[str, ...]
+    tracer: str  # "fx" | "export" | "dynamo"
+
+    def check_args(self, args: Sequence[Any]) -> list[torch.Tensor]:
+        flat, _ = pytree.tree_flatten(tuple(args))
+        if len(flat) != len(self.arg_specs):
+            raise TorchImportError(f"expected {len(self.arg_specs)} input tensor(s) as at planning time, got {len(flat)}")
+        for i, (t, (shape, dtype)) in enumerate(zip(flat, self.arg_specs, strict=False)):
+            if not isinstance(t, torch.Tensor):
+                raise TorchImportError(f"input {i} is a {type(t).__name__}, expected a tensor")
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise TorchImportError(
+                    f"input {i} is {_describe(t)}, but the plan was made for "
+                    f"{list(shape)} {str(dtype).removeprefix('torch.')}; plan again for new shapes"
+                )
+        return flat
+
+    def wrap_outputs(self, arrays: Sequence[np.ndarray]) -> Any:
+        leaves = [
+            torch.from_numpy(np.ascontiguousarray(arrays[o.index])).to(o.dtype).reshape(o.shape) for o in self.outputs
+        ]
+        return pytree.tree_unflatten(leaves, self.out_tree)
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+
+
+def graph_inputs_from_module(
+    imported: ImportedModule, module: nn.Module | Mapping[str, torch.Tensor] | None, args: Sequence[Any]
+) -> dict[str, np.ndarray]:
+    """The graph's input arrays (float32, flattened to IR shapes): call inputs, parameters, buffers."""
+    flat = imported.check_args(args)
+    if isinstance(module, nn.Module):
+        state: Mapping[str, torch.Tensor] = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    else:
+        state = module or {}
+    out: dict[str, np.ndarray] = {}
+    for b in imported.bindings:
+        if b.source == "const":
+            out[b.name] = imported.constants[b.name]
+            continue
+        if b.source == "arg":
+            t = flat[int(b.key)]
+        else:
+            if b.key not in state:
+                raise TorchImportError(f"module has no parameter or buffer {b.key!r} (graph input {b.name!r})")
+            t = state[str(b.key)]
+        out[b.name] = _to_numpy(t, b.transpose)
+    return out
+
+
+def _to_numpy(t: torch.Tensor, transpose: bool = False) -> np.ndarray:
+    t = t.detach()
+    if transpose:
+        t = t.t()
+    a = t.to(torch.float32).cpu().contiguous().numpy()
+    return a.reshape(flat_shape(a.shape))
+
+
+# ---------------------------------------------------------------- tracing
+
+
+class _Tracer(fx.Tracer):
+    """Keeps only the modules the importer maps as leaves; traces into all others."""
+
+    LEAVES = (nn.Linear, nn.GELU, nn.ReLU, nn.SiLU, nn.LayerNorm, nn.Dropout, nn.Identity)
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return type(m) in self.LEAVES
+
+
+class _Recorder(fx.Interpreter):
+    """Runs a graph once and keeps every node's concrete value."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.values: dict[fx.Node, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        v = super().run_node(n)
+        # an in-place op later in the graph must not change the value recorded here
+        self.values[n] = v.detach().clone() if isinstance(v, torch.Tensor) and n.op.startswith("call_") else v
+        return v
+
+
+def _user_frame(exc: BaseException) -> str | None:
+    """``file:line (`source`)`` of the innermost frame of user code in a traceback."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_TORCH_DIR)]
+    frames = [f for f in frames if not f.filename.startswith("<") and f.line]  # generated code has no source
+    frames = [f for f in frames if os.path.dirname(os.path.abspath(f.filename)) != _PLANNER_DIR]
+    if not frames:
+        return None
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} (`{(f.line or '').strip()}`)"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _trace(module: nn.Module | torch.export.ExportedProgram, args: tuple[Any, ...], strategy: str) -> tuple[fx.GraphModule, list[Any], str, Any]:
+    """Trace with fx, else torch.export; returns the graph module, its placeholder values and specs."""
+    fx_error: BaseException | None = None
+    if strategy in ("auto", "fx"):
+        try:
+            tracer = _Tracer()
+            graph = tracer.trace(module)
+            gm = fx.GraphModule(tracer.root, graph)
+            n_ph = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
+            if n_ph != len(args):
+                raise TorchImportError(f"forward takes {n_ph} input(s) after tracing, got {len(args)} example input(s)")
+            return gm, list(args), "fx", None
+        except TorchImportError:
+            raise
+        except Exception as exc:  # fx raises TraceError, TypeError, AttributeError ... on untraceable code
+            fx_error = exc
+            if strategy == "fx":
+                raise _untraceable(exc, None) from exc
+            log.info("torch.fx could not trace %s (%s); trying torch.export", type(module).__name__, _first_line(exc))
+    try:
+        ep = module if isinstance(module, torch.export.ExportedProgram) else torch.export.export(module, args)
+    except Exception as exc:
+        raise _untraceable(fx_error, exc) from exc
+    return _from_export(ep, args)
+
+
+def _from_export(ep: torch.export.ExportedProgram, args: tuple[Any, ...]) -> tuple[fx.GraphModule, list[Any], str, Any]:
+
+    state = {**ep.state_dict, **ep.constants}
+    flat_args, _ = pytree.tree_flatten(args)
+    values: list[Any] = []
+    sources: list[tuple[str, Any]] = []
+    user = 0
+    for spec in ep.graph_signature.input_specs:
+        if spec.kind == InputKind.USER_INPUT:
+            values.append(flat_args[user])
+            sources.append(("arg", user))
+            user += 1
+        elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            values.append(state[spec.target])
+            sources.append(("state", spec.target))
+        else:
+            raise TorchImportError(f"exported program input {spec.arg.name!r} has unsupported kind {spec.kind.name}")
+    return ep.graph_module, values, "export", sources
+
+
+def _untraceable(fx_exc: BaseException | None, export_exc: BaseException | None) -> TorchImportError:
+    where = _user_frame(fx_exc) if fx_exc is not None else None
+    if where is None and export_exc is not None:
+        where = _user_frame(export_exc)
+    head = "the module cannot be traced" + (f" at {where}" if where else "")
+    errors = [f"torch.fx: {_first_line(e)}" for e in (fx_exc,) if e is not None]
+    errors += [f"torch.export: {_first_line(e)}" for e in (export_exc,) if e is not None]
+    text = " ".join(errors)
+    if "control flow" in text or "data-dependent" in text or "DataDependent" in text:
+        hint = (
+            "Data-dependent Python control flow (an `if`/`while` on tensor values) cannot be planned: "
+            "rewrite it with torch.cond or torch.where so that torch.export.export(module, inputs) succeeds"
+        )
+    else:
+        hint = "Run torch.export.export(module, inputs) to see the failing construct, then pass the ExportedProgram"
+    return TorchImportError(f"{head}: {'; '.join(errors)}. {hint}.")
+
+
+# ---------------------------------------------------------------- values during import
+
+
+@dataclass(frozen=True)
+class _T:
+    """A tensor value during import: an IR tensor (``id``) or a not yet materialised source."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    runtime: bool  # depends on a call input
+    id: str | None = None  # IR node id once materialised (computed values always have one)
+    source: tuple[str, Any] | None = None  # ("arg", i) | ("state", name) for graph inputs
+    name: str = ""
+    #: an Opaque result not emitted yet: its single consumer, if torch-backed too, folds it in
+    program: _Program | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True, eq=False)
+class _Program:
+    """Torch calls (JSON steps) over materialised IR inputs, the last one giving the value."""
+
+    node: fx.Node
+    steps: tuple[dict[str, Any], ...]
+    inputs: tuple[str, ...]
+    in_shapes: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class _Multi:
+    """A call returning several tensors: each ``getitem`` becomes its own Opaque node."""
+
+    node: fx.Node
+    impl: str
+    value: Any
+
+
+_INPLACE_OPERATORS = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+                      operator.itruediv: operator.truediv}
+_aten = torch.ops.aten
+_SHAPE_QUERIES = {("method", "size"), ("method", "dim"), ("method", "numel"), getattr, operator.getitem, len,
+                  _aten.sym_size.int}
+
+
+def _op_for_torch_call(target: Any, args: Any, kwargs: Any) -> str | None:
+    """The op-table op whose ``torch_names`` name this call of one tensor and nothing else."""
+    if len(args) != 1 or kwargs or not isinstance(args[0], _T):
+        return None
+    name = torch_fn_name(target)
+    for op in OPS.values():
+        if name in op.torch_names and op.arity == 1 and not op.attrs and op.kind == "elementwise":
+            return op.name
+    return None
+
+
+def _is_scalar(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass
+class _Importer:
+    name: str
+    tracer: str
+    gm: fx.GraphModule
+    values: dict[fx.Node, Any]
+    sources: list[tuple[str, Any]]  # per placeholder
+    module: nn.Module | None = None
+    b: GraphBuilder = field(init=False)
+    env: dict[fx.Node, Any] = field(default_factory=dict)
+    bindings: dict[tuple[Any, ...], Binding] = field(default_factory=dict)
+    constants: dict[str, np.ndarray] = field(default_factory=dict)
+    opaque_names: list[str] = field(default_factory=list)
+    opaque_kernels: int = 0
+    emitted: dict[int, str] = field(default_factory=dict)  # id(_Program) -> IR id
+    ids: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.b = GraphBuilder(self.name)
+
+    # -- ids and materialisation
+    def fresh(self, base: str) -> str:
+        clean = "".join(c if c.isalnum() or c in "_." else "_" for c in base)[:110] or "t"
+        if not (clean[0].isalpha() or clean[0] == "_"):
+            clean = "t_" + clean
+        out, i = clean, 1
+        while out in self.ids:
+            i += 1
+            out = f"{clean}_{i}"
+        self.ids.add(out)
+        return out
+
+    def use(self, v: Any, hint: str, transpose: bool = False) -> str:
+        """The IR id holding ``v`` (a tensor value), creating a graph input on first use."""
+        if isinstance(v, _T) and v.program is not None:
+            return self.materialise(v)
+        if isinstance(v, _T) and v.id is not None and not transpose:
+            return v.id
+        if isinstance(v, _T):
+            assert v.source is not None
+            key: tuple[Any, ...] = (*v.source, transpose)
+            name_base = v.name
+        else:
+            key = ("const", hint, transpose)
+            name_base = hint
+        if key in self.bindings:
+            return self.bindings[key].name
+        tensor = v if isinstance(v, torch.Tensor) else None
+        shape = tuple(v.shape)
+        dtype = ir_dtype(v.dtype, f"tensor {name_base!r}")
+        ir_shape = (shape[1], shape[0]) if transpose else flat_shape(shape)
+        nid = self.fresh(name_base + (".T" if transpose else ""))
+        self.b.input(nid, ir_shape, dtype)
+        if tensor is not None:
+            self.constants[nid] = _to_numpy(tensor, transpose)
+            self.bindings[key] = Binding(nid, "const", hint, transpose, shape)
+        else:
+            assert isinstance(v, _T) and v.source is not None
+            self.bindings[key] = Binding(nid, v.source[0], v.source[1], transpose, shape)
+        return nid
+
+    def emit(self, node: fx.Node, op: str, inputs: Sequence[str], attrs: Mapping[str, Any] | None,
+             shape: Sequence[int], dtype: torch.dtype, suffix: str = "") -> _T:
+        nid = self.fresh(node.name + suffix)
+        try:
+            self.b.op(nid, op, inputs, attrs)
+        except GraphError as exc:
+            raise TorchImportError(f"{self.where(node)}: {exc}") from None
+        return _T(tuple(shape), dtype, True, nid)
+
+    def where(self, node: fx.Node) -> str:
+        st = node.meta.get("stack_trace")
+        last = st.strip().splitlines()[-2].strip() if st and len(st.strip().splitlines()) >= 2 else None
+        return f"node {node.name!r} ({node.format_node()})" + (f" from {last}" if last else "")
+
+    # -- walking the graph
+    def run(self) -> tuple[list[str], list[OutputSpec], Any]:
+        ph = 0
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder":
+                self.env[node] = self.source_value(node, self.sources[ph])
+                ph += 1
+            elif node.op == "get_attr":
+                v = self.values[node]
+                self.env[node] = (
+                    _T(tuple(v.shape), v.dtype, False, source=("state", node.target), name=str(node.target))
+                    if isinstance(v, torch.Tensor) else v
+                )
+            elif node.op in ("call_function", "call_method", "call_module"):
+                self.env[node] = self.call(node)
+            elif node.op == "output":
+                return self.outputs(node)
+        raise TorchImportError("traced graph has no output node")
+
+    def source_value(self, node: fx.Node, source: tuple[str, Any]) -> Any:
+        v = self.values[node]
+        if not isinstance(v, torch.Tensor):
+            raise TorchImportError(f"input {node.name!r} is a {type(v).__name__}; only tensor inputs are supported")
+        ir_dtype(v.dtype, f"input {node.name!r}")
+        name = str(source[1]) if source[0] == "state" else node.name
+        return _T(tuple(v.shape), v.dtype, source[0] == "arg", source=source, name=name)
+
+    def outputs(self, node: fx.Node) -> tuple[list[str], list[OutputSpec], Any]:
+        leaves, tree = pytree.tree_flatten(node.args[0])
+        outs: list[str] = []
+        specs: list[OutputSpec] = []
+        for i, leaf in enumerate(leaves):
+            v = self.env.get(leaf) if isinstance(leaf, fx.Node) else leaf
+            if not isinstance(v, (_T, torch.Tensor)):
+                raise TorchImportError(f"output {i} is a {type(v).__name__}; only tensor outputs are supported")
+            oid = self.use(v, f"out{i}")
+            if oid not in outs:
+                outs.append(oid)
+            specs.append(OutputSpec(outs.index(oid), tuple(v.shape), v.dtype))
+        return outs, specs, tree
+
+    def arg(self, a: Any) -> Any:
+        return fx.node.map_arg(a, lambda n: self.env[n])
+
+    def call(self, node: fx.Node) -> Any:
+        """Map one call; an in-place op is mapped out of place and rebinds the tensor it mutated."""
+        out = self._call(node)
+        mutated = self.mutated_input(node)
+        if mutated is not None and isinstance(out, (_T, torch.Tensor)):
+            self.env[mutated] = out
+        return out
+
+    def mutated_input(self, node: fx.Node) -> fx.Node | None:
+        first = node.args[0] if node.args else None
+        if not isinstance(first, fx.Node):
+            return None
+        if node.op == "call_method":
+            name = str(node.target)
+            inplace = name.endswith("_") and not name.startswith("_")
+        elif node.op == "call_module":
+            inplace = bool(getattr(self.gm.get_submodule(str(node.target)), "inplace", False))
+        else:
+            inplace = node.target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True
+        return first if inplace else None
+
+    def _call(self, node: fx.Node) -> Any:
+        args, kwargs = self.arg(node.args), self.arg(node.kwargs)
+        if node.op == "call_module":
+            return self.call_module(node, args, kwargs)
+        fn_target: Any = node.target
+        if self.mutated_input(node) is not None:
+            if node.op == "call_method":
+                fn_target = str(node.target)[:-1]
+            fn_target = _INPLACE_OPERATORS.get(fn_target, fn_target)
+            if "inplace" in kwargs:
+                kwargs = {**kwargs, "inplace": False}
+        target = ("method", fn_target) if node.op == "call_method" else fn_target
+        leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, (_T, _Multi))]
+        concrete = self.values[node]
+        if not any(isinstance(x, _Multi) or x.runtime for x in leaves):
+            return self.fold(node, concrete)
+        if not isinstance(concrete, torch.Tensor) and not isinstance(concrete, (tuple, list)):
+            if _CANON.get(target) is None and target not in _SHAPE_QUERIES:
+                raise TorchImportError(
+                    f"{self.where(node)} turns a tensor into the Python value {concrete!r}: data-dependent "
+                    "values cannot be planned; use torch.export with torch.cond, or keep the value a tensor"
+                )
+            return concrete  # a shape query: shapes are fixed at planning time
+        if target in _SHAPE_QUERIES and not isinstance(concrete, torch.Tensor) and target is not operator.getitem:
+            return concrete
+        if target is operator.getitem and isinstance(args[0], _Multi):
+            return self.opaque(node, args[0].impl, args[0].node, item=int(args[1]))
+        if target is operator.getitem and not isinstance(args[0], _T):
+            return concrete  # indexing a shape tuple
+        kind = _CANON.get(target)
+        if kind is None:
+            op = _op_for_torch_call(fn_target, args, kwargs)
+            if op is not None and isinstance(concrete, torch.Tensor):
+                return self.unary(node, op, args[0], concrete)
+        handler = getattr(self, f"map_{kind}", None) if kind else None
+        if handler is not None:
+            out = handler(node, args, kwargs, concrete)
+            if out is not None:
+                return out
+        return self.generic(node, fn_target, args, kwargs)
+
+    def fold(self, node: fx.Node, concrete: Any) -> Any:
+        """A value computed from constants and parameters only: captured at import."""
+        if isinstance(concrete, torch.Tensor):
+            return concrete.detach().clone()
+        return concrete
+
+    # -- mapped ops
+    def unary(self, node: fx.Node, op: str, x: Any, concrete: torch.Tensor) -> _T | None:
+        if not isinstance(x, _T):
+            return None
+        return self.emit(node, op, [self.use(x, node.name)], None, concrete.shape, concrete.dtype)
+
+    def map_relu(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
+        return self.unary(node, "Relu", args[0], concrete)
+
+    def map_silu(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
+        if kwargs.get("inplace") or (len(args) > 1 and args[1]):
+            return None
+        return self.unary(node, "Silu", args[0], concrete)
+
+    def map_gelu(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
+        approx = kwargs.get("approximate", args[1] if len(args) > 1 else "none")
+        op = {"tanh": "GeluTanh", "none": "GeluErf"}.get(approx)
+        return self.unary(node, op, args[0], concrete) if op else None
+
+    def map_linear(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
+        x = args[0]
+        w = kwargs.get("weight", args[1] if len(args) > 1 else None)
+        bias = kwargs.get("bias", args[2] if len(args) > 2 else None)
+        if not isinstance(x, _T) or len(x.shape) < 2 or not _is_leaf_tensor(w) or len(w.shape) != 2:
+            return None
+        if bias is not None and (not _is_leaf_tensor(bias) or len(bias.shape) != 1):
+            return None
+        wname = w.name if isinstance(w, _T) else f"{node.name}_weight"
+        mm = self.emit(node, "MatMul", [self.use(x, node.name), self.use(w, wname, transpose=True)], None,
+                       concrete.shape, concrete.dtype, suffix="_mm" if bias is not None else "")
+        if bias is None:
+            return mm
+        bname = bias.name if isinstance(bias, _T) else f"{node.name}_bias"
+        return self.emit(node, "BiasAdd", [mm.id, self.use(bias, bname)], None, concrete.shape, concrete.dtype)
+
+    def affine(self, node: fx.Node, x: _T, a: float, b: float, concrete: torch.Tensor, suffix: str = "") -> _T:
+        return self.emit(node, "Affine", [self.use(x, node.name)], {"a": float(a), "b": float(b)},
+                         concrete.shape, concrete.dtype, suffix)
+
+    def binary(self, node, args, kwargs, concrete, kind):  # noqa: ANN001, ANN201
+        if kwargs.get("alpha", 1) != 1 or len(args) != 2 or kwargs.get("rounding_mode") is not None:
+            return None
+        a, c = args
+        if not isinstance(concrete, torch.Tensor):
+            return None
+        if isinstance(a, _T) and _is_scalar(c):
+            coef = {"add": (1.0, c), "sub": (1.0, -c), "mul": (c, 0.0), "div": (1.0 / c if c else None, 0.0)}[kind]
+            return None if coef[0] is None else self.affine(node, a, coef[0], coef[1], concrete)
+        if isinstance(c, _T) and _is_scalar(a):
+            coef = {"add": (1.0, a), "sub": (-1.0, a), "mul": (a, 0.0), "div": (None, 0.0)}[kind]
+            return None if coef[0] is None else self.affine(node, c, coef[0], coef[1], concrete)
+        if not (_is_tensor(a) and _is_tensor(c)) or a.dtype != c.dtype or kind == "div":
+            return None
+        out = tuple(concrete.shape)
+        if tuple(a.shape) == tuple(c.shape) == out:
+            if kind == "sub":
+                neg = self.affine(node, c, -1.0, 0.0, concrete, suffix="_neg")
+                return self.emit(node, "Add", [self.use(a, node.name), neg.id], None, out, concrete.dtype)
+            op = {"add": "Add", "mul": "Mul"}[kind]
+            return self.emit(node, op, [self.use(a, node.name), self.use(c, f"{node.name}_rhs")], None, out, concrete.dtype)
+        if kind == "add" and len(out) >= 2:
+            for x, bias in ((a, c), (c, a)):
+                if tuple(x.shape) == out and tuple(bias.shape) == (out[-1],):
+                    return self.emit(node, "BiasAdd", [self.use(x, node.name), self.use(bias, f"{node.name}_bias")],
+                                     None, out, concrete.dtype)
+        return None
+
+    def map_add(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
+        return self.binary(node, args, kwargs, concrete, "add")
+
+    def map_sub(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
+        return self.binary(node, args, kwargs, concrete, "sub")
+
+    def map_mul(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
+        return self.binary(node, args, kwargs, concrete, "mul")
+
+    def map_div(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
+        return self.binary(node, args, kwargs, concrete, "div")
+
+    def map_neg(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
+        return self.affine(node, args[0], -1.0, 0.0, concrete) if isinstance(args[0], _T) else None
+
+    def map_rsub(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
+        alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
+        if isinstance(args[0], _T) and _is_scalar(args[1]) and _is_scalar(alpha):
+            return self.affine(node, args[0], -float(alpha), float(args[1]), concrete)
+        return None
+
+    def alias(self, x: Any, concrete: Any) -> _T | None:
+        """The same IR tensor seen with another torch shape (no node, no copy)."""
+        if not isinstance(x, _T) or not isinstance(concrete, torch.Tensor) or concrete.dtype != x.dtype:
+            return None
+        if flat_shape(concrete.shape) != flat_shape(x.shape):
+            return None
+        if x.program is not None:
+            x = _T(x.shape, x.dtype, x.runtime, self.materialise(x))
+        if x.id is None:
+            return _T(tuple(concrete.shape), x.dtype, x.runtime, None, x.source, x.name) if concrete.shape == x.shape else None
+        return _T(tuple(concrete.shape), x.dtype, x.runtime, x.id)
+
+    def map_view(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
+        return self.alias(args[0], concrete)
+
+    def map_same(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
+        return self.alias(args[0], concrete)
+
+    def map_to(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
+        return self.alias(args[0], concrete)
+
+    def map_dropout(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
+        train = kwargs.get("training", kwargs.get("train", args[2] if len(args) > 2 else True))
+        p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+        if train and p:
+            raise TorchImportError(f"{self.where(node)}: dropout in training mode is random; call module.eval() first")
+        return self.alias(args[0], concrete)
+
+    def call_module(self, node: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        m = self.gm.get_submodule(str(node.target))
+        concrete = self.values[node]
+        x = args[0]
+        if not isinstance(x, _T) or not x.runtime:
+            return self.fold(node, concrete)
+
+        def state(attr: str) -> _T | None:
+            t = getattr(m, attr, None)
+            if t is None:
+                return None
+            key = f"{node.target}.{attr}"
+            return _T(tuple(t.shape), t.dtype, False, source=("state", key), name=key)
+
+        if isinstance(m, nn.Linear):
+            return self.map_linear(node, (x, state("weight"), state("bias")), {}, concrete)
+        if isinstance(m, nn.GELU):
+            return self.map_gelu(node, (x,), {"approximate": m.approximate}, concrete)
+        if isinstance(m, nn.ReLU):
+            return self.unary(node, "Relu", x, concrete)
+        if isinstance(m, nn.SiLU):
+            return self.unary(node, "Silu", x, concrete)
+        if isinstance(m, (nn.Dropout, nn.Identity)):
+            if isinstance(m, nn.Dropout) and m.training and m.p:
+                raise TorchImportError(f"{self.where(node)}: dropout in training mode is random; call module.eval() first")
+            return self.alias(x, concrete)
+        assert isinstance(m, nn.LayerNorm)
+        call_args = (x, tuple(m.normalized_shape), state("weight"), state("bias"), float(m.eps))
+        return self.opaque_call(node, "torch.nn.functional.layer_norm", call_args, {}, concrete)
+
+    # -- everything else
+    def generic(self, node: fx.Node, target: Any, args: Any, kwargs: Any) -> Any:
+        name = trust_traced(target)  # the module is trusted code: an unlisted op is kept, for this process only
+        if name is None:
+            raise TorchImportError(
+                f"{self.where(node)}: {target!r} is not a torch function the planner can name; "
+                "it cannot be executed as an Opaque kernel"
+            )
+        concrete = self.values[node]
+        if isinstance(concrete, (tuple, list)):
+            return _Multi(node, name, concrete)
+        return self.opaque_call(node, name, args, kwargs, concrete)
+
+    def opaque(self, getitem: fx.Node, impl: str, call_node: fx.Node, item: int) -> _T:
+        args, kwargs = self.arg(call_node.args), self.arg(call_node.kwargs)
+        return self.opaque_call(getitem, impl, args, kwargs, self.values[getitem], item=item)
+
+    def opaque_call(self, node: fx.Node, impl: str, args: Any, kwargs: Any, concrete: Any, item: int = -1) -> _T:
+        """A torch call as an Opaque node; single-use torch-backed inputs are folded into its steps."""
+        if not isinstance(concrete, torch.Tensor):
+            raise TorchImportError(f"{self.where(node)} returns a {type(concrete).__name__}, not a tensor")
+        ir_dtype(concrete.dtype, f"the result of {self.where(node)}")
+        try:
+            resolve_torch_fn(impl)
+        except OpError as exc:
+            raise TorchImportError(f"{self.where(node)}: {exc}") from None
+        inputs: list[str] = []
+        in_shapes: list[tuple[int, ...]] = []
+        steps: list[dict[str, Any]] = []
+        folded: dict[int, int] = {}  # id(_Program) -> its last step here
+
+        def add_input(nid: str, shape: tuple[int, ...]) -> int:
+            if nid not in inputs:
+                inputs.append(nid)
+                in_shapes.append(shape)
+            return inputs.index(nid)
+
+        def fold(p: _Program) -> int:
+            if id(p) not in folded:
+                base = len(steps)
+                remap = {k: add_input(nid, shp) for k, (nid, shp) in enumerate(zip(p.inputs, p.in_shapes, strict=True))}
+                steps.extend(_renumber(st, remap, base) for st in p.steps)
+                folded[id(p)] = len(steps) - 1
+            return folded[id(p)]
+
+        shapes: list[list[int]] = []
+
+        def ref(v: Any) -> dict[str, int] | None:
+            is_float = isinstance(v, torch.Tensor) and v.dtype in TORCH_DTYPES
+            if not isinstance(v, _T) and not is_float:
+                return None
+            shapes.append(list(v.shape))
+            if isinstance(v, _T) and v.program is not None and len(v.program.node.users) == 1:
+                return {"$step": fold(v.program)}
+            return {"$in": add_input(self.use(v, f"{node.name}_const{len(inputs)}"), tuple(v.shape))}
+
+        try:
+            step = {"impl": impl, "args": encode_arg(list(args), ref), "kwargs": encode_arg(dict(kwargs), ref)}
+        except TypeError as exc:
+            raise TorchImportError(f"{self.where(node)}: {exc}") from None
+        step.update({"item": item, "shapes": shapes, "out": list(concrete.shape)})
+        steps.append(step)
+        self.opaque_names.append(impl)
+        value = _T(tuple(concrete.shape), concrete.dtype, True,
+                   program=_Program(node, tuple(steps), tuple(inputs), tuple(in_shapes)))
+        users = list(node.users)
+        if len(users) == 1 and users[0].op != "output":
+            return value  # emitted when its consumer is not torch-backed
+        return _T(value.shape, value.dtype, True, self.materialise(value))
+
+    def materialise(self, v: _T) -> str:
+        """Emit a pending torch-backed value as one Opaque node (once)."""
+        p = v.program
+        assert p is not None
+        if id(p) not in self.emitted:
+            call = {"steps": list(p.steps), "in": [list(s) for s in p.in_shapes], "out": list(v.shape)}
+            # named after its heaviest call (attention rather than the transposes around it)
+            impl = str(max(reversed(p.steps), key=step_flops)["impl"])
+            out = self.emit(p.node, "Opaque", list(p.inputs), {"impl": impl, "call": json.dumps(call, separators=(",", ":"))},
+                            v.shape, v.dtype)
+            assert out.id is not None
+            self.emitted[id(p)] = out.id
+            self.opaque_kernels += 1
+        return self.emitted[id(p)]
+
+
+def _renumber(step: dict[str, Any], inputs: Mapping[int, int], base: int) -> dict[str, Any]:
+    """A folded step with its input and step references moved to the consumer's numbering."""
+
+    def walk(d: Any) -> Any:
+        if isinstance(d, list):
+            return [walk(x) for x in d]
+        if isinstance(d, dict):
+            if set(d) == {"$in"}:
+                return {"$in": inputs[d["$in"]]}
+            if set(d) == {"$step"}:
+                return {"$step": base + d["$step"]}
+            return {k: walk(x) for k, x in d.items()}
+        return d
+
+    return {**step, "args": walk(step["args"]), "kwargs": walk(step["kwargs"])}
+
+
+def _is_tensor(v: Any) -> bool:
+    return isinstance(v, (_T, torch.Tensor))
+
+
+def _is_leaf_tensor(v: Any) -> bool:
+    """A tensor the importer can bind as a graph input (possibly transposed)."""
+    return isinstance(v, torch.Tensor) or (isinstance(v, _T) and v.source is not None)
+
+
+# ---------------------------------------------------------------- entry points
+
+
+def _check_example_inputs(module: Any, args: tuple[Any, ...]) -> None:
+    flat, _ = pytree.tree_flatten(args)
+    if not flat:
+        raise TorchImportError("no example inputs: pass the tensors the model is called with")
+    for i, t in enumerate(flat):
+        if not isinstance(t, torch.Tensor):
+            raise TorchImportError(f"example input {i} is a {type(t).__name__}; only tensors are supported")
+        ir_dtype(t.dtype, f"example input {i}")
+    if isinstance(module, nn.Module):
+        try:
+            inspect.signature(module.forward).bind(*args)
+        except TypeError as exc:
+            raise TorchImportError(
+                f"example inputs do not match {type(module).__name__}.forward{inspect.signature(module.forward)}: {exc}"
+            ) from None
+        for name, p in [*module.named_parameters(), *module.named_buffers()]:
+            if p.is_floating_point():
+                ir_dtype(p.dtype, f"parameter {name!r}")
+
+
+def import_module(module: nn.Module | torch.export.ExportedProgram, example_inputs: Any, *, strategy: str = "auto") -> ImportedModule:
+    """Trace ``module`` on ``example_inputs`` and map it to the IR (see the module docstring)."""
+    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    _check_example_inputs(module, args)
+    if isinstance(module, nn.Module):
+        try:
+            with torch.no_grad():
+                module(*args)
+        except Exception as exc:
+            raise TorchImportError(f"example inputs do not fit {type(module).__name__}: {_first_line(exc)}") from None
+    gm, ph_values, tracer, sources = _trace(module, args, strategy)
+    if sources is None:
+        sources = [("arg", i) for i in range(len(ph_values))]
+    name = type(module).__name__ if isinstance(module, nn.Module) else "exported"
+    return _import_graph(gm, ph_values, sources, tracer, name)
+
+
+def _import_graph(gm: fx.GraphModule, ph_values: Sequence[Any], sources: list[tuple[str, Any]], tracer: str, name: str) -> ImportedModule:
+    rec = _Recorder(gm)
+    try:
+        with torch.no_grad():
+            rec.run(*ph_values)
+    except Exception as exc:
+        raise TorchImportError(f"running the traced graph on the example inputs failed: {_first_line(exc)}") from None
+    imp = _Importer(name, tracer, gm, rec.values, sources)
+    outs, specs, tree = imp.run()
+    try:
+        graph = imp.b.build(outs)
+    except GraphError as exc:
+        raise TorchImportError(f"{name}: {exc}") from None
+    arg_specs = tuple((tuple(v.shape), v.dtype) for v, s in zip(ph_values, sources, strict=False) if s[0] == "arg")
+    if imp.opaque_names:
+        counts: dict[str, int] = {}
+        for o in imp.opaque_names:
+            counts[o] = counts.get(o, 0) + 1
+        log.info("%s: %d op(s) stayed opaque (executed by torch, in %d Opaque kernel(s)): %s", name,
+                 len(imp.opaque_names), imp.opaque_kernels, ", ".join(f"{k} x{v}" for k, v in counts.items()))
+    return ImportedModule(
+        graph=graph,
+        bindings=tuple(imp.bindings.values()),
+        constants=dict(imp.constants),
+        arg_specs=arg_specs,
+        outputs=tuple(specs),
+        out_tree=tree,
+        opaque_ops=tuple(imp.opaque_names),
+        tracer=tracer,
+    )
+
+
+def import_fx_graph(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], name: str = "dynamo") -> ImportedModule:
+    """Import a graph captured by torch.compile: every placeholder is a call input."""
+    sources = [("arg", i) for i in range(len(example_inputs))]
+    return _import_graph(gm, list(example_inputs), sources, "dynamo", name)
+
+
+def load_factory(spec: str) -> tuple[Any, Any]:
+    """Run ``path/file.py:factory``; it must return ``(module, example_inputs)``."""
+    path, sep, fname = spec.rpartition(":")
+    if not sep or not path or not fname:
+        raise TorchImportError(f"--torch expects FILE.py:FACTORY, got {spec!r}")
+    p = Path(path)
+    if not p.is_file():
+        raise TorchImportError(f"torch model file not found: {p}")
+    mod_spec = importlib.util.spec_from_file_location(f"_fusion_planner_model_{p.stem}", p)
+    if mod_spec is None or mod_spec.loader is None:
+        raise TorchImportError(f"cannot load {p} as a Python module")
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    factory = getattr(mod, fname, None)
+    if not callable(factory):
+        raise TorchImportError(f"{p} has no callable {fname!r}")
+    out = factory()
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], nn.Module)):
+        raise TorchImportError(f"{spec}: the factory must return (module, example_inputs)")
+    return out
+
+
+def graph_from_factory(spec: str) -> Graph:
+    """The IR graph of ``FILE.py:FACTORY`` (the CLI's ``--torch``)."""
+    module, inputs = load_factory(spec)
+    return import_module(module, inputs).graph
+
+
+__all__ = [
+    "Binding", "ImportedModule", "OutputSpec", "graph_from_factory", "graph_inputs_from_module",
+    "import_fx_graph", "import_module", "ir_dtype", "load_factory",
+]

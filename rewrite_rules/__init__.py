@@ -1,1 +1,0 @@
-"""Shipped rewrite rules, as egglog text files (see docs/rules.md)."""

@@ -1,0 +1,145 @@
+"""The package's shape: layers import only downwards, no import cycles, no hidden local imports,
+tests use public names only, and the deprecated spellings still work."""
+
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import grimp
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "fusion_planner"
+
+#: modules a function may import locally, because they need an optional dependency (torch, cupy);
+#: and the package's own lazy entry point (``fusion_planner.plan`` without importing egglog)
+OPTIONAL = ("fusion_planner.torch.", "fusion_planner.backends.cupy.gpu", "fusion_planner.dynamo")
+LAZY_ENTRY = {("fusion_planner/__init__.py", "fusion_planner.api")}
+
+
+def test_layers_hold():
+    """import-linter's contracts in pyproject.toml: each layer imports only from the layers below it."""
+    exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or shutil.which("lint-imports")
+    if exe is None:
+        pytest.skip("import-linter is not installed")
+    out = subprocess.run([exe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "0 broken" in out.stdout
+
+
+def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm)."""
+    modules = sorted(graph.modules)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(start: str) -> None:
+        work = [(start, iter(sorted(graph.find_modules_directly_imported_by(start))))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            for child in children:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.find_modules_directly_imported_by(child)))))
+                    break
+                if child in on_stack:
+                    low[node] = min(low[node], index[child])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    comp = []
+                    while True:
+                        m = stack.pop()
+                        on_stack.discard(m)
+                        comp.append(m)
+                        if m == node:
+                            break
+                    if len(comp) > 1:
+                        out.append(sorted(comp))
+
+    for m in modules:
+        if m not in index:
+            visit(m)
+    return out
+
+
+def test_no_import_cycles():
+    graph = grimp.build_graph("fusion_planner")
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_check_finds_a_cycle(tmp_path, monkeypatch):
+    pkg = tmp_path / "cyclepkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from cyclepkg import b\n")
+    (pkg / "b.py").write_text("def f():\n    from cyclepkg import a\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert _cycles(grimp.build_graph("cyclepkg", cache_dir=None)) == [["cyclepkg.a", "cyclepkg.b"]]
+
+
+def test_no_function_local_imports_of_the_package_except_optional_ones():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fusion_planner"):
+                    names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names if a.name.startswith("fusion_planner")]
+                else:
+                    continue
+                if names and not any(n.startswith(OPTIONAL) for n in names) and (rel, names[0]) not in LAZY_ENTRY:
+                    found.append(f"{rel}:{node.lineno}: {names[0]}")
+    assert found == []
+
+
+def test_tests_use_public_names_only():
+    private = re.compile(r"from fusion_planner[\w.]* import [^\n]*\b_[a-z]\w*|fusion_planner[\w.]*\._[a-z]\w*")
+    offenders = [f"{p.name}:{i}" for p in sorted(Path(__file__).parent.glob("*.py"))
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if private.search(line)]
+    assert offenders == []
+
+
+def test_core_and_the_remote_runner_import_neither_egglog_nor_torch():
+    code = ("import sys; import fusion_planner.core, fusion_planner.backends.cupy.runner, "
+            "fusion_planner.backends.cupy.__main__; "
+            "print(sorted(m for m in ('egglog', 'torch', 'cupy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_the_old_spellings_work_for_one_release_and_say_so():
+    import fusion_planner
+    import fusion_planner.core.graph
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sys.modules.pop("planner", None)
+        import planner
+        import planner.graph
+
+    assert any(issubclass(w.category, DeprecationWarning) and "0.3" in str(w.message) for w in caught)
+    assert planner.graph is fusion_planner.core.graph and planner.plan is fusion_planner.plan
+    out = subprocess.run([sys.executable, "-m", "backends.cupy", "--help"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "time" in out.stdout, out.stderr
