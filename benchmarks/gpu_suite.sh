@@ -28,7 +28,7 @@ prepare() {
   $py -m fusion_planner.backends.cupy c05 "$BUNDLES/c05_modes.json"
   $py benchmarks/torch_baseline.py "$BUNDLES/mlp_decode16.json" -o /dev/null --check-cpu
   mkdir -p /tmp/gpu_suite_dry && $py benchmarks/gpu_report.py /tmp/gpu_suite_dry
-  $py -m pytest -q tests/test_cupy_gpu.py -p no:cacheprovider
+  $py -m pytest -q tests/backends/cupy/test_cupy_gpu.py -p no:cacheprovider
 }
 
 device() {
@@ -44,7 +44,7 @@ device() {
     date -u; nvidia-smi -L || true; $py -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__)"
     $py -c "import nvmath; print('nvmath', nvmath.__version__)" || echo "nvmath-python missing: cuBLASLt candidates will be rejected"
   } 2>&1 | tee "$out/suite.log"
-  $py -m pytest -q -m gpu tests/test_cupy_gpu.py -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" || true
+  $py -m pytest -q -m gpu tests/backends/cupy/test_cupy_gpu.py -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" || true
   $py -m fusion_planner.backends.cupy c05 "$BUNDLES/c05_sweep.json" -o "$res/c05_sweep.json" 2>&1 | tee -a "$out/suite.log"
   $py -m fusion_planner.backends.cupy c05 "$BUNDLES/c05_modes.json" -o "$res/c05_modes.json" 2>&1 | tee -a "$out/suite.log"
   for shape in mlp_4096 mlp_decode16; do

@@ -23,6 +23,7 @@ from fusion_planner.backends.base import BackendUnavailable
 from fusion_planner.backends.reference import execute_plan, random_inputs
 from fusion_planner.core.cost import DeviceSpec, load_device
 from fusion_planner.core.graph import Graph, load_graph
+from fusion_planner.core.kinds import Verdict
 from fusion_planner.core.planfile import save_plan
 from fusion_planner.core.plans import Plan
 from fusion_planner.core.report import ledger_table
@@ -118,7 +119,7 @@ class PlanResult:
                 return "-" if e is None else str(e.verdict)
 
             extra = [("meas_us", measured), ("verdict", verdict)]
-            tried = [e.plan for e in self.search_result.entries if e.verdict != "not timed"]
+            tried = [e.plan for e in self.search_result.entries if e.verdict != Verdict.NOT_TIMED]
             return ledger_table(sorted(tried, key=Plan.sort_key), self.plan.key, extra)
         if self.model_plan is None:  # answered from the plan cache
             return ledger_table([self.plan], self.plan.key) + "\n(plan from the plan cache, not re-searched)"

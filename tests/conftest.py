@@ -1,6 +1,11 @@
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
+
+# the helpers (testpaths, _fake_backend, gpu_bundles) sit here; test modules sit in folders mirroring the package
+sys.path.append(str(Path(__file__).resolve().parent))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-DATA = Path(__file__).parent / "data" / "gpu"
+DATA = Path(__file__).resolve().parent / "data" / "gpu"  # also run as a script: python -m tests.gpu_bundles
 
 LT_EPILOGUES = ("DEFAULT", "BIAS", "RELU", "RELU_BIAS", "GELU", "GELU_BIAS")
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import grimp
 import pytest
+from testpaths import ROOT, TESTS
 
-ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "fusion_planner"
 
 #: modules a function may import locally, because they need an optional dependency (torch, cupy);
@@ -115,7 +115,7 @@ def test_no_function_local_imports_of_the_package_except_optional_ones():
 
 def test_tests_use_public_names_only():
     private = re.compile(r"from fusion_planner[\w.]* import [^\n]*\b_[a-z]\w*|fusion_planner[\w.]*\._[a-z]\w*")
-    offenders = [f"{p.name}:{i}" for p in sorted(Path(__file__).parent.glob("*.py"))
+    offenders = [f"{p.name}:{i}" for p in sorted(TESTS.rglob("*.py"))
                  for i, line in enumerate(p.read_text().splitlines(), 1) if private.search(line)]
     assert offenders == []
 
@@ -135,8 +135,9 @@ def test_the_old_spellings_work_for_one_release_and_say_so():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         sys.modules.pop("planner", None)
-        import planner
         import planner.graph
+
+        import planner
 
     assert any(issubclass(w.category, DeprecationWarning) and "0.3" in str(w.message) for w in caught)
     assert planner.graph is fusion_planner.core.graph and planner.plan is fusion_planner.plan

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import pytest
+from testpaths import ROOT
 
 from fusion_planner.cli import main
 
 torch = pytest.importorskip("torch")
 
-ROOT = Path(__file__).resolve().parents[1]
 FACTORY = f"{ROOT / 'examples' / 'mlp.py'}:build"
 #: the options torch.compile uses by default, given to every entry point
 OPTIONS = {"max_candidates": 16, "time_budget_s": 10.0}

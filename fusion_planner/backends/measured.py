@@ -18,6 +18,7 @@ from fusion_planner.backends.base import Backend, BackendError, CompiledPlan
 from fusion_planner.backends.cupy.runner import load_measured
 from fusion_planner.backends.model import ReplayedPlan
 from fusion_planner.core.cost import DeviceSpec
+from fusion_planner.core.kinds import is_rejected
 from fusion_planner.core.plans import Plan
 
 
@@ -39,7 +40,7 @@ class MeasuredBackend(Backend):
         m = self.results.get(plan.key)
         if m is None:
             raise BackendError("not measured remotely (not in the measured file)")
-        if m.verdict.startswith("rejected"):
+        if is_rejected(m.verdict):
             raise BackendError(f"remote {m.verdict}")
         if m.meas_us is None:
             raise BackendError(f"remote verdict {m.verdict!r}: no timing")

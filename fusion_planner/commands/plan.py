@@ -22,6 +22,7 @@ from fusion_planner.commands.common import (
 from fusion_planner.core.cost import DeviceSpec, load_device
 from fusion_planner.core.errors import UsageError
 from fusion_planner.core.graph import Graph
+from fusion_planner.core.kinds import Verdict
 from fusion_planner.core.planfile import save_plan
 from fusion_planner.core.plans import Plan
 from fusion_planner.core.report import ledger_table
@@ -175,7 +176,7 @@ def print_result(result: SearchResult) -> None:
         v = meas[p.key].verdict
         return v if len(v) <= 48 else v[:45] + "..."
 
-    tried = [e.plan for e in result.entries if e.verdict != "not timed" or e.verified]
+    tried = [e.plan for e in result.entries if e.verdict != Verdict.NOT_TIMED or e.verified]
     print(ledger_table(tried, result.best.key, extra=[("meas_us", meas_col), ("verdict", verdict_col)]))
     untried = len(result.entries) - len(tried)
     if untried:

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fusion_planner.core.kinds import KernelKind
 from fusion_planner.core.ops import DTYPE_BYTES
 
 
@@ -191,7 +192,7 @@ def kernel_cost(
     count is known (measured registers never exceed the hardware limit).
     """
     mem_us = nbytes / (spec.bandwidth_gbps * 1e9) * 1e6
-    impl = "cublaslt" if kind == "cublaslt" else "custom"
+    impl = "cublaslt" if kind == KernelKind.CUBLASLT else "custom"
     compute_s = 0.0
     if gemm_flops:
         compute_s += gemm_flops / (spec.peak_matmul(dtype) * spec.gemm_efficiency.get(impl, 1.0))
@@ -200,7 +201,7 @@ def kernel_cost(
     # A library GEMM's register use is the library's business: never costed as spilling.
     if spills is None:
         spills = regs > spec.reg_limit
-    spills = kind != "cublaslt" and spills
+    spills = kind != KernelKind.CUBLASLT and spills
     if spills:
         mem_us *= spec.spill_penalty
     est = max(mem_us, compute_us) + spec.launch_us

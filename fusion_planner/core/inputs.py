@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from fusion_planner.core.graph import Graph, TensorType
+from fusion_planner.core.kinds import OpKind
 from fusion_planner.core.ops import op_def, round_to
 
 RECIPE = (
@@ -32,7 +33,7 @@ def input_scales(graph: Graph, scale: float = 1.0) -> dict[str, float]:
     fan_in = {
         graph[n.inputs[1]].id: graph[n.inputs[1]].type.shape[0]
         for n in graph.ops
-        if op_def(n.op).kind == "matmul" and graph[n.inputs[1]].op == "In"
+        if op_def(n.op).kind == OpKind.MATMUL and graph[n.inputs[1]].op == "In"
     }
     return {n.id: scale / np.sqrt(fan_in.get(n.id, 1)) for n in graph.inputs}
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from fusion_planner.core.kinds import OpKind
 from fusion_planner.core.ops import Attrs, AttrSpec, OpDef, OpError, Shape, register_op
 from fusion_planner.core.torch_allowlist import check_torch_call, is_allowed, refusal
 
@@ -267,7 +268,7 @@ def _check_opaque_attrs(attrs: dict[str, Any]) -> None:
 register_op(
     OpDef(
         name="Opaque",
-        kind="opaque",
+        kind=OpKind.OPAQUE,
         arity=None,
         attrs=(AttrSpec("impl", "String"),),
         shape_rule=lambda op, shapes, attrs: opaque_impl(str(attrs["impl"])).shape(shapes, attrs),

@@ -18,6 +18,8 @@ import ml_dtypes
 import numpy as np
 from scipy.special import erf
 
+from fusion_planner.core.kinds import OpKind
+
 Shape = tuple[int, ...]
 Attrs = Mapping[str, Any]
 
@@ -161,7 +163,7 @@ class OpDef:
     """Everything the planner knows about one op kind."""
 
     name: str
-    kind: str  # "input" | "matmul" | "elementwise" | "opaque"
+    kind: OpKind
     arity: int | None  # tensor inputs; None for variadic (Opaque)
     attrs: tuple[AttrSpec, ...] = ()
     shape_rule: Callable[[str, Sequence[Shape], Attrs], Shape] | None = None
@@ -189,10 +191,10 @@ class OpDef:
     def check_attrs(self, attrs: Attrs) -> dict[str, Any]:
         known = {a.name for a in self.attrs}
         unknown = sorted(set(attrs) - known)
-        if unknown and self.kind != "opaque":
+        if unknown and self.kind != OpKind.OPAQUE:
             raise OpError(f"{self.name}: unknown attribute(s) {unknown}")
         out = {a.name: a.coerce(attrs.get(a.name), self.name) for a in self.attrs}
-        if self.kind == "opaque":
+        if self.kind == OpKind.OPAQUE:
             out.update({k: v for k, v in attrs.items() if k not in known})
         if self.attr_check is not None:
             self.attr_check(out)
@@ -209,7 +211,7 @@ class OpDef:
         return self.numpy_fn(inputs, attrs)
 
     def flops(self, out_shape: Shape, in_shapes: Sequence[Shape], attrs: Attrs) -> float:
-        if self.kind == "matmul":
+        if self.kind == OpKind.MATMUL:
             (m, k), (_, n) = in_shapes
             return 2.0 * m * n * k
         if self.flops_rule is not None:
@@ -232,7 +234,7 @@ def _unary(
 ) -> OpDef:
     return OpDef(
         name=name,
-        kind="elementwise",
+        kind=OpKind.ELEMENTWISE,
         arity=1,
         shape_rule=same_shape,
         numpy_fn=lambda xs, attrs: fn(xs[0]),
@@ -251,13 +253,13 @@ OPS: dict[str, OpDef] = {
     for op in [
         OpDef(
             name="In",
-            kind="input",
+            kind=OpKind.INPUT,
             arity=0,
             doc="A graph input or weight, already in memory.",
         ),
         OpDef(
             name="MatMul",
-            kind="matmul",
+            kind=OpKind.MATMUL,
             arity=2,
             shape_rule=_matmul_shape,
             numpy_fn=lambda xs, attrs: xs[0] @ xs[1],
@@ -266,7 +268,7 @@ OPS: dict[str, OpDef] = {
         ),
         OpDef(
             name="BiasAdd",
-            kind="elementwise",
+            kind=OpKind.ELEMENTWISE,
             arity=2,
             shape_rule=_bias_shape,
             numpy_fn=lambda xs, attrs: xs[0] + xs[1],
@@ -278,7 +280,7 @@ OPS: dict[str, OpDef] = {
         ),
         OpDef(
             name="Add",
-            kind="elementwise",
+            kind=OpKind.ELEMENTWISE,
             arity=2,
             shape_rule=same_shape,
             numpy_fn=lambda xs, attrs: xs[0] + xs[1],
@@ -290,7 +292,7 @@ OPS: dict[str, OpDef] = {
         ),
         OpDef(
             name="Mul",
-            kind="elementwise",
+            kind=OpKind.ELEMENTWISE,
             arity=2,
             shape_rule=same_shape,
             numpy_fn=lambda xs, attrs: xs[0] * xs[1],
@@ -302,7 +304,7 @@ OPS: dict[str, OpDef] = {
         ),
         OpDef(
             name="Affine",
-            kind="elementwise",
+            kind=OpKind.ELEMENTWISE,
             arity=1,
             attrs=(AttrSpec("a", "f64"), AttrSpec("b", "f64")),
             shape_rule=same_shape,
@@ -347,7 +349,7 @@ OPS: dict[str, OpDef] = {
         ),
         OpDef(
             name="Stage",
-            kind="elementwise",
+            kind=OpKind.ELEMENTWISE,
             arity=1,
             attrs=(
                 AttrSpec("flops", "i64", 1, minimum=0),

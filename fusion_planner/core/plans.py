@@ -15,9 +15,10 @@ from typing import Any
 
 from fusion_planner.core.cost import KernelCost
 from fusion_planner.core.graph import Graph, TensorType
+from fusion_planner.core.kinds import KernelKind
 from fusion_planner.core.ops import OpError, op_def
 
-KERNEL_KINDS = ("elementwise", "gemm_epilogue", "cublaslt", "opaque")
+KERNEL_KINDS = tuple(KernelKind)
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class Kernel:
 
     @property
     def label(self) -> str:
-        if self.kind == "cublaslt":
+        if self.kind == KernelKind.CUBLASLT:
             return f"cublaslt({self.epilogue})"
         return self.kind
 

@@ -16,10 +16,11 @@ import json
 from dataclasses import dataclass
 
 from fusion_planner.core.graph import Graph, GraphBuilder
+from fusion_planner.core.kinds import OpKind
 from fusion_planner.core.ops import OPS
 
 #: op kinds that read every operand from memory
-_MEMORY_READERS = {name for name, op in OPS.items() if op.kind in ("matmul", "opaque")}
+_MEMORY_READERS = {name for name, op in OPS.items() if op.kind in (OpKind.MATMUL, OpKind.OPAQUE)}
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from typing import Any
 
 from fusion_planner.core.cost import DeviceSpec, KernelCost, kernel_cost
 from fusion_planner.core.graph import Graph, TensorType
+from fusion_planner.core.kinds import KernelKind, OpKind
 from fusion_planner.core.ops import CUBLASLT_EPILOGUES, OPS
 from fusion_planner.core.plans import Expr, Kernel, Load, Plan
 from fusion_planner.egraph.program import let_name
@@ -168,7 +169,7 @@ def _infer_types(classes: dict[str, list[ENode]], types: dict[str, TensorType]) 
                 continue
             for n in enodes:
                 opd = OPS.get(n.op)
-                if opd is None or opd.shape_rule is None or opd.kind == "opaque" or not n.children:
+                if opd is None or opd.shape_rule is None or opd.kind == OpKind.OPAQUE or not n.children:
                     continue
                 if not all(c in types for c in n.children):
                     continue
@@ -284,7 +285,7 @@ class Extractor:
             opd = OPS[n.op]
             attrs = self._attrs(n, v.value_node.get(c, ""))
             f = opd.flops(v.types[c].shape, [v.types[k].shape for k in n.children], attrs)
-            gemm, ew = (f, 0.0) if opd.kind == "matmul" else (0.0, f)
+            gemm, ew = (f, 0.0) if opd.kind == OpKind.MATMUL else (0.0, f)
             facts = (gemm, ew, opd.live_regs(attrs), opd.kind)
             self._facts[key] = facts
         return facts
@@ -293,16 +294,16 @@ class Extractor:
         v = self.view
         gemm = ew = 0.0
         regs = 0
-        kind = "elementwise"
+        kind = KernelKind.ELEMENTWISE
         for c, i in body.assign.items():
             g, e, r, op_kind = self._node_facts(c, i)
             gemm += g
             ew += e
             regs += r
-            if op_kind == "matmul":
-                kind = "gemm_epilogue"
-            elif op_kind == "opaque":
-                kind = "opaque"
+            if op_kind == OpKind.MATMUL:
+                kind = KernelKind.GEMM_EPILOGUE
+            elif op_kind == OpKind.OPAQUE:
+                kind = KernelKind.OPAQUE
         leaves = tuple(sorted(body.leaves, key=v.order.__getitem__))
         nbytes = sum(self._nbytes(leaf) for leaf in leaves) + self._nbytes(cls)
         cost = kernel_cost(
@@ -332,10 +333,10 @@ class Extractor:
         nbytes = sum(v.types[x].nbytes for x in leaves) + out.nbytes
         regs = OPS["MatMul"].live_regs({})
         cost = kernel_cost(
-            self.spec, kind="cublaslt", dtype=out.dtype, nbytes=nbytes, gemm_flops=2.0 * m * nn * k, ew_flops=ew, regs=regs
+            self.spec, kind=KernelKind.CUBLASLT, dtype=out.dtype, nbytes=nbytes, gemm_flops=2.0 * m * nn * k, ew_flops=ew, regs=regs
         )
         sig = f"cublaslt({epilogue})<{','.join(v.tensor[x] for x in args)}"
-        return Option(cls, "cublaslt", (), leaves, 1 + len(epi_ops), cost, sig, epilogue, args)
+        return Option(cls, KernelKind.CUBLASLT, (), leaves, 1 + len(epi_ops), cost, sig, epilogue, args)
 
     def _nbytes(self, cls: str) -> int:
         n = self._bytes.get(cls)
@@ -381,7 +382,7 @@ class Extractor:
     def _kernel(self, o: Option) -> Kernel:
         v = self.view
         out_name = v.tensor[o.root]
-        body = self._cublaslt_body(o) if o.kind == "cublaslt" else self._expr(self._k_child(o.root), dict(o.assign), {})
+        body = self._cublaslt_body(o) if o.kind == KernelKind.CUBLASLT else self._expr(self._k_child(o.root), dict(o.assign), {})
         reads = tuple(v.tensor[x] for x in o.leaves)
         return Kernel(o.kind, body, out_name, reads, o.cost, o.epilogue)
 
@@ -425,7 +426,7 @@ class Extractor:
         """One kernel per op: every value read from memory, no library calls."""
         choice: dict[str, Option] = {}
         for c, opts in self.options.items():
-            singles = [o for o in opts if o.kind != "cublaslt" and o.n_ops == 1]
+            singles = [o for o in opts if o.kind != KernelKind.CUBLASLT and o.n_ops == 1]
             if not singles:
                 raise ExtractionError(f"no single-op kernel for {self.view.tensor[c]!r}")
             choice[c] = singles[0]
@@ -591,7 +592,7 @@ class Extractor:
 
 def kernel_sig(k: Kernel) -> str:
     """The signature of the option a kernel was built from (see ``Extractor._body_option``)."""
-    if k.kind == "cublaslt":
+    if k.kind == KernelKind.CUBLASLT:
         args: list[str] = []
         for e in k.body.walk():
             args += [a.tensor for a in e.args if isinstance(a, Load)]

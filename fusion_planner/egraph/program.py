@@ -19,6 +19,7 @@ from typing import Any
 from egglog import bindings
 
 from fusion_planner.core.graph import Graph, Node
+from fusion_planner.core.kinds import OpKind
 from fusion_planner.core.ops import OPS
 from fusion_planner.rules.files import RuleFile, RuleFileError
 
@@ -39,11 +40,11 @@ def prelude() -> str:
     ctors = ["  (In String)", "  (K Op)", "  (NoBias)"]
     ew_rules = []
     for op in OPS.values():
-        if op.kind in ("input", "opaque"):
+        if op.kind in (OpKind.INPUT, OpKind.OPAQUE):
             continue
         args = ["Op"] * (op.arity or 0) + [_SORT_OF_ATTR[a.sort] for a in op.attrs]
         ctors.append(f"  ({op.name} {' '.join(args)})")
-        if op.kind == "elementwise":
+        if op.kind == OpKind.ELEMENTWISE:
             vars_ = " ".join(f"v{i}" for i in range(len(args)))
             ew_rules.append(
                 f"(rule ((= e ({op.name} {vars_}))) ((Ew e)) :ruleset analysis)"

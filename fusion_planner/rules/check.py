@@ -44,6 +44,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from hypothesis.reporting import with_reporter
 
+from fusion_planner.core.kinds import OpKind
 from fusion_planner.core.ops import CUBLASLT_EPILOGUES, OPS, OpError, epilogue_has_bias, numpy_dtype, round_to
 from fusion_planner.core.tolerance import allclose_report
 from fusion_planner.rules.files import RuleFileError, parse_rule_text, shipped_rules
@@ -129,7 +130,7 @@ def arg_sorts(name: str) -> tuple[str, ...] | None:
     if name in STRUCTURAL:
         return STRUCTURAL[name]
     op = OPS.get(name)
-    if op is None or op.kind in ("input", "opaque"):
+    if op is None or op.kind in (OpKind.INPUT, OpKind.OPAQUE):
         return None
     return ("Op",) * (op.arity or 0) + tuple(a.sort for a in op.attrs)
 
@@ -612,7 +613,7 @@ class _Eval:
     def apply(self, name: str, ins: list[np.ndarray], attrs: Mapping[str, Any]) -> np.ndarray:
         with np.errstate(all="ignore"):
             out = np.asarray(OPS[name].evaluate(ins, attrs), dtype=self.work)
-            if OPS[name].kind == "matmul":  # the magnitude the rounding errors of a dot product scale with
+            if OPS[name].kind == OpKind.MATMUL:  # the magnitude the rounding errors of a dot product scale with
                 self.note(np.abs(ins[0]) @ np.abs(ins[1]))
         return self.note(out)
 
@@ -760,7 +761,7 @@ def _structural(o: Obligation, prep: _Prepared) -> str | None:
         if isinstance(t, Call) and t.name in ("K", "In", "CublasLt"):
             return None
         return f"asserts (Mem {t}) but {t} is not a stored value (K, In or CublasLt)"
-    if isinstance(t, Call) and t.name in OPS and OPS[t.name].kind == "elementwise":
+    if isinstance(t, Call) and t.name in OPS and OPS[t.name].kind == OpKind.ELEMENTWISE:
         return None
     return f"asserts (Ew {t}) but {t} is not computed by an elementwise op"
 

@@ -38,6 +38,7 @@ import numpy as np
 from fusion_planner.backends.base import Backend, BackendError, BackendUnavailable
 from fusion_planner.backends.reference import execute_graph, random_inputs
 from fusion_planner.core.errors import UsageError
+from fusion_planner.core.kinds import Verdict, is_rejected, rejected
 from fusion_planner.core.plans import Plan
 from fusion_planner.core.tolerance import check_outputs
 from fusion_planner.egraph.candidates import CandidateSet
@@ -91,7 +92,7 @@ class Entry:
 
     plan: Plan
     source: str  # "unfused baseline", "model order", "mutant: <operator> <tensors>", "sample"
-    verdict: str = "not timed"  # "best" | "timed" | "rejected: <reason>" | "not timed"
+    verdict: str = Verdict.NOT_TIMED  # a Verdict, or "rejected: <reason>" (kinds.rejected)
     meas_us: float | None = None
     samples_us: list[float] = field(default_factory=list)
     stopped_early: bool = False
@@ -161,7 +162,7 @@ class SearchResult:
 
     @property
     def rejected(self) -> list[Entry]:
-        return [e for e in self.entries if e.verdict.startswith("rejected")]
+        return [e for e in self.entries if is_rejected(e.verdict)]
 
     def best_so_far(self) -> list[float]:
         """Best fully-timed median after each timed candidate (for the plot)."""
@@ -299,7 +300,7 @@ class _Run:
         entry.samples_us = list(timing.samples_us)
         entry.meas_us = timing.median_us
         entry.stopped_early = timing.stopped_early
-        entry.verdict = "timed"
+        entry.verdict = Verdict.TIMED
         self._record(entry)
 
     def _verify(self, entry: Entry, outs: Sequence[np.ndarray]) -> str | None:
@@ -315,7 +316,7 @@ class _Run:
         return reason
 
     def _reject(self, entry: Entry, reason: str) -> None:
-        entry.verdict = f"rejected: {reason}"
+        entry.verdict = rejected(reason)
         entry.meas_us = None
         self.slog.rejected(reason, entry.plan, _origin(entry))
 
@@ -406,19 +407,19 @@ def search(
             run.entries.append(Entry(plan, "model order", choice=cands.choices.get(plan.key)))
     elapsed = time.perf_counter() - run.t0
     if run.best is None:
-        verified = [e for e in run.entries if e.verified and not e.verdict.startswith("rejected")]
+        verified = [e for e in run.entries if e.verified and not is_rejected(e.verdict)]
         if not verified:
-            reasons = "; ".join(sorted({e.verdict for e in run.entries if e.verdict.startswith("rejected")}))
+            reasons = "; ".join(sorted({e.verdict for e in run.entries if is_rejected(e.verdict)}))
             raise SearchError(f"every candidate was rejected ({reasons})")
         # a verify-only backend: the model's favourite among the verified candidates
         run.best = min(verified, key=lambda e: e.plan.sort_key())
-    run.best.verdict = "best"
+    run.best.verdict = Verdict.BEST
     base = run.entries[0]
     speedup = base.meas_us / run.best.meas_us if base.timed and run.best.timed else None  # type: ignore[operator]
     timed = [e for e in run.entries if e.timed]
     rho = spearman([e.est_us for e in timed], [e.meas_us for e in timed])  # type: ignore[misc]
-    rejected = sum(e.verdict.startswith("rejected") for e in run.entries)
-    slog.footer(elapsed, run.best.plan, speedup, len(timed), rejected, rho, run.stop or "done")
+    n_rejected = sum(is_rejected(e.verdict) for e in run.entries)
+    slog.footer(elapsed, run.best.plan, speedup, len(timed), n_rejected, rho, run.stop or "done")
     return SearchResult(
         graph=cands.graph.name,
         backend=backend.name,

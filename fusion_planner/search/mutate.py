@@ -26,6 +26,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from fusion_planner.core.kinds import KernelKind
 from fusion_planner.egraph.extract import Extractor, Option
 
 OPERATORS = ("remove-boundary", "add-boundary", "move-boundary", "swap-impl")
@@ -142,7 +143,7 @@ class Mutator:
             o = choice[c]
             alts: dict[str, Option] = {}
             for o2 in self.ex.options[c]:  # sorted by estimate: keep the cheapest per kind
-                if set(o2.leaves) == set(o.leaves) and o2.kind != o.kind and "cublaslt" in (o.kind, o2.kind):
+                if set(o2.leaves) == set(o.leaves) and o2.kind != o.kind and KernelKind.CUBLASLT in (o.kind, o2.kind):
                     alts.setdefault(o2.kind, o2)
             for o2 in alts.values():
                 m = dict(choice)
@@ -187,4 +188,4 @@ def _preference(cur: Option | None) -> Callable[[Option], tuple[bool, bool, floa
 
 
 def _impl(o: Option) -> str:
-    return f"cublaslt({o.epilogue})" if o.kind == "cublaslt" else o.kind
+    return f"cublaslt({o.epilogue})" if o.kind == KernelKind.CUBLASLT else o.kind

@@ -45,6 +45,7 @@ from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
 from fusion_planner.core.graph import Graph, GraphBuilder, GraphError
+from fusion_planner.core.kinds import OpKind
 from fusion_planner.core.opaque import flat_shape, step_flops
 from fusion_planner.core.ops import OPS, OpError
 from fusion_planner.torch.errors import TorchImportError
@@ -313,7 +314,7 @@ def _op_for_torch_call(target: Any, args: Any, kwargs: Any) -> str | None:
         return None
     name = torch_fn_name(target)
     for op in OPS.values():
-        if name in op.torch_names and op.arity == 1 and not op.attrs and op.kind == "elementwise":
+        if name in op.torch_names and op.arity == 1 and not op.attrs and op.kind == OpKind.ELEMENTWISE:
             return op.name
     return None
 

@@ -38,6 +38,7 @@ from fusion_planner.backends.base import (
     Timing,
     collect_samples,
 )
+from fusion_planner.backends.codegen import find_matmul
 from fusion_planner.backends.cpu.codegen import (
     CKernel,
     CodegenError,
@@ -50,8 +51,9 @@ from fusion_planner.backends.cpu.codegen import (
 from fusion_planner.backends.reference import eval_expr
 from fusion_planner.core.cost import DeviceSpec
 from fusion_planner.core.graph import TensorType
-from fusion_planner.core.ops import DTYPE_BYTES, numpy_dtype, op_def
-from fusion_planner.core.plans import Expr, Kernel, Load, Plan
+from fusion_planner.core.kinds import KernelKind
+from fusion_planner.core.ops import DTYPE_BYTES, numpy_dtype
+from fusion_planner.core.plans import Kernel, Plan
 
 log = logging.getLogger(__name__)
 
@@ -171,16 +173,6 @@ class Step:
         return sum(b.nbytes for b in self.reads) + self.writes.nbytes
 
 
-def _find_matmul(body: Expr) -> Expr:
-    mms = [e for e in body.walk() if op_def(e.op).kind == "matmul"]
-    if len(mms) != 1:
-        raise BackendError(f"kernel {body.node or '?'}: a GEMM kernel needs exactly one MatMul, found {len(mms)}")
-    mm = mms[0]
-    if not all(isinstance(a, Load) for a in mm.args):
-        raise BackendError("GEMM operands computed inside the kernel (prologue fusion) are not supported")
-    return mm
-
-
 class CpuCompiledPlan(CompiledPlan):
     def __init__(
         self,
@@ -297,11 +289,11 @@ class CpuBackend(Backend):
                 f"body computes {list(k.body.type.shape)} {k.body.type.dtype} but tensor {k.out!r} "
                 f"is {list(out_t.shape)} {out_t.dtype}"
             )
-        if k.kind == "elementwise":
+        if k.kind == KernelKind.ELEMENTWISE:
             return self._elementwise(k, tensors, buffers)
-        if k.kind in ("gemm_epilogue", "cublaslt"):
+        if k.kind in (KernelKind.GEMM_EPILOGUE, KernelKind.CUBLASLT):
             return self._gemm(k, tensors, buffers)
-        if k.kind == "opaque":
+        if k.kind == KernelKind.OPAQUE:
             return self._opaque(k, tensors, buffers)
         raise BackendError(f"unknown kernel kind {k.kind!r}")
 
@@ -353,7 +345,7 @@ class CpuBackend(Backend):
         return widen, wide.nbytes
 
     def _gemm(self, k: Kernel, tensors: Mapping[str, TensorType], buffers: dict[str, np.ndarray]) -> Step:
-        mm = _find_matmul(k.body)
+        mm = find_matmul(k.body)
         a_name, b_name = (a.tensor for a in mm.args)  # type: ignore[union-attr]
         for name in (a_name, b_name):
             if name not in buffers:

@@ -31,7 +31,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from fusion_planner.core.ops import DTYPE_BYTES, op_def
+from fusion_planner.backends.codegen import CodegenError, broadcast, nodes_to_emit, snippet
+from fusion_planner.core.ops import DTYPE_BYTES
 from fusion_planner.core.plans import Expr, Load
 
 log = logging.getLogger(__name__)
@@ -112,10 +113,6 @@ _STORAGE: dict[str, tuple[str, str, str]] = {
 assert set(_STORAGE) == set(DTYPE_BYTES)
 
 
-class CodegenError(ValueError):
-    """A kernel body the C generator cannot express (the message says why)."""
-
-
 @dataclass(frozen=True)
 class Param:
     """One pointer parameter of a generated kernel (``tensor`` is never printed)."""
@@ -151,14 +148,6 @@ def rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
     return rows, cols
 
 
-def _index_kind(shape: tuple[int, ...], out_shape: tuple[int, ...]) -> str:
-    if tuple(shape) == tuple(out_shape):
-        return "full"
-    if len(shape) == 1 and out_shape and shape[0] == out_shape[-1]:
-        return "col"
-    raise CodegenError(f"cannot index a tensor of shape {list(shape)} inside a loop over {list(out_shape)}")
-
-
 def generate(
     body: Expr,
     tensor_types: dict[str, tuple[tuple[int, ...], str]],
@@ -186,26 +175,24 @@ def generate(
             stmts.append(f"const float {pname}v = {conv.format(load)};")
         return f"t{param_of[tensor]}v"
 
-    def value(e: Expr | Load) -> str:
+    def operand(e: Expr | Load) -> str:
         if isinstance(e, Load):
             if e.tensor not in tensor_types:
                 raise CodegenError("kernel loads a tensor with no known type")
             shape, dtype = tensor_types[e.tensor]
-            return param(e.tensor, dtype, _index_kind(shape, out_shape))
+            return param(e.tensor, dtype, broadcast(shape, out_shape, e.tensor))
         if tile is not None and e is tile:
             return param(None, "fp32", "tile")
-        if id(e) in var_of:
-            return var_of[id(e)]
-        opd = op_def(e.op)
-        if opd.code is None:
-            raise CodegenError(f"op {e.op} has no C code snippet")
-        args = [value(a) for a in e.args]
+        return var_of[id(e)]
+
+    if tile is not None and tile is body:
+        result = operand(body)
+    for e in nodes_to_emit(body, given={id(tile)} if tile is not None else ()):
+        args = [operand(a) for a in e.args]
         name = f"v{len(var_of)}"
         var_of[id(e)] = name
-        stmts.append(f"const float {name} = {opd.code(args, e.attr_dict)};")
-        return name
-
-    result = value(body)
+        stmts.append(f"const float {name} = {snippet(e, args)};")
+        result = name
     out_dtype = body.type.dtype
     source = _loop_function([_ctype(p) for p in params], _STORAGE[out_dtype][0], stmts, _STORAGE[out_dtype][2].format(result))
     return CKernel(source, tuple(params), out_dtype, rows, cols)

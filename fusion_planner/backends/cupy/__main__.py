@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from fusion_planner.backends.cupy import c05
 from fusion_planner.backends.cupy.bundle import BundleError, load_bundle
 from fusion_planner.backends.cupy.runner import best_timed, make_executor, time_bundle, write_measured
+from fusion_planner.core.kinds import Verdict
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     write_measured(result, args.output)
     best = best_timed(result)
-    n_ok = sum(1 for c in result["candidates"] if c["verdict"] == "timed")
+    n_ok = sum(1 for c in result["candidates"] if c["verdict"] == Verdict.TIMED)
     print(f"{bundle.graph}: {n_ok}/{len(result['candidates'])} candidates verified and timed on {args.executor}")
     if best is not None:
         print(f"best: {best['plan']} {best['composition']}  {best['meas_us']:.2f} us")

@@ -19,6 +19,7 @@ from fusion_planner.backends.base import (
 )
 from fusion_planner.backends.cupy.bundle import BundleKernel, Candidate, cublas_call
 from fusion_planner.backends.cupy.codegen import CodegenError, generate
+from fusion_planner.core.kinds import KernelKind
 from fusion_planner.core.plans import Plan
 
 
@@ -26,7 +27,7 @@ def plan_candidate(plan: Plan) -> Candidate:
     """A plan with each kernel's GPU form (generated CUDA or cuBLASLt call)."""
     kernels = []
     for k in plan.kernels:
-        if k.kind == "cublaslt":
+        if k.kind == KernelKind.CUBLASLT:
             kernels.append(BundleKernel(k, None, cublas_call(k, plan.tensors)))
             continue
         try:

@@ -24,6 +24,7 @@ from fusion_planner.backends.cupy.codegen import CodegenError, CudaKernel, cuda_
 from fusion_planner.core.cost import KernelCost
 from fusion_planner.core.graph import TensorType
 from fusion_planner.core.inputs import RECIPE, input_scales, seeded_inputs
+from fusion_planner.core.kinds import KernelKind, OpKind
 from fusion_planner.core.ops import CUBLASLT_EPILOGUES, epilogue_has_bias, op_def
 from fusion_planner.core.plans import Expr, Kernel, Load, Plan, expr_from_json, expr_to_json
 from fusion_planner.core.torch_allowlist import loading_file
@@ -89,7 +90,7 @@ class Bundle:
 
 
 def cublas_call(k: Kernel, tensors: Mapping[str, TensorType]) -> CublasCall:
-    mm = next(e for e in k.body.walk() if op_def(e.op).kind == "matmul")
+    mm = next(e for e in k.body.walk() if op_def(e.op).kind == OpKind.MATMUL)
     a, b = (x.tensor for x in mm.args if isinstance(x, Load))
     bias = None
     if k.epilogue is None or k.epilogue not in CUBLASLT_EPILOGUES:
@@ -110,7 +111,7 @@ def kernel_to_json(k: Kernel, tensors: Mapping[str, TensorType]) -> dict[str, An
         "cost": dataclasses.asdict(k.cost),
         "facts": dict(k.facts),
     }
-    if k.kind == "cublaslt":
+    if k.kind == KernelKind.CUBLASLT:
         d["cublaslt"] = cublas_call(k, tensors).to_json()
     else:
         try:

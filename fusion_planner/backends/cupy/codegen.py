@@ -24,7 +24,9 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from fusion_planner.backends.codegen import CodegenError, broadcast, find_matmul, loads, nodes_to_emit, snippet
 from fusion_planner.core.graph import TensorType
+from fusion_planner.core.kinds import KernelKind
 from fusion_planner.core.ops import DTYPE_BYTES, op_def
 from fusion_planner.core.plans import Expr, Kernel, Load, expr_to_json
 
@@ -42,16 +44,12 @@ PRELUDE = """#include <cuda_fp16.h>
 """
 
 
-class CodegenError(ValueError):
-    """A kernel cannot be expressed as generated CUDA; the message names it."""
-
-
 @dataclass(frozen=True)
 class CudaKernel:
     """One generated kernel: source, parameter order and launch shape."""
 
     name: str
-    kind: str  # "elementwise" | "gemm_epilogue"
+    kind: str  # a KernelKind: elementwise or gemm_epilogue
     source: str
     params: tuple[str, ...]  # tensor names in parameter order; the output is last
     block: int
@@ -103,22 +101,12 @@ def sanitize(name: str, limit: int = 40) -> str:
 
 def kernel_name(kind: str, out: str, salt: str) -> str:
     h = hashlib.sha256(f"{kind}:{out}:{salt}".encode()).hexdigest()[:8]
-    return f"fp_{'ew' if kind == 'elementwise' else 'gemm'}_{sanitize(out)}_{h}"
+    return f"fp_{'ew' if kind == KernelKind.ELEMENTWISE else 'gemm'}_{sanitize(out)}_{h}"
 
 
 # ---------------------------------------------------------------- expression emitter
 
 LeafFn = Callable[[int, int], str]  # (param index, lane) -> variable holding the loaded value
-
-
-def _leaves(body: Expr) -> list[str]:
-    """Tensors a body loads, in first-use order."""
-    order: list[str] = []
-    for e in body.walk():
-        for a in e.args:
-            if isinstance(a, Load) and a.tensor not in order:
-                order.append(a.tensor)
-    return order
 
 
 def emit_body(
@@ -136,18 +124,14 @@ def emit_body(
     fixed = dict(fixed or {})
     vars_of: dict[int, list[str]] = {k: list(v) for k, v in fixed.items()}
     lines: list[str] = []
-    for j, e in enumerate(body.walk()):
-        if id(e) in vars_of:
-            continue
-        opd = op_def(e.op)
-        if opd.code is None:
-            raise CodegenError(f"op {e.op} (node {e.node!r}) has no code snippet; it cannot be fused here")
-        attrs = e.attr_dict
+    position = {id(e): j for j, e in enumerate(body.walk())}  # names stay those of the node's place in the body
+    for e in nodes_to_emit(body, given=vars_of):
+        j = position[id(e)]
         out = [f"t{j}_{lane}" for lane in range(lanes)]
         for lane in range(lanes):
             args = [leaf_var(a.tensor, lane) if isinstance(a, Load) else vars_of[id(a)][lane] for a in e.args]
-            lines.append(f"{indent}float {out[lane]} = {opd.code(args, attrs)};")
-        temps = opd.probe_temps(attrs)
+            lines.append(f"{indent}float {out[lane]} = {snippet(e, args)};")
+        temps = op_def(e.op).probe_temps(e.attr_dict)
         if temps > 0:
             lines += _probe(out, temps, f"q{j}", indent)
         vars_of[id(e)] = out
@@ -187,18 +171,14 @@ def _probe(values: list[str], temps: int, tag: str, indent: str) -> list[str]:
 
 def _broadcast_cols(t: TensorType, out: TensorType, tensor: str) -> int:
     """0 for a full-shape operand; the row length for a bias broadcast over rows."""
-    if tuple(t.shape) == tuple(out.shape):
-        return 0
-    if len(t.shape) == 1 and len(out.shape) >= 1 and t.shape[0] == out.shape[-1]:
-        return int(t.shape[0])
-    raise CodegenError(f"operand {tensor!r} of shape {list(t.shape)} does not broadcast to {list(out.shape)}")
+    return int(t.shape[0]) if broadcast(t.shape, out.shape, tensor) == "col" else 0
 
 
 def elementwise_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
     body = k.body
     out_t = tensors.get(k.out, body.type)
     n = math.prod(out_t.shape)
-    leaves = _leaves(body)
+    leaves = loads(body)
     cols = {t: _broadcast_cols(tensors[t], out_t, t) for t in leaves}
     widths = [DTYPE_BYTES[tensors[t].dtype] for t in leaves if not cols[t]] + [DTYPE_BYTES[out_t.dtype]]
     vec = 16 // max(widths)
@@ -207,7 +187,7 @@ def elementwise_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
     index = {t: i for i, t in enumerate(leaves)}
     params = [f"const {CTYPE[tensors[t].dtype]}* __restrict__ p{index[t]}" for t in leaves]
     params.append(f"{CTYPE[out_t.dtype]}* __restrict__ out")
-    name = kernel_name("elementwise", k.out, _shape_salt(k, tensors))
+    name = kernel_name(KernelKind.ELEMENTWISE, k.out, _shape_salt(k, tensors))
     src = [PRELUDE, f'extern "C" __global__ void {name}({", ".join(params)}) {{']
     src.append(f"  const long long N = {n}LL;")
     src.append("  const long long stride = (long long)blockDim.x * gridDim.x;")
@@ -221,7 +201,7 @@ def elementwise_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
     src.append("  }")
     src.append("}")
     work = -(-n // (vec * BLOCK))
-    return CudaKernel(name, "elementwise", "\n".join(src) + "\n", (*leaves, k.out), BLOCK, (work, 1), 8, vec)
+    return CudaKernel(name, KernelKind.ELEMENTWISE, "\n".join(src) + "\n", (*leaves, k.out), BLOCK, (work, 1), 8, vec)
 
 
 def _shape_salt(k: Kernel, tensors: dict[str, TensorType]) -> str:
@@ -343,19 +323,9 @@ extern "C" __global__ void __launch_bounds__({threads}) {name}({params}) {{
 """
 
 
-def _matmul_of(body: Expr) -> Expr:
-    mms = [e for e in body.walk() if op_def(e.op).kind == "matmul"]
-    if len(mms) != 1:
-        raise CodegenError(f"gemm_epilogue kernel for node {body.node!r} holds {len(mms)} MatMuls; expected 1")
-    mm = mms[0]
-    if not all(isinstance(a, Load) for a in mm.args):
-        raise CodegenError(f"MatMul {mm.node!r}: operands must be loaded from memory (no prologue fusion)")
-    return mm
-
-
 def gemm_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
     body = k.body
-    mm = _matmul_of(body)
+    mm = find_matmul(body)
     a_name, b_name = (arg.tensor for arg in mm.args)  # type: ignore[union-attr]
     at, bt = tensors[a_name], tensors[b_name]
     if at.dtype != bt.dtype or at.dtype not in ("fp16", "bf16"):
@@ -364,7 +334,7 @@ def gemm_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
         )
     (m, kk), (_, n) = at.shape, bt.shape
     out_t = tensors.get(k.out, body.type)
-    leaves = _leaves(body)
+    leaves = loads(body)
     index = {t: i for i, t in enumerate(leaves)}
     epi_leaves = [t for t in leaves if t not in (a_name, b_name) or _used_outside(body, mm, t)]
     ind = "          "
@@ -377,7 +347,7 @@ def gemm_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
     lines += stmts
     params = [f"const {CTYPE[tensors[t].dtype]}* __restrict__ p{index[t]}" for t in leaves]
     params.append(f"{CTYPE[out_t.dtype]}* __restrict__ out")
-    name = kernel_name("gemm_epilogue", k.out, _shape_salt(k, tensors))
+    name = kernel_name(KernelKind.GEMM_EPILOGUE, k.out, _shape_salt(k, tensors))
     bm, bn, bk = GEMM_TILE
     src = PRELUDE + _GEMM_TEMPLATE.format(
         threads=GEMM_THREADS,
@@ -398,7 +368,7 @@ def gemm_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
         store=FROM_FLOAT[out_t.dtype].format(res[0]),
     )
     grid = (-(-n // bn), -(-m // bm))
-    return CudaKernel(name, "gemm_epilogue", src, (*leaves, k.out), GEMM_THREADS, grid)
+    return CudaKernel(name, KernelKind.GEMM_EPILOGUE, src, (*leaves, k.out), GEMM_THREADS, grid)
 
 
 def _used_outside(body: Expr, mm: Expr, tensor: str) -> bool:
@@ -408,8 +378,8 @@ def _used_outside(body: Expr, mm: Expr, tensor: str) -> bool:
 
 def generate(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
     """The CUDA kernel of one plan kernel (elementwise or gemm_epilogue)."""
-    if k.kind == "elementwise":
+    if k.kind == KernelKind.ELEMENTWISE:
         return elementwise_kernel(k, tensors)
-    if k.kind == "gemm_epilogue":
+    if k.kind == KernelKind.GEMM_EPILOGUE:
         return gemm_kernel(k, tensors)
     raise CodegenError(f"kernel {k.describe()} writing {k.out!r} is {k.kind}: not generated as CUDA")

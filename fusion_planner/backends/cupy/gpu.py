@@ -19,6 +19,7 @@ import numpy as np
 
 from fusion_planner.backends.cupy.bundle import BundleKernel, Candidate, CublasCall
 from fusion_planner.backends.cupy.codegen import CudaKernel
+from fusion_planner.core.kinds import KernelKind
 from fusion_planner.core.ops import numpy_dtype
 
 try:
@@ -141,7 +142,7 @@ class CupyPrepared:
         with self.stream:
             self.launch()
         self.stream.synchronize()
-        for g, f in zip(self.gemms, [f for f in self.kernel_facts if f.get("kind") == "cublaslt"], strict=True):
+        for g, f in zip(self.gemms, [f for f in self.kernel_facts if f.get("kind") == KernelKind.CUBLASLT], strict=True):
             f["layout_copy"] = g.layout_copy
         return [to_host(self.bufs[o], self.cand.plan.tensors[o].dtype) for o in self.outputs]
 
@@ -244,7 +245,7 @@ class CupyExecutor:
         if bk.cublas is not None:
             g = CublasLtGemm(bk.cublas, prepared.bufs, prepared.stream)
             prepared.gemms.append(g)
-            prepared.kernel_facts.append({"kind": "cublaslt", "epilogue": bk.cublas.epilogue})
+            prepared.kernel_facts.append({"kind": KernelKind.CUBLASLT, "epilogue": bk.cublas.epilogue})
             return _gemm_step(g, bk.kernel.out, prepared.bufs)
         raise RuntimeError(bk.unsupported or f"kernel {bk.kernel.describe()} has no GPU form")
 

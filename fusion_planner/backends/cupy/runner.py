@@ -25,6 +25,7 @@ import numpy as np
 
 from fusion_planner.backends.cupy.bundle import Bundle, Candidate
 from fusion_planner.backends.reference import execute_plan
+from fusion_planner.core.kinds import Verdict, rejected
 from fusion_planner.core.machine import cpu_model
 from fusion_planner.core.tolerance import check_outputs
 
@@ -127,14 +128,14 @@ def measure_candidate(
         "est_us": round(cand.est_us, 4),
         "meas_us": None,
         "samples_us": [],
-        "verdict": "not timed",
+        "verdict": Verdict.NOT_TIMED,
         "max_abs": None,
         "max_rel": None,
         "kernels": [],
     }
     missing = [bk.unsupported for bk in cand.kernels if bk.unsupported and executor.name != "numpy"]
     if missing:
-        entry["verdict"] = f"rejected: {missing[0]}"
+        entry["verdict"] = rejected(missing[0])
         return entry
     try:
         prepared = executor.prepare(cand, inputs)
@@ -142,18 +143,18 @@ def measure_candidate(
         outs = prepared.run()
     except Exception as exc:  # a backend failure rejects this candidate, named, and the run goes on
         log.warning("candidate %s failed: %s", cand.plan.notation(), exc)
-        entry["verdict"] = f"rejected: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        entry["verdict"] = rejected(f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
         return entry
     device, oracle = expected
     reason, max_abs, max_rel = check_outputs(cand.plan, outs, device, oracle=oracle)
     entry["max_abs"], entry["max_rel"] = max_abs, max_rel
     if reason is not None:
-        entry["verdict"] = f"rejected: mismatch ({reason})"
+        entry["verdict"] = rejected(f"mismatch ({reason})")
         return entry
     samples = prepared.time(warmup, repeats)
     entry["samples_us"] = [round(s, 3) for s in samples]
     entry["meas_us"] = round(statistics.median(samples), 3)
-    entry["verdict"] = "timed"
+    entry["verdict"] = Verdict.TIMED
     graph_time = getattr(prepared, "time_graph", None)
     if graph_time is not None:
         entry["graph_us"] = graph_time(warmup, repeats)
@@ -209,7 +210,7 @@ class Measurement:
     key: str
     plan: str
     meas_us: float | None  # median of repeats; None when not timed
-    verdict: str  # "timed" | "rejected: <reason>" | "not timed"
+    verdict: str  # a Verdict, or "rejected: <reason>"
     samples_us: tuple[float, ...]
     kernels: tuple[dict[str, Any], ...]  # per-kernel facts from the compiled kernels
     graph_us: float | None

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from testpaths import ROOT
 
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
@@ -23,8 +24,6 @@ from fusion_planner.core.ops import OpError  # noqa: E402
 from fusion_planner.torch.errors import TorchImportError  # noqa: E402
 from fusion_planner.torch.importer import TORCH_DTYPES, import_module, load_factory  # noqa: E402
 from fusion_planner.torch.ops import resolve_torch_fn  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # The numpy reference always runs; the generated-C cpu backend once it is importable.
 BACKENDS = ["reference"] + (["cpu"] if importlib.util.find_spec("fusion_planner.backends.cpu.backend") else [])

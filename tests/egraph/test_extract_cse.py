@@ -1,5 +1,7 @@
 """Identical nodes are hash-consed by egglog into one e-class; planning must still work."""
 
+from testpaths import FIXTURES
+
 from fusion_planner.backends.reference import execute_graph, execute_plan, random_inputs
 from fusion_planner.core.graph import GraphBuilder
 from fusion_planner.core.tolerance import allclose_report
@@ -24,7 +26,6 @@ def test_two_identical_nodes_share_a_class_and_both_outputs_are_planned():
 
 
 def test_values_a_user_rule_creates_are_typed_and_planned():
-    from pathlib import Path
 
     from fusion_planner.rules.load import load_rules
 
@@ -34,7 +35,7 @@ def test_values_a_user_rule_creates_are_typed_and_planned():
     b.op("a", "Add", ["y", "z"])
     b.op("m", "Mul", ["x", "a"])
     graph = b.build(["m"])
-    rules = load_rules([Path(__file__).parent / "fixtures" / "good_rules" / "distribute.egg"])
+    rules = load_rules([FIXTURES / "good_rules" / "distribute.egg"])
     cands = build_candidates(graph, "seed-k4", rules=rules)
     assert any(k.ops.count("Mul") == 2 for p in cands.plans for k in p.kernels)  # the rule's form is a candidate
     inputs = random_inputs(graph, seed=3)

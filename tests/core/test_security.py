@@ -8,12 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from testpaths import ROOT
 
 from fusion_planner.core.graph import GraphError, graph_from_json
 from fusion_planner.core.ops import OpError
 from fusion_planner.core.torch_allowlist import TORCH_CALLABLES, check_torch_call
-
-ROOT = Path(__file__).resolve().parents[1]
 
 #: names an attacker builds from allowed prefixes through re-exported modules
 HOSTILE_NAMES = [
@@ -176,7 +175,7 @@ def test_call_descriptions_are_checked_for_structure() -> None:
 
 def test_the_allowlist_is_what_the_importer_can_emit() -> None:
     pytest.importorskip("torch")
-    from fusion_planner.torch.ops import resolve_canonical, derived_allowlist, torch_fn_name
+    from fusion_planner.torch.ops import derived_allowlist, resolve_canonical, torch_fn_name
 
     assert derived_allowlist() == TORCH_CALLABLES
     for name in TORCH_CALLABLES:  # every name resolves, and back to itself

@@ -3,10 +3,10 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from testpaths import ROOT
 
 from fusion_planner.backends.cupy.bundle import BundleError, bundle_from_json, export_bundle, load_bundle
 from fusion_planner.backends.cupy.runner import MeasuredError, NumpyExecutor, load_measured, time_bundle
@@ -15,8 +15,6 @@ from fusion_planner.cli import main
 from fusion_planner.core.examples import ew_chain, mlp_epilogue, mlp_stack
 from fusion_planner.core.tolerance import check_outputs
 from fusion_planner.egraph.candidates import build_candidates
-
-ROOT = Path(__file__).resolve().parents[1]
 
 BLOCK_EGGLOG = """
 import sys

@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
+from testpaths import FIXTURES
 
 from fusion_planner.backends.reference import execute_graph, execute_plan, random_inputs
 from fusion_planner.core.graph import GraphBuilder
-from fusion_planner.core.ops import OPS, OpDef, same_shape, register_op
+from fusion_planner.core.ops import OPS, OpDef, register_op, same_shape
 from fusion_planner.core.tolerance import check_outputs
 from fusion_planner.egraph.candidates import build_candidates
 from fusion_planner.rules.check import check_files
 from fusion_planner.rules.files import parse_rule_text, shipped_rules
 from fusion_planner.rules.rulegen import fusion_rules, generated_text
 
-BEFORE = Path(__file__).parent / "fixtures" / "mechanical_rules" / "before_generation.egg"
+BEFORE = FIXTURES / "mechanical_rules" / "before_generation.egg"
 _NOT_VARS = {"rewrite", "rule", "subsume", "K", "Ew", "Forced", "MatMul"}
 
 

@@ -9,12 +9,12 @@ a bounded sample) on the numpy reference.  A failure prints the graph JSON.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, event, given, note, settings
 from hypothesis import strategies as st
+from testpaths import FIXTURES
 
 from fusion_planner.backends.reference import execute_graph, execute_plan, random_inputs
 from fusion_planner.core.graph import GraphBuilder, graph_from_json
@@ -109,7 +109,7 @@ def check_candidates(graph_json: dict, seed: int, rules: list[RuleFile] | None =
 
 def test_the_property_catches_an_unsound_rule_and_prints_a_small_graph():
     # the planner refuses this file; load it unchecked to prove the property can fail
-    bad = Path(__file__).parent / "fixtures" / "bad_rules" / "drops_term.egg"
+    bad = FIXTURES / "bad_rules" / "drops_term.egg"
     rules = shipped_rules() + user_rules([bad], check=False)
 
     @settings(

@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+from testpaths import ROOT
 
 from fusion_planner.backends.reference import execute_graph, execute_plan, random_inputs
 from fusion_planner.cli import main
@@ -140,9 +141,8 @@ def test_plan_cli_single_region_cache(tmp_path, capsys):
 def test_torch_defined_stack_dedups_and_matches_eager():
     torch = pytest.importorskip("torch")
     import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    sys.path.insert(0, str(ROOT / "examples"))
     from transformer_block import Block
 
     import fusion_planner

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from testpaths import FIXTURES
 
 from fusion_planner.cli import main
 from fusion_planner.core.examples import ew_chain
@@ -22,7 +23,6 @@ from fusion_planner.rules.check import (
 from fusion_planner.rules.files import RuleFileError, shipped_rules
 from fusion_planner.rules.load import load_rules, user_rules
 
-FIXTURES = Path(__file__).parent / "fixtures"
 BAD = sorted((FIXTURES / "bad_rules").glob("*.egg"))
 GOOD = sorted((FIXTURES / "good_rules").glob("*.egg"))
 SHIPPED = [r for rf in shipped_rules() for r in rules_of(rf.path, rf.text, shipped=True)]
@@ -80,8 +80,22 @@ def test_a_new_op_table_entry_is_checkable_without_checker_changes(monkeypatch):
 # ---------------------------------------------------------------- wrong rules
 
 
-def test_there_are_several_kinds_of_wrong_rules():
+def test_the_wrong_rules_cover_every_kind_of_mistake_the_checker_tells_apart():
+    """Each fixture says what is wrong with it, and together they are caught at both levels
+    (exact arithmetic and device rounding) and through every constructor family of the rules."""
     assert len(BAD) >= 10
+    levels, constructors, facts = set(), set(), 0
+    for path in BAD:
+        text = path.read_text()
+        assert text.startswith("; WRONG"), f"{path.name} does not say what is wrong with it"
+        for res in check_text(text, str(path), examples=50, seed=0, shrink=False):
+            if res.counterexample is not None:
+                levels.add(res.counterexample["level"].split()[0])
+            else:  # a fact that does not hold (a Mem of a register value): no numbers needed
+                facts += 1
+        constructors |= set(re.findall(r"\((MatMul|CublasLt|K|BiasAdd|Affine|Relu|GeluTanh|GeluErf|Silu)\b", text))
+    assert levels == {"exact", "device"} and facts >= 1
+    assert {"MatMul", "CublasLt", "K", "BiasAdd", "Affine", "Relu", "GeluTanh", "GeluErf"} <= constructors
 
 
 @pytest.mark.parametrize("path", BAD, ids=lambda p: p.name)

@@ -5,10 +5,10 @@ The GPU machine has no egglog: these tests read the bundles in tests/data/gpu
 needs egglog.
 """
 
-from pathlib import Path
 
 import numpy as np
 import pytest
+from testpaths import GPU_DATA
 
 from fusion_planner.backends.cupy.bundle import load_bundle
 from fusion_planner.backends.cupy.runner import time_bundle
@@ -20,7 +20,7 @@ from fusion_planner.core.ops import OPS
 pytestmark = pytest.mark.gpu
 
 H200 = load_device("h200")
-DATA = Path(__file__).parent / "data" / "gpu"
+DATA = GPU_DATA
 
 
 def _bundle(name):

@@ -1,0 +1,45 @@
+"""The closed vocabularies: op kinds, kernel kinds and a candidate's verdict.
+
+They are ``StrEnum``s, so they print, compare and serialise as the plain strings that plan,
+bundle and results files hold.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class OpKind(StrEnum):
+    """What an op of the op table is."""
+
+    INPUT = "input"
+    MATMUL = "matmul"
+    ELEMENTWISE = "elementwise"
+    OPAQUE = "opaque"
+
+
+class KernelKind(StrEnum):
+    """How a kernel of a plan is implemented."""
+
+    ELEMENTWISE = "elementwise"  # fused elementwise ops, one loop
+    GEMM_EPILOGUE = "gemm_epilogue"  # a custom GEMM applying elementwise ops to its result
+    CUBLASLT = "cublaslt"  # a library GEMM with one of cuBLASLt's epilogues
+    OPAQUE = "opaque"  # one Opaque op, its registered implementation
+
+
+class Verdict(StrEnum):
+    """What the search (or the remote runner) made of a candidate; a rejection carries its reason."""
+
+    BEST = "best"
+    TIMED = "timed"
+    NOT_TIMED = "not timed"
+    REJECTED = "rejected"
+
+
+def rejected(reason: str) -> str:
+    """The verdict of a candidate rejected for ``reason``: ``"rejected: <reason>"``."""
+    return f"{Verdict.REJECTED}: {reason}"
+
+
+def is_rejected(verdict: str) -> bool:
+    return verdict.startswith(Verdict.REJECTED)
