@@ -1,6 +1,7 @@
 """``fusion-planner bench c05``: seed 001 (C-05) with the planner's own generated kernels.
 
-The chain of DIGEST.md (stage s: ``y = a_s*y + b_s``, ReLU on even s) is built
+Seed 001 ("C-05", the project's second design note) times a chain of stages
+(stage s: ``y = a_s*y + b_s``, ReLU on even s) fused and unfused on an RTX 5090; the chain is built
 as a graph; its naive plan (one kernel per stage), fused plan (one kernel) and
 fat plan (fused plus the 48-temporary register probe) come from the candidate
 set.  Without a GPU only the offline part is printed: registers and spills

@@ -55,7 +55,7 @@ class DeviceSpec:
 
 
 BUILTIN_DEVICES: dict[str, DeviceSpec] = {
-    # Exactly the parameters of seed 000 (DIGEST.md): one 40 TFLOP/s peak for all work.
+    # Exactly the parameters of seed 000, the K4 design note (docs/cost-model.md): one 40 TFLOP/s peak for all work.
     "seed-k4": DeviceSpec(
         name="seed-k4",
         bandwidth_gbps=448.0,
@@ -69,7 +69,7 @@ BUILTIN_DEVICES: dict[str, DeviceSpec] = {
         max_threads_per_sm=1536,
         max_blocks_per_sm=24,
         gemm_efficiency={"cublaslt": 1.0, "custom": 1.0},
-        source="seed 000 (K4), DIGEST.md; SM figures are not used by its tables",
+        source="seed 000 (K4), docs/cost-model.md; SM figures are not used by its tables",
     ),
     # NVIDIA H200 SXM datasheet: 4.8 TB/s HBM3e, 989 TFLOP/s dense FP16/BF16 tensor,
     # 67 TFLOP/s FP32; Hopper (CC 9.0): 132 SMs, 64K regs, 2048 threads, 32 blocks per SM.

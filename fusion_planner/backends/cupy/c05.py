@@ -30,7 +30,8 @@ from fusion_planner.core.graph import TensorType
 log = logging.getLogger(__name__)
 
 SCHEMA = "fusion-planner/c05/1"
-#: seed 001's RTX 5090 figures (DIGEST.md): k -> (naive ms, fused ms)
+#: seed 001 ("C-05"), the project's second design note, timed a chain of k affine+ReLU stages on an
+#: RTX 5090, one kernel per stage (naive) against one fused kernel: k -> (naive ms, fused ms)
 SEED_SWEEP = {2: (0.318, 0.082), 3: (0.333, 0.084), 4: (0.490, 0.083), 6: (0.662, 0.083), 8: (0.832, 0.085)}
 #: seed 001's modes at k = 4: tag -> (median ms, blocks/SM)
 SEED_MODES = {"naive": (0.491, 6), "fused": (0.083, 6), "fat": (0.667, 1)}
