@@ -65,6 +65,7 @@ class PlanResult:
     _runner: Runner | None = field(default=None, repr=False)
     model_plan: Any = None  # fusion_planner.model.stack.ModelPlan when repeated regions were planned once each
     planned: Planned | None = None  # what the pipeline decided (cache key, from the cache, composite check)
+    _bound: Any = field(default=None, repr=False)  # torch.importer.BoundInputs: parameters converted once
 
     def __call__(self, *inputs: Any) -> Any:
         """Execute the chosen plan; torch tensors in and out for a module, numpy arrays for a Graph."""
@@ -72,10 +73,22 @@ class PlanResult:
         if self.imported is None:
             (feed,) = inputs
             return self._runner(feed)
-        from fusion_planner.torch.importer import graph_inputs_from_module
+        if self._bound is None:
+            from fusion_planner.torch.importer import BoundInputs
 
-        feed = graph_inputs_from_module(self.imported, self.module, inputs)
-        return self.imported.wrap_outputs(self._runner(feed))
+            self._bound = BoundInputs(self.imported, self.module)
+        return self.imported.wrap_outputs(self._runner(self._bound.feed(inputs)))
+
+    @property
+    def bound(self) -> Any:
+        """The module's bound inputs (``torch.importer.BoundInputs``) once the plan has been called."""
+        return self._bound
+
+    def rebind(self) -> None:
+        """Convert the module's parameters again on the next call (after a change torch cannot see,
+        such as writing ``param.data`` in place; in-place updates and replaced tensors are seen anyway)."""
+        if self._bound is not None:
+            self._bound.rebind()
 
     def check(self, expected: Any, *inputs: Any) -> list[tuple[float, float]]:
         """Run the plan on ``inputs`` and compare with ``expected`` (eager torch outputs).

@@ -320,7 +320,7 @@ OPS: dict[str, OpDef] = {
             lambda x: np.maximum(x, x.dtype.type(0)),
             1.0,
             4,
-            lambda v, attrs: f"fmaxf({v[0]}, 0.0f)",
+            lambda v, attrs: f"({v[0]} < 0.0f ? 0.0f : {v[0]})",  # NaN stays NaN, as in torch and numpy
             "max(x, 0).",
         ),
         _unary(

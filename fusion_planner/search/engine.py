@@ -102,6 +102,8 @@ class Entry:
     max_rel: float | None = None
     facts: list[dict[str, Any]] = field(default_factory=list)
     choice: dict[str, Option] | None = field(default=None, repr=False)
+    #: the median of the final interleaved best-vs-unfused re-measurement (best and unfused only)
+    confirm_us: float | None = None
 
     @property
     def est_us(self) -> float:
@@ -126,6 +128,8 @@ class Entry:
             max_abs_err=_json_float(self.max_abs),
             max_rel_err=_json_float(self.max_rel),
         )
+        if self.confirm_us is not None:
+            d["confirm_us"] = round(self.confirm_us, 4)
         return d
 
 
@@ -303,6 +307,20 @@ class _Run:
         entry.verdict = Verdict.TIMED
         self._record(entry)
 
+    def confirm_speedup(self, base: Entry, best: Entry, rounds: int = 5) -> float:
+        """Best vs unfused from an interleaved re-measurement: the two alternate, round by round, so a
+        machine that got busier during the search slows both alike (the search's own figures came
+        minutes apart). Medians over all rounds; 1.0 when the best is the unfused plan."""
+        if best is base:
+            return 1.0
+        plans = {"base": self.backend.compile(base.plan), "best": self.backend.compile(best.plan)}
+        samples: dict[str, list[float]] = {"base": [], "best": []}
+        for _ in range(rounds):
+            for name, compiled in plans.items():
+                samples[name] += compiled.time(self.inputs, warmup=1, repeats=3).samples_us
+        base.confirm_us, best.confirm_us = (float(np.median(samples[k])) for k in ("base", "best"))
+        return base.confirm_us / best.confirm_us
+
     def _verify(self, entry: Entry, outs: Sequence[np.ndarray]) -> str | None:
         reason, entry.max_abs, entry.max_rel = check_outputs(
             entry.plan, outs, self.expected, self.opts.rtol, self.opts.atol
@@ -415,7 +433,7 @@ def search(
         run.best = min(verified, key=lambda e: e.plan.sort_key())
     run.best.verdict = Verdict.BEST
     base = run.entries[0]
-    speedup = base.meas_us / run.best.meas_us if base.timed and run.best.timed else None  # type: ignore[operator]
+    speedup = run.confirm_speedup(base, run.best) if base.timed and run.best.timed else None
     timed = [e for e in run.entries if e.timed]
     rho = spearman([e.est_us for e in timed], [e.meas_us for e in timed])  # type: ignore[misc]
     n_rejected = sum(is_rejected(e.verdict) for e in run.entries)

@@ -94,7 +94,7 @@ class SearchLog:
         spearman: float | None,
         stop: str,
     ) -> None:
-        sp = f"{speedup:.2f}x vs unfused" if speedup is not None else "no speedup measured"
+        sp = f"{speedup:.2f}x vs unfused (interleaved re-measurement)" if speedup is not None else "no speedup measured"
         rho = f"{spearman:.2f}" if spearman is not None else "n/a"
         self.emit(
             f"Searched in {fmt_duration(seconds)}: best {self.label(best)} | {sp} | "

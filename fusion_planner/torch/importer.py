@@ -132,10 +132,7 @@ def graph_inputs_from_module(
 ) -> dict[str, np.ndarray]:
     """The graph's input arrays (float32, flattened to IR shapes): call inputs, parameters, buffers."""
     flat = imported.check_args(args)
-    if isinstance(module, nn.Module):
-        state: Mapping[str, torch.Tensor] = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-    else:
-        state = module or {}
+    state = _module_state(module)
     out: dict[str, np.ndarray] = {}
     for b in imported.bindings:
         if b.source == "const":
@@ -149,6 +146,59 @@ def graph_inputs_from_module(
             t = state[str(b.key)]
         out[b.name] = _to_numpy(t, b.transpose)
     return out
+
+
+class BoundInputs:
+    """A planned module's graph inputs, its parameters and buffers converted once.
+
+    Each call converts only the call inputs. A parameter or buffer that changed since it was
+    converted, in place (torch's version counter moved) or replaced by another tensor, is
+    converted again. Bound arrays are private, read-only copies, so a backend may keep them in
+    its buffers between calls. An update that bypasses the version counter (``param.data``
+    written in place) is not seen: call :meth:`rebind` after one.
+    """
+
+    def __init__(self, imported: ImportedModule, module: nn.Module | Mapping[str, torch.Tensor] | None) -> None:
+        self.imported = imported
+        self.module = module
+        self._bound: dict[str, tuple[torch.Tensor, int, np.ndarray]] = {}
+        self.conversions = 0  # parameters and buffers converted so far (tests count them)
+
+    def rebind(self) -> None:
+        """Forget every bound parameter: the next call converts them all again."""
+        self._bound.clear()
+
+    def feed(self, args: Sequence[Any]) -> dict[str, np.ndarray]:
+        flat = self.imported.check_args(args)
+        state = _module_state(self.module)
+        out: dict[str, np.ndarray] = {}
+        for b in self.imported.bindings:
+            if b.source == "const":
+                out[b.name] = self.imported.constants[b.name]
+            elif b.source == "arg":
+                out[b.name] = _to_numpy(flat[int(b.key)], b.transpose)
+            else:
+                out[b.name] = self._state_input(b, state)
+        return out
+
+    def _state_input(self, b: Binding, state: Mapping[str, torch.Tensor]) -> np.ndarray:
+        if b.key not in state:
+            raise TorchImportError(f"module has no parameter or buffer {b.key!r} (graph input {b.name!r})")
+        t = state[str(b.key)]
+        bound = self._bound.get(b.name)
+        if bound is not None and bound[0] is t and bound[1] == t._version:
+            return bound[2]
+        arr = np.array(_to_numpy(t, b.transpose), copy=True)
+        arr.setflags(write=False)
+        self._bound[b.name] = (t, t._version, arr)
+        self.conversions += 1
+        return arr
+
+
+def _module_state(module: nn.Module | Mapping[str, torch.Tensor] | None) -> Mapping[str, torch.Tensor]:
+    if isinstance(module, nn.Module):
+        return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    return module or {}
 
 
 def _to_numpy(t: torch.Tensor, transpose: bool = False) -> np.ndarray:
@@ -875,6 +925,6 @@ def graph_from_factory(spec: str) -> Graph:
 
 
 __all__ = [
-    "Binding", "ImportedModule", "OutputSpec", "graph_from_factory", "graph_inputs_from_module",
+    "Binding", "BoundInputs", "ImportedModule", "OutputSpec", "graph_from_factory", "graph_inputs_from_module",
     "import_fx_graph", "import_module", "ir_dtype", "load_factory",
 ]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
+import subprocess
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from fusion_planner.core.cost import device_from_json, load_device
 from fusion_planner.core.graph import Graph, GraphBuilder, TensorType
 from fusion_planner.core.ops import numpy_dtype
 from fusion_planner.core.plans import Expr, Load, Plan
+from fusion_planner.core.tolerance import check_outputs
 from fusion_planner.egraph.candidates import build_candidates
 
 SPEC = load_device("seed-k4")
@@ -33,11 +36,11 @@ def compiler() -> Compiler:
         pytest.skip(f"no C compiler: {exc}")
 
 
-def cpu_backend(tile_bytes: int | None = None):
+def cpu_backend(tile_bytes: int | None = None, fma: bool | None = None):
     from fusion_planner.backends.cpu.backend import CpuBackend
 
     try:
-        return CpuBackend(SPEC, tile_bytes=tile_bytes)
+        return CpuBackend(SPEC, compiler=Compiler(fma=fma), tile_bytes=tile_bytes)
     except BackendUnavailable as exc:
         pytest.skip(f"no C compiler: {exc}")
 
@@ -130,7 +133,7 @@ def test_unfused_plan_materialises_every_intermediate() -> None:
     graph = examples.ew_chain(3, 300)
     cands = build_candidates(graph, SPEC)
     inputs = random_inputs(graph, seed=1)
-    compiled = cpu_backend().compile(cands.unfused)
+    compiled = cpu_backend(fma=False).compile(cands.unfused)  # without contraction: bit-identical to numpy
     compiled.run(inputs)
     ops = [n.id for n in graph.ops]
     assert [k.out for k in cands.unfused.kernels] == ops
@@ -366,3 +369,70 @@ def test_inconsistent_shapes_are_refused_before_any_c_runs() -> None:
     skinny = dict(plan.tensors, w=TensorType((8, 4), "fp32"))
     with pytest.raises(BackendError, match="GEMM operands"):
         backend.compile(dataclasses.replace(plan, tensors=skinny))
+
+
+# ---------------------------------------------------------------- vectorisation and NaN
+
+
+def _fused_kernels():
+    """The elementwise and GEMM-epilogue kernels of the examples' fused plans, in every dtype."""
+    graphs = [examples.ew_chain(8, 4096, dtype) for dtype in ("fp32", "fp16", "bf16")]
+    graphs += [examples.mlp_epilogue(64, 256, 128, "fp32", gelu) for gelu in ("tanh", "erf")]
+    graphs += [examples.heavy(4096, "fp16"), examples.transformer(1, 64, 8, "fp32", "swiglu")]
+    for g in graphs:
+        cands = build_candidates(g, "h200", cap=64, k=8)
+        tensors = {n.id: (n.type.shape, n.type.dtype) for n in g.nodes}
+        for p in cands.plans:
+            for k in p.kernels:
+                if k.kind == "elementwise" and len(k.ops) > 1:
+                    yield g.name, k, generate(k.body, tensors)
+
+
+def test_every_fused_kernel_of_the_examples_is_vectorised(compiler):
+    """gcc must report the loop over a row vectorised; a select feeding arithmetic once kept it scalar."""
+    about = subprocess.run([compiler.cc, "--version"], capture_output=True, text=True).stdout
+    if "Free Software Foundation" not in about or "clang" in about.lower():
+        pytest.skip(f"the vectorisation report is gcc's; this compiler is {compiler.version}")
+    seen: dict[str, str] = {}
+    for name, k, ck in _fused_kernels():
+        seen.setdefault(ck.digest, f"{name}: {k.describe()}")
+    assert len(seen) >= 10
+    failures = []
+    for digest, what in seen.items():
+        ck = next(c for _, _, c in _fused_kernels() if c.digest == digest)
+        loop_line = next(i for i, line in enumerate(ck.source.splitlines(), 1) if "for (int64_t c = 0" in line)
+        report = compiler.vectorisation_report(ck.source)
+        if not re.search(rf":{loop_line}:\d+: optimized: loop vectorized", report):
+            failures.append(what)
+    assert failures == []
+
+
+def test_relu_keeps_nan_like_torch_and_the_reference(compiler):
+    b = GraphBuilder("relu-nan")
+    b.input("x", (2, 8), "fp32")
+    b.op("r", "Relu", ["x"])
+    b.op("a", "Affine", ["r"], {"a": 2.0, "b": 1.0})
+    g = b.build(["a"])
+    x = {"x": np.array([[np.nan, -1, 0, 1, np.inf, -np.inf, -0.0, 3]] * 2, dtype=np.float32)}
+    fused = [p for p in build_candidates(g, "h200").plans if len(p.kernels) == 1][0]
+    got = cpu_backend().compile(fused).run(x)[0]
+    want = execute_graph(g, x)[0]
+    np.testing.assert_array_equal(got, want)
+    assert np.isnan(got[0, 0]) and got[0, 1] == 1.0 and got[0, 4] == np.inf and got[0, 5] == 1.0
+
+
+def test_fma_contraction_is_an_option_within_the_fp32_tolerance(tmp_path):
+    try:
+        strict, fused = Compiler(directory=tmp_path, fma=False), Compiler(directory=tmp_path, fma=True)
+    except CompilerUnavailable as exc:
+        pytest.skip(f"no C compiler: {exc}")
+    assert "-ffp-contract=off" in strict.flags and "-ffp-contract=fast" in fused.flags
+    assert strict.key("x") != fused.key("x")  # never one cached object for both
+    g = examples.ew_chain(8, 4096, "fp32")
+    plan = [p for p in build_candidates(g, "h200", cap=512).plans if len(p.kernels) == 1][0]
+    x = random_inputs(g, 0)
+    from fusion_planner.backends.cpu.backend import CpuBackend
+
+    outs = {fma: CpuBackend(SPEC, compiler=c).compile(plan).run(x)[0] for fma, c in ((False, strict), (True, fused))}
+    np.testing.assert_array_equal(outs[False], execute_plan(plan, x)[0])  # strict: bit-identical to the reference
+    assert check_outputs(plan, [outs[True]], execute_graph(g, x))[0] is None

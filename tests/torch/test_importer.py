@@ -218,6 +218,39 @@ def test_parameters_are_bound_at_call_time() -> None:
         _assert_close(result(x), m(x))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parameters_are_converted_once_and_again_only_when_they_change(backend, monkeypatch) -> None:
+    """A call converts only its inputs; the cpu backend copies only those into its buffers; a parameter
+    updated in place, or replaced, is converted again; rebind() forgets every bound parameter."""
+    import fusion_planner.backends.cpu.backend as cpu
+
+    m, x = _model("mlp-relu", torch.float32)
+    result = fusion_planner.plan(m, (x,), backend=backend, max_candidates=2)
+    copies = []
+    real = cpu.to_storage
+    monkeypatch.setattr(cpu, "to_storage", lambda arr, dtype, out: (copies.append(arr.shape), real(arr, dtype, out)))
+    params = sum(1 for b in result.imported.bindings if b.source == "state")
+    result(x)  # planning already called it once, to check it against eager torch
+    assert result.bound.conversions == params
+    first = len(copies)
+    for _ in range(3):
+        _assert_close(result(x), m(x))
+    assert result.bound.conversions == params  # not converted again
+    if backend == "cpu":
+        assert first == 1 and len(copies) == first + 3  # each call copies the activation only
+    with torch.no_grad():
+        m.fc2.bias.add_(1.0)  # in place: torch's version counter moves
+        _assert_close(result(x), m(x))
+        m.fc1.weight = nn.Parameter(m.fc1.weight * 2)  # replaced
+        _assert_close(result(x), m(x))
+    assert result.bound.conversions == params + 2
+    with torch.no_grad():
+        m.fc2.bias.data.mul_(3.0)  # invisible to the version counter
+    result.rebind()
+    with torch.no_grad():
+        _assert_close(result(x), m(x))
+
+
 def test_in_place_ops_are_mapped_out_of_place() -> None:
     class InPlace(nn.Module):
         def __init__(self) -> None:

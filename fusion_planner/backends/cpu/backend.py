@@ -190,6 +190,8 @@ class CpuCompiledPlan(CompiledPlan):
         self.input_names = inputs
         self.threads = threads
         self.controller = controller
+        self._loaded: dict[str, np.ndarray] = {}  # the array last copied into each input buffer
+        self.loads = 0  # inputs copied into buffers so far (tests count them)
 
     def _load_inputs(self, inputs: Mapping[str, np.ndarray]) -> None:
         for name in self.input_names:
@@ -197,9 +199,13 @@ class CpuCompiledPlan(CompiledPlan):
                 raise BackendError(f"missing input {name!r}")
             ttype = self.plan.tensors[name]
             arr = np.asarray(inputs[name])
+            if self._loaded.get(name) is arr and not arr.flags.writeable:
+                continue  # the same read-only array as last time (a bound parameter): already in its buffer
             if tuple(arr.shape) != tuple(ttype.shape):
                 raise BackendError(f"input {name!r} has shape {list(arr.shape)}, expected {list(ttype.shape)}")
             to_storage(arr, ttype.dtype, self.buffers[name])
+            self.loads += 1
+            self._loaded[name] = arr
 
     def _execute(self) -> None:
         for s in self.steps:

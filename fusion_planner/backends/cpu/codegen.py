@@ -38,7 +38,11 @@ from fusion_planner.core.plans import Expr, Load
 log = logging.getLogger(__name__)
 
 SYMBOL = "fp_kernel"
-BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off")
+#: -fno-trapping-math: nothing here reads floating-point exception flags, and without it gcc 12 will not
+#: if-convert a select (ReLU) followed by arithmetic, so such loops stay scalar and branchy
+BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-fno-trapping-math")
+#: FMA contraction of a*x + b (fp contract fast) or none; see Compiler.fma and docs/backends.md
+CONTRACT_FLAGS = {True: "-ffp-contract=fast", False: "-ffp-contract=off"}
 NATIVE_FLAGS = ("-march=native",)
 #: glibc's vector math library for tanhf/erff/expf (see PRELUDE), used when it links
 VECTOR_MATH = (("-fno-math-errno", "-DFP_VECTOR_MATH=1"), ("-lmvec",))
@@ -62,12 +66,6 @@ float tanhf(float) __attribute__((__simd__("notinbranch")));
 float erff(float) __attribute__((__simd__("notinbranch")));
 float expf(float) __attribute__((__simd__("notinbranch")));
 #endif
-
-/* fmaxf with C99 semantics (a NaN operand yields the other one).  GCC only
-   inlines libm's fmaxf under -ffinite-math-only; as a call it blocks
-   vectorisation of every loop holding a ReLU. */
-static inline float fp_fmaxf(float a, float b) { return (a > b || b != b) ? a : b; }
-#define fmaxf(a, b) fp_fmaxf(a, b)
 
 static inline float fp_bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t fp_f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -275,10 +273,15 @@ class Compiler:
 
     cc: str = ""
     directory: Path | None = None
+    #: contract a*x + b into one fused multiply-add (rounded once); None: $FUSION_PLANNER_CPU_FMA, default on
+    fma: bool | None = None
 
     def __post_init__(self) -> None:
         self.cc = self.cc or os.environ.get("CC", "cc")
-        self.flags, self.libs, self.version = _probe(self.cc)
+        if self.fma is None:
+            self.fma = os.environ.get("FUSION_PLANNER_CPU_FMA", "1").strip().lower() not in ("0", "off", "false", "no")
+        flags, self.libs, self.version = _probe(self.cc)
+        self.flags = (*flags, CONTRACT_FLAGS[self.fma])
         self.directory = self.directory or cache_dir()
         self._loaded: dict[str, ctypes.CDLL] = {}
         self.compiled = 0  # sources compiled (not found in the cache) by this object
@@ -309,6 +312,17 @@ class Compiler:
             os.replace(tmp, so)  # atomic: concurrent builders of one key agree
         self.compiled += 1
         return so
+
+    def vectorisation_report(self, source: str) -> str:
+        """What the compiler says it vectorised in ``source`` (gcc's ``-fopt-info-vec-optimized``), with
+        the flags kernels are built with; empty for compilers without that report."""
+        with tempfile.TemporaryDirectory() as d:
+            src = Path(d) / "kernel.c"
+            src.write_text(source)
+            r = subprocess.run([shutil.which(self.cc) or self.cc, *self.flags, "-fopt-info-vec-optimized",
+                                "-o", str(Path(d) / "kernel.so"), str(src), *self.libs, "-lm"],
+                               capture_output=True, text=True)
+        return r.stderr if r.returncode == 0 else ""
 
     def load(self, source: str) -> ctypes.CDLL:
         key = self.key(source)
