@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Any
@@ -67,8 +68,8 @@ def limits_from_args(args: argparse.Namespace) -> Limits:
     for name in ("max_iterations", "max_nodes", "max_region_ops", "cap", "top"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.time_limit <= 0:
-        raise UsageError("--time-limit must be positive")
+    if not (math.isfinite(args.time_limit) and args.time_limit > 0):
+        raise UsageError(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
     return Limits(
         max_iterations=args.max_iterations,
         max_nodes=args.max_nodes,

@@ -134,7 +134,13 @@ def _out_dir(path: str | None) -> Path | None:
         import matplotlib  # noqa: F401
     except ImportError:
         raise UsageError("--out writes plots and needs matplotlib (pip install 'fusion-planner[plots]')") from None
-    p.mkdir(parents=True, exist_ok=True)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / ".fusion-planner-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise UsageError(f"--out {path}: cannot write there ({exc.strerror or exc})") from None
     return p
 
 

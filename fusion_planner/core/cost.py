@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fusion_planner.core.files import read_limited
 from fusion_planner.core.kinds import KernelKind
 from fusion_planner.core.ops import DTYPE_BYTES
 
@@ -120,9 +121,11 @@ def load_device(name_or_file: str | None) -> DeviceSpec:
         raise DeviceSpecError(
             f"unknown device {key!r}: not a built-in ({', '.join(BUILTIN_DEVICES)}) and no such file"
         )
+    if not p.is_file():
+        raise DeviceSpecError(f"device {key!r}: {p} is not a regular file")
     try:
-        data = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = json.loads(read_limited(p, DeviceSpecError, "device file", limit=2**20))
+    except json.JSONDecodeError as exc:
         raise DeviceSpecError(f"device file {p}: {exc}") from None
     return device_from_json(data, str(p))
 

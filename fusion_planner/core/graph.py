@@ -17,6 +17,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from fusion_planner.core.files import read_limited
 from fusion_planner.core.ops import DTYPE_BYTES, OpError, Shape, op_def
 from fusion_planner.core.torch_allowlist import loading_file
 
@@ -311,14 +312,7 @@ def _defined_later(nodes: list[Any], index: int, node_id: str) -> bool:
 
 def load_graph(path: str | Path) -> Graph:
     p = Path(path)
-    try:
-        text = p.read_text()
-    except FileNotFoundError:
-        raise GraphError(f"graph file not found: {p}") from None
-    except OSError as exc:
-        raise GraphError(f"cannot read graph file {p}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise GraphError(f"{p}: not UTF-8 text (byte {exc.start})") from None
+    text = read_limited(p, GraphError, "graph file")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

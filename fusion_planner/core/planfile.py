@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from fusion_planner.core.cost import DeviceSpec, DeviceSpecError, KernelCost, device_from_json
+from fusion_planner.core.files import read_limited
 from fusion_planner.core.graph import Graph, GraphError, graph_from_json, torch_names
 from fusion_planner.core.ops import OpError
 from fusion_planner.core.plans import KERNEL_KINDS, Expr, Kernel, Load, Plan, expr_from_json, expr_to_json
@@ -78,10 +79,8 @@ def load_plan(path: str | Path, expect_graph: Graph | None = None) -> tuple[Plan
     """(plan, graph, device spec, meta) from a plan file; raises PlanFileError."""
     p = Path(path)
     try:
-        doc = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise PlanFileError(f"plan file not found: {p}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        doc = json.loads(read_limited(p, PlanFileError, "plan file"))
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise PlanFileError(f"plan file {p}: not readable JSON ({exc})") from None
     return plan_from_document(doc, str(p), expect_graph)
 

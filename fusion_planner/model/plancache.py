@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fusion_planner.core.cost import DeviceSpec
+from fusion_planner.core.files import read_limited, untrusted_dir
 from fusion_planner.core.graph import Graph
 from fusion_planner.core.planfile import PLAN_FORMAT, PlanFileError, plan_document, plan_from_document
 from fusion_planner.core.plans import Plan
@@ -46,6 +47,7 @@ class PlanCache:
         self.root = Path(root) if root else default_cache_dir()
         self.read = read
         self.rebuilt: list[str] = []  # keys of entries found corrupt or stale
+        self._refused: str | None = None  # why the folder is not trusted ("" once checked and fine)
 
     @staticmethod
     def key(region_key: str, spec: DeviceSpec, backend: str, rules: str) -> str:
@@ -56,10 +58,10 @@ class PlanCache:
 
     def load(self, key: str, region: Graph, spec: DeviceSpec) -> Plan | None:
         p = self.path(key)
-        if not self.read or not p.exists():
+        if not self.read or not p.exists() or not self._trusted():
             return None
         try:
-            doc = json.loads(p.read_text())
+            doc = json.loads(read_limited(p, PlanFileError, "plan cache entry"))
             plan, _, cached_spec, meta = plan_from_document(doc, p.name, expect_graph=region)
             if meta.get("cache_key") != key or meta.get("cache_version") != CACHE_VERSION:
                 raise PlanFileError("cache key or version mismatch")
@@ -71,14 +73,34 @@ class PlanCache:
             self.rebuilt.append(key)
             return None
 
-    def store(self, key: str, plan: Plan, region: Graph, spec: DeviceSpec) -> None:
+    def store(self, key: str, plan: Plan, region: Graph, spec: DeviceSpec) -> bool:
+        """Keep a chosen plan; a cache that cannot be written (read-only, full, a file) only warns:
+        the caller's result stands either way."""
         doc = plan_document(plan, region, spec, {"cache_key": key, "cache_version": CACHE_VERSION})
-        self.root.mkdir(parents=True, exist_ok=True)
-        # a unique temporary name per writer: two processes storing one key never share a file
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f"{key}.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(doc))
-        os.replace(tmp, self.path(key))
+        tmp: str | None = None
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            # a unique temporary name per writer: two processes storing one key never share a file
+            fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f"{key}.", suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(doc))
+            os.replace(tmp, self.path(key))
+            return True
+        except OSError as exc:
+            log.warning("could not store the plan in the plan cache %s (%s); the result is kept, not cached",
+                        self.root, exc.strerror or exc)
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+            return False
+
+    def _trusted(self) -> bool:
+        """Entries are trusted code paths' data (docs/security.md): a cache folder another user owns or
+        may write to is not read from, with one warning."""
+        if self._refused is None:
+            self._refused = untrusted_dir(self.root)
+            if self._refused:
+                log.warning("not reading the plan cache %s: %s", self.root, self._refused)
+        return not self._refused
 
     def entries(self) -> list[Path]:
         """The files this cache wrote: ``<32 hex>.json`` plan files whose meta carries that key, and

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -110,7 +111,7 @@ SCALAR_FNS: dict[str, Callable[..., Any]] = {
     "+": lambda a, b: a + b,
     "-": lambda a, b: a - b,
     "*": lambda a, b: a * b,
-    "/": lambda a, b: a / b,
+    "/": lambda a, b: a / b if b else (math.copysign(math.inf, a) if a else math.nan),  # as f64 divides in egglog
     "min": min,
     "max": max,
     "neg": lambda a: -a,

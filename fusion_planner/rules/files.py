@@ -14,11 +14,18 @@ from typing import Any
 
 from egglog import bindings
 
+from fusion_planner.core.files import read_limited
 from fusion_planner.rules.rulegen import generated_text
 
 RULES_DIR = Path(__file__).resolve().parent / "shipped"
 #: shipped rules in declaration order: hand-written files and ``generated:<ruleset>`` texts from the op table
 SHIPPED_RULE_FILES = ("limits.egg", "generated:limits", "generated:elementwise", "generated:epilogue", "cublaslt.egg")
+
+
+#: the rulesets the planner schedules itself: the analysis and limits facts run to saturation before every
+#: step, so a user rule there would escape the iteration, node and time limits; the shipped stages are
+#: closed too, so that a user file cannot change what the shipped rules mean
+PLANNER_RULESETS = ("analysis", "limits", "elementwise", "epilogue", "cublaslt")
 
 
 class RuleFileError(ValueError):
@@ -55,7 +62,23 @@ def parse_rule_text(text: str, path: str, *, shipped: bool) -> list[Any]:
                 f"{path}:{line}: a {'shipped' if shipped else 'user'} rule file may hold only "
                 f"rewrite, birewrite, rule and ruleset commands; found ({keyword} …)"
             )
+        if not shipped and _ruleset_of(cmd) in PLANNER_RULESETS:
+            line, _ = _where(text, cmd)
+            raise RuleFileError(
+                f"{path}:{line}: ruleset {_ruleset_of(cmd)!r} is the planner's own; user rules run in rulesets "
+                f"of their own (or the default one), under the saturation limits (closed: {', '.join(PLANNER_RULESETS)})"
+            )
     return cmds
+
+
+def _ruleset_of(cmd: Any) -> str | None:
+    """The ruleset a rule command adds to, or a ruleset declaration's name."""
+    kind = type(cmd).__name__
+    if kind in ("RewriteCommand", "BiRewriteCommand", "AddRuleset"):
+        return str(cmd.name)
+    if kind == "RuleCommand":
+        return str(cmd.rule.ruleset)
+    return None
 
 
 def _where(text: str, cmd: Any) -> tuple[int, str]:
@@ -87,10 +110,4 @@ def shipped_rules() -> list[RuleFile]:
 
 def read_rule_file(path: str | Path) -> str:
     """A rule file's text; unreadable or non-UTF-8 files are a RuleFileError naming the file."""
-    p = Path(path)
-    try:
-        return p.read_text()
-    except OSError as exc:
-        raise RuleFileError(f"{p}: cannot read rule file: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise RuleFileError(f"{p}: rule file is not UTF-8 text (byte {exc.start})") from None
+    return read_limited(path, RuleFileError, "rule file", limit=16 * 2**20)

@@ -80,10 +80,12 @@ class SearchOptions:
             raise UsageError(f"early stop factor must be at least 1.0, got {self.early_stop}")
         if self.warmup < 0 or self.repeats < 1:
             raise UsageError(f"need warmup >= 0 and repeats >= 1, got {self.warmup} and {self.repeats}")
+        if not math.isfinite(self.time_budget_s) or not math.isfinite(self.early_stop):
+            raise UsageError(f"time budget and early stop must be finite, got {self.time_budget_s} and {self.early_stop}")
         for name in ("rtol", "atol"):
             v = getattr(self, name)
-            if v is not None and not v >= 0:
-                raise UsageError(f"{name} must be non-negative, got {v}")
+            if v is not None and not (math.isfinite(v) and v >= 0):
+                raise UsageError(f"{name} must be a finite non-negative number, got {v}")
 
 
 @dataclass
@@ -242,6 +244,7 @@ class _Run:
     ) -> None:
         self.cands, self.backend, self.inputs, self.opts, self.slog = cands, backend, inputs, opts, slog
         self.expected = execute_graph(cands.graph, inputs, "device")
+        self.finite_inputs = all(bool(np.isfinite(v).all()) for v in inputs.values())
         self.oracle: list[np.ndarray] | None = None  # fp64 values, computed on the first tolerance miss
         self.entries: list[Entry] = []
         self.seen: set[str] = set()
@@ -323,13 +326,13 @@ class _Run:
 
     def _verify(self, entry: Entry, outs: Sequence[np.ndarray]) -> str | None:
         reason, entry.max_abs, entry.max_rel = check_outputs(
-            entry.plan, outs, self.expected, self.opts.rtol, self.opts.atol
+            entry.plan, outs, self.expected, self.opts.rtol, self.opts.atol, finite_inputs=self.finite_inputs
         )
         if reason is not None and reason.startswith("tolerance"):  # the fp64 allowance, computed on demand
             if self.oracle is None:
                 self.oracle = execute_graph(self.cands.graph, self.inputs, "oracle")
             reason, entry.max_abs, entry.max_rel = check_outputs(
-                entry.plan, outs, self.expected, self.opts.rtol, self.opts.atol, self.oracle
+                entry.plan, outs, self.expected, self.opts.rtol, self.opts.atol, self.oracle, self.finite_inputs
             )
         return reason
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import random
 import re
@@ -13,7 +14,14 @@ import pytest
 
 from fusion_planner.backends import get_backend
 from fusion_planner.backends.base import BackendError, BackendUnavailable
-from fusion_planner.backends.cpu.codegen import PRELUDE, Compiler, CompilerUnavailable, generate
+from fusion_planner.backends.cpu.codegen import (
+    PRELUDE,
+    CodegenError,
+    Compiler,
+    CompilerUnavailable,
+    generate,
+    noop_source,
+)
 from fusion_planner.backends.reference import execute_graph, execute_plan, random_inputs
 from fusion_planner.core import examples
 from fusion_planner.core.cost import device_from_json, load_device
@@ -436,3 +444,57 @@ def test_fma_contraction_is_an_option_within_the_fp32_tolerance(tmp_path):
     outs = {fma: CpuBackend(SPEC, compiler=c).compile(plan).run(x)[0] for fma, c in ((False, strict), (True, fused))}
     np.testing.assert_array_equal(outs[False], execute_plan(plan, x)[0])  # strict: bit-identical to the reference
     assert check_outputs(plan, [outs[True]], execute_graph(g, x))[0] is None
+
+
+# ---------------------------------------------------------------- compiler faults and the kernel cache
+
+
+def test_a_hanging_compiler_is_a_clear_error_not_a_hang(tmp_path, monkeypatch):
+    import fusion_planner.backends.cpu.codegen as codegen
+
+    cc = tmp_path / "hanging-cc"
+    cc.write_text("#!/bin/sh\nsleep 60\n")
+    cc.chmod(0o755)
+    monkeypatch.setattr(codegen, "PROBE_TIMEOUT_S", 0.5)
+    with pytest.raises(CompilerUnavailable, match="did not finish within 0.5 s"):
+        Compiler(cc=str(cc))
+
+
+def test_a_hanging_kernel_build_is_a_clear_error(tmp_path, monkeypatch, compiler):
+    import fusion_planner.backends.cpu.codegen as codegen
+
+    shutil_which = codegen.shutil.which(compiler.cc)
+    assert shutil_which
+    cc = tmp_path / "slow-cc"
+    cc.write_text(f'#!/bin/sh\ncase "$*" in *kernel.c*) sleep 60;; esac\nexec {shutil_which} "$@"\n')
+    cc.chmod(0o755)
+    slow = Compiler(cc=str(cc), directory=tmp_path / "cache")
+    monkeypatch.setattr(codegen, "BUILD_TIMEOUT_S", 0.5)
+    with pytest.raises(CodegenError, match="did not finish within 0.5 s"):
+        slow.build(noop_source())
+
+
+def test_a_poisoned_kernel_cache_heals(tmp_path, caplog, compiler):
+    cache = tmp_path / "cache"
+    first = Compiler(directory=cache)
+    source = noop_source() + "/* poisoned */\n"
+    so = first.build(source)
+    so.unlink()
+    so.write_bytes(b"not a shared object")  # what a broken compiler left at this key
+    second = Compiler(directory=cache)
+    with caplog.at_level("WARNING"):
+        fn = second.function(source, 2)
+    assert "rebuilding it" in caplog.text and second.compiled == 1
+    buf = np.zeros(4, dtype=np.float32)
+    fn(buf.ctypes.data, buf.ctypes.data, 0, 1, 4)
+    # a file that matches its seal but does not load is rebuilt too (another source: the process has not
+    # loaded it, so the dynamic loader reads the file)
+    other = noop_source() + "/* another kernel */\n"
+    junk_so = Compiler(directory=cache).build(other)
+    junk_so.unlink()
+    junk_so.write_bytes(b"junk")
+    junk_so.with_suffix(".sha256").write_text(f"4 {hashlib.sha256(b'junk').hexdigest()}\n")
+    third = Compiler(directory=cache)
+    with caplog.at_level("WARNING"):
+        third.function(other, 2)
+    assert "does not load" in caplog.text and third.compiled == 1

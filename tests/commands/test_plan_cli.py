@@ -205,3 +205,22 @@ def test_out_dir_of_a_layer_stack_has_per_region_plots(fake_backend, tmp_path):
     assert main([*stack, "--out", str(tmp_path)]) == 0
     names = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
     assert names == ["best_so_far.r0.png", "plan.json", "predicted_vs_measured.r0.png", "results.json"]
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--time-limit", "nan"], "--time-limit must be a positive number"),
+        (["--time-limit", "inf"], "--time-limit must be a positive number"),
+        (["--time-budget", "nan"], "time budget"),
+        (["--rtol", "nan"], "rtol must be a finite"),
+        (["--graph", "/dev/zero"], "larger than"),
+        (["--device", "/dev/zero"], "is not a regular file"),
+        (["--out", "/proc/1/no-such-dir"], "cannot write there"),
+    ],
+)
+def test_bad_flags_and_endless_files_exit_2(capsys, extra, needle):
+    base = ["--example", "ew-chain", "--n", "64"] if "--graph" not in extra else []
+    assert main(["plan", *base, "--backend", "reference", *extra]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1

@@ -47,3 +47,17 @@ def test_atol_is_relative_to_the_magnitude_scale():
 
 def test_shape_mismatch_is_not_close():
     assert allclose_report(np.zeros(3), np.zeros(4), "fp32") == (False, float("inf"), float("inf"))
+
+
+def test_a_non_finite_reference_on_finite_inputs_verifies_nothing():
+    from fusion_planner.core.examples import ew_chain
+    from fusion_planner.core.tolerance import check_outputs
+    from fusion_planner.egraph.candidates import build_candidates
+
+    graph = ew_chain(2, 8)
+    plan = build_candidates(graph, "h200").unfused
+    ref = np.full(8, np.inf, dtype=np.float32)
+    reason, _, _ = check_outputs(plan, [ref.copy()], [ref])
+    assert reason is not None and "NaN or infinite on finite inputs" in reason and "overflows" in reason
+    # with non-finite inputs a non-finite reference is legitimate: then it must match exactly
+    assert check_outputs(plan, [ref.copy()], [ref], finite_inputs=False)[0] is None

@@ -237,3 +237,23 @@ def test_cache_clear_refuses_a_file_and_ignores_a_missing_folder(tmp_path, capsy
     assert not_a_dir.read_text() == "data"
     assert main(["cache", "clear", "--cache-dir", str(tmp_path / "missing")]) == 0
     assert "removed 0" in capsys.readouterr().out
+
+
+def test_a_cache_that_cannot_be_written_keeps_the_result(tmp_path, caplog):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    g = mlp_stack(2, 16, 4)
+    with caplog.at_level("WARNING"):
+        mp = plan_model(g, "h200", cache=PlanCache(not_a_dir))
+    assert mp.plan.kernels and "could not store the plan" in caplog.text and not_a_dir.read_text() == ""
+
+
+def test_a_cache_others_may_write_to_is_not_read(tmp_path, caplog):
+    root = tmp_path / "shared"
+    g = mlp_stack(2, 16, 4)
+    plan_model(g, "h200", cache=PlanCache(root))
+    assert plan_model(g, "h200", cache=PlanCache(root)).cache_hits == 1
+    root.chmod(0o777)
+    with caplog.at_level("WARNING"):
+        assert plan_model(g, "h200", cache=PlanCache(root)).cache_hits == 0
+    assert "others may write to it" in caplog.text

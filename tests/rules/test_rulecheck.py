@@ -266,3 +266,23 @@ def test_opaque_terms_and_rule_actions_are_checked():
 def test_a_rule_whose_conditions_never_hold_is_not_called_sound():
     (res,) = check_text("(rewrite (Affine x a b) x :when ((> a 100.0)))", "n.egg", examples=20)
     assert res.verdict == "unsupported" and "never held" in res.detail
+
+
+# ---------------------------------------------------------------- rules that must not escape or crash
+
+
+@pytest.mark.parametrize("ruleset", ["analysis", "limits", "elementwise", "epilogue", "cublaslt"])
+def test_user_rules_cannot_join_the_planners_own_rulesets(tmp_path, ruleset):
+    """analysis and limits run to saturation before every step: a rule there escaped every limit."""
+    path = tmp_path / "grow.egg"
+    path.write_text(f"(rewrite (Stage x f r t) (Stage x (+ f 1) r t) :ruleset {ruleset})\n")
+    with pytest.raises(RuleFileError, match=f"ruleset '{ruleset}' is the planner's own"):
+        user_rules([path])
+    (tmp_path / "decl.egg").write_text(f"(ruleset {ruleset})\n")
+    with pytest.raises(RuleFileError, match="planner's own"):
+        user_rules([tmp_path / "decl.egg"], check=False)
+
+
+def test_a_division_by_zero_in_a_rule_is_a_verdict_not_a_crash():
+    (res,) = check_text("(rewrite (Affine x a b) (Affine x (/ a 0.0) b))", "div.egg", examples=20)
+    assert res.verdict == "UNSOUND"

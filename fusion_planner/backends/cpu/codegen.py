@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fusion_planner.backends.codegen import CodegenError, broadcast, nodes_to_emit, snippet
+from fusion_planner.core.files import untrusted_dir
 from fusion_planner.core.ops import DTYPE_BYTES
 from fusion_planner.core.plans import Expr, Load
 
@@ -229,6 +230,28 @@ def noop_source() -> str:
 # ---------------------------------------------------------------- compiler
 
 
+def _seal(path: Path) -> str:
+    """The size and SHA-256 of a built shared object, recorded beside it."""
+    data = path.read_bytes()
+    return f"{len(data)} {hashlib.sha256(data).hexdigest()}\n"
+
+
+def _sealed(so: Path) -> bool:
+    """Does ``so`` match the size and hash recorded when it was built?  (A check against corruption and
+    foreign files; the cache directory itself is trusted: docs/security.md.)"""
+    try:
+        return so.with_suffix(".sha256").read_text() == _seal(so)
+    except OSError:
+        return False
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def cache_dir() -> Path:
     """``$XDG_CACHE_HOME/fusion-planner/cpu``, else ``~/.cache/fusion-planner/cpu``."""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -239,13 +262,28 @@ class CompilerUnavailable(RuntimeError):
     """No working C compiler on this machine."""
 
 
+#: seconds the compiler may take to print its version or build the probe, and to build one kernel
+PROBE_TIMEOUT_S = 60.0
+BUILD_TIMEOUT_S = float(os.environ.get("FUSION_PLANNER_CC_TIMEOUT", "300"))
+
+
+def _run(cmd: list[str], timeout: float, what: str, error: type[Exception]) -> subprocess.CompletedProcess[str]:
+    """Run the compiler with a timeout: a hanging compiler is an error naming the step, never a hang."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        raise error(f"{what} did not finish within {timeout:g} s (FUSION_PLANNER_CC_TIMEOUT sets the kernel limit)") from None
+    except OSError as exc:
+        raise error(f"{what} could not run: {exc}") from None
+
+
 @functools.lru_cache(maxsize=4)
 def _probe(cc: str) -> tuple[tuple[str, ...], tuple[str, ...], str]:
     """(flags, libraries, version line): ``-march=native`` and vector math where they work."""
     path = shutil.which(cc)
     if path is None:
         raise CompilerUnavailable(f"C compiler {cc!r} not found on PATH (set CC)")
-    version = subprocess.run([path, "--version"], capture_output=True, text=True, check=False).stdout
+    version = _run([path, "--version"], PROBE_TIMEOUT_S, f"{cc} --version", CompilerUnavailable).stdout
     version = version.splitlines()[0] if version else path
     native = BASE_FLAGS + NATIVE_FLAGS
     attempts = [(native + VECTOR_MATH[0], VECTOR_MATH[1]), (native, ()), (BASE_FLAGS, ())]
@@ -255,8 +293,8 @@ def _probe(cc: str) -> tuple[tuple[str, ...], tuple[str, ...], str]:
         src = Path(d) / "probe.c"
         src.write_text(probe)
         for flags, libs in attempts:
-            r = subprocess.run([path, *flags, "-o", str(Path(d) / "probe.so"), str(src), *libs, "-lm"],
-                               capture_output=True, text=True)
+            r = _run([path, *flags, "-o", str(Path(d) / "probe.so"), str(src), *libs, "-lm"], PROBE_TIMEOUT_S,
+                     f"{cc} on the probe source", CompilerUnavailable)
             if r.returncode == 0:
                 if "-march=native" not in flags:
                     log.warning("%s rejects -march=native; compiling with %s (%s)", cc, " ".join(flags), last)
@@ -283,6 +321,11 @@ class Compiler:
         flags, self.libs, self.version = _probe(self.cc)
         self.flags = (*flags, CONTRACT_FLAGS[self.fma])
         self.directory = self.directory or cache_dir()
+        refused = untrusted_dir(self.directory)
+        if refused:  # a shared object from there would run its code when loaded
+            private = Path(tempfile.mkdtemp(prefix="fusion-planner-kernels-"))
+            log.warning("not using the kernel cache %s: %s; compiling into %s", self.directory, refused, private)
+            self.directory = private
         self._loaded: dict[str, ctypes.CDLL] = {}
         self.compiled = 0  # sources compiled (not found in the cache) by this object
 
@@ -299,17 +342,22 @@ class Compiler:
         key = self.key(source)
         so = self.directory / f"k{key[:32]}.so"
         if so.exists():
-            return so
+            if _sealed(so):
+                return so
+            log.warning("kernel cache entry %s does not match its recorded size and hash; rebuilding it", so.name)
+            so.unlink(missing_ok=True)
         self.directory.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=self.directory) as d:
             src = Path(d) / "kernel.c"
             src.write_text(source)
             tmp = Path(d) / "kernel.so"
-            r = subprocess.run([shutil.which(self.cc) or self.cc, *self.flags, "-o", str(tmp), str(src), *self.libs, "-lm"],
-                               capture_output=True, text=True)
+            r = _run([shutil.which(self.cc) or self.cc, *self.flags, "-o", str(tmp), str(src), *self.libs, "-lm"],
+                     BUILD_TIMEOUT_S, f"{self.cc} on a generated kernel", CodegenError)
             if r.returncode != 0:
                 raise CodegenError(f"{self.cc} failed on a generated kernel: {r.stderr.strip()[:2000]}")
+            seal = _seal(tmp)
             os.replace(tmp, so)  # atomic: concurrent builders of one key agree
+            _write_atomic(so.with_suffix(".sha256"), seal)
         self.compiled += 1
         return so
 
@@ -328,7 +376,13 @@ class Compiler:
         key = self.key(source)
         lib = self._loaded.get(key)
         if lib is None:
-            lib = ctypes.CDLL(str(self.build(source)))
+            path = self.build(source)
+            try:
+                lib = ctypes.CDLL(str(path))
+            except OSError as exc:  # an entry that passed its seal yet does not load: rebuild it once
+                log.warning("kernel cache entry %s does not load (%s); rebuilding it", path.name, exc)
+                path.unlink(missing_ok=True)
+                lib = ctypes.CDLL(str(self.build(source)))
             self._loaded[key] = lib
         return lib
 
