@@ -72,7 +72,7 @@ def eval_expr(e: Expr | Load, mem: Mapping[str, np.ndarray], work: type[np.float
     if key in memo:
         return memo[key]
     args = [eval_expr(a, mem, work, memo) for a in e.args]
-    if e.op == "Opaque":
+    if e.op == "Opaque" and str(e.attr_dict.get("impl", "")).startswith("torch."):
         _load_torch_layer()
     with np.errstate(over="ignore", invalid="ignore"):
         out = np.asarray(op_def(e.op).evaluate(args, e.attr_dict), dtype=work)
@@ -104,7 +104,7 @@ def execute_graph(graph: Graph, inputs: Mapping[str, np.ndarray], mode: str = "d
     work = _work_dtype(mode)
     tensors = {n.id: n.type for n in graph.nodes}
     mem = prepare_inputs(tensors, inputs, [n.id for n in graph.inputs], mode)
-    if any(n.op == "Opaque" for n in graph.ops):
+    if any(n.op == "Opaque" and str(n.attr_dict.get("impl", "")).startswith("torch.") for n in graph.ops):
         _load_torch_layer()
     for n in graph.ops:
         with np.errstate(over="ignore", invalid="ignore"):
