@@ -8,12 +8,13 @@
 #                                          # results and the two markdown reports -> $OUT (or ./out)
 #
 # nvmath-python (cuBLASLt) is not in the H200 image: carry its wheel in .whl/ (docs/gpu.md).
-set -euo pipefail
+set -uo pipefail  # no -e: in the device phase a failing step is logged and the rest still runs
 cd "$(dirname "$0")/.."
 BUNDLES=benchmarks/gpu_suite
 
 prepare() {
-  local py=${PYTHON:-/work/main/.venv/bin/python}
+  set -e  # preparing is all or nothing: a stale bundle must not travel to the device
+  local py=${PYTHON:-.venv/bin/python}
   mkdir -p "$BUNDLES"
   $py -m tests.gpu_bundles  # the GPU tests' bundles (tests/data/gpu), fresh from this checkout
   $py -m fusion_planner bench c05 --mode sweep --export "$BUNDLES/c05_sweep.json"
@@ -33,7 +34,7 @@ prepare() {
 
 device() {
   # $OUT gets at most 8 files back: two logs, two reports and one tarball of every JSON result
-  local py=${PYTHON:-python3} out=${OUT:-out} res=/tmp/gpu_suite_results
+  local py=${PYTHON:-python3} out=${OUT:-out} res=${RES:-/tmp/gpu_suite_results}
   mkdir -p "$out" "$res"
   if compgen -G ".whl/*.whl" >/dev/null; then
     $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -44,16 +45,23 @@ device() {
     date -u; nvidia-smi -L || true; $py -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__)"
     $py -c "import nvmath; print('nvmath', nvmath.__version__)" || echo "nvmath-python missing: cuBLASLt candidates will be rejected"
   } 2>&1 | tee "$out/suite.log"
-  $py -m pytest -q -m gpu tests/backends/cupy/test_cupy_gpu.py -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" || true
-  $py -m fusion_planner.backends.cupy c05 "$BUNDLES/c05_sweep.json" -o "$res/c05_sweep.json" 2>&1 | tee -a "$out/suite.log"
-  $py -m fusion_planner.backends.cupy c05 "$BUNDLES/c05_modes.json" -o "$res/c05_modes.json" 2>&1 | tee -a "$out/suite.log"
+  step() {  # one device step on its own: its failure is logged, never the end of the run
+    local name=$1; shift
+    echo "== $name" | tee -a "$out/suite.log"
+    "$@" 2>&1 | tee -a "$out/suite.log"
+    local rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 0 ] || echo "== $name FAILED (exit $rc)" | tee -a "$out/suite.log"
+  }
+  step "gpu tests" $py -m pytest -q -m gpu tests/backends/cupy/test_cupy_gpu.py -p no:cacheprovider
+  step "c05 sweep" $py -m fusion_planner.backends.cupy c05 "$BUNDLES/c05_sweep.json" -o "$res/c05_sweep.json"
+  step "c05 modes" $py -m fusion_planner.backends.cupy c05 "$BUNDLES/c05_modes.json" -o "$res/c05_modes.json"
   for shape in mlp_4096 mlp_decode16; do
-    $py -m fusion_planner.backends.cupy time "$BUNDLES/$shape.json" -o "$res/measured_$shape.json" --executor cupy 2>&1 \
-      | tee -a "$out/suite.log"
-    $py benchmarks/torch_baseline.py "$BUNDLES/$shape.json" -o "$res/torch_$shape.json" 2>&1 | tee -a "$out/suite.log"
+    step "time $shape" $py -m fusion_planner.backends.cupy time "$BUNDLES/$shape.json" -o "$res/measured_$shape.json" \
+      --executor cupy
+    step "torch $shape" $py benchmarks/torch_baseline.py "$BUNDLES/$shape.json" -o "$res/torch_$shape.json"
   done
-  $py benchmarks/gpu_report.py "$res" 2>&1 | tee -a "$out/suite.log"
-  cp "$res/c05_h200.md" "$res/mlp_epilogue_h200.md" "$out/"
+  step "report" $py benchmarks/gpu_report.py "$res"
+  cp "$res/c05_h200.md" "$res/mlp_epilogue_h200.md" "$out/" 2>/dev/null || echo "== reports missing" | tee -a "$out/suite.log"
   tar -czf "$out/results.tar.gz" -C "$res" .
 }
 

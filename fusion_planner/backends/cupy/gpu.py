@@ -103,7 +103,9 @@ class CublasLtGemm:
         self.mm = Matmul(self.b.T, self.a.T, stream=stream)
         # nvmath's bias is a column of the result: shape (rows, 1); ours is (N,), so a free reshape
         inputs = {"bias": bufs[call.bias].reshape(-1, 1)} if call.bias else None
-        self.mm.plan(epilog=MatmulEpilog[call.epilogue], epilog_inputs=inputs, stream=stream)
+        # "no epilogue" is epilog=None: nvmath's handler map has no DEFAULT and asserts on it
+        epilog = None if call.epilogue == "DEFAULT" else MatmulEpilog[call.epilogue]
+        self.mm.plan(epilog=epilog, epilog_inputs=inputs, stream=stream)
         self.layout_copy = False
 
     def __call__(self) -> Any:
@@ -137,6 +139,12 @@ class CupyPrepared:
     def launch(self) -> None:
         for step in self.steps:
             step()
+
+    def close(self) -> None:
+        """Free the cuBLASLt plans (nvmath ``Matmul`` handles hold library and device resources)."""
+        for g in self.gemms:
+            g.close()
+        self.gemms = []
 
     def run(self) -> list[np.ndarray]:
         with self.stream:

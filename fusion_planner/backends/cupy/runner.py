@@ -113,6 +113,41 @@ def reference_outputs(bundle: Bundle, inputs: Mapping[str, np.ndarray]) -> tuple
     return execute_plan(bundle.reference, inputs, mode="device"), execute_plan(bundle.reference, inputs, mode="oracle")
 
 
+def _failed(entry: dict[str, Any], cand: Candidate, step: str, exc: Exception) -> dict[str, Any]:
+    """Reject one candidate for an exception in ``step`` ("" for preparing or running it)."""
+    log.warning("candidate %s failed%s: %s", cand.plan.notation(), f" ({step})" if step else "", exc)
+    entry["meas_us"], entry["samples_us"] = None, []
+    why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    entry["verdict"] = rejected(f"{step} failed: {why}" if step else why)
+    return entry
+
+
+def _verify_and_time(entry: dict[str, Any], cand: Candidate, prepared: Any,
+                     expected: tuple[list[np.ndarray], list[np.ndarray]], warmup: int, repeats: int) -> None:
+    try:
+        entry["kernels"] = prepared.kernel_facts
+        outs = prepared.run()
+    except Exception as exc:
+        _failed(entry, cand, "", exc)
+        return
+    device, oracle = expected
+    reason, max_abs, max_rel = check_outputs(cand.plan, outs, device, oracle=oracle)
+    entry["max_abs"], entry["max_rel"] = max_abs, max_rel
+    if reason is not None:
+        entry["verdict"] = rejected(f"mismatch ({reason})")
+        return
+    try:  # timing fails too sometimes (a capture invalidated by the library): this candidate only
+        samples = prepared.time(warmup, repeats)
+        entry["samples_us"] = [round(s, 3) for s in samples]
+        entry["meas_us"] = round(statistics.median(samples), 3)
+        entry["verdict"] = Verdict.TIMED
+        graph_time = getattr(prepared, "time_graph", None)
+        if graph_time is not None:
+            entry["graph_us"] = graph_time(warmup, repeats)
+    except Exception as exc:
+        _failed(entry, cand, "timing", exc)
+
+
 def measure_candidate(
     cand: Candidate,
     executor: Executor,
@@ -139,25 +174,14 @@ def measure_candidate(
         return entry
     try:
         prepared = executor.prepare(cand, inputs)
-        entry["kernels"] = prepared.kernel_facts
-        outs = prepared.run()
     except Exception as exc:  # a backend failure rejects this candidate, named, and the run goes on
-        log.warning("candidate %s failed: %s", cand.plan.notation(), exc)
-        entry["verdict"] = rejected(f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
-        return entry
-    device, oracle = expected
-    reason, max_abs, max_rel = check_outputs(cand.plan, outs, device, oracle=oracle)
-    entry["max_abs"], entry["max_rel"] = max_abs, max_rel
-    if reason is not None:
-        entry["verdict"] = rejected(f"mismatch ({reason})")
-        return entry
-    samples = prepared.time(warmup, repeats)
-    entry["samples_us"] = [round(s, 3) for s in samples]
-    entry["meas_us"] = round(statistics.median(samples), 3)
-    entry["verdict"] = Verdict.TIMED
-    graph_time = getattr(prepared, "time_graph", None)
-    if graph_time is not None:
-        entry["graph_us"] = graph_time(warmup, repeats)
+        return _failed(entry, cand, "", exc)
+    try:
+        _verify_and_time(entry, cand, prepared, expected, warmup, repeats)
+    finally:
+        close = getattr(prepared, "close", None)
+        if close is not None:  # free library handles whatever happened
+            close()
     return entry
 
 

@@ -1,6 +1,7 @@
 """Remote timing on the CPU: export-candidates -> python -m fusion_planner.backends.cupy time --executor numpy -> load_measured."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -250,3 +251,40 @@ def test_the_remote_runner_draws_the_same_inputs_and_checks_like_the_search():
                                                                                       warmup=0, repeats=1)["candidates"]}
     assert remote == local and any(local.values())
 
+
+
+def test_a_candidate_whose_timing_fails_is_rejected_and_the_run_goes_on(bundle_file):
+    """Timing (and graph capture) failures reject that candidate only; library handles are freed."""
+    bundle = load_bundle(bundle_file)
+    closed = []
+
+    class FlakyTiming(NumpyExecutor):
+        def prepare(self, cand, inputs):
+            prepared = super().prepare(cand, inputs)
+            if cand is bundle.candidates[0]:
+                def broken(warmup, repeats):
+                    raise RuntimeError("capture invalidated")
+
+                prepared.time = broken
+            prepared.close = lambda: closed.append(cand.plan.key)
+            return prepared
+
+    result = time_bundle(bundle, FlakyTiming(), warmup=0, repeats=1, max_candidates=3)
+    first, *rest = result["candidates"]
+    assert first["verdict"] == "rejected: timing failed: RuntimeError: capture invalidated" and first["meas_us"] is None
+    assert all(c["verdict"] == "timed" for c in rest)
+    assert closed == [c.plan.key for c in bundle.candidates[:3]]
+
+
+def test_the_device_phase_dry_runs_on_the_cpu_and_always_leaves_its_files(tmp_path):
+    """Without a GPU every GPU step fails: each failure is one logged line, the rest still runs, and the
+    reports and the tarball are written (at most 8 files come back from the device)."""
+    out, res = tmp_path / "out", tmp_path / "res"
+    env = {**os.environ, "OUT": str(out), "RES": str(res), "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), "device"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    files = sorted(p.name for p in out.iterdir())
+    assert {"suite.log", "results.tar.gz", "c05_h200.md", "mlp_epilogue_h200.md"} <= set(files) and len(files) <= 8
+    log = (out / "suite.log").read_text()
+    assert "== report" in log and "Traceback" not in log.split("== report")[-1]
