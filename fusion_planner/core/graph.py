@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +25,10 @@ from fusion_planner.core.torch_allowlist import loading_file
 
 GRAPH_FORMAT = "fusion-planner-graph"
 GRAPH_VERSION = 1
+#: size limits of a graph (docs/security.md); the environment variables override the defaults
+MAX_RANK = 8
+MAX_ELEMENTS = int(os.environ.get("FUSION_PLANNER_MAX_ELEMENTS", str(2**28)))  # per tensor: 1 GiB of fp32
+MAX_NODES = int(os.environ.get("FUSION_PLANNER_MAX_NODES", "200000"))
 _ID_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]{0,127}$")
 
 
@@ -148,7 +154,7 @@ class GraphBuilder:
 
     def input(self, node_id: str, shape: Sequence[int], dtype: str) -> str:
         shape_t = _check_shape(shape, node_id)
-        if dtype not in DTYPE_BYTES:
+        if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
             raise GraphError(
                 f"node {node_id!r}: unknown dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}"
             )
@@ -167,6 +173,8 @@ class GraphBuilder:
     ) -> str:
         """Add an op node; ``shape``/``dtype`` if given must match what is inferred."""
         _check_id(node_id)
+        if not isinstance(op, str):
+            raise GraphError(f"node {node_id!r}: 'op' must be an op name (a string), got {type(op).__name__}")
         if op == "In":
             if shape is None or dtype is None:
                 raise GraphError(f"node {node_id!r}: an In node needs 'shape' and 'dtype'")
@@ -190,14 +198,15 @@ class GraphBuilder:
         dtypes = {t.dtype for t in in_types}
         if len(dtypes) > 1:
             raise GraphError(f"node {node_id!r}: mixed input dtypes {sorted(dtypes)}")
+        _check_elements(out_shape, node_id)  # an op may compute a larger tensor than its inputs (a GEMM)
         out_dtype = dtype or (in_types[0].dtype if in_types else None)
-        if out_dtype is None or out_dtype not in DTYPE_BYTES:
+        if not isinstance(out_dtype, str) or out_dtype not in DTYPE_BYTES:
             raise GraphError(f"node {node_id!r}: cannot determine a valid dtype")
         if dtypes and out_dtype not in dtypes:
             raise GraphError(f"node {node_id!r}: dtype {out_dtype} differs from its inputs'")
-        if shape is not None and tuple(shape) != out_shape:
+        if shape is not None and (not isinstance(shape, (list, tuple)) or tuple(shape) != out_shape):
             raise GraphError(
-                f"node {node_id!r}: declared shape {list(shape)} but {op} gives {list(out_shape)}"
+                f"node {node_id!r}: declared shape {str(shape)[:60]} but {op} gives {list(out_shape)}"
             )
         node = Node(node_id, op, tuple(inputs), tuple(sorted(clean.items())), TensorType(out_shape, out_dtype))
         self._add(node)
@@ -233,10 +242,22 @@ def _check_id(node_id: Any) -> str:
 def _check_shape(shape: Any, node_id: str) -> Shape:
     if not isinstance(shape, (list, tuple)) or not shape:
         raise GraphError(f"node {node_id!r}: 'shape' must be a non-empty list of positive integers")
+    if len(shape) > MAX_RANK:
+        raise GraphError(f"node {node_id!r}: rank {len(shape)} exceeds the limit of {MAX_RANK} dimensions")
     for d in shape:
         if isinstance(d, bool) or not isinstance(d, int) or d <= 0:
-            raise GraphError(f"node {node_id!r}: bad dimension {d!r} in shape {shape!r}")
+            raise GraphError(f"node {node_id!r}: bad dimension {str(d)[:40]!r} in shape")
+    _check_elements(tuple(shape), node_id)
     return tuple(shape)
+
+
+def _check_elements(shape: Shape, node_id: str) -> None:
+    elems = math.prod(shape)
+    if elems > MAX_ELEMENTS:
+        raise GraphError(
+            f"node {node_id!r}: a tensor of {elems:.3g} elements exceeds the limit of {MAX_ELEMENTS:,} "
+            "(FUSION_PLANNER_MAX_ELEMENTS; every tensor must fit in memory to be verified)"
+        )
 
 
 # ---------------------------------------------------------------- loading
@@ -257,12 +278,20 @@ def _graph_from_json(data: Any, source: str) -> Graph:
         raise GraphError(f"{source}: top level must be a JSON object")
     if data.get("format", GRAPH_FORMAT) != GRAPH_FORMAT:
         raise GraphError(f"{source}: 'format' must be {GRAPH_FORMAT!r}")
-    if data.get("version", GRAPH_VERSION) != GRAPH_VERSION:
-        raise GraphError(f"{source}: unsupported 'version' {data.get('version')!r}")
+    version = data.get("version", GRAPH_VERSION)
+    if isinstance(version, bool) or version != GRAPH_VERSION:
+        raise GraphError(f"{source}: unsupported 'version' {str(version)[:40]!r}")
     nodes = data.get("nodes")
     if not isinstance(nodes, list):
         raise GraphError(f"{source}: 'nodes' must be a list")
-    b = GraphBuilder(str(data.get("name", Path(source).stem)))
+    if len(nodes) > MAX_NODES:
+        raise GraphError(f"{source}: {len(nodes):,} nodes exceed the limit of {MAX_NODES:,} (FUSION_PLANNER_MAX_NODES)")
+    b = GraphBuilder(_graph_name(data.get("name", Path(source).stem), source))
+    first_at: dict[str, int] = {}
+    for i, nd in enumerate(nodes):
+        nid = nd.get("id") if isinstance(nd, dict) else None
+        if isinstance(nid, str):
+            first_at.setdefault(nid, i)
     seen: set[str] = set()
     for i, nd in enumerate(nodes):
         if not isinstance(nd, dict):
@@ -275,7 +304,7 @@ def _graph_from_json(data: Any, source: str) -> Graph:
         if not isinstance(inputs, list) or not all(isinstance(x, str) for x in inputs):
             raise GraphError(f"{source}: node {nid!r}: 'inputs' must be a list of node ids")
         later = [x for x in inputs if x not in seen]
-        if later and any(x == nid or _defined_later(nodes, i, x) for x in later):
+        if later and any(x == nid or first_at.get(x, -1) >= i for x in later):
             raise GraphError(
                 f"{source}: node {nid!r}: input(s) {later} come later in the list or from itself: "
                 "the graph has a cycle or is not in topological order"
@@ -283,15 +312,27 @@ def _graph_from_json(data: Any, source: str) -> Graph:
         attrs = nd.get("attrs", {})
         if not isinstance(attrs, dict):
             raise GraphError(f"{source}: node {nid!r}: 'attrs' must be an object")
+        if nd["op"] == "In" and (attrs or inputs):
+            raise GraphError(f"{source}: node {nid!r}: an In node takes no 'inputs' and no 'attrs'")
         try:
             b.op(nid, nd["op"], inputs, attrs, shape=nd.get("shape"), dtype=nd.get("dtype"))
         except GraphError as exc:
             raise GraphError(f"{source}: {exc}") from None
         seen.add(nid)
     outs = data.get("outputs")
-    if not isinstance(outs, list) or not outs:
+    if not isinstance(outs, list) or not outs or not all(isinstance(o, str) for o in outs):
         raise GraphError(f"{source}: 'outputs' must be a non-empty list of node ids")
     return b.build(outs)
+
+
+def _graph_name(name: Any, source: str) -> str:
+    if not isinstance(name, str) or not 0 < len(name) <= 256:
+        raise GraphError(f"{source}: 'name' must be a string of 1 to 256 characters")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise GraphError(f"{source}: 'name' is not valid Unicode text (a lone surrogate)") from None
+    return name
 
 
 def torch_names(graph: Graph) -> frozenset[str]:
@@ -304,10 +345,6 @@ def torch_names(graph: Graph) -> frozenset[str]:
             call = json.loads(str(n.attr_dict.get("call", "{}")))
             names.update(str(st.get("impl")) for st in call.get("steps", []) if isinstance(st, dict))
     return frozenset(names)
-
-
-def _defined_later(nodes: list[Any], index: int, node_id: str) -> bool:
-    return any(isinstance(n, dict) and n.get("id") == node_id for n in nodes[index:])
 
 
 def load_graph(path: str | Path) -> Graph:

@@ -153,7 +153,26 @@ def _first_shape(shapes: Sequence[Shape], attrs: Attrs) -> Shape:
     return shapes[0]
 
 
+def _number(attrs: Attrs, name: str, default: float, what: str) -> float:
+    """A finite float attribute of a built-in implementation; an OpError naming it otherwise."""
+    v = attrs.get(name, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise OpError(f"{what}: attribute {name!r} must be a finite number, got {str(v)[:40]!r}")
+    return float(v)
+
+
+def _count(attrs: Attrs, name: str, default: int, what: str) -> int:
+    """A positive integer attribute of a built-in implementation."""
+    v = attrs.get(name, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v) or v < 1:
+        raise OpError(f"{what}: attribute {name!r} must be a positive integer, got {str(v)[:40]!r}")
+    return int(v)
+
+
 def _norm_shape(shapes: Sequence[Shape], attrs: Attrs) -> Shape:
+    if not 1 <= len(shapes) <= 3:
+        raise OpError(f"norm: expects x[, weight[, bias]], got {len(shapes)} input(s)")
+    _number(attrs, "eps", 1e-5, "norm")
     x = shapes[0]
     for p in shapes[1:]:
         if p != (x[-1],):
@@ -163,7 +182,7 @@ def _norm_shape(shapes: Sequence[Shape], attrs: Attrs) -> Shape:
 
 def _layer_norm(xs: Sequence[np.ndarray], attrs: Attrs) -> np.ndarray:
     x = xs[0]
-    eps = x.dtype.type(attrs.get("eps", 1e-5))
+    eps = x.dtype.type(_number(attrs, "eps", 1e-5, "layer_norm"))
     mean = x.mean(axis=-1, keepdims=True)
     var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
     y = (x - mean) / np.sqrt(var + eps)
@@ -176,7 +195,7 @@ def _layer_norm(xs: Sequence[np.ndarray], attrs: Attrs) -> np.ndarray:
 
 def _rms_norm(xs: Sequence[np.ndarray], attrs: Attrs) -> np.ndarray:
     x = xs[0]
-    eps = x.dtype.type(attrs.get("eps", 1e-6))
+    eps = x.dtype.type(_number(attrs, "eps", 1e-6, "rms_norm"))
     y = x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps)
     return y * xs[1] if len(xs) > 1 else y
 
@@ -190,7 +209,10 @@ def _softmax(xs: Sequence[np.ndarray], attrs: Attrs) -> np.ndarray:
 
 def _attention_shape(shapes: Sequence[Shape], attrs: Attrs) -> Shape:
     q, k, v = shapes
-    heads = int(attrs.get("heads", 1))
+    heads = _count(attrs, "heads", 1, "attention")
+    causal = attrs.get("causal", False)
+    if not isinstance(causal, (bool, int)) or causal not in (0, 1):
+        raise OpError(f"attention: attribute 'causal' must be true or false (or 1, 0), got {str(causal)[:40]!r}")
     if len(q) != 2 or k != v or q[1] != k[1]:
         raise OpError(f"attention expects q (S,D), k and v (T,D); got {q}, {k}, {v}")
     if q[1] % heads:
@@ -200,7 +222,7 @@ def _attention_shape(shapes: Sequence[Shape], attrs: Attrs) -> Shape:
 
 def _attention(xs: Sequence[np.ndarray], attrs: Attrs) -> np.ndarray:
     q, k, v = xs
-    heads = int(attrs.get("heads", 1))
+    heads = _count(attrs, "heads", 1, "attention")
     causal = bool(attrs.get("causal", False))
     s, d = q.shape
     t = k.shape[0]

@@ -75,10 +75,10 @@ class AttrSpec:
                     raise OpError(f"{op}: attribute {self.name!r} must be a 64-bit integer, got {value!r}")
                 return self._at_least(int(value), op)
             return str(value)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             if isinstance(exc, OpError):
                 raise
-            raise OpError(f"{op}: attribute {self.name!r} has bad value {value!r}") from exc
+            raise OpError(f"{op}: attribute {self.name!r} has bad value {str(value)[:40]!r}") from None
 
     def _at_least(self, value: Any, op: str) -> Any:
         if self.minimum is not None and value < self.minimum:
