@@ -32,7 +32,7 @@ from fusion_planner.model.plancache import PlanCache
 from fusion_planner.model.stack import ModelPlan, plan_model
 from fusion_planner.rules.files import RuleFile
 from fusion_planner.rules.load import rules_hash
-from fusion_planner.search.engine import SearchError, SearchOptions, SearchResult, search
+from fusion_planner.search.engine import INTERRUPTED, SearchError, SearchOptions, SearchResult, search
 from fusion_planner.search.searchlog import SearchLog
 
 Tick = Callable[[int, int], None]
@@ -126,7 +126,7 @@ def plan_graph(
                              k=options.k, seed=options.seed)
     with progress() as (slog, tick):
         result = search(cands, backend, inputs, options=options.search, log=slog, on_candidate=tick)
-    if cache is not None:
+    if cache is not None and result.stop != INTERRUPTED:  # an interrupted search decided less than asked
         canonical = {g: c for c, g in whole.renaming().items()}
         store = compose_plan(whole.graph, [rename_kernel(k, canonical) for k in result.best.kernels], result.best.key)
         cache.store(key, store, whole.graph, options.spec)

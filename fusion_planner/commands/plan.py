@@ -30,7 +30,7 @@ from fusion_planner.model.plancache import PlanCache
 from fusion_planner.model.stack import ModelPlan
 from fusion_planner.pipeline import Planned, PlanOptions, plan_graph
 from fusion_planner.rules.load import load_rules
-from fusion_planner.search.engine import SearchError, SearchOptions, SearchResult
+from fusion_planner.search.engine import INTERRUPTED, SearchError, SearchOptions, SearchResult
 from fusion_planner.search.plots import plot_best_so_far, plot_predicted_vs_measured
 from fusion_planner.search.searchlog import SearchLog, env_flag, fmt_us
 
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         print_result(result)
         if out_dir is not None:
             print("wrote " + ", ".join(str(p) for p in written))
-    return 0
+    return 130 if result.stop == INTERRUPTED else 0  # the shell's code for Ctrl-C, after the best so far
 
 
 def _wants_search_evidence(args: argparse.Namespace) -> bool:

@@ -292,7 +292,8 @@ class _Run:
         if reason is not None:
             self._reject(entry, reason)
             return
-        stop_if = None if baseline or self.best is None else _stopper(self.best.meas_us * self.opts.early_stop)  # type: ignore[operator]
+        bound = math.inf if baseline or self.best is None else self.best.meas_us * self.opts.early_stop  # type: ignore[operator]
+        stop_if = _stopper(bound, deadline=self.t0 + self.opts.time_budget_s)
         entry.verified = True
         try:
             timing = compiled.time(self.inputs, warmup=self.opts.warmup, repeats=self.opts.repeats, stop_if=stop_if)
@@ -410,17 +411,23 @@ def search(
     unfused_choice = ex.unfused()
     unfused = ex.plan_of(unfused_choice)
     run.consider(unfused, unfused_choice, "unfused baseline", baseline=True)
-    for plan in cands.plans:
-        if plan.key in run.seen:
-            continue
-        if not run.budget_left():
-            break
-        run.consider(plan, cands.choices.get(plan.key), "model order")
-    else:
-        if cands.complete:
-            run.stop = run.stop or "every candidate tried"
+    try:
+        for plan in cands.plans:
+            if plan.key in run.seen:
+                continue
+            if not run.budget_left():
+                break
+            run.consider(plan, cands.choices.get(plan.key), "model order")
         else:
-            run.evolve(random.Random(opts.seed))
+            if cands.complete:
+                run.stop = run.stop or "every candidate tried"
+            else:
+                run.evolve(random.Random(opts.seed))
+    except KeyboardInterrupt:  # Ctrl-C: the best plan so far is still a verified plan
+        if run.best is None:
+            raise
+        run.stop = INTERRUPTED
+        logging.getLogger(__name__).warning("search interrupted: keeping the best plan found so far")
     for plan in cands.plans:  # the rest of the cost-model list, for the record
         if plan.key not in run.seen:
             run.entries.append(Entry(plan, "model order", choice=cands.choices.get(plan.key)))
@@ -434,7 +441,8 @@ def search(
         run.best = min(verified, key=lambda e: e.plan.sort_key())
     run.best.verdict = Verdict.BEST
     base = run.entries[0]
-    speedup = run.confirm_speedup(base, run.best) if base.timed and run.best.timed else None
+    confirm = base.timed and run.best.timed and run.stop != INTERRUPTED
+    speedup = run.confirm_speedup(base, run.best) if confirm else None
     timed = [e for e in run.entries if e.timed]
     rho = spearman([e.est_us for e in timed], [e.meas_us for e in timed])  # type: ignore[misc]
     n_rejected = sum(is_rejected(e.verdict) for e in run.entries)
@@ -470,13 +478,20 @@ def _origin(entry: Entry) -> str:
     return entry.source if entry.source.startswith(("mutant", "sample")) else ""
 
 
-def _stopper(bound: float) -> Callable[[float], bool]:
-    """``stop_if`` for CompiledPlan.time: running median above ``bound`` after enough samples."""
+#: SearchResult.stop of a search ended by Ctrl-C (its best is not kept in the plan cache)
+INTERRUPTED = "interrupted (Ctrl-C)"
+
+
+def _stopper(bound: float, deadline: float = math.inf) -> Callable[[float], bool]:
+    """``stop_if`` for CompiledPlan.time: the running median above ``bound`` after enough samples, or
+    the search's time budget spent (so a huge ``--repeats`` still obeys ``--time-budget``)."""
     calls = 0
 
     def stop_if(median_us: float) -> bool:
         nonlocal calls
         calls += 1
+        if time.perf_counter() > deadline:
+            return True
         return calls >= MIN_SAMPLES_BEFORE_STOP and median_us > bound
 
     return stop_if

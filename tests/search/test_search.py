@@ -302,3 +302,38 @@ def test_the_reported_speedup_alternates_best_and_unfused(chain):
     tail = calls[-10:]
     assert tail == [res.unfused.key, res.best.key] * 5
 
+
+
+def test_ctrl_c_keeps_the_best_plan_so_far_and_caches_nothing(chain, tmp_path):
+    """An interrupt mid-search returns the best verified plan, marked interrupted; the pipeline does not
+    cache it (it decided less than was asked)."""
+    from fusion_planner.model.plancache import PlanCache
+    from fusion_planner.pipeline import PlanOptions, plan_graph
+    from fusion_planner.rules.load import load_rules
+    from fusion_planner.search.engine import INTERRUPTED
+
+    class Interrupting(TimedReferenceBackend):
+        compiled = 0
+
+        def compile(self, plan):
+            Interrupting.compiled += 1
+            if Interrupting.compiled == 4:
+                raise KeyboardInterrupt
+            return super().compile(plan)
+
+    res = search(chain, Interrupting(chain.spec), options=SearchOptions(max_candidates=8, **FAST),
+                 log=SearchLog(enabled=False))
+    assert res.stop == INTERRUPTED and res.best_entry.verdict == "best" and len(res.timed) == 3
+    assert res.log_lines[-1].endswith(f"stopped: {INTERRUPTED}")
+    Interrupting.compiled = 0
+    cache = PlanCache(tmp_path)
+    options = PlanOptions("timed-reference", chain.spec, tuple(load_rules()), search=SearchOptions(max_candidates=8, **FAST))
+    planned = plan_graph(chain.graph, options, Interrupting(chain.spec), cache=cache)
+    assert planned.search.stop == INTERRUPTED and not list(tmp_path.glob("*.json"))
+
+
+def test_repeats_obey_the_time_budget(chain):
+    res = search(chain, TimedReferenceBackend(chain.spec),
+                 options=SearchOptions(max_candidates=2, warmup=0, repeats=10**8, time_budget_s=1.0),
+                 log=SearchLog(enabled=False))
+    assert res.elapsed_s < 15  # the baseline's 10^8 repeats stopped at the budget
