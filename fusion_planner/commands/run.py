@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from fusion_planner.backends import BACKENDS, get_backend
 from fusion_planner.backends.base import BackendError
@@ -49,8 +50,12 @@ def run(args: argparse.Namespace) -> int:
         spec = load_device(args.device)
     backend = get_backend(args.backend, spec)
     inputs = random_inputs(graph, seed=args.seed)
-    compiled = backend.compile(plan)
-    outs = compiled.run(inputs)
+    try:
+        compiled = backend.compile(plan)
+        outs = compiled.run(inputs)
+    except BackendError as exc:  # a plan this backend cannot build or run: one line, exit 1
+        print(f"fusion-planner run: the plan does not run on backend {args.backend}: {exc}", file=sys.stderr)
+        return 1
     expected, oracle = execute_graph(graph, inputs, "device"), execute_graph(graph, inputs, "oracle")
     reason, max_abs, max_rel = check_outputs(plan, outs, expected, args.rtol, args.atol, oracle)
     if reason is not None:

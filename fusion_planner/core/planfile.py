@@ -20,7 +20,8 @@ from typing import Any
 from fusion_planner.core.cost import DeviceSpec, DeviceSpecError, KernelCost, device_from_json
 from fusion_planner.core.files import read_limited
 from fusion_planner.core.graph import Graph, GraphError, graph_from_json, torch_names
-from fusion_planner.core.ops import OpError
+from fusion_planner.core.kinds import KernelKind, OpKind
+from fusion_planner.core.ops import CUBLASLT_EPILOGUES, OpError, op_def
 from fusion_planner.core.plans import KERNEL_KINDS, Expr, Kernel, Load, Plan, expr_from_json, expr_to_json
 from fusion_planner.core.torch_allowlist import loading_file
 
@@ -146,13 +147,47 @@ def _kernel(d: Any, i: int, source: str, graph: Graph) -> Kernel:
         body = expr_from_json(d.get("body"), f"{where}.body")
     except (ValueError, OpError) as exc:
         raise PlanFileError(f"{where}: {exc}") from None
+    except RecursionError:
+        raise PlanFileError(f"{where}: the body nests too deeply") from None
     if not isinstance(body, Expr):
         raise PlanFileError(f"{where}: the body must compute a value, not just load {body.tensor!r}")
     cost = _cost(d.get("cost"), where)
     epilogue = d.get("epilogue")
     if epilogue is not None and not isinstance(epilogue, str):
         raise PlanFileError(f"{where}: 'epilogue' must be a string or null")
+    problem = kind_problem(KernelKind(kind), body, epilogue)
+    if problem:
+        raise PlanFileError(f"{where}: the body does not fit kind {kind}: {problem}")
     return Kernel(kind, body, out, tuple(reads), cost, epilogue)
+
+
+def kind_problem(kind: KernelKind, body: Expr, epilogue: str | None) -> str | None:
+    """Why ``body`` is not a kernel of ``kind`` (None when it is): backends generate code from the kind
+    and trust the body, so plan files and bundles are checked with this."""
+    kinds = [op_def(e.op).kind for e in body.walk()]
+    matmuls = kinds.count(OpKind.MATMUL)
+    if kind == KernelKind.OPAQUE:
+        ok = kinds == [OpKind.OPAQUE] and all(isinstance(a, Load) for a in body.args)
+        why = "an opaque kernel is one Opaque op over loaded tensors"
+    elif kind == KernelKind.ELEMENTWISE:
+        ok = all(k == OpKind.ELEMENTWISE for k in kinds)
+        why = "an elementwise kernel holds elementwise ops only"
+    else:
+        ok = matmuls == 1 and all(k in (OpKind.MATMUL, OpKind.ELEMENTWISE) for k in kinds)
+        mm = next((e for e in body.walk() if op_def(e.op).kind == OpKind.MATMUL), None)
+        ok = ok and mm is not None and all(isinstance(a, Load) for a in mm.args)
+        why = f"a {kind} kernel is one MatMul of loaded operands, then elementwise ops"
+        if ok and kind == KernelKind.CUBLASLT:
+            chain = []
+            e: Expr | Load = body
+            while isinstance(e, Expr) and op_def(e.op).kind != OpKind.MATMUL:
+                chain.append(e.op)
+                e = e.args[0]
+            ok = epilogue in CUBLASLT_EPILOGUES and tuple(reversed(chain)) == CUBLASLT_EPILOGUES[epilogue]
+            why = f"a cublaslt kernel's body must be its epilogue ({', '.join(CUBLASLT_EPILOGUES)}) applied to one MatMul"
+    if kind != KernelKind.CUBLASLT and epilogue is not None:
+        ok, why = False, f"only a cublaslt kernel has an epilogue, not a {kind} kernel"
+    return None if ok else why
 
 
 def _cost(d: Any, where: str) -> KernelCost:

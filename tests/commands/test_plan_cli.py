@@ -224,3 +224,40 @@ def test_bad_flags_and_endless_files_exit_2(capsys, extra, needle):
     assert main(["plan", *base, "--backend", "reference", *extra]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1
+
+
+def _set_kind(kind, epilogue=None):
+    def edit(doc):
+        k = doc["plan"]["kernels"][0]
+        k["kind"], k["epilogue"] = kind, epilogue
+    return edit
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (_set_kind("gemm_epilogue"), "does not fit kind gemm_epilogue"),
+        (_set_kind("cublaslt", "MADEUP"), "does not fit kind cublaslt"),
+        (_set_kind("opaque"), "does not fit kind opaque"),
+        (_set_kind("elementwise", "RELU"), "only a cublaslt kernel has an epilogue"),
+    ],
+)
+def test_tampered_kernels_are_refused_before_any_backend_sees_them(out_dir, tmp_path, capsys, edit, message):
+    p = _tamper(out_dir, tmp_path, edit, True)
+    for backend in ("reference", "cpu"):
+        assert main(["run", str(p), "--backend", backend]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_body_nested_20000_deep_is_refused(out_dir, tmp_path, capsys):
+    doc = json.loads((out_dir / "plan.json").read_text())
+    relu = '{"op": "Relu", "shape": [256], "dtype": "fp32", "node": "r", "args": ['
+    deep = relu * 20000 + '{"load": "x"}' + "]}" * 20000
+    text = json.dumps(doc).replace(json.dumps(doc["plan"]["kernels"][0]["body"]), deep, 1)
+    p = tmp_path / "deep.json"
+    p.write_text(text)
+    assert main(["run", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert "plan file" in err and "Traceback" not in err and err.count("\n") == 1
+

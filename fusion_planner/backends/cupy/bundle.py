@@ -26,7 +26,8 @@ from fusion_planner.core.graph import TensorType
 from fusion_planner.core.inputs import RECIPE, input_scales, seeded_inputs
 from fusion_planner.core.kinds import KernelKind, OpKind
 from fusion_planner.core.ops import CUBLASLT_EPILOGUES, epilogue_has_bias, op_def
-from fusion_planner.core.plans import Expr, Kernel, Load, Plan, expr_from_json, expr_to_json
+from fusion_planner.core.planfile import kind_problem
+from fusion_planner.core.plans import KERNEL_KINDS, Expr, Kernel, Load, Plan, expr_from_json, expr_to_json
 from fusion_planner.core.torch_allowlist import loading_file
 
 SCHEMA = "fusion-planner/candidates/1"
@@ -182,8 +183,14 @@ def _kernel_from_json(d: Mapping[str, Any], where: str) -> BundleKernel:
         cost = KernelCost(**_need(d, "cost", where))
     except TypeError as exc:
         raise BundleError(f"{where}.cost: {exc}") from None
+    kind = str(_need(d, "kind", where))
+    if kind not in KERNEL_KINDS:
+        raise BundleError(f"{where}: kind {kind!r} is not one of {', '.join(KERNEL_KINDS)}")
+    problem = kind_problem(KernelKind(kind), body, d.get("epilogue"))
+    if problem:
+        raise BundleError(f"{where}: the body does not fit kind {kind}: {problem}")
     k = Kernel(
-        kind=str(_need(d, "kind", where)),
+        kind=kind,
         body=body,
         out=str(_need(d, "out", where)),
         reads=tuple(str(r) for r in _need(d, "reads", where)),
