@@ -12,7 +12,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,11 +76,10 @@ def let_name(index: int) -> str:
     return f"$n{index}"
 
 
-def node_term(node: Node, graph: Graph) -> str:
-    """The unfused term of one node: every computed input read from memory."""
+def node_term(node: Node, pos: Mapping[str, int]) -> str:
+    """The unfused term of one node: every computed input read from memory (``pos``: node id -> index)."""
     if node.op == "In":
         return f'(In "{node.id}")'
-    pos = {n.id: i for i, n in enumerate(graph.nodes)}
     args = [let_name(pos[i]) for i in node.inputs]
     attrs = node.attr_dict
     if node.op == "Opaque":
@@ -103,8 +102,9 @@ def _literal(v: Any, sort: str) -> str:
 
 
 def graph_program(graph: Graph) -> str:
-    lines = [f"(let {let_name(i)} {node_term(n, graph)})" for i, n in enumerate(graph.nodes)]
+    """One ``let`` per node (linear in the graph: each node's inputs are looked up by position)."""
     pos = {n.id: i for i, n in enumerate(graph.nodes)}
+    lines = [f"(let {let_name(i)} {node_term(n, pos)})" for i, n in enumerate(graph.nodes)]
     for o in dict.fromkeys(graph.outputs):
         if graph[o].op != "In":  # an output is stored by every plan: (K v) -> v is Forced
             lines.append(f"(rule ((= m {let_name(pos[o])}) (= m (K v))) ((Forced v)) :ruleset analysis)")
