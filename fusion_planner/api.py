@@ -238,14 +238,14 @@ def plan(
     if isinstance(module_or_graph, (str, Path)):
         module_or_graph = load_graph(module_or_graph)
     spec = device if isinstance(device, DeviceSpec) else load_device(device)
-    imported, module, args = None, None, None
+    imported, module, args, bound = None, None, None, None
     if isinstance(module_or_graph, Graph):
         graph = module_or_graph
         if example_inputs is None:
             example_inputs = random_inputs(graph, seed=int(search_opts.get("seed", 0)))
         feed = dict(example_inputs)
     else:
-        from fusion_planner.torch.importer import ImportedModule, graph_inputs_from_module, import_module
+        from fusion_planner.torch.importer import BoundInputs, ImportedModule, import_module
 
         args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
         if isinstance(module_or_graph, ImportedModule):
@@ -254,7 +254,8 @@ def plan(
             module = module_or_graph
             imported = import_module(module, args)
         graph = imported.graph
-        feed = graph_inputs_from_module(imported, module, args)
+        bound = BoundInputs(imported, module)  # the search's feed; the plan's calls reuse its parameters
+        feed = bound.feed(args)
     if backend == "cpu" and imported is not None and imported.opaque_ops and not _omp_quiet():
         log.warning(
             "torch-backed Opaque kernels share the cores with the timed cpu kernels: torch's spinning OpenMP "
@@ -267,7 +268,8 @@ def plan(
     planned = plan_graph(graph, options, be, cache=PlanCache() if cache else None, inputs=feed)
     best = planned.plan
     result = PlanResult(graph, best, planned.candidates, backend, spec, planned.log_lines, imported, module,
-                        planned.search, _runner(backend, spec, best, be), model_plan=planned.model, planned=planned)
+                        planned.search, _runner(backend, spec, best, be), model_plan=planned.model, planned=planned,
+                        _bound=bound)
     log.info("%s: chose %s (%s) on %s", graph.name, best.notation(), best.composition(), backend)
     if verify and module is not None and args is not None:
         import torch

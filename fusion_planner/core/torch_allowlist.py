@@ -141,10 +141,6 @@ def add_traced(name: str) -> None:
     _traced.add(name)
 
 
-def user_allowed() -> frozenset[str]:
-    return frozenset(_user_allowed)
-
-
 def is_allowed(name: str) -> bool:
     """May ``name`` be called now?  While a file loads, names kept by in-process traces are not enough."""
     if name in TORCH_CALLABLES or name in _user_allowed:

@@ -130,22 +130,9 @@ def _describe(t: torch.Tensor) -> str:
 def graph_inputs_from_module(
     imported: ImportedModule, module: nn.Module | Mapping[str, torch.Tensor] | None, args: Sequence[Any]
 ) -> dict[str, np.ndarray]:
-    """The graph's input arrays (float32, flattened to IR shapes): call inputs, parameters, buffers."""
-    flat = imported.check_args(args)
-    state = _module_state(module)
-    out: dict[str, np.ndarray] = {}
-    for b in imported.bindings:
-        if b.source == "const":
-            out[b.name] = imported.constants[b.name]
-            continue
-        if b.source == "arg":
-            t = flat[int(b.key)]
-        else:
-            if b.key not in state:
-                raise TorchImportError(f"module has no parameter or buffer {b.key!r} (graph input {b.name!r})")
-            t = state[str(b.key)]
-        out[b.name] = _to_numpy(t, b.transpose)
-    return out
+    """The graph's input arrays (float32, flattened to IR shapes) for one call: call inputs, parameters,
+    buffers (a planned module keeps a :class:`BoundInputs` instead, which converts parameters once)."""
+    return BoundInputs(imported, module).feed(args)
 
 
 class BoundInputs:
