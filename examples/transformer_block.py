@@ -27,6 +27,16 @@ class Block(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
 
 
-def build(batch: int = 2, seq: int = 16, d: int = 64, heads: int = 4) -> tuple[nn.Module, tuple[torch.Tensor]]:
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build(batch: int = 2, seq: int = 16, d_model: int = 64, heads: int = 4, hidden: int | None = None,
+          dtype: str = "fp32") -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """``fusion-planner plan --torch examples/transformer_block.py:build --torch-arg d_model=768 --torch-arg heads=12``."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    if d_model % heads:
+        raise ValueError(f"d_model {d_model} is not a multiple of heads {heads}")
     torch.manual_seed(0)
-    return Block(d, heads).eval(), (torch.randn(batch, seq, d),)
+    block = Block(d_model, heads, hidden or 4 * d_model).eval().to(_DTYPES[dtype])
+    return block, (torch.randn(batch, seq, d_model, dtype=_DTYPES[dtype]),)

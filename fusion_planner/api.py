@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fusion_planner.backends import get_backend
-from fusion_planner.backends.base import BackendUnavailable
+from fusion_planner.backends.base import BackendUnavailable, CompiledPlan
 from fusion_planner.backends.reference import execute_plan, random_inputs
 from fusion_planner.core.cost import DeviceSpec, load_device
 from fusion_planner.core.graph import Graph, load_graph
@@ -66,6 +66,8 @@ class PlanResult:
     model_plan: Any = None  # fusion_planner.model.stack.ModelPlan when repeated regions were planned once each
     planned: Planned | None = None  # what the pipeline decided (cache key, from the cache, composite check)
     _bound: Any = field(default=None, repr=False)  # torch.importer.BoundInputs: parameters converted once
+    #: the plan as the backend built it (kernel facts; ``execute()`` on the cpu backend), None on reference
+    compiled: CompiledPlan | None = field(default=None, repr=False)
 
     def __call__(self, *inputs: Any) -> Any:
         """Execute the chosen plan; torch tensors in and out for a module, numpy arrays for a Graph."""
@@ -179,20 +181,20 @@ class PlanResult:
         return out
 
 
-def _backend(name: str, spec: DeviceSpec) -> Backend:
-
+def _backend(name: str, spec: DeviceSpec, threads: int | None) -> Backend:
     try:
-        return get_backend(name, spec)
+        return get_backend(name, spec, threads=threads)
     except ImportError as exc:
         raise BackendUnavailable(
             f"backend {name!r} is not available on this machine ({exc}); try backend='reference'"
         ) from exc
 
 
-def _runner(name: str, spec: DeviceSpec, plan: Plan, backend: Backend) -> Runner:
+def _runner(name: str, plan: Plan, backend: Backend) -> tuple[Runner, CompiledPlan | None]:
     if name == "reference":  # the numpy executor in device mode, without timing machinery
-        return lambda feed: execute_plan(plan, feed, mode="device")
-    return backend.compile(plan).run
+        return (lambda feed: execute_plan(plan, feed, mode="device")), None
+    compiled = backend.compile(plan)
+    return compiled.run, compiled
 
 
 def _omp_quiet() -> bool:
@@ -214,6 +216,7 @@ def plan(
     dedup: bool = True,
     cache: bool = True,
     allow_torch_ops: Sequence[str] = (),
+    threads: int | None = None,
     **search_opts: Any,
 ) -> PlanResult:
     """Plan a torch module (or an IR graph) and return the executable :class:`PlanResult`.
@@ -230,6 +233,8 @@ def plan(
     A ``str`` or ``Path`` is a graph JSON file, loaded as untrusted data: its torch-backed
     Opaque nodes may name only allowlisted torch callables and ``allow_torch_ops``
     (exact canonical names the caller trusts; docs/security.md).
+    ``threads``: the cpu backend's worker threads (default ``$FUSION_PLANNER_THREADS``, else every
+    available core); the search times on that many and the plan runs on that many.
     """
     if allow_torch_ops:
         from fusion_planner.torch.ops import allow_torch_ops as allow  # torch is optional
@@ -264,12 +269,13 @@ def plan(
         )
     options = PlanOptions(backend, spec, tuple(load_rules(rules)), limits, cap, k, SearchOptions(**search_opts), dedup)
     options.search.validate()
-    be = _backend(backend, spec)
+    be = _backend(backend, spec, threads)
     planned = plan_graph(graph, options, be, cache=PlanCache() if cache else None, inputs=feed)
     best = planned.plan
+    runner, compiled = _runner(backend, best, be)
     result = PlanResult(graph, best, planned.candidates, backend, spec, planned.log_lines, imported, module,
-                        planned.search, _runner(backend, spec, best, be), model_plan=planned.model, planned=planned,
-                        _bound=bound)
+                        planned.search, runner, model_plan=planned.model, planned=planned, _bound=bound,
+                        compiled=compiled)
     log.info("%s: chose %s (%s) on %s", graph.name, best.notation(), best.composition(), backend)
     if verify and module is not None and args is not None:
         import torch

@@ -61,13 +61,13 @@ class PlanOptions:
     def seed(self) -> int:
         return self.search.seed
 
-    def cache_tag(self) -> str:
-        """The plan cache's backend field: the backend and every search option, so a choice made under a
-        smaller budget or another seed never answers a run with other options."""
-        return f"{self.backend_name} {json.dumps(dataclasses.asdict(self.search), sort_keys=True)}"
+    def cache_tag(self, backend: Backend) -> str:
+        """The plan cache's backend field: the backend's identity (the CPU's thread count) and every search
+        option, so a choice made under a smaller budget, another seed or thread count never answers another."""
+        return f"{backend.identity} {json.dumps(dataclasses.asdict(self.search), sort_keys=True)}"
 
-    def cache_key(self, region: Region) -> str:
-        return PlanCache.key(region.key, self.spec, self.cache_tag(), rules_hash(self.rules))
+    def cache_key(self, region: Region, backend: Backend) -> str:
+        return PlanCache.key(region.key, self.spec, self.cache_tag(backend), rules_hash(self.rules))
 
 
 @dataclass
@@ -116,7 +116,7 @@ def plan_graph(
     if options.dedup and len({r.key for r in regions}) < len(regions):
         return _plan_regions(graph, options, backend, cache, progress)
     whole = whole_graph_region(graph)
-    key = options.cache_key(whole)
+    key = options.cache_key(whole, backend)
     if cache is not None:
         cached = cache.load(key, whole.graph, options.spec)
         if cached is not None:
@@ -143,7 +143,7 @@ def _plan_regions(graph: Graph, options: PlanOptions, backend: Backend, cache: P
         searches[cands.graph.name] = result
         return result.best
 
-    mp = plan_model(graph, options.spec, backend=options.cache_tag(), choose=choose, rules=options.rules,
+    mp = plan_model(graph, options.spec, backend=options.cache_tag(backend), choose=choose, rules=options.rules,
                     limits=options.limits, cache=cache, cap=options.cap, k=options.k, seed=options.seed)
     composite = measure_composite(mp, backend, options.search)
     return Planned(graph, mp.plan, options, model=mp, region_searches=searches, composite=composite)

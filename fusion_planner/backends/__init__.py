@@ -24,9 +24,16 @@ BACKENDS: dict[str, str] = {
 }
 
 
-def get_backend(name: str, spec: DeviceSpec) -> Backend:
+#: backends that run on a thread count of their own choosing
+THREADED = ("cpu",)
 
+
+def get_backend(name: str, spec: DeviceSpec, *, threads: int | None = None) -> Backend:
+    """The backend ``name``; ``threads`` (cpu only; None: its default, every available core)."""
     if name not in BACKENDS:
         raise UsageError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if threads is not None and name not in THREADED:
+        raise UsageError(f"a thread count applies to the {', '.join(THREADED)} backend, not {name!r}")
     module, cls = BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)(spec)
+    backend_cls = getattr(importlib.import_module(module), cls)
+    return backend_cls(spec) if threads is None else backend_cls(spec, threads=threads)

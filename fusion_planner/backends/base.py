@@ -89,6 +89,11 @@ class Backend(ABC):
     def __init__(self, spec: DeviceSpec) -> None:
         self.spec = spec
 
+    @property
+    def identity(self) -> str:
+        """What, besides the device, a plan chosen on this backend depends on (the plan cache keys on it)."""
+        return self.name
+
     @abstractmethod
     def compile(self, plan: Plan) -> CompiledPlan:
         """Prepare a plan for execution (code generation, compilation, planning)."""

@@ -27,12 +27,27 @@ def seed_arg(text: str) -> int:
     return value
 
 
+def threads_arg(text: str) -> int:
+    """argparse type of --threads: a positive integer."""
+    value = seed_arg(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def add_threads_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    p.add_argument("--threads", type=threads_arg, default=None, metavar="N",
+                   help="cpu backend: worker threads (default $FUSION_PLANNER_THREADS, else every available core)")
+
+
 def add_graph_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("graph (one of --example or --graph)")
     src = g.add_mutually_exclusive_group()
     src.add_argument("--example", choices=examples.EXAMPLES, help="a built-in example graph")
     src.add_argument("--graph", metavar="FILE.json", help="a graph JSON file (docs/graph-format.md)")
     src.add_argument("--torch", metavar="FILE.py:FACTORY", help="a torch module: FACTORY() returns (module, example_inputs)")
+    g.add_argument("--torch-arg", action="append", default=[], metavar="NAME=VALUE",
+                   help="keyword argument of the --torch factory, e.g. d_model=768 (repeatable; numbers stay numbers)")
     g.add_argument("--m", type=int, help="mlp-epilogue/mlp-stack rows M (default 4096; 64 for mlp-stack)")
     g.add_argument("--n", type=int, help="mlp-epilogue N (default 4096); ew-chain/heavy element count")
     g.add_argument("--k", type=int, help="mlp-epilogue K (default 4096); ew-chain stage count (default 4)")
@@ -86,9 +101,9 @@ def graph_from_args(args: argparse.Namespace) -> Graph:
             # torch's OpenMP workers spin between calls and stall the timed cpu kernels by ~24 ms
             # (docs/torch.md); the variable only works when set before torch is loaded
             os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        from fusion_planner.torch.importer import graph_from_factory
+        from fusion_planner.torch.importer import factory_kwargs, graph_from_factory
 
-        return graph_from_factory(args.torch)
+        return graph_from_factory(args.torch, factory_kwargs(args.torch_arg))
     ex = args.example
     if ex is None:
         raise UsageError("give --example NAME, --graph FILE.json or --torch FILE.py:FACTORY")

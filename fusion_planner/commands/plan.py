@@ -15,6 +15,7 @@ from fusion_planner.backends.measured import MeasuredBackend
 from fusion_planner.commands.common import (
     add_graph_args,
     add_planning_args,
+    add_threads_arg,
     emit_json,
     graph_from_args,
     limits_from_args,
@@ -54,6 +55,7 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
     d = SearchOptions()
     g = p.add_argument_group("search")
     g.add_argument("--backend", default="model", help=f"one of {', '.join(BACKENDS)} (default model)")
+    add_threads_arg(g)
     g.add_argument("--max-candidates", type=int, default=d.max_candidates, help="candidates besides the unfused baseline")
     g.add_argument("--time-budget", type=float, default=d.time_budget_s, metavar="SECONDS", help="wall-time budget")
     g.add_argument("--early-stop", type=float, default=d.early_stop, help="stop timing above best x this factor")
@@ -89,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     opts = options_from_args(args)
     graph = graph_from_args(args)
     spec = load_device(args.device)
-    backend = measured_backend(args.measured, spec, graph) if args.measured else get_backend(args.backend, spec)
+    backend = measured_backend(args.measured, spec, graph) if args.measured else get_backend(args.backend, spec, threads=args.threads)
     out_dir = _out_dir(args.out)
     options = PlanOptions(args.backend, spec, tuple(load_rules(args.rules)), limits_from_args(args), args.cap,
                           args.top, opts, dedup=not args.no_dedup and not args.measured)

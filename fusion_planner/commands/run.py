@@ -8,7 +8,7 @@ import sys
 from fusion_planner.backends import BACKENDS, get_backend
 from fusion_planner.backends.base import BackendError
 from fusion_planner.backends.reference import execute_graph, random_inputs
-from fusion_planner.commands.common import add_graph_args, emit_json, graph_from_args, seed_arg
+from fusion_planner.commands.common import add_graph_args, add_threads_arg, emit_json, graph_from_args, seed_arg
 from fusion_planner.core.cost import load_device
 from fusion_planner.core.errors import UsageError
 from fusion_planner.core.planfile import PlanFileError, load_plan
@@ -29,6 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("plan_file", metavar="plan.json")
     p.add_argument("--backend", default="reference", help=f"one of {', '.join(BACKENDS)} (default reference)")
     p.add_argument("--device", default=None, help="device spec for the backend (default: the one saved in the plan)")
+    add_threads_arg(p)
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the random inputs")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     plan, graph, spec, meta = load_plan(args.plan_file, expect_graph=given)
     if args.device is not None:
         spec = load_device(args.device)
-    backend = get_backend(args.backend, spec)
+    backend = get_backend(args.backend, spec, threads=args.threads)
     inputs = random_inputs(graph, seed=args.seed)
     try:
         compiled = backend.compile(plan)

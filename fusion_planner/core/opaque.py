@@ -21,6 +21,8 @@ from fusion_planner.core.torch_allowlist import check_torch_call, is_allowed, re
 ShapeFn = Callable[[Sequence[Shape], Attrs], Shape]
 EvalFn = Callable[[Sequence[np.ndarray], Attrs], np.ndarray]
 FlopsFn = Callable[[Shape, Sequence[Shape], Attrs], float]
+#: writes a node's value into an output array: ``write(inputs, out)``
+WriteFn = Callable[[Sequence[np.ndarray], np.ndarray], None]
 
 
 @dataclass(frozen=True)
@@ -84,11 +86,34 @@ def registered_opaque() -> list[str]:
 # fusion_planner.torch.ops installs when it is imported.
 
 _torch_evaluator: list[EvalFn] = []
+_torch_writer: list[Callable[[Attrs], WriteFn]] = []
 
 
-def set_torch_evaluator(fn: EvalFn) -> None:
-    """Install the function that executes torch-backed Opaque nodes (the torch layer does, on import)."""
+def set_torch_evaluator(fn: EvalFn, prepare: Callable[[Attrs], WriteFn]) -> None:
+    """Install what executes torch-backed Opaque nodes (the torch layer does, on import): ``fn``
+    evaluates a node once; ``prepare(attrs)`` decodes its call once and returns a :data:`WriteFn`."""
     _torch_evaluator[:] = [fn]
+    _torch_writer[:] = [prepare]
+
+
+def opaque_writer(attrs: Attrs) -> WriteFn:
+    """A function writing an Opaque node's value into an array of its output shape, for a backend that
+    runs the node many times: a torch-backed node's call is checked and decoded here, once, and runs
+    on views of the given arrays; other implementations evaluate, then copy."""
+    name = str(attrs.get("impl"))
+    impl = opaque_impl(name)
+    if name.startswith("torch."):
+        if not _torch_writer:
+            _torch_evaluate([], attrs)  # raises the "install torch" error
+        return _torch_writer[0](attrs)
+
+    def write(xs: Sequence[np.ndarray], out: np.ndarray) -> None:
+        value = impl.evaluate(xs, attrs)
+        if value.shape != out.shape:
+            raise OpError(f"Opaque[{name}] computed shape {list(value.shape)}, expected {list(out.shape)}")
+        out[...] = value
+
+    return write
 
 
 def flat_shape(shape: Sequence[int]) -> Shape:

@@ -883,8 +883,24 @@ def import_fx_graph(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], 
     return _import_graph(gm, list(example_inputs), sources, "dynamo", name)
 
 
-def load_factory(spec: str) -> tuple[Any, Any]:
-    """Run ``path/file.py:factory``; it must return ``(module, example_inputs)``."""
+def factory_kwargs(pairs: Sequence[str]) -> dict[str, Any]:
+    """``NAME=VALUE`` pairs (the CLI's ``--torch-arg``) as keyword arguments: a VALUE that reads as a JSON
+    number, boolean or null is that, anything else is a string."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, raw = pair.partition("=")
+        if not sep or not name.isidentifier():
+            raise TorchImportError(f"--torch-arg expects NAME=VALUE with NAME an identifier, got {pair!r}")
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        out[name] = value if isinstance(value, (int, float, bool, type(None))) else raw
+    return out
+
+
+def load_factory(spec: str, kwargs: Mapping[str, Any] | None = None) -> tuple[Any, Any]:
+    """Run ``path/file.py:factory(**kwargs)``; it must return ``(module, example_inputs)``."""
     path, sep, fname = spec.rpartition(":")
     if not sep or not path or not fname:
         raise TorchImportError(f"--torch expects FILE.py:FACTORY, got {spec!r}")
@@ -899,19 +915,25 @@ def load_factory(spec: str) -> tuple[Any, Any]:
     factory = getattr(mod, fname, None)
     if not callable(factory):
         raise TorchImportError(f"{p} has no callable {fname!r}")
-    out = factory()
+    kwargs = dict(kwargs or {})
+    try:
+        inspect.signature(factory).bind(**kwargs)
+    except TypeError as exc:
+        raise TorchImportError(f"{spec} does not take the arguments {sorted(kwargs)}: {exc}") from None
+    out = factory(**kwargs)
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], nn.Module)):
         raise TorchImportError(f"{spec}: the factory must return (module, example_inputs)")
     return out
 
 
-def graph_from_factory(spec: str) -> Graph:
-    """The IR graph of ``FILE.py:FACTORY`` (the CLI's ``--torch``)."""
-    module, inputs = load_factory(spec)
+def graph_from_factory(spec: str, kwargs: Mapping[str, Any] | None = None) -> Graph:
+    """The IR graph of ``FILE.py:FACTORY`` called with ``kwargs`` (the CLI's ``--torch``, ``--torch-arg``)."""
+    module, inputs = load_factory(spec, kwargs)
     return import_module(module, inputs).graph
 
 
 __all__ = [
     "Binding", "BoundInputs", "ImportedModule", "OutputSpec", "graph_from_factory", "graph_inputs_from_module",
+    "factory_kwargs",
     "import_fx_graph", "import_module", "ir_dtype", "load_factory",
 ]

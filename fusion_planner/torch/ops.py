@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import operator
 import types
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -326,22 +327,81 @@ def _evaluate(xs: Sequence[np.ndarray], attrs: Attrs) -> np.ndarray:
     """Run the node's torch calls in order on the input arrays; the last call's result is the output."""
     call = torch_call(attrs)
     ts = [torch.from_numpy(np.ascontiguousarray(x)).reshape(s) for x, s in zip(xs, call["in"], strict=True)]
+    out = _run_steps(str(attrs["impl"]), _prepared_steps(call), ts)
+    work = xs[0].dtype if xs else np.dtype(np.float32)
+    return out.detach().to(torch.float64 if work == np.float64 else torch.float32).reshape(flat_shape(out.shape)).numpy()
+
+
+def _prepare(attrs: Attrs) -> Callable[[Sequence[np.ndarray], np.ndarray], None]:
+    """A writer for a node run many times: the call is checked, its callables resolved and its
+    constant arguments decoded once; each run wraps the arrays as tensors without copying them."""
+    call = torch_call(attrs)
+    impl = str(attrs["impl"])
+    steps = _prepared_steps(call)
+    in_shapes = [tuple(s) for s in call["in"]]
+
+    def write(xs: Sequence[np.ndarray], out: np.ndarray) -> None:
+        ts = [_view(x).reshape(s) for x, s in zip(xs, in_shapes, strict=True)]
+        value = _run_steps(impl, steps, ts)
+        target = torch.from_numpy(out)
+        if value.numel() != target.numel():
+            raise OpError(f"Opaque[{impl}] computed shape {list(value.shape)}, expected {list(out.shape)}")
+        target.copy_(value.reshape(target.shape))
+
+    return write
+
+
+def _view(x: np.ndarray) -> torch.Tensor:
+    """``x`` as a tensor without a copy; a read-only array (a bound parameter) is only ever read by the
+    recorded calls, which are out of place (the allowlist has no in-place op), so torch's warning is moot."""
+    if x.flags.writeable:
+        return torch.from_numpy(x)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(x)
+
+
+Decoded = Callable[[Sequence[torch.Tensor], Sequence[Any]], Any]
+
+
+def _prepared_steps(call: dict[str, Any]) -> list[tuple[str, Callable[..., Any], Decoded, Decoded, int]]:
+    return [(s["impl"], resolve_torch_fn(s["impl"]), _decoder(s["args"]), _decoder(s["kwargs"]), s.get("item", -1))
+            for s in call["steps"]]
+
+
+def _decoder(d: Any) -> Decoded:
+    """``decode(inputs, steps)``: the argument ``d`` describes; what holds no tensor reference is decoded now."""
+    if not _refers(d):
+        value = _decode(d, (), ())
+        return lambda ts, results: value
+    return lambda ts, results: _decode(d, ts, results)
+
+
+def _refers(d: Any) -> bool:
+    if isinstance(d, list):
+        return any(_refers(v) for v in d)
+    if not isinstance(d, dict):
+        return False
+    (tag, v), = d.items()
+    return tag in ("$in", "$step") or (tag != "$tensor" and _refers(v if tag != "$dict" else list(v.values())))
+
+
+def _run_steps(impl: str, steps: Sequence[tuple[str, Callable[..., Any], Decoded, Decoded, int]],
+               ts: Sequence[torch.Tensor]) -> torch.Tensor:
     results: list[Any] = []
     with torch.no_grad():
-        for j, step in enumerate(call["steps"]):
-            fn = resolve_torch_fn(step["impl"])
+        for j, (name, fn, args, kwargs, item) in enumerate(steps):
             try:
-                out = fn(*_decode(step["args"], ts, results), **_decode(step["kwargs"], ts, results))
-                if step.get("item", -1) >= 0:
-                    out = out[step["item"]]
+                out = fn(*args(ts, results), **kwargs(ts, results))
+                if item >= 0:
+                    out = out[item]
             except (TypeError, ValueError, IndexError, RuntimeError) as exc:  # the recorded call does not fit
-                raise OpError(f"Opaque[{attrs['impl']}] step {j} ({step['impl']}) failed: {_one_line(exc)}") from None
+                raise OpError(f"Opaque[{impl}] step {j} ({name}) failed: {_one_line(exc)}") from None
             results.append(out)
     out = results[-1]
     if not isinstance(out, torch.Tensor):
-        raise OpError(f"Opaque[{attrs['impl']}] returned {type(out).__name__}, not a tensor")
-    work = xs[0].dtype if xs else np.dtype(np.float32)
-    return out.detach().to(torch.float64 if work == np.float64 else torch.float32).reshape(flat_shape(out.shape)).numpy()
+        raise OpError(f"Opaque[{impl}] returned {type(out).__name__}, not a tensor")
+    return out
 
 
 def _one_line(exc: BaseException) -> str:
@@ -349,4 +409,4 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
-set_torch_evaluator(_evaluate)
+set_torch_evaluator(_evaluate, _prepare)

@@ -44,11 +44,11 @@ def compiler() -> Compiler:
         pytest.skip(f"no C compiler: {exc}")
 
 
-def cpu_backend(tile_bytes: int | None = None, fma: bool | None = None):
+def cpu_backend(tile_bytes: int | None = None, fma: bool | None = None, threads: int = 1):
     from fusion_planner.backends.cpu.backend import CpuBackend
 
     try:
-        return CpuBackend(SPEC, compiler=Compiler(fma=fma), tile_bytes=tile_bytes)
+        return CpuBackend(SPEC, compiler=Compiler(fma=fma), tile_bytes=tile_bytes, threads=threads)
     except BackendUnavailable as exc:
         pytest.skip(f"no C compiler: {exc}")
 
@@ -142,11 +142,11 @@ def test_unfused_plan_materialises_every_intermediate() -> None:
     cands = build_candidates(graph, SPEC)
     inputs = random_inputs(graph, seed=1)
     compiled = cpu_backend(fma=False).compile(cands.unfused)  # without contraction: bit-identical to numpy
-    compiled.run(inputs)
+    (out,) = compiled.run(inputs)
     ops = [n.id for n in graph.ops]
     assert [k.out for k in cands.unfused.kernels] == ops
-    buffers = compiled.buffers  # type: ignore[attr-defined]
-    assert len({id(buffers[o]) for o in ops}) == len(ops)
+    assert len({id(compiled.buffers[o]) for o in ops}) == len(ops)  # type: ignore[attr-defined]
+    buffers = {**compiled.buffers, ops[-1]: out}  # type: ignore[attr-defined]  # the output: a fresh array
     for node in ops:
         sub = GraphBuilder("prefix")
         for n in graph.nodes:
@@ -394,6 +394,7 @@ def _fused_kernels():
             for k in p.kernels:
                 if k.kind == "elementwise" and len(k.ops) > 1:
                     yield g.name, k, generate(k.body, tensors)
+                    yield g.name, k, generate(k.body, tensors, stream=True)  # the streaming-store variant
 
 
 def test_every_fused_kernel_of_the_examples_is_vectorised(compiler):
@@ -404,13 +405,13 @@ def test_every_fused_kernel_of_the_examples_is_vectorised(compiler):
     seen: dict[str, str] = {}
     for name, k, ck in _fused_kernels():
         seen.setdefault(ck.digest, f"{name}: {k.describe()}")
-    assert len(seen) >= 10
+    assert len(seen) >= 20 and any("fp_stream" in c.source for _, _, c in _fused_kernels())
     failures = []
     for digest, what in seen.items():
         ck = next(c for _, _, c in _fused_kernels() if c.digest == digest)
-        loop_line = next(i for i, line in enumerate(ck.source.splitlines(), 1) if "for (int64_t c = 0" in line)
+        loop_lines = [i for i, line in enumerate(ck.source.splitlines(), 1) if "for (int64_t c = 0" in line]
         report = compiler.vectorisation_report(ck.source)
-        if not re.search(rf":{loop_line}:\d+: optimized: loop vectorized", report):
+        if not all(re.search(rf":{line}:\d+: optimized: loop vectorized", report) for line in loop_lines):
             failures.append(what)
     assert failures == []
 

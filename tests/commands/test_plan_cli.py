@@ -19,7 +19,7 @@ CHAIN = ["--example", "ew-chain", "--k", "4", "--n", "256", "--device", "seed-k4
 def fake_backend(monkeypatch):
     made = []
 
-    def get(name, spec):
+    def get(name, spec, threads=None):
         made.append(name)
         return TimedReferenceBackend(spec)
 
@@ -34,7 +34,7 @@ def out_dir(tmp_path_factory):
     import fusion_planner.commands.run as rc
 
     old = pc.get_backend, rc.get_backend
-    pc.get_backend = rc.get_backend = lambda name, spec: TimedReferenceBackend(spec)
+    pc.get_backend = rc.get_backend = lambda name, spec, threads=None: TimedReferenceBackend(spec)
     try:
         d = tmp_path_factory.mktemp("plan")
         assert main(["plan", *CHAIN, "--max-candidates", "6", "--out", str(d), "--no-cache"]) == 0

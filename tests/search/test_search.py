@@ -245,7 +245,7 @@ def test_an_unavailable_backend_stops_the_search_instead_of_rejecting_every_cand
 
     with pytest.raises(BackendUnavailable):
         search(chain, Missing(chain.spec), options=SearchOptions(max_candidates=2, **FAST))
-    monkeypatch.setattr(plan_cmd, "get_backend", lambda name, spec: Missing(spec))
+    monkeypatch.setattr(plan_cmd, "get_backend", lambda name, spec, threads=None: Missing(spec))
     assert main(["plan", "--example", "ew-chain", "--k", "2", "--n", "64", "--no-cache"]) == 2
     assert capsys.readouterr().err.strip() == "fusion-planner plan: error: this backend needs a device this machine lacks"
 

@@ -220,8 +220,8 @@ def test_parameters_are_bound_at_call_time() -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_parameters_are_converted_once_and_again_only_when_they_change(backend, monkeypatch) -> None:
-    """A call converts only its inputs; the cpu backend copies only those into its buffers; a parameter
-    updated in place, or replaced, is converted again; rebind() forgets every bound parameter."""
+    """A call converts only its inputs; the cpu backend reads fp32 inputs in place (no copy at all); a
+    parameter updated in place, or replaced, is converted again; rebind() forgets every bound parameter."""
     import fusion_planner.backends.cpu.backend as cpu
 
     m, x = _model("mlp-relu", torch.float32)
@@ -237,7 +237,8 @@ def test_parameters_are_converted_once_and_again_only_when_they_change(backend, 
         _assert_close(result(x), m(x))
     assert result.bound.conversions == params  # not converted again
     if backend == "cpu":
-        assert first == 1 and len(copies) == first + 3  # each call copies the activation only
+        assert first == 0 and len(copies) == 0  # parameters and the activation are read where they lie
+        assert result.compiled.binds >= 4 * (params + 1)
     with torch.no_grad():
         m.fc2.bias.add_(1.0)  # in place: torch's version counter moves
         _assert_close(result(x), m(x))
@@ -388,3 +389,45 @@ def test_cli_bad_factory_exits_2(tmp_path: Path) -> None:
 
     assert main(["explain", "--torch", str(tmp_path / "missing.py:build")]) == 2
     assert main(["explain", "--torch", str(ROOT / "examples/mlp.py:nope")]) == 2
+
+
+def test_factory_arguments_reach_the_factory_and_bad_ones_are_named() -> None:
+    from fusion_planner.torch.importer import factory_kwargs
+
+    spec = str(ROOT / "examples/transformer_block.py:build")
+    kwargs = factory_kwargs(["d_model=32", "heads=2", "seq=4", "dtype=bf16"])
+    assert kwargs == {"d_model": 32, "heads": 2, "seq": 4, "dtype": "bf16"}
+    module, (x,) = load_factory(spec, kwargs)
+    assert module.qkv.in_features == 32 and module.heads == 2 and x.shape == (2, 4, 32) and x.dtype == torch.bfloat16
+    with pytest.raises(TorchImportError, match="does not take the arguments"):
+        load_factory(spec, {"width": 3})
+    for bad in ("d_model", "1x=2", "=3"):
+        with pytest.raises(TorchImportError, match="NAME=VALUE"):
+            factory_kwargs([bad])
+    ok = subprocess.run([sys.executable, "-m", "fusion_planner", "explain", "--torch", spec, "--torch-arg", "d_model=32",
+                         "--torch-arg", "heads=2"], capture_output=True, text=True, cwd=ROOT)
+    assert ok.returncode == 0, ok.stderr
+    bad_cli = subprocess.run([sys.executable, "-m", "fusion_planner", "explain", "--torch", spec, "--torch-arg", "width=3"],
+                             capture_output=True, text=True, cwd=ROOT)
+    assert bad_cli.returncode == 2 and "width" in bad_cli.stderr
+
+
+def test_torch_backed_kernels_decode_once_and_run_on_the_plans_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fusion_planner
+    import fusion_planner.core.opaque as opaque
+
+    module, args = _block()
+    result = fusion_planner.plan(module, args, backend="cpu", max_candidates=2, cache=False, threads=1)
+    facts = result.compiled.kernel_facts
+    kinds = [k.kind for k in result.plan.kernels]
+    assert [f["impl"] for f, k in zip(facts, kinds, strict=True) if k == "opaque"] == ["opaque-in-place"] * kinds.count("opaque")
+    checks = []
+    real = opaque.check_torch_call
+    monkeypatch.setattr(opaque, "check_torch_call", lambda *a: checks.append(a) or real(*a))
+    with torch.no_grad():
+        want = module(*args)
+    for _ in range(3):
+        got = result(*args)
+        assert allclose_report(got.numpy(), want.numpy(), "fp32")[0]
+    assert checks == []  # each call description was checked and decoded when the plan was built
+    result.compiled.execute()  # the bare kernels on the inputs already loaded

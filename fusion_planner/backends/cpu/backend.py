@@ -20,8 +20,10 @@ byte ledger counts them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -39,6 +41,7 @@ from fusion_planner.backends.base import (
     collect_samples,
 )
 from fusion_planner.backends.codegen import find_matmul
+from fusion_planner.backends.cpu import parallel
 from fusion_planner.backends.cpu.codegen import (
     CKernel,
     CodegenError,
@@ -52,17 +55,19 @@ from fusion_planner.backends.reference import eval_expr
 from fusion_planner.core.cost import DeviceSpec
 from fusion_planner.core.graph import TensorType
 from fusion_planner.core.kinds import KernelKind
+from fusion_planner.core.opaque import opaque_writer
 from fusion_planner.core.ops import DTYPE_BYTES, numpy_dtype
-from fusion_planner.core.plans import Kernel, Plan
+from fusion_planner.core.plans import Kernel, Load, Plan
 
 log = logging.getLogger(__name__)
 
 #: used when the cache size cannot be read (bytes): a common L3 slice
 DEFAULT_CACHE_BYTES = 8 << 20
-#: BLAS threads while a plan runs (``FUSION_PLANNER_BLAS_THREADS`` overrides; 0 = the library's default).
-#: One, like the generated loops: with every core's thread in one GEMM, a single busy core
-#: (another process) stalls the whole GEMM; a 256^3 GEMM took 12-16 ms on 2 threads against
-#: 0.3 ms on 1 while two other processes ran on this 2-core machine.
+#: BLAS threads inside one GEMM block (``FUSION_PLANNER_BLAS_THREADS`` overrides; 0 = the library's default).
+#: One: a GEMM is parallel across our workers, one row block each, so BLAS threads would compete
+#: with them; and with every core's thread in one BLAS call, a single busy core (another process)
+#: stalls the whole GEMM (a 256^3 GEMM took 12-16 ms on 2 BLAS threads against 0.3 ms on 1 while
+#: two other processes ran on this 2-core machine).
 DEFAULT_BLAS_THREADS = 1
 
 
@@ -150,6 +155,18 @@ def cache_bytes() -> tuple[int, str]:
     return DEFAULT_CACHE_BYTES, "default"
 
 
+def stream_bytes_default() -> int:
+    """``FUSION_PLANNER_STREAM_BYTES``, else an eighth of the last-level cache: an output that large would evict
+    most of what the cache holds anyway, so it skips the cache (and the read of each line before its write)."""
+    raw = os.environ.get("FUSION_PLANNER_STREAM_BYTES", "").strip()
+    if raw:
+        try:
+            return int(raw)
+        except ValueError:
+            raise BackendError(f"FUSION_PLANNER_STREAM_BYTES must be an integer, got {raw!r}") from None
+    return cache_bytes()[0] // 8
+
+
 def gemm_tile_rows(rows: int, cols: int, kdim: int, tile_bytes: int) -> int:
     """Rows per GEMM tile: the fp32 tile plus the fp32 rows of A it comes from fit ``tile_bytes``."""
     return max(1, min(rows, tile_bytes // (4 * (cols + kdim))))
@@ -158,9 +175,29 @@ def gemm_tile_rows(rows: int, cols: int, kdim: int, tile_bytes: int) -> int:
 # ---------------------------------------------------------------- steps
 
 
+class Memory:
+    """The arrays a plan's kernels read and write, by tensor name, and their addresses.
+
+    Each tensor has a buffer of its own, allocated at compile time; a call may bind another array
+    in its place (a caller's input that already has the stored layout, a fresh output array).
+    Kernels look their arrays up here when they run, never at compile time."""
+
+    def __init__(self, own: dict[str, np.ndarray]) -> None:
+        self.own = own
+        self.arrays = dict(own)
+        self.addr = {n: a.ctypes.data for n, a in own.items()}
+
+    def bind(self, name: str, array: np.ndarray) -> None:
+        self.arrays[name] = array
+        self.addr[name] = array.ctypes.data
+
+    def restore(self, name: str) -> None:
+        self.bind(name, self.own[name])
+
+
 @dataclass
 class Step:
-    """One kernel ready to run: ``call()`` executes it on the plan's buffers."""
+    """One kernel ready to run: ``call()`` executes it on the arrays bound in the plan's memory."""
 
     kernel: Kernel
     call: Callable[[], None]
@@ -173,25 +210,38 @@ class Step:
         return sum(b.nbytes for b in self.reads) + self.writes.nbytes
 
 
+def bindable(arr: np.ndarray, storage: np.ndarray) -> bool:
+    """Can the kernels read ``arr`` in place of ``storage``: same dtype and shape, C order, aligned?"""
+    return (arr.dtype == storage.dtype and arr.shape == storage.shape and arr.flags.c_contiguous
+            and arr.flags.aligned)
+
+
 class CpuCompiledPlan(CompiledPlan):
     def __init__(
         self,
         plan: Plan,
         steps: list[Step],
-        buffers: dict[str, np.ndarray],
+        memory: Memory,
         inputs: list[str],
         compile_s: float,
-        threads: int | None,
-        controller: Any,
+        backend: CpuBackend,
     ):
         super().__init__(plan, [dict(s.facts, bytes_moved=s.bytes_moved) for s in steps], compile_s)
         self.steps = steps
-        self.buffers = buffers
+        self.memory = memory
+        self.buffers = memory.own
         self.input_names = inputs
-        self.threads = threads
-        self.controller = controller
+        self.threads = backend.threads
+        self.blas_threads = backend.blas_threads
+        self.controller = backend.controller
+        self.uses_torch = any(s.kernel.kind == KernelKind.OPAQUE for s in steps)
+        written = {k.out for k in plan.kernels}
+        self._fresh_outputs = [o for o in dict.fromkeys(plan.outputs) if o in written and plan.tensors[o].dtype == "fp32"]
         self._loaded: dict[str, np.ndarray] = {}  # the array last copied into each input buffer
         self.loads = 0  # inputs copied into buffers so far (tests count them)
+        self.binds = 0  # inputs the kernels read in place, without a copy
+        self._handed_out: dict[str, np.ndarray] = {}  # the fp32 output array each output got last
+        self.reused = 0  # output arrays reused because their caller had dropped them
 
     def _load_inputs(self, inputs: Mapping[str, np.ndarray]) -> None:
         for name in self.input_names:
@@ -199,23 +249,78 @@ class CpuCompiledPlan(CompiledPlan):
                 raise BackendError(f"missing input {name!r}")
             ttype = self.plan.tensors[name]
             arr = np.asarray(inputs[name])
-            if self._loaded.get(name) is arr and not arr.flags.writeable:
-                continue  # the same read-only array as last time (a bound parameter): already in its buffer
             if tuple(arr.shape) != tuple(ttype.shape):
                 raise BackendError(f"input {name!r} has shape {list(arr.shape)}, expected {list(ttype.shape)}")
-            to_storage(arr, ttype.dtype, self.buffers[name])
+            own = self.memory.own[name]
+            if bindable(arr, own):  # already stored as the kernels read it: read in place
+                self.memory.bind(name, arr)
+                self.binds += 1
+                continue
+            self.memory.restore(name)
+            if self._loaded.get(name) is arr and not arr.flags.writeable:
+                continue  # the same read-only array as last time (a bound parameter): already in its buffer
+            to_storage(arr, ttype.dtype, own)
             self.loads += 1
             self._loaded[name] = arr
+
+    def _output_array(self, name: str) -> np.ndarray:
+        """An array for output ``name`` no one else can see: the one handed out last time if the caller has
+        dropped every reference to it (and to every view of it), else a new one.  Reusing it spares
+        the page faults of fresh memory, as torch's caching allocator does."""
+        spare = self._handed_out.get(name)
+        # references: the dict, ``spare`` and getrefcount's argument; a torch tensor or view adds one
+        if spare is not None and sys.getrefcount(spare) <= 3:
+            self.reused += 1
+            return spare
+        arr = np.empty_like(self.memory.own[name])
+        self._handed_out[name] = arr
+        return arr
+
+    def _own_outputs(self) -> None:
+        for name in self._fresh_outputs:
+            self.memory.restore(name)
 
     def _execute(self) -> None:
         for s in self.steps:
             s.call()
 
-    def run(self, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-        self._load_inputs(inputs)
-        with limit_blas_threads(self.threads, self.controller):
+    def execute(self) -> None:
+        """Run the kernels once on the inputs bound by the last ``run`` or ``time``, into the plan's own
+        output buffers: the plan's bare kernel time, without binding inputs or handing outputs out."""
+        self._own_outputs()
+        with self._pools():
             self._execute()
-        return [np.array(from_storage(self.buffers[o], self.plan.tensors[o].dtype)) for o in self.plan.outputs]
+
+    def _pools(self) -> contextlib.ExitStack:
+        """BLAS at its pinned count and torch's pool at the plan's thread count while the plan runs."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(limit_blas_threads(self.blas_threads, self.controller))
+        if self.uses_torch:
+            stack.enter_context(parallel.torch_threads(self.threads))
+        return stack
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """Execute once.  fp32 outputs are fresh arrays the last kernel wrote (never shared with another
+        call); inputs stored as the kernels read them are read in place, never written."""
+        self._load_inputs(inputs)
+        fresh = {}
+        for name in self._fresh_outputs:
+            fresh[name] = self._output_array(name)
+            self.memory.bind(name, fresh[name])
+        try:
+            with self._pools():
+                self._execute()
+        finally:
+            self._own_outputs()  # the memory keeps no reference to what is handed out
+        outs: list[np.ndarray] = []
+        for o in self.plan.outputs:
+            arr = fresh.pop(o, None)  # each fresh array handed out once; a repeated output gets a copy
+            if arr is None:
+                source = next((a for name, a in zip(self.plan.outputs, outs, strict=False) if name == o), None)
+                arr = np.array(from_storage(self.memory.arrays[o] if source is None else source, self.plan.tensors[o].dtype))
+            outs.append(arr)
+        del fresh
+        return outs
 
     def time(
         self,
@@ -226,13 +331,14 @@ class CpuCompiledPlan(CompiledPlan):
         stop_if: Callable[[float], bool] | None = None,
     ) -> Timing:
         self._load_inputs(inputs)
+        self._own_outputs()
 
         def measure_us() -> float:
             t0 = time.perf_counter_ns()
             self._execute()
             return (time.perf_counter_ns() - t0) / 1e3
 
-        with limit_blas_threads(self.threads, self.controller):
+        with self._pools():
             return collect_samples(measure_us, warmup=warmup, repeats=repeats, stop_if=stop_if)
 
 
@@ -246,10 +352,16 @@ class CpuBackend(Backend):
         compiler: Compiler | None = None,
         tile_bytes: int | None = None,
         blas_threads: int | None | str = "env",
+        threads: int | None = None,
+        stream_bytes: int | None = None,
     ) -> None:
-        """``blas_threads``: threads BLAS may use while a plan runs (None: the library's
-        default; "env": ``FUSION_PLANNER_BLAS_THREADS``, else :data:`DEFAULT_BLAS_THREADS`)."""
+        """``threads``: worker threads a plan runs on (None: ``FUSION_PLANNER_THREADS``, else every
+        available core; see :mod:`fusion_planner.backends.cpu.parallel`).  ``blas_threads``: threads
+        BLAS may use inside one GEMM block (None: the library's default; "env":
+        ``FUSION_PLANNER_BLAS_THREADS``, else :data:`DEFAULT_BLAS_THREADS`)."""
         super().__init__(spec)
+        self.threads = parallel.check_threads(threads)
+        self.pool = parallel.WorkerPool(self.threads)
         self.blas_threads: int | None = (
             blas_threads_from_env() if isinstance(blas_threads, str) else blas_threads
         )
@@ -264,6 +376,8 @@ class CpuBackend(Backend):
             tile_bytes = size // 4
             log.info("GEMM tiles up to %d bytes (a quarter of %d, from %s)", tile_bytes, size, origin)
         self.tile_bytes = tile_bytes
+        #: outputs of at least this many bytes are written with streaming stores (elementwise kernels)
+        self.stream_bytes = stream_bytes if stream_bytes is not None else stream_bytes_default()
 
     # -- compile
     def compile(self, plan: Plan) -> CpuCompiledPlan:
@@ -279,15 +393,21 @@ class CpuBackend(Backend):
             if ttype is None:
                 raise BackendError(f"plan has no type for tensor {name!r}")
             buffers[name] = np.zeros(ttype.shape, dtype=storage_dtype(ttype.dtype))
+        memory = Memory(buffers)
         steps = []
         for i, k in enumerate(plan.kernels):
             try:
-                steps.append(self._step(k, plan.tensors, buffers))
+                steps.append(self._step(k, plan.tensors, memory))
             except (CodegenError, BackendError) as exc:
                 raise BackendError(f"kernel {i} ({k.describe()}): {exc}") from exc
-        return CpuCompiledPlan(plan, steps, buffers, inputs, time.perf_counter() - t0, self.blas_threads, self.controller)
+        return CpuCompiledPlan(plan, steps, memory, inputs, time.perf_counter() - t0, self)
 
-    def _step(self, k: Kernel, tensors: Mapping[str, TensorType], buffers: dict[str, np.ndarray]) -> Step:
+    @property
+    def identity(self) -> str:
+        """What the plan cache keys on besides the device: a choice timed on 1 thread may not be best on 8."""
+        return f"cpu threads={self.threads}"
+
+    def _step(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory) -> Step:
         # generated loops trust these shapes: a mismatch would write out of bounds
         out_t = tensors[k.out]
         if tuple(out_t.shape) != tuple(k.body.type.shape) or out_t.dtype != k.body.type.dtype:
@@ -296,63 +416,93 @@ class CpuBackend(Backend):
                 f"is {list(out_t.shape)} {out_t.dtype}"
             )
         if k.kind == KernelKind.ELEMENTWISE:
-            return self._elementwise(k, tensors, buffers)
+            return self._elementwise(k, tensors, memory)
         if k.kind in (KernelKind.GEMM_EPILOGUE, KernelKind.CUBLASLT):
-            return self._gemm(k, tensors, buffers)
+            return self._gemm(k, tensors, memory)
         if k.kind == KernelKind.OPAQUE:
-            return self._opaque(k, tensors, buffers)
+            return self._opaque(k, tensors, memory)
         raise BackendError(f"unknown kernel kind {k.kind!r}")
 
     def _types(self, tensors: Mapping[str, TensorType]) -> dict[str, tuple[tuple[int, ...], str]]:
         return {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
 
-    def _bind(self, ck: CKernel, buffers: dict[str, np.ndarray], tile: np.ndarray | None = None) -> tuple[Callable[..., None], list[int], list[np.ndarray]]:
+    def _bind(self, ck: CKernel, buffers: Mapping[str, np.ndarray]) -> tuple[Callable[..., None], list[str | None], list[np.ndarray]]:
+        """The compiled function, the tensor of each pointer parameter (None: the GEMM tile), the buffers read."""
         fn = self.compiler.function(ck.source, len(ck.params) + 1)
-        ptrs, reads = [], []
+        names, reads = [], []
         for p in ck.params:
             if p.tensor is not None and p.tensor not in buffers:
                 raise BackendError(f"kernel loads {p.tensor!r}, which is neither an input nor written by a kernel")
-            buf = tile if p.tensor is None else buffers[p.tensor]
-            assert buf is not None
-            ptrs.append(buf.ctypes.data)
+            names.append(p.tensor)
             if p.tensor is not None:
-                reads.append(buf)
-        return fn, ptrs, reads
+                reads.append(buffers[p.tensor])
+        return fn, names, reads
 
-    def _elementwise(self, k: Kernel, tensors: Mapping[str, TensorType], buffers: dict[str, np.ndarray]) -> Step:
-        ck = generate(k.body, self._types(tensors))
-        fn, ptrs, reads = self._bind(ck, buffers)
-        out = buffers[k.out]
-        args = (*ptrs, out.ctypes.data, 0, ck.rows, ck.cols)
+    def _elementwise(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory) -> Step:
+        out_bytes = memory.own[k.out].nbytes
+        ck = generate(k.body, self._types(tensors), stream=out_bytes >= self.stream_bytes)
+        fn, params, reads = self._bind(ck, memory.own)
+        names = [n for n in params if n is not None]
+        out_name, addr, pool, rows, cols = k.out, memory.addr, self.pool, ck.rows, ck.cols
+        flat = all(p.index == "full" for p in ck.params)
+        parts = parallel.loop_parts(self.threads, rows * cols)
+        threads = 1
+        if parts == 1:
+            if flat:  # one row of every element: the form a streaming kernel streams
+                rows, cols = 1, rows * cols
 
-        def call() -> None:
-            fn(*args)
+            def call() -> None:
+                fn(*[addr[n] for n in names], addr[out_name], 0, rows, cols)
+        elif flat:  # every operand in the output's layout: any shape splits
+            sizes = [storage_dtype(p.dtype).itemsize for p in ck.params]
+            out_size = memory.own[k.out].itemsize
+            ranges = parallel.split(rows * cols, parts, parallel.CHUNK_ALIGN)
+            threads = len(ranges)
 
-        return Step(k, call, reads, out, {"impl": "c-loop", "source_sha256": ck.digest[:16]})
+            def call() -> None:
+                ptrs = [addr[n] for n in names]
+                out = addr[out_name]
+                pool.run([functools.partial(fn, *(p + e0 * z for p, z in zip(ptrs, sizes, strict=True)),
+                                            out + e0 * out_size, 0, 1, e1 - e0) for e0, e1 in ranges])
+        else:  # a row vector read by column: split the rows
+            row_ranges = parallel.split(rows, parts)
+            threads = len(row_ranges)
 
-    def _widen(self, buf: np.ndarray, dtype: str, max_rows: int) -> tuple[Callable[[int, int], np.ndarray], int]:
+            def call() -> None:
+                ptrs = [addr[n] for n in names]
+                out = addr[out_name]
+                pool.run([functools.partial(fn, *ptrs, out, r0, r1, cols) for r0, r1 in row_ranges])
+
+        return Step(k, call, reads, memory.own[k.out], {"impl": "c-loop", "threads": threads,
+                                                        "streaming_stores": "fp_stream" in ck.source,
+                                                        "source_sha256": ck.digest[:16]})
+
+    def _widen(self, memory: Memory, name: str, dtype: str, max_rows: int) -> tuple[Callable[[int, int], np.ndarray], int]:
         """``widen(r0, r1)``: fp32 values of rows r0..r1 of a GEMM operand, and the scratch bytes used.
 
-        fp32 operands are views of their buffer; 16-bit ones are converted into a
-        scratch of ``max_rows`` rows by a generated kernel (numpy's fp16
-        conversion is about 10x slower), the analogue of BLAS packing.
+        fp32 operands are views of their array; 16-bit ones are converted into a scratch of
+        ``max_rows`` rows by a generated kernel (numpy's fp16 conversion is about 10x slower),
+        the analogue of BLAS packing.
         """
+        buf = memory.own[name]
+        arrays, addr = memory.arrays, memory.addr
         if buf.dtype == np.float32:
-            return (lambda r0, r1: buf[r0:r1]), 0
+            return (lambda r0, r1: arrays[name][r0:r1]), 0
         cols = buf.shape[-1]
         wide = np.empty((max_rows, cols), np.float32)
         fn = self.compiler.function(widen_source(dtype), 2)
-        src, dst, row_bytes = buf.ctypes.data, wide.ctypes.data, cols * buf.itemsize
+        dst, row_bytes = wide.ctypes.data, cols * buf.itemsize
 
         def widen(r0: int, r1: int) -> np.ndarray:
-            fn(src + r0 * row_bytes, dst, 0, r1 - r0, cols)
+            fn(addr[name] + r0 * row_bytes, dst, 0, r1 - r0, cols)
             return wide[: r1 - r0]
 
         return widen, wide.nbytes
 
-    def _gemm(self, k: Kernel, tensors: Mapping[str, TensorType], buffers: dict[str, np.ndarray]) -> Step:
+    def _gemm(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory) -> Step:
         mm = find_matmul(k.body)
         a_name, b_name = (a.tensor for a in mm.args)  # type: ignore[union-attr]
+        buffers = memory.own
         for name in (a_name, b_name):
             if name not in buffers:
                 raise BackendError(f"GEMM reads {name!r}, which is neither an input nor written by a kernel")
@@ -361,43 +511,84 @@ class CpuBackend(Backend):
         kdim = a_buf.shape[-1]
         if a_buf.shape != (rows, kdim) or b_buf.shape != (kdim, cols):
             raise BackendError(f"GEMM operands {list(a_buf.shape)} @ {list(b_buf.shape)} do not give {[rows, cols]}")
-        tile_rows = gemm_tile_rows(rows, cols, kdim, self.tile_bytes)
-        tile = np.empty((tile_rows, cols), dtype=np.float32)
-        widen_a, a_scratch = self._widen(a_buf, tensors[a_name].dtype, tile_rows)
-        widen_b, b_scratch = self._widen(b_buf, tensors[b_name].dtype, b_buf.shape[0])
+        blocks = parallel.split(rows, parallel.gemm_parts(self.threads, rows))
+        # the workers share the last-level cache: each block's tiles get its share of the tile budget
+        tile_rows = min(gemm_tile_rows(rows, cols, kdim, self.tile_bytes // len(blocks)), blocks[0][1] - blocks[0][0])
+        widen_b, b_scratch = self._widen(memory, b_name, tensors[b_name].dtype, b_buf.shape[0])
         ck = generate(k.body, self._types(tensors), tile=mm)
-        fn, ptrs, reads = self._bind(ck, buffers, tile)
-        out = buffers[k.out]
-        out_ptr = out.ctypes.data
-        bounds = [(r, min(rows, r + tile_rows)) for r in range(0, rows, tile_rows)]
         b_rows = b_buf.shape[0]
+        scratch = b_scratch
+        blockwork: list[tuple[Callable[..., None], list[str | None], np.ndarray, Callable[[int, int], np.ndarray],
+                              list[tuple[int, int]]]] = []
+        reads: list[np.ndarray] = []
+        for r_start, r_end in blocks:
+            tile = np.empty((tile_rows, cols), dtype=np.float32)
+            widen_a, a_scratch = self._widen(memory, a_name, tensors[a_name].dtype, tile_rows)
+            fn, params, reads = self._bind(ck, buffers)
+            scratch += tile.nbytes + a_scratch
+            bounds = [(r, min(r_end, r + tile_rows)) for r in range(r_start, r_end, tile_rows)]
+            blockwork.append((fn, params, tile, widen_a, bounds))
+        pool, addr, out_name = self.pool, memory.addr, k.out
 
         def call() -> None:
-            b32 = widen_b(0, b_rows)
-            for r0, r1 in bounds:
-                np.matmul(widen_a(r0, r1), b32, out=tile[: r1 - r0])
-                fn(*ptrs, out_ptr, r0, r1, cols)
+            b32 = widen_b(0, b_rows)  # B in fp32, widened once and shared by the blocks
+            out = addr[out_name]
+            pool.run([functools.partial(_gemm_block, fn, [tile.ctypes.data if n is None else addr[n] for n in params],
+                                        out, cols, tile, widen_a, b32, bounds)
+                      for fn, params, tile, widen_a, bounds in blockwork])
 
         facts = {
             "impl": "blas+c-epilogue",
             "tile_rows": tile_rows,
-            "tiles": len(bounds),
-            "scratch_bytes": tile.nbytes + a_scratch + b_scratch,
+            "tiles": sum(-(-(end - start) // tile_rows) for start, end in blocks),
+            "threads": len(blocks),
+            "scratch_bytes": scratch,
             "blas_threads": self.blas_threads or "default",
             "source_sha256": ck.digest[:16],
         }
-        return Step(k, call, [a_buf, b_buf] + [b for b in reads if b is not a_buf and b is not b_buf], out, facts)
+        return Step(k, call, [a_buf, b_buf] + [b for b in reads if b is not a_buf and b is not b_buf],
+                    buffers[k.out], facts)
 
-    def _opaque(self, k: Kernel, tensors: Mapping[str, TensorType], buffers: dict[str, np.ndarray]) -> Step:
+    def _opaque(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory) -> Step:
         names = list(dict.fromkeys(k.reads))
-        out = buffers[k.out]
-        dtype = k.body.type.dtype
+        own, arrays = memory.own, memory.arrays
+        out_name, dtype = k.out, k.body.type.dtype
+        reads = [own[n] for n in names]
+        direct = _direct_opaque(k, tensors)
+        if direct is not None:  # fp32 in and out: the implementation reads the bound arrays and writes out
+            write, order = direct
 
-        def call() -> None:
-            mem = {n: from_storage(buffers[n], tensors[n].dtype) for n in names}
+            def call() -> None:
+                write([arrays[n] for n in order], arrays[out_name])
+
+            return Step(k, call, reads, own[k.out], {"impl": "opaque-in-place"})
+
+        def call_converted() -> None:
+            mem = {n: from_storage(arrays[n], tensors[n].dtype) for n in names}
             value = eval_expr(k.body, mem, np.float32, {})
+            out = arrays[out_name]
             if value.shape != out.shape:
                 raise BackendError(f"{k.describe()} computed shape {list(value.shape)}, expected {list(out.shape)}")
             to_storage(value, dtype, out)
 
-        return Step(k, call, [buffers[n] for n in names], out, {"impl": "numpy-reference"})
+        return Step(k, call_converted, reads, own[k.out], {"impl": "numpy-reference"})
+
+
+def _direct_opaque(k: Kernel, tensors: Mapping[str, TensorType]) -> tuple[Callable[..., None], list[str]] | None:
+    """(writer, loaded tensors in argument order) for a kernel that is one Opaque node over loads with every
+    tensor in fp32, whose implementation can write into a buffer; else None (the converting route)."""
+    body = k.body
+    if body.op != "Opaque" or not all(isinstance(a, Load) for a in body.args):
+        return None
+    order = [a.tensor for a in body.args]  # type: ignore[union-attr]
+    if body.type.dtype != "fp32" or any(tensors[n].dtype != "fp32" for n in order):
+        return None
+    return opaque_writer(body.attr_dict), order
+
+
+def _gemm_block(fn: Callable[..., None], ptrs: list[int], out_ptr: int, cols: int, tile: np.ndarray,
+                widen_a: Callable[[int, int], np.ndarray], b32: np.ndarray, bounds: list[tuple[int, int]]) -> None:
+    """One worker's rows of a GEMM: BLAS computes each tile of rows, the generated epilogue stores it."""
+    for r0, r1 in bounds:
+        np.matmul(widen_a(r0, r1), b32, out=tile[: r1 - r0])
+        fn(*ptrs, out_ptr, r0, r1, cols)

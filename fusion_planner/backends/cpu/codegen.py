@@ -151,10 +151,13 @@ def generate(
     body: Expr,
     tensor_types: dict[str, tuple[tuple[int, ...], str]],
     tile: Expr | None = None,
+    stream: bool = False,
 ) -> CKernel:
     """C source of one kernel body; ``tile`` (a node of the body) reads the fp32 GEMM tile.
 
-    ``tensor_types`` maps each loaded tensor to (shape, dtype).
+    ``tensor_types`` maps each loaded tensor to (shape, dtype).  ``stream``: a flat call (one row)
+    of a kernel whose operands all have the output's layout and whose output is fp32 stores with
+    non-temporal (streaming) stores where the compiler targets AVX (see :data:`STREAM_SOURCE`).
     """
     out_shape = tuple(body.type.shape)
     rows, cols = rows_cols(out_shape)
@@ -193,7 +196,12 @@ def generate(
         stmts.append(f"const float {name} = {snippet(e, args)};")
         result = name
     out_dtype = body.type.dtype
-    source = _loop_function([_ctype(p) for p in params], _STORAGE[out_dtype][0], stmts, _STORAGE[out_dtype][2].format(result))
+    in_ctypes = [_ctype(p) for p in params]
+    store = _STORAGE[out_dtype][2].format(result)
+    if stream and out_dtype == "fp32" and all(p.index == "full" for p in params):
+        source = _streaming_function(in_ctypes, stmts, store)
+    else:
+        source = _loop_function(in_ctypes, _STORAGE[out_dtype][0], stmts, store)
     return CKernel(source, tuple(params), out_dtype, rows, cols)
 
 
@@ -210,6 +218,56 @@ def _loop_function(in_ctypes: list[str], out_ctype: str, stmts: list[str], store
         + f"            out[r * cols + c] = {store};\n"
         + "        }\n    }\n}\n"
     )
+
+
+#: floats per block of a streaming kernel: computed into an L1-resident buffer, then streamed out
+STREAM_BLOCK = 1024
+
+#: A flat call's loop in blocks: the vectorised loop writes each block into an aligned buffer that
+#: stays in L1, and non-temporal stores move it to memory without first reading the destination's
+#: lines (a plain store reads each line before writing it: 3 bytes of traffic for 2 of copy).
+#: gcc does not emit streaming stores by itself.  Other calls, and other targets, run the loop as is.
+STREAM_SOURCE = r"""
+#if defined(__AVX__)
+#include <immintrin.h>
+static void fp_stream({params}, float* restrict out, int64_t n) {{
+    int64_t head = (int64_t)(((32u - ((uintptr_t)out & 31u)) & 31u) / 4u);
+    head = head < n ? head : n;
+    fp_block({args0}, out, head);
+    float tmp[FP_STREAM_BLOCK] __attribute__((aligned(32)));
+    int64_t i = head;
+    for (; i + FP_STREAM_BLOCK <= n; i += FP_STREAM_BLOCK) {{
+        fp_block({argsi}, tmp, FP_STREAM_BLOCK);
+        for (int64_t j = 0; j < FP_STREAM_BLOCK; j += 8) _mm256_stream_ps(out + i + j, _mm256_load_ps(tmp + j));
+    }}
+    fp_block({argsi}, out + i, n - i);
+    _mm_sfence();
+}}
+#endif
+"""
+
+
+def _streaming_function(in_ctypes: list[str], stmts: list[str], store: str) -> str:
+    sig = [f"const {t}* restrict t{i}" for i, t in enumerate(in_ctypes)]
+    inner = "\n".join(f"        {s}" for s in stmts)
+    block = (f"\nstatic inline void fp_block({', '.join(sig + ['float* restrict out', 'int64_t cols'])}) {{\n"
+             "    const int64_t r = 0;\n"
+             "    for (int64_t c = 0; c < cols; ++c) {\n"
+             f"{inner}\n"
+             f"        out[r * cols + c] = {store};\n"
+             "    }\n}\n")
+    names = [f"t{i}" for i in range(len(in_ctypes))]
+    stream = STREAM_SOURCE.format(params=", ".join(sig), args0=", ".join(names),
+                                  argsi=", ".join(f"{n} + i" for n in names))
+    main = _loop_function(in_ctypes, "float", stmts, store)
+    head, _, loops = main.partition(f"void {SYMBOL}(")
+    signature, _, rest = loops.partition("{\n")
+    dispatch = ("#if defined(__AVX__)\n"
+                "    if (r1 - r0 == 1) {\n"
+                f"        fp_stream({', '.join(f'{n} + r0 * cols' for n in names)}, out + r0 * cols, cols);\n"
+                "        return;\n    }\n#endif\n")
+    return (head + f"#define FP_STREAM_BLOCK {STREAM_BLOCK}\n" + block + stream
+            + f"\nvoid {SYMBOL}(" + signature + "{\n" + dispatch + rest)
 
 
 def widen_source(dtype: str) -> str:

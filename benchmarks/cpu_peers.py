@@ -1,0 +1,576 @@
+"""fusion-planner's CPU backend against numpy, torch eager, torch.compile (inductor) and jax.jit.
+
+Usage: python benchmarks/cpu_peers.py [--out docs/results/cpu_peers.md] [--rounds 11]
+                                      [--workloads ew2,ew4,...] [--modes 1,all] [--no-first-call]
+
+Needs ``jax`` in the benchmark's environment (``pip install "jax[cpu]"``; the tests do not).
+
+* **Steady state**, one child process per thread mode (``1``: one thread, pinned to one core;
+  ``all``: every core of the affinity mask), every library limited to that many threads through
+  its own settings before it starts: all contenders of a workload are built, checked against
+  eager torch, warmed, then timed in interleaved rounds (each round times every contender
+  three times, in turn), so they see the same machine load; a figure is the median over all
+  rounds' samples.  fusion-planner is timed twice: the bare kernels (the compiled plan on
+  inputs already in its buffers) and the end-to-end call (torch tensors in, torch tensors out).
+* **Bandwidth**: memcpy and triad on the same thread count, on arrays of at least 4x the
+  last-level cache, and each memory-bound fused kernel (the ew-chain ones) on that array size:
+  its byte ledger over its time, as a fraction of memcpy.
+* **First call** (``all`` cores): for each contender a fresh process builds it and calls it
+  once, cold (empty kernel, plan, inductor and jax caches) and warm (a second fresh process,
+  caches kept); with its peak RSS growth over the process before the contender was built.
+
+Every library runs with ``OMP_WAIT_POLICY=PASSIVE`` (what the CLI sets; docs/backends.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOADS = ("ew2", "ew4", "ew8", "mlp1024", "mlp64", "gpt2mlp", "block")
+CONTENDERS = ("numpy", "torch", "torch.compile", "jax.jit", "fp.bare", "fp.call")
+PEERS = ("numpy", "torch", "torch.compile", "jax.jit")
+EW_N = 4_000_000
+
+
+def child_env(mode: str, caches: Path | None = None) -> dict[str, str]:
+    """The environment of a child: every pool at the mode's thread count, caches where asked."""
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(ROOT))
+    if mode == "1":
+        env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1", FUSION_PLANNER_THREADS="1",
+                   XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+    else:
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "FUSION_PLANNER_THREADS", "XLA_FLAGS"):
+            env.pop(var, None)
+    if caches is not None:
+        env.update(XDG_CACHE_HOME=str(caches / "xdg"), TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"),
+                   FP_BENCH_JAX_CACHE=str(caches / "jax"))
+        env.pop("FUSION_PLANNER_PLAN_CACHE", None)
+    return env
+
+
+# ---------------------------------------------------------------- workloads (imported in children only)
+
+
+@dataclass
+class Workload:
+    name: str
+    module: Any  # torch.nn.Module
+    inputs: tuple[Any, ...]  # torch tensors
+    numpy_fn: Callable[..., Any]
+    jax_fn: Callable[..., Any]  # jax_fn(params, *inputs)
+    params: dict[str, Any] = field(default_factory=dict)  # numpy arrays, as the numpy and jax functions read them
+    memory_bound: bool = False
+
+
+def build_workload(name: str) -> Workload:
+    import numpy as np
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    if name.startswith("ew"):
+        k = int(name[2:])
+        stages = [(1 + 0.01 * (s + 1), 0.001 * (s + 1)) for s in range(k)]
+
+        class Chain(nn.Module):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                for s, (a, b) in enumerate(stages):
+                    x = a * x + b
+                    if s % 2 == 0:
+                        x = torch.relu(x)
+                return x
+
+        def chain_np(x: Any) -> Any:
+            y = np.multiply(x, stages[0][0])
+            for s, (a, b) in enumerate(stages):
+                if s:
+                    np.multiply(y, a, out=y)
+                np.add(y, b, out=y)
+                if s % 2 == 0:
+                    np.maximum(y, 0, out=y)
+            return y
+
+        def chain_jax(params: Any, x: Any) -> Any:
+            import jax.numpy as jnp
+
+            for s, (a, b) in enumerate(stages):
+                x = a * x + b
+                if s % 2 == 0:
+                    x = jnp.maximum(x, 0)
+            return x
+
+        return Workload(name, Chain().eval(), (torch.randn(EW_N),), chain_np, chain_jax, memory_bound=True)
+    if name.startswith("mlp"):
+        m, n, kk = (1024, 1024, 1024) if name == "mlp1024" else (64, 2048, 2048)
+
+        class Epilogue(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.w = nn.Parameter(torch.randn(kk, n) / math.sqrt(kk))
+                self.b = nn.Parameter(torch.randn(n))
+
+            def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+                return torch.nn.functional.gelu(x @ self.w + self.b, approximate="tanh") + r
+
+        mod = Epilogue().eval()
+        params = {"w": mod.w.detach().numpy(), "b": mod.b.detach().numpy()}
+
+        def epi_np(x: Any, r: Any) -> Any:
+            y = x @ params["w"]
+            y += params["b"]
+            return _gelu_np(y) + r
+
+        def epi_jax(p: Any, x: Any, r: Any) -> Any:
+            import jax
+
+            return jax.nn.gelu(x @ p["w"] + p["b"], approximate=True) + r
+
+        return Workload(name, mod, (torch.randn(m, kk), torch.randn(m, n)), epi_np, epi_jax, params)
+    if name == "gpt2mlp":
+        class GPT2MLP(nn.Module):
+            def __init__(self, d: int = 768) -> None:
+                super().__init__()
+                self.c_fc = nn.Linear(d, 4 * d)
+                self.c_proj = nn.Linear(4 * d, d)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.c_proj(torch.nn.functional.gelu(self.c_fc(x), approximate="tanh"))
+
+        mod = GPT2MLP().eval()
+        params = {k: v.detach().numpy().T.copy() if v.ndim == 2 else v.detach().numpy()
+                  for k, v in mod.state_dict().items()}
+
+        def mlp_np(x: Any) -> Any:
+            h = x @ params["c_fc.weight"]
+            h += params["c_fc.bias"]
+            return _gelu_np(h) @ params["c_proj.weight"] + params["c_proj.bias"]
+
+        def mlp_jax(p: Any, x: Any) -> Any:
+            import jax
+
+            return jax.nn.gelu(x @ p["c_fc.weight"] + p["c_fc.bias"], approximate=True) @ p["c_proj.weight"] + p["c_proj.bias"]
+
+        return Workload(name, mod, (torch.randn(1, 128, 768),), mlp_np, mlp_jax, params)
+    if name == "block":
+        sys.path.insert(0, str(ROOT / "examples"))
+        import transformer_block
+
+        d, heads, seq = 768, 12, 128
+        mod, inputs = transformer_block.build(batch=1, seq=seq, d_model=d, heads=heads)
+        params = {k: v.detach().numpy().T.copy() if v.ndim == 2 else v.detach().numpy()
+                  for k, v in mod.state_dict().items()}
+        return Workload(name, mod, inputs, lambda x: _block_np(params, x, heads), lambda p, x: _block_jax(p, x, heads), params)
+    raise SystemExit(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+
+
+def _gelu_np(y: Any) -> Any:
+    import numpy as np
+
+    return 0.5 * y * (1.0 + np.tanh(np.float32(math.sqrt(2 / math.pi)) * (y + np.float32(0.044715) * y * y * y)))
+
+
+def _block_np(p: dict[str, Any], x: Any, heads: int) -> Any:
+    import numpy as np
+
+    def ln(v: Any, w: Any, b: Any) -> Any:
+        mu = v.mean(-1, keepdims=True)
+        var = ((v - mu) ** 2).mean(-1, keepdims=True)
+        return (v - mu) / np.sqrt(var + np.float32(1e-5)) * w + b
+
+    b_, s, d = x.shape
+    h = ln(x, p["ln1.weight"], p["ln1.bias"]) @ p["qkv.weight"] + p["qkv.bias"]
+    q, k, v = (h[..., i * d:(i + 1) * d].reshape(b_, s, heads, d // heads).transpose(0, 2, 1, 3) for i in range(3))
+    att = q @ k.transpose(0, 1, 3, 2) / np.float32(math.sqrt(d // heads))
+    att = np.where(np.tril(np.ones((s, s), bool)), att, np.float32(-np.inf))
+    att = np.exp(att - att.max(-1, keepdims=True))
+    att /= att.sum(-1, keepdims=True)
+    a = (att @ v).transpose(0, 2, 1, 3).reshape(b_, s, d)
+    x = x + a @ p["proj.weight"] + p["proj.bias"]
+    f = _gelu_np(ln(x, p["ln2.weight"], p["ln2.bias"]) @ p["fc1.weight"] + p["fc1.bias"])
+    return x + f @ p["fc2.weight"] + p["fc2.bias"]
+
+
+def _block_jax(p: dict[str, Any], x: Any, heads: int) -> Any:
+    import jax
+
+    def ln(v: Any, w: Any, b: Any) -> Any:
+        mu = v.mean(-1, keepdims=True)
+        var = ((v - mu) ** 2).mean(-1, keepdims=True)
+        return (v - mu) * jax.lax.rsqrt(var + 1e-5) * w + b
+
+    b_, s, d = x.shape
+    h = ln(x, p["ln1.weight"], p["ln1.bias"]) @ p["qkv.weight"] + p["qkv.bias"]
+    q, k, v = (h[..., i * d:(i + 1) * d].reshape(b_, s, heads, d // heads) for i in range(3))
+    a = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b_, s, d)
+    x = x + a @ p["proj.weight"] + p["proj.bias"]
+    f = jax.nn.gelu(ln(x, p["ln2.weight"], p["ln2.bias"]) @ p["fc1.weight"] + p["fc1.bias"], approximate=True)
+    return x + f @ p["fc2.weight"] + p["fc2.bias"]
+
+
+# ---------------------------------------------------------------- contenders
+
+
+def make_contender(w: Workload, name: str) -> tuple[Callable[[], Any], Any]:
+    """(call, the planned result for fusion-planner): ``call()`` runs the contender once on the workload's
+    inputs, in its native form, and returns a value that is ready (jax's is blocked on)."""
+    import numpy as np
+    import torch
+
+    if name == "numpy":
+        xs = [t.numpy() for t in w.inputs]
+        return (lambda: w.numpy_fn(*xs)), None
+    if name == "torch":
+        def eager() -> Any:
+            with torch.no_grad():
+                return w.module(*w.inputs)
+        return eager, None
+    if name == "torch.compile":
+        compiled = torch.compile(w.module)
+
+        def inductor() -> Any:
+            with torch.no_grad():
+                return compiled(*w.inputs)
+        return inductor, None
+    if name == "jax.jit":
+        import jax
+
+        if os.environ.get("FP_BENCH_JAX_CACHE"):
+            jax.config.update("jax_compilation_cache_dir", os.environ["FP_BENCH_JAX_CACHE"])
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+            jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        fn = jax.jit(w.jax_fn)
+        params = {k: jax.device_put(v) for k, v in w.params.items()}
+        xs = [jax.device_put(np.asarray(t.numpy())) for t in w.inputs]
+        return (lambda: fn(params, *xs).block_until_ready()), None
+    if name in ("fp.call", "fp.bare"):
+        import fusion_planner
+
+        result = fusion_planner.plan(w.module, w.inputs, backend="cpu")
+        if name == "fp.call":
+            return (lambda: result(*w.inputs)), result
+        result(*w.inputs)  # loads the inputs into the plan's buffers
+        return result.compiled.execute, result
+    raise SystemExit(f"unknown contender {name!r}")
+
+
+def as_numpy(value: Any) -> Any:
+    import numpy as np
+
+    if hasattr(value, "detach"):
+        return value.detach().numpy()
+    return np.asarray(value)
+
+
+def _time_us(fn: Callable[[], Any], repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter_ns()
+        fn()
+        out.append((time.perf_counter_ns() - t0) / 1e3)
+    return out
+
+
+def steady(workload: str, rounds: int) -> dict[str, Any]:
+    """Every contender of one workload, checked against eager torch, then timed in interleaved rounds."""
+    import numpy as np
+
+    w = build_workload(workload)
+    calls, plans = {}, {}
+    for c in CONTENDERS:
+        calls[c], plans[c] = make_contender(w, c)
+    want = as_numpy(calls["torch"]())
+    errors = {}
+    for c, fn in calls.items():
+        got = as_numpy(fn()) if c != "fp.bare" else None
+        if got is not None:
+            err = float(np.max(np.abs(got.reshape(want.shape) - want)) / max(1.0, float(np.max(np.abs(want)))))
+            errors[c] = err
+            if err > 1e-3:
+                raise SystemExit(f"{workload}: {c} differs from eager torch (scaled max error {err:.3g})")
+        for _ in range(2):
+            fn()
+    samples: dict[str, list[float]] = {c: [] for c in calls}
+    for _ in range(rounds):
+        for c, fn in calls.items():
+            samples[c] += _time_us(fn, 3)
+    result = plans["fp.call"]
+    med = {c: statistics.median(v) for c, v in samples.items()}
+    out: dict[str, Any] = {"workload": workload, "median_us": med, "errors": errors,
+                           "plan": result.plan.notation(), "kernels": len(result.plan.kernels),
+                           "composition": result.plan.composition()}
+    if w.memory_bound:
+        out["bandwidth"] = kernel_bandwidth(result)
+    return out
+
+
+def kernel_bandwidth(result: Any) -> list[dict[str, Any]]:
+    """Each fused (multi-op) kernel of an ew-chain plan, rebuilt alone at the bandwidth array size and
+    timed interleaved with memcpy: byte ledger / time as a fraction of memcpy's bandwidth."""
+    import numpy as np
+
+    from fusion_planner.core import examples
+
+    n = bandwidth_elements()
+    k = len([o for o in result.graph.ops if o.op == "Affine"])
+    big = examples.ew_chain(k, n)
+    small_plan = result.plan
+    from fusion_planner.backends.cpu.backend import CpuBackend
+    from fusion_planner.backends.reference import random_inputs
+    from fusion_planner.core.cost import load_device
+    from fusion_planner.egraph.candidates import build_candidates
+
+    spec = load_device("seed-k4")
+    cands = build_candidates(big, spec)
+    plan = next((p for p in cands.plans if p.composition() == small_plan.composition()), None)
+    if plan is None:
+        return []
+    backend = CpuBackend(spec)
+    compiled = backend.compile(plan)
+    compiled.run(random_inputs(big, seed=0))
+    src = np.random.default_rng(1).standard_normal(n).astype(np.float32)
+    dst = np.empty_like(src)
+    rows = []
+    for i, (step, facts) in enumerate(zip(compiled.steps, compiled.kernel_facts, strict=True)):
+        if len(step.kernel.ops) < 2:
+            continue
+        ks, cs = [], []
+        for _ in range(7):
+            ks += _time_us(step.call, 3)
+            cs += _time_us(lambda: np.copyto(dst, src), 3)
+        kern_gbps = facts["bytes_moved"] / (statistics.median(ks) * 1e3)
+        copy_gbps = 2 * src.nbytes / (statistics.median(cs) * 1e3)
+        rows.append({"kernel": i, "ops": step.kernel.describe(), "gbps": kern_gbps, "memcpy_gbps": copy_gbps,
+                     "fraction": kern_gbps / copy_gbps})
+    return rows
+
+
+def bandwidth_elements() -> int:
+    from fusion_planner.backends.cpu.backend import cache_bytes
+
+    return max(EW_N, 4 * cache_bytes()[0] // 4)
+
+
+def stream(rounds: int) -> dict[str, float]:
+    """memcpy and triad bandwidth (GB/s) on arrays of at least 4x the last-level cache, on this process's
+    thread count (numpy is single-threaded: with more cores, the arrays are split across threads)."""
+    import numpy as np
+
+    from fusion_planner.backends.cpu.parallel import WorkerPool, split, threads_from_env
+
+    n = bandwidth_elements()
+    a = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    b, c = a[::-1].copy(), np.empty_like(a)
+    pool = WorkerPool(threads_from_env())
+    parts = split(n, pool.threads, 16)
+
+    def copy() -> None:
+        pool.run([lambda s=s, e=e: np.copyto(c[s:e], a[s:e]) for s, e in parts])
+
+    def triad() -> None:
+        pool.run([lambda s=s, e=e: np.add(a[s:e], b[s:e], out=c[s:e]) for s, e in parts])
+
+    cs, ts = [], []
+    for _ in range(rounds):
+        cs += _time_us(copy, 3)
+        ts += _time_us(triad, 3)
+    return {"memcpy_gbps": 2 * a.nbytes / (statistics.median(cs) * 1e3),
+            "triad_gbps": 3 * a.nbytes / (statistics.median(ts) * 1e3), "array_mb": a.nbytes / 1e6}
+
+
+def first_call(workload: str, contender: str) -> dict[str, Any]:
+    """In a fresh process: build the contender and call it once; wall time and peak RSS growth."""
+    w = build_workload(workload)
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    fn, _ = make_contender(w, contender)
+    fn()
+    wall = time.perf_counter() - t0
+    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"first_call_s": wall, "peak_rss_growth_mb": (rss1 - rss0) / 1024}
+
+
+# ---------------------------------------------------------------- the parent
+
+
+def run_child(args: list[str], env: dict[str, str], cores: set[int] | None) -> dict[str, Any]:
+    def pin() -> None:
+        if cores is not None:
+            os.sched_setaffinity(0, cores)
+
+    r = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True, preexec_fn=pin,
+                       check=False)
+    if r.returncode != 0:
+        raise SystemExit(f"child {' '.join(args)} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def ratio(peer_us: float, ours_us: float) -> str:
+    return f"{peer_us / ours_us:.2f}"
+
+
+def report(steady_rows: dict[str, list[dict[str, Any]]], streams: dict[str, dict[str, float]],
+           firsts: dict[str, dict[str, dict[str, Any]]], command: str) -> str:
+    from fusion_planner.core.machine import cpu_model
+
+    lines = [
+        "# fusion-planner's CPU backend against numpy, torch eager, torch.compile and jax.jit",
+        "",
+        f"Command: `{command}`  ",
+        f"Machine: {cpu_model()} ({platform.machine()}, {os.cpu_count()} CPUs), Python {platform.python_version()}  ",
+        f"Date: {datetime.date.today().isoformat()}  ",
+        f"Versions: {versions()}",
+        "",
+        "Method: benchmarks/cpu_peers.py's docstring. Times are medians in µs; a ratio is the best peer's time "
+        "over ours (> 1: fusion-planner is faster). *bare*: the plan's kernels on inputs already in its buffers; "
+        "*call*: `result(x)`, torch tensors in and out. Best peer: the fastest of numpy, torch eager, "
+        "torch.compile (inductor) and jax.jit in that run.",
+        "",
+    ]
+    for mode, rows in steady_rows.items():
+        s = streams[mode]
+        lines += [f"## {'one thread, pinned' if mode == '1' else 'all cores'}", "",
+                  f"memcpy {s['memcpy_gbps']:.1f} GB/s, triad {s['triad_gbps']:.1f} GB/s on {s['array_mb']:.0f} MB arrays.",
+                  "",
+                  "| workload | numpy | torch | torch.compile | jax.jit | fp bare | fp call | best peer | bare ratio | call ratio | plan |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for row in rows:
+            m = row["median_us"]
+            best = min(PEERS, key=lambda c: m[c])
+            lines.append(f"| {row['workload']} | " + " | ".join(f"{m[c]:,.0f}" for c in CONTENDERS)
+                         + f" | {best} | {ratio(m[best], m['fp.bare'])} | {ratio(m[best], m['fp.call'])}"
+                         + f" | {row['kernels']} kernels: {row['composition']} |")
+        lines.append("")
+        bw = [(row["workload"], b) for row in rows for b in row.get("bandwidth", [])]
+        if bw:
+            lines += ["Memory-bound fused kernels at the bandwidth array size:", "",
+                      "| workload | kernel | GB/s | memcpy GB/s (same rounds) | fraction of memcpy |", "|---|---|---|---|---|"]
+            lines += [f"| {wl} | {b['ops']} | {b['gbps']:.1f} | {b['memcpy_gbps']:.1f} | {b['fraction']:.0%} |" for wl, b in bw]
+            lines.append("")
+        overhead = [(row["workload"], row["median_us"]) for row in rows if not row["workload"].startswith("ew")]
+        lines += ["End-to-end call overhead over the bare kernels: "
+                  + ", ".join(f"{wl} {(m['fp.call'] - m['fp.bare']) / m['fp.bare']:+.1%}" for wl, m in overhead), ""]
+    if firsts:
+        lines += ["## First call (all cores): build + first call, seconds; peak RSS growth, MB", "",
+                  "| workload | " + " | ".join(f"{c} cold | warm | MB" for c in FIRST_CONTENDERS) + " |",
+                  "|---|" + "---|---|---|" * len(FIRST_CONTENDERS)]
+        for wl, per in firsts.items():
+            cells = []
+            for c in FIRST_CONTENDERS:
+                cold, warm = per[c]["cold"], per[c]["warm"]
+                cells.append(f"{cold['first_call_s']:.2f} | {warm['first_call_s']:.2f} | {cold['peak_rss_growth_mb']:.0f}")
+            lines.append(f"| {wl} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += targets(steady_rows, firsts)
+    return "\n".join(lines) + "\n"
+
+
+FIRST_CONTENDERS = ("torch", "torch.compile", "jax.jit", "fp.call")
+
+
+def targets(steady_rows: dict[str, list[dict[str, Any]]], firsts: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """Issue 13's targets, each met or not, with its figure."""
+    out = ["## Targets", ""]
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "**not met**"
+
+    for mode, rows in steady_rows.items():
+        for row in rows:
+            m = row["median_us"]
+            best = min(PEERS, key=lambda c: m[c])
+            r = m[best] / m["fp.call"]
+            if row["workload"].startswith("ew") or row["workload"] in ("mlp1024", "mlp64", "gpt2mlp"):
+                out.append(f"- {row['workload']} ({mode} thread{'s' if mode != '1' else ''}): end-to-end ≥ 1.0× best peer "
+                           f"({best}): {r:.2f}× — {verdict(r >= 1.0)}")
+            if row["workload"] in ("mlp1024", "mlp64", "gpt2mlp"):
+                ov = (m["fp.call"] - m["fp.bare"]) / m["fp.bare"]
+                out.append(f"- {row['workload']} ({mode}): call overhead ≤ 5% of the bare kernels: {ov:+.1%} — {verdict(ov <= 0.05)}")
+            for b in row.get("bandwidth", []):
+                out.append(f"- {row['workload']} ({mode}) kernel {b['ops']}: ≥ 90% of memcpy: {b['fraction']:.0%} — "
+                           f"{verdict(b['fraction'] >= 0.9)}")
+    for wl, per in firsts.items():
+        ours, tc = per["fp.call"], per["torch.compile"]
+        out.append(f"- {wl}: cold plan {ours['cold']['first_call_s']:.2f} s vs torch.compile cold "
+                   f"{tc['cold']['first_call_s']:.2f} s — {verdict(ours['cold']['first_call_s'] <= tc['cold']['first_call_s'])}; "
+                   f"warm {ours['warm']['first_call_s']:.2f} s ≤ 0.5 s — {verdict(ours['warm']['first_call_s'] <= 0.5)}")
+    return out + [""]
+
+
+def versions() -> str:
+    out = []
+    for mod in ("numpy", "torch", "jax", "jaxlib"):
+        try:
+            out.append(f"{mod} {__import__(mod).__version__}")
+        except ImportError:
+            out.append(f"{mod} missing")
+    cc = subprocess.run(["cc", "--version"], capture_output=True, text=True).stdout.splitlines()
+    return ", ".join(out + ([cc[0]] if cc else []))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", help="write the markdown report here")
+    p.add_argument("--rounds", type=int, default=11)
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--modes", default="1,all", help="thread modes: 1 (one pinned thread), all (every core)")
+    p.add_argument("--no-first-call", action="store_true", help="skip the cold/warm first-call processes")
+    p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        kind, *rest = args.child
+        if kind == "steady":
+            print(json.dumps(steady(rest[0], args.rounds)))
+        elif kind == "stream":
+            print(json.dumps(stream(args.rounds)))
+        else:
+            print(json.dumps(first_call(rest[0], rest[1])))
+        return
+    workloads = [w for w in args.workloads.split(",") if w]
+    cores = os.sched_getaffinity(0)
+    steady_rows: dict[str, list[dict[str, Any]]] = {}
+    streams = {}
+    for mode in args.modes.split(","):
+        pinned = {max(cores)} if mode == "1" else None
+        with tempfile.TemporaryDirectory() as caches:  # steady state: warm caches of its own, not the user's
+            env = child_env(mode, Path(caches))
+            streams[mode] = run_child(["--rounds", str(args.rounds), "--child", "stream"], env, pinned)
+            steady_rows[mode] = []
+            for wl in workloads:
+                print(f"[{mode}] {wl}", file=sys.stderr)
+                steady_rows[mode].append(run_child(["--rounds", str(args.rounds), "--child", "steady", wl], env, pinned))
+    firsts: dict[str, dict[str, dict[str, Any]]] = {}
+    if not args.no_first_call:
+        for wl in workloads:
+            firsts[wl] = {}
+            for c in FIRST_CONTENDERS:
+                with tempfile.TemporaryDirectory() as caches:
+                    env = child_env("all", Path(caches))
+                    cold = run_child(["--child", "first", wl, c], env, None)
+                    warm = run_child(["--child", "first", wl, c], env, None)
+                firsts[wl][c] = {"cold": cold, "warm": warm}
+                print(f"[first] {wl} {c}: {cold['first_call_s']:.2f} s cold, {warm['first_call_s']:.2f} s warm", file=sys.stderr)
+    command = "python benchmarks/cpu_peers.py " + " ".join(a for a in sys.argv[1:])
+    text = report(steady_rows, streams, firsts, command.strip())
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""The CPU backend on several threads: how work is split, that results do not depend on it, and the pools."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from fusion_planner.backends import get_backend
+from fusion_planner.backends.base import BackendError, BackendUnavailable
+from fusion_planner.backends.cpu import parallel
+from fusion_planner.backends.cpu.parallel import WorkerPool, check_threads, split, threads_from_env
+from fusion_planner.backends.reference import random_inputs
+from fusion_planner.core import examples
+from fusion_planner.core.cost import load_device
+from fusion_planner.core.errors import UsageError
+from fusion_planner.core.regions import whole_graph_region
+from fusion_planner.egraph.candidates import build_candidates
+from fusion_planner.pipeline import PlanOptions
+
+SPEC = load_device("seed-k4")
+
+
+def cpu(threads: int, tile_bytes: int | None = None):  # noqa: ANN201
+    from fusion_planner.backends.cpu.backend import CpuBackend
+
+    try:
+        return CpuBackend(SPEC, threads=threads, tile_bytes=tile_bytes)
+    except BackendUnavailable as exc:
+        pytest.skip(f"no C compiler: {exc}")
+
+
+@pytest.mark.parametrize("total,parts,align", [(10, 3, 1), (100_003, 4, 16), (5, 8, 1), (64, 2, 16), (1, 1, 16)])
+def test_split_covers_the_range_in_order(total: int, parts: int, align: int) -> None:
+    bounds = split(total, parts, align)
+    assert bounds[0][0] == 0 and bounds[-1][1] == total
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
+    assert all(start % align == 0 for start, _ in bounds)
+    assert all(end > start for start, end in bounds) and len(bounds) <= parts
+
+
+def test_thread_count_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FUSION_PLANNER_THREADS", raising=False)
+    assert threads_from_env() == parallel.available_cores()
+    monkeypatch.setenv("FUSION_PLANNER_THREADS", "3")
+    assert threads_from_env() == 3 and check_threads(None) == 3
+    monkeypatch.setenv("FUSION_PLANNER_THREADS", "0")
+    assert threads_from_env() == parallel.available_cores()
+    for bad in ("two", "-1"):
+        monkeypatch.setenv("FUSION_PLANNER_THREADS", bad)
+        with pytest.raises(BackendError, match="FUSION_PLANNER_THREADS"):
+            threads_from_env()
+    for bad_count in (0, -2, 1.5, True):
+        with pytest.raises(BackendError, match="positive integer"):
+            check_threads(bad_count)  # type: ignore[arg-type]
+
+
+def test_a_failing_task_is_raised_after_every_task_ended() -> None:
+    pool = WorkerPool(3)
+    done: list[int] = []
+    lock = threading.Lock()
+
+    def ok(i: int) -> None:
+        with lock:
+            done.append(i)
+
+    def fail() -> None:
+        raise ValueError("worker 1 failed")
+
+    with pytest.raises(ValueError, match="worker 1 failed"):
+        pool.run([lambda: ok(0), fail, lambda: ok(2)])
+    assert sorted(done) == [0, 2]
+    pool.run([lambda: ok(3)])  # one task runs on the caller: not a parallel run
+    assert pool.parallel_runs == 1
+    pool.close()
+
+
+def _same_on_threads(plan, graph, threads: int, exact: bool = True, **kw) -> list[dict]:  # noqa: ANN001
+    """Run ``plan`` on 1 and on ``threads`` threads: loops give identical bits (each element is computed by
+    the same code whichever thread runs it); BLAS may round a block of other height differently."""
+    inputs = random_inputs(graph, seed=3)
+    one = cpu(1, **kw).compile(plan).run(inputs)
+    backend = cpu(threads, **kw)
+    compiled = backend.compile(plan)
+    many = compiled.run(inputs)
+    for a, b in zip(one, many, strict=True):
+        assert np.array_equal(a, b) if exact else np.allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert backend.pool.parallel_runs >= 1
+    return compiled.kernel_facts
+
+
+def test_flat_loops_split_into_aligned_ranges_with_identical_results() -> None:
+    graph = examples.ew_chain(4, 3 * parallel.MIN_ELEMENTS_PER_THREAD + 5)
+    cands = build_candidates(graph, SPEC)
+    for plan in (min(cands.plans, key=lambda p: len(p.kernels)), cands.unfused):
+        facts = _same_on_threads(plan, graph, 3)
+        assert all(f["threads"] == 3 for f in facts)
+
+
+def test_broadcast_loops_split_by_rows_and_gemms_by_row_blocks() -> None:
+    graph = examples.mlp_epilogue(256, 256, 64, "fp32")
+    cands = build_candidates(graph, SPEC)
+    unfused = _same_on_threads(cands.unfused, graph, 2, exact=False)  # BiasAdd reads its bias by column
+    assert [f["threads"] for f in unfused] == [2] * len(unfused)
+    fused = _same_on_threads(cands.best, graph, 2, exact=False, tile_bytes=1 << 16)
+    (gemm,) = fused
+    assert gemm["impl"] == "blas+c-epilogue" and gemm["threads"] == 2 and gemm["tiles"] >= 2
+
+
+def test_small_kernels_stay_on_the_calling_thread() -> None:
+    graph = examples.ew_chain(2, 1000)
+    backend = cpu(4)
+    compiled = backend.compile(build_candidates(graph, SPEC).unfused)
+    compiled.run(random_inputs(graph))
+    assert backend.pool.parallel_runs == 0
+    assert all(f["threads"] == 1 for f in compiled.kernel_facts)
+
+
+def test_thread_count_is_part_of_the_plan_cache_key() -> None:
+    graph = examples.ew_chain(2, 1000)
+    options = PlanOptions("cpu", SPEC, ())
+    region = whole_graph_region(graph)
+    keys = {options.cache_key(region, cpu(t)) for t in (1, 2)}
+    assert len(keys) == 2
+    assert get_backend("cpu", SPEC, threads=2).identity == "cpu threads=2"
+    with pytest.raises(UsageError, match="thread count"):
+        get_backend("model", SPEC, threads=2)
+
+
+def test_torch_threads_set_while_the_block_runs_and_restored() -> None:
+    torch = pytest.importorskip("torch")
+    before = torch.get_num_threads()
+    with parallel.torch_threads(1 if before != 1 else 2):
+        assert torch.get_num_threads() != before
+    assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("argv", [["run", "plan.json", "--threads", "0"], ["plan", "--example", "ew-chain", "--threads", "x"]])
+def test_cli_refuses_a_bad_thread_count(argv: list[str]) -> None:
+    r = subprocess.run([sys.executable, "-m", "fusion_planner", *argv], capture_output=True, text=True)
+    assert r.returncode == 2 and "--threads" in r.stderr
+
+
+def test_cli_refuses_threads_for_a_backend_without_them() -> None:
+    r = subprocess.run([sys.executable, "-m", "fusion_planner", "plan", "--example", "ew-chain", "--backend", "model",
+                        "--threads", "2", "--no-cache"], capture_output=True, text=True)
+    assert r.returncode == 2 and "thread count applies to the cpu backend" in r.stderr
+
+
+def test_inputs_in_the_stored_layout_are_read_in_place_and_outputs_are_fresh() -> None:
+    graph = examples.ew_chain(2, 4096)
+    backend = cpu(2)
+    compiled = backend.compile(build_candidates(graph, SPEC).unfused)
+    x = random_inputs(graph, seed=0)["x"]
+    before = x.copy()
+    first = compiled.run({"x": x})[0]
+    second = compiled.run({"x": x})[0]
+    assert compiled.loads == 0 and compiled.binds == 2  # no copy of x
+    assert np.array_equal(x, before)  # read, never written
+    assert first is not second and not np.shares_memory(first, second) and np.array_equal(first, second)
+    strided = np.repeat(x, 2)[::2]  # not contiguous: copied into the plan's own buffer
+    assert np.array_equal(compiled.run({"x": strided})[0], first) and compiled.loads == 1
+    compiled.execute()  # the bare kernels write the plan's own output buffer, not the last returned array
+    assert np.array_equal(second, first)
+    with pytest.raises(BackendError, match="has shape"):
+        compiled.run({"x": x[:10]})
+
+
+def test_an_output_array_is_reused_only_once_nothing_refers_to_it() -> None:
+    graph = examples.ew_chain(2, 4096)
+    compiled = cpu(1).compile(build_candidates(graph, SPEC).best)
+    x = random_inputs(graph, seed=0)["x"]
+    kept = compiled.run({"x": x})[0]
+    view = compiled.run({"x": x})[0][::2]  # only a view survives: its array is still in use
+    assert compiled.reused == 0
+    compiled.run({"x": x})  # dropped at once
+    out = compiled.run({"x": x})[0]
+    assert compiled.reused == 1
+    assert not np.shares_memory(out, kept) and not np.shares_memory(out, view)
+    torch = pytest.importorskip("torch")
+    held = torch.from_numpy(out)  # a tensor over the array keeps it alive too
+    del out
+    again = compiled.run({"x": x})[0]
+    assert not np.shares_memory(again, held.numpy())
+
+
+def test_an_output_named_twice_gets_two_arrays_with_the_same_values() -> None:
+    from fusion_planner.core.graph import GraphBuilder
+
+    b = GraphBuilder("twice")
+    b.input("x", (64,), "fp32")
+    b.op("r", "Relu", ["x"])
+    graph = b.build(["r", "r", "x"])
+    compiled = cpu(1).compile(build_candidates(graph, SPEC).unfused)
+    x = random_inputs(graph, seed=0)["x"]
+    r1, r2, x_out = compiled.run({"x": x})
+    assert np.array_equal(r1, np.maximum(x, 0)) and np.array_equal(r1, r2) and not np.shares_memory(r1, r2)
+    assert np.array_equal(x_out, x) and not np.shares_memory(x_out, x)  # an input as output: a copy
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_streaming_stores_give_the_same_bits_at_any_offset_and_length(dtype: str, threads: int) -> None:
+    graph = examples.ew_chain(3, 3 * parallel.MIN_ELEMENTS_PER_THREAD + 1037, dtype)  # not a multiple of a block
+    plan = min(build_candidates(graph, SPEC).plans, key=lambda p: len(p.kernels))
+    inputs = random_inputs(graph, seed=5)
+    plain = cpu(threads).compile(plan)
+    backend = cpu(threads)
+    backend.stream_bytes = 0  # every output streams
+    streamed = backend.compile(plan)
+    assert [f["streaming_stores"] for f in streamed.kernel_facts] == [dtype == "fp32"]  # fp32 outputs only
+    assert not plain.kernel_facts[0]["streaming_stores"]
+    assert np.array_equal(plain.run(inputs)[0], streamed.run(inputs)[0])
