@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +93,10 @@ class Backend(ABC):
     def identity(self) -> str:
         """What, besides the device, a plan chosen on this backend depends on (the plan cache keys on it)."""
         return self.name
+
+    def prepare(self, plans: Sequence[Plan]) -> None:  # noqa: B027 - most backends have nothing to prepare
+        """Get ready to compile ``plans`` soon (the CPU backend builds all their kernels in a few batched
+        compiler runs); compiling a plan that was not prepared works all the same."""
 
     @abstractmethod
     def compile(self, plan: Plan) -> CompiledPlan:

@@ -48,6 +48,8 @@ from fusion_planner.search.searchlog import SearchLog
 
 log = logging.getLogger(__name__)
 
+#: new plans bred, compiled together and then timed, per round of the genetic phase
+GENERATION = 8
 #: new candidates tried in a row that were all duplicates before the genetic phase gives up
 STALL_LIMIT = 64
 #: samples a candidate gets before the early stop may end its timing (one sample is too noisy)
@@ -357,17 +359,34 @@ class _Run:
 
     # -- the genetic phase
     def evolve(self, rng: random.Random) -> None:
-        ex = self.cands.extractor
-        mutator = Mutator(ex)
+        """Generations of :data:`GENERATION` new plans, bred from the elite of what was timed so far; each
+        generation's kernels are prepared (compiled) together, then its plans are considered in turn."""
+        mutator = Mutator(self.cands.extractor)
         stall = 0
         while self.budget_left():
             if stall >= STALL_LIMIT:
                 self.stop = f"no new candidate in {STALL_LIMIT} tries"
                 return
-            elite = sorted(
-                (e for e in self.entries if e.timed and not e.stopped_early and e.choice is not None),
-                key=lambda e: e.meas_us,  # type: ignore[arg-type, return-value]
-            )[:ELITE]
+            room = min(GENERATION, self.opts.max_candidates - self.tried)
+            generation, stall = self._breed(mutator, rng, room, stall)
+            self.backend.prepare([plan for plan, _, _ in generation])
+            for plan, choice, source in generation:
+                if not self.budget_left():
+                    return
+                self.consider(plan, choice, source)
+
+    def _breed(self, mutator: Mutator, rng: random.Random, room: int,
+               stall: int) -> tuple[list[tuple[Plan, dict[str, Option], str]], int]:
+        """Up to ``room`` plans not seen before (samples, or mutants of a tournament winner), and the count of
+        consecutive tries that gave nothing new."""
+        ex = self.cands.extractor
+        elite = sorted(
+            (e for e in self.entries if e.timed and not e.stopped_early and e.choice is not None),
+            key=lambda e: e.meas_us,  # type: ignore[arg-type, return-value]
+        )[:ELITE]
+        out: list[tuple[Plan, dict[str, Option], str]] = []
+        keys = set(self.seen)
+        while len(out) < room and stall < STALL_LIMIT:
             if not elite or rng.random() < 0.25:
                 (choice,) = ex.sample(1, rng.randrange(2**31)) or [ex.unfused()]
                 source = "sample"
@@ -375,16 +394,19 @@ class _Run:
                 a, b = rng.choice(elite), rng.choice(elite)
                 parent = a if a.meas_us <= b.meas_us else b  # type: ignore[operator]
                 assert parent.choice is not None
-                mutant = mutator.random_mutant(parent.choice, rng, exclude=self.seen)
+                mutant = mutator.random_mutant(parent.choice, rng, exclude=keys)
                 if mutant is None:
                     stall += 1
                     continue
                 choice, source = mutant.choice, f"mutant: {mutant.label}"
             plan = ex.plan_of(choice)
-            if self.consider(plan, choice, source):
-                stall = 0
-            else:
+            if plan.key in keys:
                 stall += 1
+                continue
+            keys.add(plan.key)
+            out.append((plan, choice, source))
+            stall = 0
+        return out, stall
 
 
 def search(
@@ -410,6 +432,7 @@ def search(
     ex = cands.extractor
     unfused_choice = ex.unfused()
     unfused = ex.plan_of(unfused_choice)
+    backend.prepare([unfused, *cands.plans[: opts.max_candidates]])  # the CPU's kernels: a few batched builds
     run.consider(unfused, unfused_choice, "unfused baseline", baseline=True)
     try:
         for plan in cands.plans:

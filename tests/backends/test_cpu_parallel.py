@@ -214,3 +214,50 @@ def test_streaming_stores_give_the_same_bits_at_any_offset_and_length(dtype: str
     assert [f["streaming_stores"] for f in streamed.kernel_facts] == [dtype == "fp32"]  # fp32 outputs only
     assert not plain.kernel_facts[0]["streaming_stores"]
     assert np.array_equal(plain.run(inputs)[0], streamed.run(inputs)[0])
+
+
+def _kernel_sources(graph) -> list[str]:  # noqa: ANN001
+    from fusion_planner.backends.cpu.codegen import generate
+
+    cands = build_candidates(graph, SPEC)
+    types = {n: (tuple(t.shape), t.dtype) for p in cands.plans for n, t in p.tensors.items()}
+    return list(dict.fromkeys(generate(k.body, types).source for p in cands.plans for k in p.kernels))
+
+
+def test_batched_builds_compile_each_kernel_once_and_load_like_single_builds(tmp_path) -> None:  # noqa: ANN001
+    from fusion_planner.backends.cpu.codegen import Compiler
+
+    sources = _kernel_sources(examples.ew_chain(3, 64))
+    assert len(sources) >= 4
+    batched = Compiler(directory=tmp_path / "batched")
+    assert batched.build_many(sources, jobs=2) == len(sources)
+    assert len(list((tmp_path / "batched").glob("b*.so"))) == 2 and not list((tmp_path / "batched").glob("k*.so"))
+    assert batched.build_many(sources, jobs=2) == 0  # all cached now
+    alone = Compiler(directory=tmp_path / "alone")
+    x = np.linspace(-2, 2, 64, dtype=np.float32)
+    for src in sources:
+        outs = []
+        for c in (batched, alone):
+            out = np.empty_like(x)
+            c.function(src, 2)(x.ctypes.data, out.ctypes.data, 0, 1, 64)
+            outs.append(out)
+        assert np.array_equal(*outs)
+    assert batched.compiled == len(sources)  # loading compiled nothing more
+
+
+def test_a_failed_or_altered_batch_costs_nothing_but_time(tmp_path, caplog) -> None:  # noqa: ANN001
+    from fusion_planner.backends.cpu.codegen import PRELUDE, Compiler
+
+    good = _kernel_sources(examples.ew_chain(1, 64))
+    bad = PRELUDE + "void fp_kernel(const float* t0, float* out, int64_t r0, int64_t r1, int64_t cols) { nonsense; }\n"
+    c = Compiler(directory=tmp_path)
+    c.build_many([*good, bad], jobs=1)  # one translation unit: the bad kernel fails it
+    assert "compiled one by one" in caplog.text and not list(tmp_path.glob("b*.so"))
+    c.function(good[0], 2)  # built alone on first use
+    fresh = Compiler(directory=tmp_path / "second")
+    fresh.build_many(good, jobs=1)
+    (batch,) = (tmp_path / "second").glob("b*.so")
+    batch.write_bytes(batch.read_bytes() + b"tampered")
+    again = Compiler(directory=tmp_path / "second")
+    again.function(good[0], 2)  # the seal no longer matches: the kernel is built on its own
+    assert again.compiled == 1 and "altered batch" in caplog.text

@@ -22,10 +22,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -401,6 +402,37 @@ class CpuBackend(Backend):
             except (CodegenError, BackendError) as exc:
                 raise BackendError(f"kernel {i} ({k.describe()}): {exc}") from exc
         return CpuCompiledPlan(plan, steps, memory, inputs, time.perf_counter() - t0, self)
+
+    def prepare(self, plans: Sequence[Plan]) -> None:
+        """Compile every kernel of ``plans`` that is not in the kernel cache, in one batched compiler run
+        per worker thread, all at once (a search's candidates share most of their kernels)."""
+        sources: dict[str, None] = {}
+        for plan in plans:
+            for k in plan.kernels:
+                try:
+                    sources.update(dict.fromkeys(self._sources(k, plan.tensors)))
+                except (CodegenError, BackendError, KeyError):
+                    continue  # compile() reports it, for the candidate it belongs to
+        try:
+            built = self.compiler.build_many(list(sources), jobs=self.threads)
+        except CodegenError as exc:  # a hanging or missing compiler: each candidate reports it when compiled
+            log.warning("batched kernel build failed (%s); kernels are built one by one", exc)
+            return
+        log.info("prepared %d kernels of %d plans: %d compiled, the rest cached", len(sources), len(plans), built)
+
+    def _sources(self, k: Kernel, tensors: Mapping[str, TensorType]) -> list[str]:
+        """The generated sources ``compile`` will load for kernel ``k`` (as :meth:`_step` generates them)."""
+        types = self._types(tensors)
+        if k.kind == KernelKind.ELEMENTWISE:
+            out = tensors[k.out]
+            nbytes = math.prod(out.shape) * storage_dtype(out.dtype).itemsize
+            return [generate(k.body, types, stream=nbytes >= self.stream_bytes).source]
+        if k.kind in (KernelKind.GEMM_EPILOGUE, KernelKind.CUBLASLT):
+            mm = find_matmul(k.body)
+            widen = [widen_source(tensors[a.tensor].dtype) for a in mm.args  # type: ignore[union-attr]
+                     if DTYPE_BYTES[tensors[a.tensor].dtype] != 4]  # type: ignore[union-attr]
+            return [generate(k.body, types, tile=mm).source, *widen]
+        return []
 
     @property
     def identity(self) -> str:

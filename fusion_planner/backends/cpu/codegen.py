@@ -25,9 +25,11 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -384,7 +386,8 @@ class Compiler:
             private = Path(tempfile.mkdtemp(prefix="fusion-planner-kernels-"))
             log.warning("not using the kernel cache %s: %s; compiling into %s", self.directory, refused, private)
             self.directory = private
-        self._loaded: dict[str, ctypes.CDLL] = {}
+        self._loaded: dict[str, tuple[ctypes.CDLL, str]] = {}
+        self._batches: dict[str, ctypes.CDLL] = {}
         self.compiled = 0  # sources compiled (not found in the cache) by this object
 
     def key(self, source: str) -> str:
@@ -430,23 +433,123 @@ class Compiler:
                                capture_output=True, text=True)
         return r.stderr if r.returncode == 0 else ""
 
-    def load(self, source: str) -> ctypes.CDLL:
+    def load(self, source: str) -> tuple[ctypes.CDLL, str]:
+        """The loaded library holding ``source``'s kernel and the kernel's symbol: its own shared object,
+        or the batch (:meth:`build_many`) it was compiled in."""
         key = self.key(source)
-        lib = self._loaded.get(key)
+        found = self._loaded.get(key)
+        if found is None:
+            found = self._load_batched(key) or (self._load_own(source), SYMBOL)
+            self._loaded[key] = found
+        return found
+
+    def _load_own(self, source: str) -> ctypes.CDLL:
+        path = self.build(source)
+        try:
+            return ctypes.CDLL(str(path))
+        except OSError as exc:  # an entry that passed its seal yet does not load: rebuild it once
+            log.warning("kernel cache entry %s does not load (%s); rebuilding it", path.name, exc)
+            path.unlink(missing_ok=True)
+            return ctypes.CDLL(str(self.build(source)))
+
+    def _load_batched(self, key: str) -> tuple[ctypes.CDLL, str] | None:
+        """The batch library and symbol a ``k<key>.ref`` names, if both are intact; else None (and the
+        kernel is built on its own)."""
+        assert self.directory is not None
+        ref = self.directory / f"k{key[:32]}.ref"
+        try:
+            so_name, symbol = ref.read_text().split()
+        except (OSError, ValueError):
+            return None
+        so = self.directory / so_name
+        if not (_BATCH_NAME.fullmatch(so_name) and symbol == _batched_symbol(key) and _sealed(so)):
+            log.warning("kernel cache entry %s names a missing or altered batch; building the kernel alone", ref.name)
+            return None
+        lib = self._batches.get(so_name)
         if lib is None:
-            path = self.build(source)
             try:
-                lib = ctypes.CDLL(str(path))
-            except OSError as exc:  # an entry that passed its seal yet does not load: rebuild it once
-                log.warning("kernel cache entry %s does not load (%s); rebuilding it", path.name, exc)
-                path.unlink(missing_ok=True)
-                lib = ctypes.CDLL(str(self.build(source)))
-            self._loaded[key] = lib
-        return lib
+                lib = ctypes.CDLL(str(so))
+            except OSError:
+                return None
+            self._batches[so_name] = lib
+        return (lib, symbol) if hasattr(lib, symbol) else None
+
+    def build_many(self, sources: Sequence[str], jobs: int = 1) -> int:
+        """Compile every source not in the cache, a few compiler runs for all of them: each run compiles one
+        translation unit holding the prelude once and a share of the kernels (their symbols renamed by
+        key), ``jobs`` runs at a time.  Returns how many kernels were compiled."""
+        assert self.directory is not None
+        todo: dict[str, str] = {}
+        for src in sources:
+            key = self.key(src)
+            if key in todo or key in self._loaded or not src.startswith(PRELUDE):
+                continue
+            if (self.directory / f"k{key[:32]}.so").exists() or (self.directory / f"k{key[:32]}.ref").exists():
+                continue
+            todo[key] = src
+        if not todo:
+            return 0
+        self.directory.mkdir(parents=True, exist_ok=True)
+        items = sorted(todo.items())
+        groups = [items[i::max(1, jobs)] for i in range(max(1, min(jobs, len(items))))]
+        with tempfile.TemporaryDirectory(dir=self.directory) as d:
+            runs = [self._start_batch(Path(d), group) for group in groups]
+            built = sum(len(group) for proc, tmp, group in runs if self._finish_batch(proc, tmp, group, BUILD_TIMEOUT_S))
+        self.compiled += built
+        return built
+
+    def _start_batch(self, d: Path, group: list[tuple[str, str]]) -> tuple[subprocess.Popen[str], Path, list[tuple[str, str]]]:
+        parts = [PRELUDE]
+        for key, src in group:
+            parts.append(_renamed(src[len(PRELUDE):], key))
+        digest = hashlib.sha256("".join(k for k, _ in group).encode()).hexdigest()[:32]
+        c_file, tmp = d / f"{digest}.c", d / f"{digest}.so"
+        c_file.write_text("\n".join(parts))
+        cmd = [shutil.which(self.cc) or self.cc, *self.flags, "-o", str(tmp), str(c_file), *self.libs, "-lm"]
+        try:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        except OSError as exc:
+            raise CodegenError(f"{self.cc} could not run: {exc}") from None
+        return proc, tmp, group
+
+    def _finish_batch(self, proc: subprocess.Popen[str], tmp: Path, group: list[tuple[str, str]], timeout: float) -> bool:
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise CodegenError(f"{self.cc} on a batch of {len(group)} kernels did not finish within {timeout:g} s "
+                               "(FUSION_PLANNER_CC_TIMEOUT sets the limit)") from None
+        if proc.returncode != 0:  # one bad kernel must not cost the others: each is built alone on first use
+            log.warning("%s failed on a batch of %d kernels; they will be compiled one by one: %s",
+                        self.cc, len(group), err.strip()[:500])
+            return False
+        assert self.directory is not None
+        name = f"b{tmp.stem}.so"
+        seal = _seal(tmp)
+        os.replace(tmp, self.directory / name)
+        _write_atomic((self.directory / name).with_suffix(".sha256"), seal)
+        for key, _ in group:
+            _write_atomic(self.directory / f"k{key[:32]}.ref", f"{name} {_batched_symbol(key)}\n")
+        return True
 
     def function(self, source: str, n_pointers: int) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
-        """``fp_kernel`` of ``source``: ``n_pointers`` pointers, then three int64 row/col arguments."""
-        fn = getattr(self.load(source), SYMBOL)
+        """``source``'s kernel: ``n_pointers`` pointers, then three int64 row/col arguments."""
+        lib, symbol = self.load(source)
+        fn = getattr(lib, symbol)
         fn.argtypes = [ctypes.c_void_p] * n_pointers + [ctypes.c_int64] * 3
         fn.restype = None
         return fn
+
+
+#: the file-level names of a generated source, renamed per kernel when kernels share a batch
+_RENAME = re.compile(r"\bfp_(?:kernel|block|stream)\b")
+_BATCH_NAME = re.compile(r"b[0-9a-f]{32}\.so")
+
+
+def _renamed(body: str, key: str) -> str:
+    return _RENAME.sub(lambda m: f"{m.group(0)}_{key[:16]}", body)
+
+
+def _batched_symbol(key: str) -> str:
+    return f"{SYMBOL}_{key[:16]}"
