@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ from fusion_planner.model.plancache import PlanCache
 from fusion_planner.pipeline import Planned, PlanOptions, plan_graph
 from fusion_planner.rules.load import load_rules
 from fusion_planner.search.engine import SearchOptions
+from fusion_planner.search.searchlog import SearchLog
 
 if TYPE_CHECKING:
     from fusion_planner.backends.base import Backend
@@ -66,6 +68,8 @@ class PlanResult:
     model_plan: Any = None  # fusion_planner.model.stack.ModelPlan when repeated regions were planned once each
     planned: Planned | None = None  # what the pipeline decided (cache key, from the cache, composite check)
     _bound: Any = field(default=None, repr=False)  # torch.importer.BoundInputs: parameters converted once
+    #: eager torch's time over the plan's, end to end, re-measured interleaved (a module on a measuring backend)
+    vs_eager: float | None = None
     #: the plan as the backend built it (kernel facts; ``execute()`` on the cpu backend), None on reference
     compiled: CompiledPlan | None = field(default=None, repr=False)
 
@@ -135,7 +139,7 @@ class PlanResult:
 
             extra = [("meas_us", measured), ("verdict", verdict)]
             tried = [e.plan for e in self.search_result.entries if e.verdict != Verdict.NOT_TIMED]
-            return ledger_table(sorted(tried, key=Plan.sort_key), self.plan.key, extra)
+            return ledger_table(sorted(tried, key=Plan.sort_key), self.plan.key, extra) + self._speedups()
         if self.model_plan is None:  # answered from the plan cache
             return ledger_table([self.plan], self.plan.key) + "\n(plan from the plan cache, not re-searched)"
         if self.candidates is None:  # region-wise: the composite plan and each region's choice
@@ -144,6 +148,17 @@ class PlanResult:
                 lines.append(f"region {u.key} x{u.instances}: {u.plan.composition()}  est {u.plan.est_us:,.2f} us")
             return "\n".join(lines)
         return ledger_table(self.candidates.plans, self.plan.key)
+
+    def _speedups(self) -> str:
+        """The table's footer: the chosen plan against the unfused one and eager torch, both re-measured
+        interleaved (the search's own figures came minutes apart)."""
+        parts = []
+        unfused = getattr(self.search_result, "speedup_vs_unfused", None)
+        if unfused is not None:
+            parts.append(f"best vs unfused {unfused:.2f}x")
+        if self.vs_eager is not None:
+            parts.append(f"vs eager torch {self.vs_eager:.2f}x")
+        return f"\n{', '.join(parts)} (interleaved re-measurements)" if parts else ""
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -159,6 +174,8 @@ class PlanResult:
             d["candidates"] = self.candidates.to_json()
         if self.model_plan is not None:
             d["regions"] = self.model_plan.summary()
+        if self.vs_eager is not None:
+            d["vs_eager_torch"] = round(self.vs_eager, 4)
         if self.imported is not None:
             d["opaque_ops"] = list(self.imported.opaque_ops)
             d["tracer"] = self.imported.tracer
@@ -283,4 +300,31 @@ def plan(
         with torch.no_grad():
             expected = module(*args)
         result.check(expected, *args)
+        if be.measures:
+            result.vs_eager = versus_eager(result, module, args)
+            line = f"vs eager torch: {result.vs_eager:.2f}x (interleaved re-measurement of both end-to-end calls)"
+            result.log.append(line)
+            SearchLog().emit(line)  # the search trail's last line under SEARCH_LOG=1
     return result
+
+
+def versus_eager(result: PlanResult, module: Any, args: Sequence[Any], rounds: int = 5) -> float:
+    """Eager torch's time over the plan's, end to end (torch tensors in and out), the two calls alternating
+    round by round so that both see the same machine load; medians over all rounds."""
+    import torch
+
+    def eager() -> Any:
+        with torch.no_grad():
+            return module(*args)
+
+    def planned() -> Any:
+        return result(*args)
+
+    samples: dict[str, list[float]] = {"eager": [], "plan": []}
+    for _ in range(rounds):
+        for name, fn in (("eager", eager), ("plan", planned)):
+            for _ in range(3):
+                t0 = time.perf_counter_ns()
+                fn()
+                samples[name].append(time.perf_counter_ns() - t0)
+    return float(np.median(samples["eager"]) / np.median(samples["plan"]))

@@ -46,6 +46,10 @@ def dynamo_backend(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], *
             "a plan is made for fixed shapes: use torch.compile(model, backend='fusion_planner', dynamic=False) "
             "so that each new shape is planned on its own"
         )
+    if torch.is_grad_enabled() and any(t.requires_grad for t in example_inputs):
+        log.info("fusion_planner: the captured graph needs autograd (an input requires grad); a plan computes no "
+                 "gradients, so it runs eagerly")
+        return gm.forward
     try:
         imported = import_fx_graph(gm, example_inputs)
     except TorchImportError as exc:
@@ -63,6 +67,8 @@ def dynamo_backend(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], *
     log.info("fusion_planner: planned %s on %s backend: %s", gm.__class__.__name__, backend, result.plan.composition())
 
     def run(*args: torch.Tensor) -> Any:
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args):
+            return gm(*args)  # this call needs gradients, which the plan does not compute
         return result(*args)
 
     run.plan_result = result  # type: ignore[attr-defined]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from typing import Any
 
@@ -97,10 +96,6 @@ def graph_from_args(args: argparse.Namespace) -> Graph:
     if args.graph:
         return load_graph(args.graph)
     if getattr(args, "torch", None):
-        if "torch" not in sys.modules:
-            # torch's OpenMP workers spin between calls and stall the timed cpu kernels by ~24 ms
-            # (docs/torch.md); the variable only works when set before torch is loaded
-            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         from fusion_planner.torch.importer import factory_kwargs, graph_from_factory
 
         return graph_from_factory(args.torch, factory_kwargs(args.torch_arg))

@@ -109,6 +109,13 @@ class ImportedModule:
         for i, (t, (shape, dtype)) in enumerate(zip(flat, self.arg_specs, strict=False)):
             if not isinstance(t, torch.Tensor):
                 raise TorchImportError(f"input {i} is a {type(t).__name__}, expected a tensor")
+            if t.device.type != "cpu":
+                raise TorchImportError(f"input {i} is on {t.device}; a plan takes host tensors: pass it with .cpu()")
+            if t.requires_grad and torch.is_grad_enabled():
+                raise TorchImportError(
+                    f"input {i} requires grad, but a plan computes no gradients: call it under torch.no_grad() or "
+                    "torch.inference_mode(), or pass the input detached"
+                )
             if tuple(t.shape) != shape or t.dtype != dtype:
                 raise TorchImportError(
                     f"input {i} is {_describe(t)}, but the plan was made for "

@@ -337,3 +337,25 @@ def test_repeats_obey_the_time_budget(chain):
                  options=SearchOptions(max_candidates=2, warmup=0, repeats=10**8, time_budget_s=1.0),
                  log=SearchLog(enabled=False))
     assert res.elapsed_s < 15  # the baseline's 10^8 repeats stopped at the budget
+
+
+def test_the_model_backend_executes_only_the_baseline_and_each_new_best(chain, monkeypatch):
+    """Its timings are the cost model's: a candidate whose estimate cannot win is recorded, not executed."""
+    from fusion_planner.backends.model import ModelBackend, ReplayedPlan
+
+    executed = []
+    real = ReplayedPlan.run
+    monkeypatch.setattr(ReplayedPlan, "run", lambda self, inputs: executed.append(self.plan.key) or real(self, inputs))
+    res = search(chain, ModelBackend(chain.spec), options=SearchOptions(max_candidates=12, **FAST))
+    timed = [e for e in res.entries if e.meas_us is not None]
+    assert len(timed) > len(executed) >= 2
+    bests, best = [], float("inf")
+    for e in res.entries:  # the baseline first, then each candidate that beat every one before it
+        if e.meas_us is not None and e.meas_us < best:
+            best = e.meas_us
+            bests.append(e.plan.key)
+    assert executed == bests and res.best.key == bests[-1]
+    assert next(e for e in res.entries if e.plan.key == res.best.key).verified
+    assert all(not e.verified for e in res.entries if e.plan.key not in executed)
+    verify_only = search(chain, VerifyOnlyBackend(chain.spec), options=SearchOptions(max_candidates=4, **FAST))
+    assert sum(e.verified for e in verify_only.entries) == 1 + 4  # no time to compare: every one tried is executed

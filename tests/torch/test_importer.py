@@ -431,3 +431,36 @@ def test_torch_backed_kernels_decode_once_and_run_on_the_plans_buffers(monkeypat
         assert allclose_report(got.numpy(), want.numpy(), "fp32")[0]
     assert checks == []  # each call description was checked and decoded when the plan was built
     result.compiled.execute()  # the bare kernels on the inputs already loaded
+
+
+def test_a_call_that_needs_autograd_or_another_device_is_a_clear_error() -> None:
+    m, x = _model("mlp-relu", torch.float32)
+    result = fusion_planner.plan(m, (x,), backend="reference")
+    with pytest.raises(TorchImportError, match="requires grad.*torch.no_grad"):
+        result(x.clone().requires_grad_())
+    with torch.no_grad():
+        _assert_close(result(x.clone().requires_grad_()), m(x))  # no gradient asked for: fine
+    with pytest.raises(TorchImportError, match="on meta; a plan takes host tensors"):
+        result(torch.empty(x.shape, device="meta"))
+
+
+def test_torch_compile_runs_a_graph_that_needs_gradients_eagerly() -> None:
+    torch._dynamo.reset()
+    m, x = _model("residual", torch.float32)
+    compiled = torch.compile(m, backend="fusion_planner")
+    xg = x.clone().requires_grad_()
+    out = compiled(xg)
+    out.sum().backward()  # the eager graph keeps autograd
+    assert xg.grad is not None
+    _assert_close(out.detach(), m(x))
+    torch._dynamo.reset()
+
+
+def test_the_plan_is_re_measured_against_eager_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    m, x = _model("mlp-relu", torch.float32)
+    result = fusion_planner.plan(m, (x,), backend="cpu", max_candidates=2, cache=False, threads=1)
+    assert result.vs_eager is not None and result.vs_eager > 0
+    assert result.log[-1].startswith("vs eager torch: ") and "interleaved" in result.log[-1]
+    assert "vs eager torch" in result.table() and "best vs unfused" in result.table()
+    assert result.to_json()["vs_eager_torch"] == round(result.vs_eager, 4)
+    assert fusion_planner.plan(m, (x,), backend="reference").vs_eager is None  # nothing is timed there
