@@ -222,8 +222,11 @@ def _loop_function(in_ctypes: list[str], out_ctype: str, stmts: list[str], store
     )
 
 
-#: floats per block of a streaming kernel: computed into an L1-resident buffer, then streamed out
-STREAM_BLOCK = 1024
+#: floats per block of a streaming kernel: computed into an L1-resident buffer, then streamed out; and how
+#: many elements ahead each input is prefetched.  Measured on one thread here (n = 110M, a 440 MB output):
+#: blocks of 1,024 without prefetch reached 70% of memcpy, blocks of 128 prefetched 2,048 ahead 95-100%.
+STREAM_BLOCK = 128
+STREAM_PREFETCH = 2048
 
 #: A flat call's loop in blocks: the vectorised loop writes each block into an aligned buffer that
 #: stays in L1, and non-temporal stores move it to memory without first reading the destination's
@@ -239,6 +242,7 @@ static void fp_stream({params}, float* restrict out, int64_t n) {{
     float tmp[FP_STREAM_BLOCK] __attribute__((aligned(32)));
     int64_t i = head;
     for (; i + FP_STREAM_BLOCK <= n; i += FP_STREAM_BLOCK) {{
+        for (int64_t k = 0; k < FP_STREAM_BLOCK; k += 16) {{ {prefetch} }}
         fp_block({argsi}, tmp, FP_STREAM_BLOCK);
         for (int64_t j = 0; j < FP_STREAM_BLOCK; j += 8) _mm256_stream_ps(out + i + j, _mm256_load_ps(tmp + j));
     }}
@@ -259,8 +263,9 @@ def _streaming_function(in_ctypes: list[str], stmts: list[str], store: str) -> s
              f"        out[r * cols + c] = {store};\n"
              "    }\n}\n")
     names = [f"t{i}" for i in range(len(in_ctypes))]
+    prefetch = " ".join(f"__builtin_prefetch({n} + i + k + FP_STREAM_PREFETCH);" for n in names)
     stream = STREAM_SOURCE.format(params=", ".join(sig), args0=", ".join(names),
-                                  argsi=", ".join(f"{n} + i" for n in names))
+                                  argsi=", ".join(f"{n} + i" for n in names), prefetch=prefetch)
     main = _loop_function(in_ctypes, "float", stmts, store)
     head, _, loops = main.partition(f"void {SYMBOL}(")
     signature, _, rest = loops.partition("{\n")
@@ -268,7 +273,7 @@ def _streaming_function(in_ctypes: list[str], stmts: list[str], store: str) -> s
                 "    if (r1 - r0 == 1) {\n"
                 f"        fp_stream({', '.join(f'{n} + r0 * cols' for n in names)}, out + r0 * cols, cols);\n"
                 "        return;\n    }\n#endif\n")
-    return (head + f"#define FP_STREAM_BLOCK {STREAM_BLOCK}\n" + block + stream
+    return (head + f"#define FP_STREAM_BLOCK {STREAM_BLOCK}\n#define FP_STREAM_PREFETCH {STREAM_PREFETCH}\n" + block + stream
             + f"\nvoid {SYMBOL}(" + signature + "{\n" + dispatch + rest)
 
 
