@@ -323,7 +323,6 @@ def steady(workload: str, rounds: int) -> dict[str, Any]:
 def kernel_bandwidth(result: Any) -> list[dict[str, Any]]:
     """Each fused (multi-op) kernel of an ew-chain plan, rebuilt alone at the bandwidth array size and
     timed interleaved with memcpy: byte ledger / time as a fraction of memcpy's bandwidth."""
-    import numpy as np
 
     from fusion_planner.core import examples
 
@@ -344,8 +343,8 @@ def kernel_bandwidth(result: Any) -> list[dict[str, Any]]:
     backend = CpuBackend(spec)
     compiled = backend.compile(plan)
     compiled.run(random_inputs(big, seed=0))
-    src = np.random.default_rng(1).standard_normal(n).astype(np.float32)
-    dst = np.empty_like(src)
+    compiled.execute()  # every kernel's output in the plan's own buffers, pages touched
+    copy, src = pooled_copy(n, backend.pool)
     rows = []
     for i, (step, facts) in enumerate(zip(compiled.steps, compiled.kernel_facts, strict=True)):
         if len(step.kernel.ops) < 2:
@@ -353,10 +352,10 @@ def kernel_bandwidth(result: Any) -> list[dict[str, Any]]:
         ks, cs = [], []
         for _ in range(7):
             ks += _time_us(step.call, 3)
-            cs += _time_us(lambda: np.copyto(dst, src), 3)
+            cs += _time_us(copy, 3)
         kern_gbps = facts["bytes_moved"] / (statistics.median(ks) * 1e3)
         copy_gbps = 2 * src.nbytes / (statistics.median(cs) * 1e3)
-        rows.append({"kernel": i, "ops": step.kernel.describe(), "gbps": kern_gbps, "memcpy_gbps": copy_gbps,
+        rows.append({"kernel": i, "ops": f"kernel {i}: {len(step.kernel.ops)} ops", "gbps": kern_gbps, "memcpy_gbps": copy_gbps,
                      "fraction": kern_gbps / copy_gbps})
     return rows
 
@@ -367,6 +366,24 @@ def bandwidth_elements() -> int:
     return max(EW_N, 4 * cache_bytes()[0] // 4)
 
 
+def pooled_copy(n: int, pool: Any) -> tuple[Callable[[], None], Any]:
+    """memcpy of ``n`` fp32 on the pool's threads (numpy's copy is single-threaded): each thread copies a
+    contiguous share, as the plan's kernels split their elements; and the source array."""
+    import numpy as np
+
+    from fusion_planner.backends.cpu.parallel import split
+
+    src = np.random.default_rng(1).standard_normal(n, dtype=np.float32)
+    dst = np.empty_like(src)
+    dst[...] = 0
+    parts = split(n, pool.threads, 16)
+
+    def copy() -> None:
+        pool.run([lambda s=s, e=e: np.copyto(dst[s:e], src[s:e]) for s, e in parts])
+
+    return copy, src
+
+
 def stream(rounds: int) -> dict[str, float]:
     """memcpy and triad bandwidth (GB/s) on arrays of at least 4x the last-level cache, on this process's
     thread count (numpy is single-threaded: with more cores, the arrays are split across threads)."""
@@ -375,13 +392,10 @@ def stream(rounds: int) -> dict[str, float]:
     from fusion_planner.backends.cpu.parallel import WorkerPool, split, threads_from_env
 
     n = bandwidth_elements()
-    a = np.random.default_rng(0).standard_normal(n).astype(np.float32)
-    b, c = a[::-1].copy(), np.empty_like(a)
     pool = WorkerPool(threads_from_env())
+    copy, a = pooled_copy(n, pool)
+    b, c = a[::-1].copy(), np.empty_like(a)
     parts = split(n, pool.threads, 16)
-
-    def copy() -> None:
-        pool.run([lambda s=s, e=e: np.copyto(c[s:e], a[s:e]) for s, e in parts])
 
     def triad() -> None:
         pool.run([lambda s=s, e=e: np.add(a[s:e], b[s:e], out=c[s:e]) for s, e in parts])
@@ -396,18 +410,22 @@ def stream(rounds: int) -> dict[str, float]:
 
 def first_call(workload: str, contender: str) -> dict[str, Any]:
     """In a fresh process: build the contender and call it once; wall time and peak RSS growth."""
-    import fusion_planner  # noqa: F401 - imported before the clock starts, like torch and jax
+    import fusion_planner.api  # noqa: F401 - the library imported before the clock starts, like torch and jax
 
     if contender == "jax.jit":
         import jax  # noqa: F401
     w = build_workload(workload)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
-    fn, _ = make_contender(w, contender)
+    fn, planned = make_contender(w, contender)
+    t_built = time.perf_counter()
     fn()
     wall = time.perf_counter() - t0
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"first_call_s": wall, "peak_rss_growth_mb": (rss1 - rss0) / 1024}
+    out = {"first_call_s": wall, "peak_rss_growth_mb": (rss1 - rss0) / 1024}
+    if planned is not None:  # fusion-planner: fusion_planner.plan alone
+        out["plan_s"] = t_built - t0
+    return out
 
 
 # ---------------------------------------------------------------- the parent
@@ -507,13 +525,14 @@ def targets(steady_rows: dict[str, list[dict[str, Any]]], firsts: dict[str, dict
                 ov = (m["fp.call"] - m["fp.bare"]) / m["fp.bare"]
                 out.append(f"- {row['workload']} ({mode}): call overhead ≤ 5% of the bare kernels: {ov:+.1%} — {verdict(ov <= 0.05)}")
             for b in row.get("bandwidth", []):
-                out.append(f"- {row['workload']} ({mode}) kernel {b['ops']}: ≥ 90% of memcpy: {b['fraction']:.0%} — "
+                out.append(f"- {row['workload']} ({mode}) {b['ops']}: ≥ 90% of memcpy: {b['fraction']:.0%} — "
                            f"{verdict(b['fraction'] >= 0.9)}")
     for wl, per in firsts.items():
         ours, tc = per["fp.call"], per["torch.compile"]
-        out.append(f"- {wl}: cold plan {ours['cold']['first_call_s']:.2f} s vs torch.compile cold "
+        out.append(f"- {wl}: cold first call {ours['cold']['first_call_s']:.2f} s vs torch.compile cold "
                    f"{tc['cold']['first_call_s']:.2f} s — {verdict(ours['cold']['first_call_s'] <= tc['cold']['first_call_s'])}; "
-                   f"warm {ours['warm']['first_call_s']:.2f} s ≤ 0.5 s — {verdict(ours['warm']['first_call_s'] <= 0.5)}")
+                   f"warm `fusion_planner.plan` {ours['warm']['plan_s']:.2f} s ≤ 0.5 s — {verdict(ours['warm']['plan_s'] <= 0.5)}"
+                   f" (warm first call {ours['warm']['first_call_s']:.2f} s)")
     return out + [""]
 
 

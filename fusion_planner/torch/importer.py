@@ -589,6 +589,33 @@ class _Importer:
         bname = bias.name if isinstance(bias, _T) else f"{node.name}_bias"
         return self.emit(node, "BiasAdd", [mm.id, self.use(bias, bname)], None, concrete.shape, concrete.dtype)
 
+    def map_matmul(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
+        """``x @ w`` with ``w`` 2-D (a weight, or any stored matrix): one MatMul on ``x``'s rows."""
+        if len(args) != 2 or kwargs:
+            return None
+        return self.gemm(node, args[0], args[1], None, concrete)
+
+    def map_addmm(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
+        """``torch.addmm(b, x, w)`` (GPT-2's Conv1D) with a row-vector ``b``: MatMul + BiasAdd."""
+        if len(args) != 3 or any(kwargs.get(k, 1) != 1 for k in ("beta", "alpha")) or set(kwargs) - {"beta", "alpha"}:
+            return None
+        bias, x, w = args
+        if not _is_tensor(bias) or len(bias.shape) != 1:
+            return None
+        return self.gemm(node, x, w, bias, concrete)
+
+    def gemm(self, node: fx.Node, x: Any, w: Any, bias: Any, concrete: Any) -> _T | None:
+        if not (isinstance(x, _T) and len(x.shape) >= 2 and _is_tensor(w) and len(w.shape) == 2
+                and isinstance(concrete, torch.Tensor) and x.dtype == w.dtype == concrete.dtype):
+            return None
+        wname = w.name if isinstance(w, _T) else f"{node.name}_weight"
+        mm = self.emit(node, "MatMul", [self.use(x, node.name), self.use(w, wname)], None,
+                       concrete.shape, concrete.dtype, suffix="_mm" if bias is not None else "")
+        if bias is None:
+            return mm
+        bname = bias.name if isinstance(bias, _T) else f"{node.name}_bias"
+        return self.emit(node, "BiasAdd", [self.use(mm, node.name), self.use(bias, bname)], None, concrete.shape, concrete.dtype)
+
     def affine(self, node: fx.Node, x: _T, a: float, b: float, concrete: torch.Tensor, suffix: str = "") -> _T:
         return self.emit(node, "Affine", [self.use(x, node.name)], {"a": float(a), "b": float(b)},
                          concrete.shape, concrete.dtype, suffix)

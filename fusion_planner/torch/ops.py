@@ -71,6 +71,9 @@ def _canon(kind: str, *targets: Any) -> None:
 
 _aten = torch.ops.aten
 _canon("linear", F.linear, torch._C._nn.linear, _aten.linear.default)
+_canon("matmul", operator.matmul, torch.matmul, torch.mm, _aten.mm.default, _aten.matmul.default,
+       ("method", "matmul"), ("method", "mm"))
+_canon("addmm", torch.addmm, _aten.addmm.default)
 _canon("gelu", F.gelu, torch._C._nn.gelu, _aten.gelu.default)
 _canon("relu", F.relu, torch.relu, _aten.relu.default, ("method", "relu"))
 _canon("silu", F.silu, torch._C._nn.silu if hasattr(torch._C._nn, "silu") else F.silu, _aten.silu.default)

@@ -464,3 +464,31 @@ def test_the_plan_is_re_measured_against_eager_torch(monkeypatch: pytest.MonkeyP
     assert "vs eager torch" in result.table() and "best vs unfused" in result.table()
     assert result.to_json()["vs_eager_torch"] == round(result.vs_eager, 4)
     assert fusion_planner.plan(m, (x,), backend="reference").vs_eager is None  # nothing is timed there
+
+
+class MatmulEpilogue(nn.Module):
+    """``x @ w + b`` written out, and GPT-2's Conv1D (``torch.addmm`` on the flattened rows)."""
+
+    def __init__(self, d: int = 16, hidden: int = 32) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d, hidden) / 4)
+        self.b = nn.Parameter(torch.randn(hidden))
+        self.w2 = nn.Parameter(torch.randn(hidden, d) / 4)
+        self.b2 = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        h = F.gelu(x @ self.w + self.b, approximate="tanh")
+        out = torch.addmm(self.b2, h.view(-1, h.shape[-1]), self.w2)
+        return out.view(x.shape) + x
+
+
+def test_matmul_and_addmm_are_gemms_with_their_bias() -> None:
+    m = MatmulEpilogue().eval()
+    x = torch.randn(2, 4, 16)
+    imported = import_module(m, (x,))
+    ops = [n.op for n in imported.graph.ops]
+    assert ops.count("MatMul") == 2 and ops.count("BiasAdd") == 2 and "Opaque" not in ops
+    result = fusion_planner.plan(m, (x,), backend="cpu", max_candidates=4, cache=False, threads=1)
+    assert "opaque" not in result.plan.composition() and "gemm" in result.plan.composition().replace("cublaslt", "gemm")
+    with torch.no_grad():
+        _assert_close(result(x), m(x))
