@@ -105,7 +105,8 @@ def main() -> int:
     if args.out:
         cmd = "python benchmarks/cpu_backend.py " + " ".join(sys.argv[1:])
         meta = (
-            f"Command: `{cmd}`  \nMachine: {platform.machine()}, {os.cpu_count()} CPUs, {cpu_model()}  \n"
+            f"Command: `{cmd}`  \nMachine: {platform.machine()}, {os.cpu_count()} CPUs, {cpu_model()}; "
+            f"the plans on {backend.threads} thread(s)  \n"
             f"Date: {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}, n = {args.n:,} fp32, "
             f"load average {load_before:.1f} before / {os.getloadavg()[0]:.1f} after (other jobs share the machine)\n\n"
         )
@@ -113,9 +114,8 @@ def main() -> int:
             "\n\nOne thread (run pinned: `OMP_NUM_THREADS=1 taskset -c 1`). The fused plan is one generated C loop; "
             "the unfused plan one generated kernel per op. memcpy is numpy's `copyto` and triad `add(a, b, out=c)` on "
             f"{args.n:,}-element fp32 arrays, timed in the same rounds; GB/s counts bytes read plus written "
-            "(the byte ledger's bytes for the fused kernel). The fused loop writes with ordinary stores, which read each "
-            "output line before writing it (write-allocate); glibc's memcpy streams large copies past the cache "
-            "without that read.\n"
+            "(the byte ledger's bytes for the fused kernel). Outputs of at least an eighth of the last-level cache are "
+            "written with streaming stores, as glibc's memcpy writes large copies (docs/backends.md).\n"
         )
         Path(args.out).write_text("# CPU backend: fused vs unfused ew-chain\n\n" + meta + "\n".join(lines) + note)
     return 0

@@ -9,8 +9,8 @@ Needs ``jax`` in the benchmark's environment (``pip install "jax[cpu]"``; the te
   ``all``: every core of the affinity mask), every library limited to that many threads through
   its own settings before it starts: all contenders of a workload are built, checked against
   eager torch, warmed, then timed in interleaved rounds (each round times every contender
-  three times, in turn), so they see the same machine load; a figure is the median over all
-  rounds' samples.  fusion-planner is timed twice: the bare kernels (the compiled plan on
+  three times, in turn, the order rotating from round to round), so they see the same machine
+  load and each follows every other as often; a figure is the median over all rounds' samples.  fusion-planner is timed twice: the bare kernels (the compiled plan on
   inputs already in its buffers) and the end-to-end call (torch tensors in, torch tensors out).
 * **Bandwidth**: memcpy and triad on the same thread count, on arrays of at least 4x the
   last-level cache, and each memory-bound fused kernel (the ew-chain ones) on that array size:
@@ -307,9 +307,10 @@ def steady(workload: str, rounds: int) -> dict[str, Any]:
         for _ in range(2):
             fn()
     samples: dict[str, list[float]] = {c: [] for c in calls}
-    for _ in range(rounds):
-        for c, fn in calls.items():
-            samples[c] += _time_us(fn, 3)
+    order = list(calls)
+    for r in range(rounds):  # the order rotates: each contender follows each other one as often (a library's
+        for c in order[r % len(order):] + order[: r % len(order)]:  # spinning pool slows whoever runs next)
+            samples[c] += _time_us(calls[c], 3)
     result = plans["fp.call"]
     med = {c: statistics.median(v) for c, v in samples.items()}
     out: dict[str, Any] = {"workload": workload, "median_us": med, "errors": errors,

@@ -38,6 +38,7 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fusion_planner.backends import get_backend  # noqa: E402
+from fusion_planner.backends.cpu.parallel import threads_from_env  # noqa: E402
 from fusion_planner.core.cost import DeviceSpec, load_device  # noqa: E402
 from fusion_planner.core.examples import ew_chain, mlp_epilogue  # noqa: E402
 from fusion_planner.core.graph import Graph  # noqa: E402
@@ -120,7 +121,7 @@ def main() -> int:
         "",
         f"Command: `{cmd}`  ",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, {cpu_model()}; "
-        f"OPENBLAS_NUM_THREADS={os.environ['OPENBLAS_NUM_THREADS']}  ",
+        f"OPENBLAS_NUM_THREADS={os.environ['OPENBLAS_NUM_THREADS']}; plans on {threads_from_env()} thread(s)  ",
         f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; total {time.perf_counter() - t0:.0f} s  ",
         f"Cost model: `{spec.name}`: {spec.source or 'spec file ' + str(args.device)}",
         "",
