@@ -73,16 +73,9 @@ DEFAULT_BLAS_THREADS = 1
 
 
 def blas_threads_from_env() -> int | None:
-    raw = os.environ.get("FUSION_PLANNER_BLAS_THREADS", "").strip()
-    if not raw:
-        return DEFAULT_BLAS_THREADS
-    try:
-        n = int(raw)
-    except ValueError:
-        raise BackendError(f"FUSION_PLANNER_BLAS_THREADS must be an integer, got {raw!r}") from None
-    if n < 0:
-        raise BackendError(f"FUSION_PLANNER_BLAS_THREADS must be >= 0, got {n}")
-    return n or None
+    """``FUSION_PLANNER_BLAS_THREADS`` (0: the library's default, returned as None), else :data:`DEFAULT_BLAS_THREADS`."""
+    n = parallel.count_from_env("FUSION_PLANNER_BLAS_THREADS")
+    return DEFAULT_BLAS_THREADS if n is None else (n or None)
 
 
 def limit_blas_threads(n: int | None, controller: Any = None) -> contextlib.AbstractContextManager[Any]:

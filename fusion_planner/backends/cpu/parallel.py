@@ -40,18 +40,23 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def threads_from_env() -> int:
-    """``FUSION_PLANNER_THREADS`` when set (0 or empty: all available cores), else all available cores."""
-    raw = os.environ.get("FUSION_PLANNER_THREADS", "").strip()
+def count_from_env(name: str) -> int | None:
+    """The non-negative integer in environment variable ``name``; None when it is unset or empty."""
+    raw = os.environ.get(name, "").strip()
     if not raw:
-        return available_cores()
+        return None
     try:
         n = int(raw)
     except ValueError:
-        raise BackendError(f"FUSION_PLANNER_THREADS must be an integer, got {raw!r}") from None
+        raise BackendError(f"{name} must be an integer, got {raw!r}") from None
     if n < 0:
-        raise BackendError(f"FUSION_PLANNER_THREADS must be >= 0, got {n}")
-    return n or available_cores()
+        raise BackendError(f"{name} must be >= 0, got {n}")
+    return n
+
+
+def threads_from_env() -> int:
+    """``FUSION_PLANNER_THREADS`` when set (0 or empty: all available cores), else all available cores."""
+    return count_from_env("FUSION_PLANNER_THREADS") or available_cores()
 
 
 def check_threads(threads: int | None) -> int:
