@@ -44,9 +44,12 @@ class CupyCompiledPlan(CompiledPlan):
     def _load(self, inputs: Mapping[str, np.ndarray]) -> None:
         from fusion_planner.backends.cupy.gpu import to_device
 
-        for name, buf in self.prepared.bufs.items():
-            if name in inputs:
-                buf[...] = to_device(inputs[name], self.plan.tensors[name].dtype)
+        # on the plan's own (non-blocking) stream, so the copies are ordered before its kernels; on the
+        # legacy default stream nothing ordered them (issue 15, finding 5)
+        with self.prepared.stream:
+            for name, buf in self.prepared.bufs.items():
+                if name in inputs:
+                    buf[...] = to_device(inputs[name], self.plan.tensors[name].dtype)
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         self._load(inputs)
