@@ -132,3 +132,121 @@ def test_a_norm_without_inputs_is_refused():
     node["inputs"] = []
     with pytest.raises(GraphError, match="norm"):
         graph_from_json(doc, "norm.json")
+
+
+# ---------------------------------------------------------------- plan files
+
+
+def _plan_seeds() -> list[dict]:
+    from fusion_planner.core.cost import load_device
+    from fusion_planner.core.planfile import plan_document
+
+    spec = load_device("h200")
+    out = []
+    for g in (ew_chain(3, 64), mlp_epilogue(8, 16, 8, "fp32"), transformer(1, 16, 4, "fp32")):
+        cands = build_candidates(g, spec, cap=16, k=4)
+        out += [plan_document(p, g, spec, {"backend": "fuzz"}) for p in (cands.best, cands.unfused)]
+    return out
+
+
+PLAN_SEEDS = _plan_seeds()
+
+
+@st.composite
+def mutated_plan(draw):
+    """A saved plan mutated as a hostile author would, the content hash recomputed so the checks behind it run."""
+    from fusion_planner.core.planfile import content_hash
+
+    doc = copy.deepcopy(draw(st.sampled_from(PLAN_SEEDS)))
+    for _ in range(draw(st.integers(1, 3))):
+        _, container, key = draw(st.sampled_from(list(_paths(doc))))
+        action = draw(st.sampled_from(["replace", "delete", "duplicate"]))
+        if action == "replace":
+            container[key] = draw(JUNK)
+        elif action == "delete" and isinstance(container, dict):
+            del container[key]
+        elif action == "duplicate" and isinstance(container, list) and container:
+            container.insert(draw(st.integers(0, len(container))), copy.deepcopy(container[key]))
+    if isinstance(doc, dict) and draw(st.booleans()):
+        doc["sha256"] = content_hash(doc)
+    return doc
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(mutated_plan())
+def test_mutated_plan_files_load_or_are_refused_by_name(doc):
+    from fusion_planner.backends.base import BackendError
+    from fusion_planner.backends.reference import execute_plan
+    from fusion_planner.core.planfile import plan_from_document
+
+    try:
+        plan, graph, _, _ = plan_from_document(doc, "fuzz-plan.json")
+    except USER_ERRORS as exc:
+        assert "fuzz-plan.json" in str(exc), exc
+        return
+    try:  # a plan that loads runs on the reference executor, or is refused by name
+        execute_plan(plan, random_inputs(graph, 0))
+    except (*USER_ERRORS, BackendError):
+        pass
+
+
+# ---------------------------------------------------------------- bundles and measured results (the GPU round trip)
+
+
+def _bundle_seeds() -> list[dict]:
+    from fusion_planner.backends.cupy.bundle import export_bundle
+
+    return [json.loads(json.dumps(export_bundle(build_candidates(g, "h200", cap=8, k=4))))
+            for g in (ew_chain(2, 64), mlp_epilogue(8, 16, 8, "fp32"))]
+
+
+BUNDLE_SEEDS = _bundle_seeds()
+MEASURED_SEED = {
+    "schema": "fusion-planner/measured/1", "machine": {"executor": "cupy"},
+    "candidates": [{"key": "k1", "plan": "[3]", "verdict": "timed", "meas_us": 12.5, "samples_us": [12.0, 13.0],
+                    "kernels": [{"regs": 32}], "graph_us": 10.0},
+                   {"key": "k2", "plan": "[1,1,1]", "verdict": "rejected: x", "meas_us": None}],
+}
+
+
+def _mutate(draw, seeds):  # noqa: ANN001, ANN202
+    doc = copy.deepcopy(draw(st.sampled_from(seeds)))
+    for _ in range(draw(st.integers(1, 3))):
+        _, container, key = draw(st.sampled_from(list(_paths(doc))))
+        action = draw(st.sampled_from(["replace", "delete", "duplicate"]))
+        if action == "replace":
+            container[key] = draw(JUNK)
+        elif action == "delete" and isinstance(container, dict):
+            del container[key]
+        elif action == "duplicate" and isinstance(container, list) and container:
+            container.insert(draw(st.integers(0, len(container))), copy.deepcopy(container[key]))
+    return doc
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(st.data())
+def test_mutated_bundles_load_or_are_refused_by_name(data):
+    from fusion_planner.backends.cupy.bundle import BundleError, bundle_from_json
+
+    doc = _mutate(data.draw, BUNDLE_SEEDS)
+    try:
+        bundle_from_json(doc, "fuzz-bundle.json")
+    except (BundleError, *USER_ERRORS) as exc:
+        assert "fuzz-bundle.json" in str(exc) or isinstance(exc, USER_ERRORS), exc
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(st.data())
+def test_mutated_measured_files_load_or_are_refused_by_name(data):
+    from fusion_planner.backends.cupy.runner import MEASURED_SCHEMA, MeasuredError, measured_from_json
+
+    assert MEASURED_SEED["schema"] == MEASURED_SCHEMA
+    doc = _mutate(data.draw, [MEASURED_SEED])
+    try:
+        out = measured_from_json(doc, "fuzz-measured.json")
+    except MeasuredError as exc:
+        assert str(exc).startswith("fuzz-measured.json"), exc
+        return
+    for m in out.values():  # what loads is usable: finite positive times only
+        assert m.meas_us is None or (math.isfinite(m.meas_us) and m.meas_us > 0)
+        assert all(math.isfinite(s) and s > 0 for s in m.samples_us)

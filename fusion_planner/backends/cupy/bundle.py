@@ -220,7 +220,13 @@ def candidate_from_json(d: Mapping[str, Any], graph: str, tensors: dict[str, Ten
 def bundle_from_json(data: Any, source: str = "<json>") -> Bundle:
     """Parse a candidates bundle as untrusted data (torch names checked as in docs/security.md)."""
     with loading_file():
-        return _bundle_from_json(data, source)
+        try:
+            return _bundle_from_json(data, source)
+        except BundleError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as exc:
+            # a field of the wrong type or shape anywhere in the document: refused, naming the file
+            raise BundleError(f"{source}: malformed bundle ({type(exc).__name__}: {exc})") from None
 
 
 def _bundle_from_json(data: Any, source: str) -> Bundle:

@@ -25,6 +25,7 @@ import numpy as np
 
 from fusion_planner.backends.cupy.bundle import Bundle, Candidate
 from fusion_planner.backends.reference import execute_plan
+from fusion_planner.core.files import read_limited
 from fusion_planner.core.kinds import Verdict, rejected
 from fusion_planner.core.machine import cpu_model
 from fusion_planner.core.tolerance import check_outputs
@@ -245,32 +246,60 @@ def load_measured(path: str | Path) -> dict[str, Measurement]:
     """``measured.json`` (from ``python -m fusion_planner.backends.cupy time``) as ``{plan_key: Measurement}``."""
     p = Path(path)
     try:
-        data = json.loads(p.read_text())
+        data = json.loads(read_limited(p, MeasuredError, "measured-results file"))
     except json.JSONDecodeError as exc:
         raise MeasuredError(f"{p}: not JSON ({exc})") from None
+    return measured_from_json(data, str(p))
+
+
+def measured_from_json(data: Any, source: str) -> dict[str, Measurement]:
+    """A measured-results document, checked field by field as untrusted data (``source`` names it in errors)."""
     if not isinstance(data, dict) or data.get("schema") != MEASURED_SCHEMA:
-        raise MeasuredError(f"{p}: not a measured-results file (schema {MEASURED_SCHEMA!r} expected)")
-    executor = str((data.get("machine") or {}).get("executor", "?"))
+        raise MeasuredError(f"{source}: not a measured-results file (schema {MEASURED_SCHEMA!r} expected)")
+    machine = data.get("machine") or {}
+    if not isinstance(machine, dict):
+        raise MeasuredError(f"{source}: 'machine' must be an object")
+    executor = str(machine.get("executor", "?"))
+    candidates = data.get("candidates") or []
+    if not isinstance(candidates, list):
+        raise MeasuredError(f"{source}: 'candidates' must be a list")
     out: dict[str, Measurement] = {}
-    for i, c in enumerate(data.get("candidates") or []):
-        where = f"{p}: candidates[{i}]"
+    for i, c in enumerate(candidates):
+        where = f"{source}: candidates[{i}]"
         if not isinstance(c, dict) or not isinstance(c.get("key"), str) or not isinstance(c.get("verdict"), str):
             raise MeasuredError(f"{where}: needs string fields 'key' and 'verdict'")
-        meas = c.get("meas_us")
-        if meas is not None and (not isinstance(meas, (int, float)) or meas <= 0):
-            raise MeasuredError(f"{where}: 'meas_us' must be a positive number or null")
+        kernels = c.get("kernels") or []
+        if not isinstance(kernels, list) or not all(isinstance(k, dict) for k in kernels):
+            raise MeasuredError(f"{where}: 'kernels' must be a list of objects")
         graph_us = c.get("graph_us")
         out[c["key"]] = Measurement(
             key=c["key"],
             plan=str(c.get("plan", "")),
-            meas_us=float(meas) if meas is not None else None,
+            meas_us=_positive(c.get("meas_us"), f"{where}: 'meas_us'"),
             verdict=c["verdict"],
-            samples_us=tuple(float(s) for s in c.get("samples_us") or ()),
-            kernels=tuple(dict(k) for k in c.get("kernels") or ()),
-            graph_us=float(graph_us) if isinstance(graph_us, (int, float)) else None,
+            samples_us=tuple(_samples(c.get("samples_us"), where)),
+            kernels=tuple(dict(k) for k in kernels),
+            graph_us=_positive(graph_us, f"{where}: 'graph_us'") if graph_us is not None else None,
             executor=executor,
         )
     return out
+
+
+def _positive(value: Any, what: str) -> float | None:
+    """A time in µs: a finite positive number, or None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise MeasuredError(f"{what} must be a finite positive number or null, got {value!r}")
+    return float(value)
+
+
+def _samples(values: Any, where: str) -> list[float]:
+    if values is None:
+        return []
+    if not isinstance(values, list):
+        raise MeasuredError(f"{where}: 'samples_us' must be a list of numbers")
+    return [v for v in (_positive(s, f"{where}: a sample") for s in values) if v is not None]
 
 
 def write_measured(result: dict[str, Any], path: str | Path) -> None:
