@@ -9,6 +9,7 @@ register peak is the max over kernels.  ``docs/cost-model.md`` has the tables.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,20 +141,49 @@ def device_from_json(data: Any, source: str = "<json>") -> DeviceSpec:
     for req in ("name", "bandwidth_gbps", "matmul_tflops", "vector_tflops", "launch_us"):
         if req not in data:
             raise DeviceSpecError(f"device file {source}: missing field {req!r}")
-    try:
-        spec = DeviceSpec(**data)
-    except TypeError as exc:
-        raise DeviceSpecError(f"device file {source}: {exc}") from None
-    for fname in ("bandwidth_gbps", "vector_tflops"):
-        if not isinstance(getattr(spec, fname), (int, float)) or getattr(spec, fname) <= 0:
-            raise DeviceSpecError(f"device file {source}: {fname!r} must be a positive number")
-    if not isinstance(spec.matmul_tflops, dict) or not all(
-        d in spec.matmul_tflops and spec.matmul_tflops[d] > 0 for d in DTYPE_BYTES
-    ):
+    for fname, value in data.items():
+        problem = _field_problem(fname, value)
+        if problem:
+            raise DeviceSpecError(f"device file {source}: {fname!r} {problem}")
+    if not all(d in data["matmul_tflops"] for d in DTYPE_BYTES):
         raise DeviceSpecError(
             f"device file {source}: 'matmul_tflops' needs a positive entry for each of {sorted(DTYPE_BYTES)}"
         )
-    return spec
+    return DeviceSpec(**data)
+
+
+#: how each field of a device file is checked: kind, and whether zero is allowed
+_FIELD_KINDS: dict[str, str] = {
+    "name": "str", "source": "str", "measured_registers": "bool",
+    "bandwidth_gbps": "positive", "vector_tflops": "positive", "spill_penalty": "positive",
+    "launch_us": "non-negative",
+    "reg_limit": "count", "sm_count": "count", "regs_per_sm": "count", "max_threads_per_sm": "count",
+    "max_blocks_per_sm": "count", "smem_per_sm": "count",
+    "matmul_tflops": "rates", "gemm_efficiency": "rates",
+}
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _field_problem(name: str, value: Any) -> str | None:
+    """Why ``value`` cannot be device field ``name`` (None when it can)."""
+    kind = _FIELD_KINDS[name]
+    if kind == "str":
+        return None if isinstance(value, str) else "must be a string"
+    if kind == "bool":
+        return None if isinstance(value, bool) else "must be true or false"
+    if kind == "positive":
+        return None if _is_number(value) and value > 0 else "must be a finite positive number"
+    if kind == "non-negative":
+        return None if _is_number(value) and value >= 0 else "must be a finite number >= 0"
+    if kind == "count":
+        return None if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 2**31 else \
+            "must be a positive integer"
+    if not isinstance(value, dict) or not all(isinstance(k, str) and _is_number(v) and v > 0 for k, v in value.items()):
+        return "must map names to finite positive numbers"
+    return None
 
 
 # ---------------------------------------------------------------- ledgers

@@ -222,12 +222,25 @@ def check_plan(plan: Plan, graph: Graph, source: str = "<plan>") -> None:
         for e in k.body.walk():
             if e.node in graph and graph[e.node].type != e.type:
                 raise PlanFileError(f"{where}: value {e.node!r} has type {e.type}, the graph says {graph[e.node].type}")
+            _check_inferred(e, graph, where)
         memory.add(k.out)
     if len(plan.outputs) != len(graph.outputs):
         raise PlanFileError(f"{source}: plan has {len(plan.outputs)} outputs, graph {graph.name!r} has {len(graph.outputs)}")
     for o in plan.outputs:
         if o not in memory:
             raise PlanFileError(f"{source}: output {o!r} is never written")
+
+
+def _check_inferred(e: Expr, graph: Graph, where: str) -> None:
+    """The recorded shape of a body node must be what its op's shape rule gives for its operands (a node
+    the graph does not name, such as a cuBLASLt body's inner value, is checked this way only)."""
+    shapes = [tuple(graph[a.tensor].type.shape) if isinstance(a, Load) else tuple(a.type.shape) for a in e.args]
+    try:
+        want = tuple(op_def(e.op).out_shape(shapes, e.attr_dict))
+    except (OpError, ValueError, TypeError, IndexError) as exc:
+        raise PlanFileError(f"{where}: {e.op} node {e.node!r} does not fit its operands: {exc}") from None
+    if want != tuple(e.type.shape):
+        raise PlanFileError(f"{where}: {e.op} node {e.node!r} records shape {list(e.type.shape)}, its operands give {list(want)}")
 
 
 def _loads(e: Expr | Load) -> set[str]:

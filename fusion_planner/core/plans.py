@@ -192,15 +192,19 @@ def expr_from_json(d: Any, where: str = "body") -> Expr | Load:
     if not isinstance(op, str):
         raise ValueError(f"{where}: missing 'op'")
     opd = op_def(op)
+    raw_attrs, raw_args = d.get("attrs", {}), d.get("args", [])
+    if not isinstance(raw_attrs, dict) or not isinstance(raw_args, list):
+        raise ValueError(f"{where}: {op} needs 'attrs' as an object and 'args' as a list")
     try:
-        attrs = opd.check_attrs(d.get("attrs", {}))
+        attrs = opd.check_attrs(raw_attrs)
     except OpError as exc:
         raise OpError(f"node {d.get('node')!r}: {exc}") from None
-    args = tuple(expr_from_json(a, f"{where}.{op}") for a in d.get("args", []))
+    args = tuple(expr_from_json(a, f"{where}.{op}") for a in raw_args)
     shape = d.get("shape")
     dtype = d.get("dtype")
-    if not isinstance(shape, list) or not isinstance(dtype, str):
-        raise ValueError(f"{where}: {op} needs 'shape' and 'dtype'")
+    if (not isinstance(shape, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape)
+            or not isinstance(dtype, str)):
+        raise ValueError(f"{where}: {op} needs 'shape' (a list of non-negative integers) and 'dtype'")
     return Expr(op, args, tuple(sorted(attrs.items())), str(d.get("node", "")), TensorType(tuple(shape), dtype))
 
 

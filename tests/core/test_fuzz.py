@@ -250,3 +250,36 @@ def test_mutated_measured_files_load_or_are_refused_by_name(data):
     for m in out.values():  # what loads is usable: finite positive times only
         assert m.meas_us is None or (math.isfinite(m.meas_us) and m.meas_us > 0)
         assert all(math.isfinite(s) and s > 0 for s in m.samples_us)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda d: d["device"]["matmul_tflops"].update(fp16=None), "matmul_tflops"),
+    (lambda d: d["device"].update(launch_us="3"), "launch_us"),
+    (lambda d: d["device"].update(sm_count=True), "sm_count"),
+    (lambda d: d["plan"]["kernels"][0]["body"].update(args=7), "'args' as a list"),
+    (lambda d: d["plan"]["kernels"][0]["body"].update(attrs=[1]), "'attrs' as an object"),
+    (lambda d: d["plan"]["kernels"][0]["body"].update(shape=[8, True]), "non-negative integers"),
+])
+def test_plan_file_crash_signatures_are_named_refusals(edit, message):
+    """Signatures the fuzz tests found: each is now a refusal naming the file."""
+    from fusion_planner.core.planfile import content_hash, plan_from_document
+
+    doc = copy.deepcopy(PLAN_SEEDS[0])
+    edit(doc)
+    doc["sha256"] = content_hash(doc)
+    with pytest.raises(USER_ERRORS, match=message):
+        plan_from_document(doc, "sig.json")
+
+
+def test_a_body_whose_recorded_shape_its_operands_do_not_give_is_refused():
+    from fusion_planner.core.planfile import PlanFileError, content_hash, plan_from_document
+
+    doc = copy.deepcopy(PLAN_SEEDS[2])  # mlp-epilogue's fused plan: a GEMM body
+    body = doc["plan"]["kernels"][0]["body"]
+    inner = body
+    while "args" in inner and not any("load" in a for a in inner["args"]):
+        inner = inner["args"][0]
+    inner["shape"] = [8, 8]  # the MatMul of x [8,8] @ w [8,16] recorded as [8,8]
+    doc["sha256"] = content_hash(doc)
+    with pytest.raises(PlanFileError, match="sig.json"):
+        plan_from_document(doc, "sig.json")
