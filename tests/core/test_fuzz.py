@@ -45,12 +45,11 @@ def _paths(doc, prefix=()):
             yield from _paths(v, (*prefix, i))
 
 
-@st.composite
-def mutated(draw):
-    doc = copy.deepcopy(draw(st.sampled_from(SEEDS)))
+def _mutate(draw, seeds):  # noqa: ANN001, ANN202
+    """One of ``seeds``, one to three places replaced by junk, deleted or duplicated."""
+    doc = copy.deepcopy(draw(st.sampled_from(seeds)))
     for _ in range(draw(st.integers(1, 3))):
-        places = list(_paths(doc))
-        _, container, key = draw(st.sampled_from(places))
+        _, container, key = draw(st.sampled_from(list(_paths(doc))))
         action = draw(st.sampled_from(["replace", "delete", "duplicate"]))
         if action == "replace":
             container[key] = draw(JUNK)
@@ -59,6 +58,11 @@ def mutated(draw):
         elif action == "duplicate" and isinstance(container, list) and container:
             container.insert(draw(st.integers(0, len(container))), copy.deepcopy(container[key]))
     return doc
+
+
+@st.composite
+def mutated(draw):
+    return _mutate(draw, SEEDS)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
@@ -157,16 +161,7 @@ def mutated_plan(draw):
     """A saved plan mutated as a hostile author would, the content hash recomputed so the checks behind it run."""
     from fusion_planner.core.planfile import content_hash
 
-    doc = copy.deepcopy(draw(st.sampled_from(PLAN_SEEDS)))
-    for _ in range(draw(st.integers(1, 3))):
-        _, container, key = draw(st.sampled_from(list(_paths(doc))))
-        action = draw(st.sampled_from(["replace", "delete", "duplicate"]))
-        if action == "replace":
-            container[key] = draw(JUNK)
-        elif action == "delete" and isinstance(container, dict):
-            del container[key]
-        elif action == "duplicate" and isinstance(container, list) and container:
-            container.insert(draw(st.integers(0, len(container))), copy.deepcopy(container[key]))
+    doc = _mutate(draw, PLAN_SEEDS)
     if isinstance(doc, dict) and draw(st.booleans()):
         doc["sha256"] = content_hash(doc)
     return doc
@@ -207,20 +202,6 @@ MEASURED_SEED = {
                     "kernels": [{"regs": 32}], "graph_us": 10.0},
                    {"key": "k2", "plan": "[1,1,1]", "verdict": "rejected: x", "meas_us": None}],
 }
-
-
-def _mutate(draw, seeds):  # noqa: ANN001, ANN202
-    doc = copy.deepcopy(draw(st.sampled_from(seeds)))
-    for _ in range(draw(st.integers(1, 3))):
-        _, container, key = draw(st.sampled_from(list(_paths(doc))))
-        action = draw(st.sampled_from(["replace", "delete", "duplicate"]))
-        if action == "replace":
-            container[key] = draw(JUNK)
-        elif action == "delete" and isinstance(container, dict):
-            del container[key]
-        elif action == "duplicate" and isinstance(container, list) and container:
-            container.insert(draw(st.integers(0, len(container))), copy.deepcopy(container[key]))
-    return doc
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
