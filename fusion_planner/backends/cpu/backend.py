@@ -152,13 +152,8 @@ def cache_bytes() -> tuple[int, str]:
 def stream_bytes_default() -> int:
     """``FUSION_PLANNER_STREAM_BYTES``, else an eighth of the last-level cache: an output that large would evict
     most of what the cache holds anyway, so it skips the cache (and the read of each line before its write)."""
-    raw = os.environ.get("FUSION_PLANNER_STREAM_BYTES", "").strip()
-    if raw:
-        try:
-            return int(raw)
-        except ValueError:
-            raise BackendError(f"FUSION_PLANNER_STREAM_BYTES must be an integer, got {raw!r}") from None
-    return cache_bytes()[0] // 8
+    n = parallel.count_from_env("FUSION_PLANNER_STREAM_BYTES")
+    return cache_bytes()[0] // 8 if n is None else n
 
 
 def gemm_tile_rows(rows: int, cols: int, kdim: int, tile_bytes: int) -> int:
@@ -310,10 +305,10 @@ class CpuCompiledPlan(CompiledPlan):
         for o in self.plan.outputs:
             arr = fresh.pop(o, None)  # each fresh array handed out once; a repeated output gets a copy
             if arr is None:
-                source = next((a for name, a in zip(self.plan.outputs, outs, strict=False) if name == o), None)
-                arr = np.array(from_storage(self.memory.arrays[o] if source is None else source, self.plan.tensors[o].dtype))
+                written = next((a for name, a in zip(self.plan.outputs, outs, strict=False) if name == o),
+                               self.memory.arrays[o])
+                arr = np.array(from_storage(written, self.plan.tensors[o].dtype))
             outs.append(arr)
-        del fresh
         return outs
 
     def time(
@@ -417,15 +412,17 @@ class CpuBackend(Backend):
         """The generated sources ``compile`` will load for kernel ``k`` (as :meth:`_step` generates them)."""
         types = self._types(tensors)
         if k.kind == KernelKind.ELEMENTWISE:
-            out = tensors[k.out]
-            nbytes = math.prod(out.shape) * storage_dtype(out.dtype).itemsize
-            return [generate(k.body, types, stream=nbytes >= self.stream_bytes).source]
+            return [generate(k.body, types, stream=self._streams(tensors[k.out])).source]
         if k.kind in (KernelKind.GEMM_EPILOGUE, KernelKind.CUBLASLT):
             mm = find_matmul(k.body)
             widen = [widen_source(tensors[a.tensor].dtype) for a in mm.args  # type: ignore[union-attr]
                      if DTYPE_BYTES[tensors[a.tensor].dtype] != 4]  # type: ignore[union-attr]
             return [generate(k.body, types, tile=mm).source, *widen]
         return []
+
+    def _streams(self, out: TensorType) -> bool:
+        """Is an elementwise output this large written with streaming stores?"""
+        return math.prod(out.shape) * storage_dtype(out.dtype).itemsize >= self.stream_bytes
 
     @property
     def identity(self) -> str:
@@ -464,8 +461,7 @@ class CpuBackend(Backend):
         return fn, names, reads
 
     def _elementwise(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory) -> Step:
-        out_bytes = memory.own[k.out].nbytes
-        ck = generate(k.body, self._types(tensors), stream=out_bytes >= self.stream_bytes)
+        ck = generate(k.body, self._types(tensors), stream=self._streams(tensors[k.out]))
         fn, params, reads = self._bind(ck, memory.own)
         names = [n for n in params if n is not None]
         out_name, addr, pool, rows, cols = k.out, memory.addr, self.pool, ck.rows, ck.cols
