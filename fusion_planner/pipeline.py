@@ -62,9 +62,13 @@ class PlanOptions:
         return self.search.seed
 
     def cache_tag(self, backend: Backend) -> str:
-        """The plan cache's backend field: the backend's identity (the CPU's thread count) and every search
-        option, so a choice made under a smaller budget, another seed or thread count never answers another."""
-        return f"{backend.identity} {json.dumps(dataclasses.asdict(self.search), sort_keys=True)}"
+        """The plan cache's backend field: the backend's identity (the CPU's thread count), every search
+        option and every bound on the candidates (saturation and extraction limits, cap, k, dedup), so a
+        choice made under a smaller budget, another seed, thread count or kernel-size limit never answers
+        another."""
+        bounds = {"limits": dataclasses.asdict(self.limits or Limits()), "cap": self.cap, "k": self.k, "dedup": self.dedup}
+        choice = {"search": dataclasses.asdict(self.search), **bounds}
+        return f"{backend.identity} {json.dumps(choice, sort_keys=True)}"
 
     def cache_key(self, region: Region, backend: Backend) -> str:
         return PlanCache.key(region.key, self.spec, self.cache_tag(backend), rules_hash(self.rules))

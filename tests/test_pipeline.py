@@ -64,3 +64,20 @@ def test_dynamo_plans_through_the_pipeline_with_the_same_key(monkeypatch):
     torch._dynamo.reset()
     (api_name, api_key, api_plan, _), (dyn_name, dyn_key, dyn_plan, dyn_cached) = keys
     assert api_name != dyn_name and api_key == dyn_key and api_plan == dyn_plan and dyn_cached
+
+
+def test_a_plan_made_under_other_limits_is_not_served_from_the_cache():
+    """The kernel-size bound (and every other limit) is part of the cache key: a plan chosen under
+    ``max_region_ops=3`` cannot answer a planner allowed bigger kernels."""
+    import fusion_planner
+    from fusion_planner.core.examples import ew_chain
+    from fusion_planner.egraph.program import Limits
+
+    g = ew_chain(4, 256)
+    small = fusion_planner.plan(g, backend="model", limits=Limits(max_region_ops=3), **OPTIONS)
+    assert max(len(k.ops) for k in small.plan.kernels) <= 3
+    again = fusion_planner.plan(g, backend="model", limits=Limits(max_region_ops=3), **OPTIONS)
+    assert again.planned.from_cache and again.planned.cache_key == small.planned.cache_key
+    big = fusion_planner.plan(g, backend="model", **OPTIONS)
+    assert big.planned.cache_key != small.planned.cache_key and not big.planned.from_cache
+    assert len(big.plan.kernels) == 1

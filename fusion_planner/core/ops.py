@@ -139,7 +139,9 @@ def _silu(x: np.ndarray) -> np.ndarray:
 
 
 def _affine(x: np.ndarray, attrs: Attrs) -> np.ndarray:
-    return x.dtype.type(attrs["a"]) * x + x.dtype.type(attrs["b"])
+    a, b = float(attrs["a"]), float(attrs["b"])
+    y = x if a == 1.0 else x.dtype.type(a) * x
+    return y if b == 0.0 else y + x.dtype.type(b)
 
 
 def _elems(shape: Shape) -> int:
@@ -156,6 +158,15 @@ def _c_float(v: float) -> str:
 
 
 CodeFn = Callable[[Sequence[str], Attrs], str]
+
+
+def _affine_c(v: Sequence[str], attrs: Attrs) -> str:
+    """``a*x + b`` without its identity terms, as :func:`_affine` computes it: ``x*a`` (torch's scalar
+    multiply) keeps a zero product's sign, and the compiler can contract ``x*a`` with a following
+    ``+ b`` into one FMA, which ``x*a + 0.0f`` would prevent."""
+    a, b = float(attrs["a"]), float(attrs["b"])
+    y = v[0] if a == 1.0 else f"{_c_float(a)}*{v[0]}"
+    return f"({y})" if b == 0.0 else f"({y} + {_c_float(b)})"
 
 
 @dataclass(frozen=True)
@@ -309,18 +320,18 @@ OPS: dict[str, OpDef] = {
             attrs=(AttrSpec("a", "f64"), AttrSpec("b", "f64")),
             shape_rule=same_shape,
             numpy_fn=lambda xs, attrs: _affine(xs[0], attrs),
-            flops_per_elem=lambda attrs: 2.0,
+            flops_per_elem=lambda attrs: float((attrs["a"] != 1.0) + (attrs["b"] != 0.0)),
             regs=lambda attrs: 4,
-            code=lambda v, attrs: f"({_c_float(attrs['a'])}*{v[0]} + {_c_float(attrs['b'])})",
+            code=_affine_c,
             fusable_inputs=(0,),
-            doc="a*x + b with scalar a and b.",
+            doc="a*x + b with scalar a and b (an identity term, a = 1 or b = 0, is not computed).",
         ),
         _unary(
             "Relu",
             lambda x: np.maximum(x, x.dtype.type(0)),
             1.0,
             4,
-            lambda v, attrs: f"({v[0]} < 0.0f ? 0.0f : {v[0]})",  # NaN stays NaN, as in torch and numpy
+            lambda v, attrs: f"fp_relu({v[0]})",  # each backend's prelude: NaN stays NaN, as in torch and numpy
             "max(x, 0).",
         ),
         _unary(

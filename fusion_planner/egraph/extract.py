@@ -206,7 +206,7 @@ class Extractor:
     graph: Graph
     view: EGraphView
     spec: DeviceSpec
-    max_region_ops: int = 16
+    max_region_ops: int = 64
     max_bodies_per_root: int = 512
     options: dict[str, list[Option]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)

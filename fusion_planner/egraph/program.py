@@ -121,7 +121,7 @@ class Limits:
     max_iterations: int = 32  # per stage
     max_nodes: int = 500_000
     time_limit_s: float = 10.0
-    max_region_ops: int = 16  # ops in one fused kernel (enforced by the extractor)
+    max_region_ops: int = 64  # ops in one fused kernel (enforced by the extractor)
     max_bodies_per_root: int = 512  # kernel bodies considered per stored value
 
 

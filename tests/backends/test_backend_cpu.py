@@ -26,7 +26,7 @@ from fusion_planner.backends.reference import execute_graph, execute_plan, rando
 from fusion_planner.core import examples
 from fusion_planner.core.cost import device_from_json, load_device
 from fusion_planner.core.graph import Graph, GraphBuilder, TensorType
-from fusion_planner.core.ops import numpy_dtype
+from fusion_planner.core.ops import OPS, numpy_dtype
 from fusion_planner.core.plans import Expr, Load, Plan
 from fusion_planner.core.tolerance import check_outputs
 from fusion_planner.egraph.candidates import build_candidates
@@ -428,6 +428,28 @@ def test_relu_keeps_nan_like_torch_and_the_reference(compiler):
     want = execute_graph(g, x)[0]
     np.testing.assert_array_equal(got, want)
     assert np.isnan(got[0, 0]) and got[0, 1] == 1.0 and got[0, 4] == np.inf and got[0, 5] == 1.0
+
+
+def test_affine_identity_terms_are_not_computed(compiler):
+    """``x*a`` (b = 0) and ``x + b`` (a = 1) compute no ``+ 0`` or ``1*``: a zero product keeps its sign,
+    as torch's scalar multiply does, in the reference and the C kernel alike; and the C snippet leaves
+    the multiply free to contract with a following add into one FMA."""
+    b = GraphBuilder("affine-identity")
+    b.input("x", (2, 8), "fp32")
+    b.op("scale", "Affine", ["x"], {"a": 2.0, "b": 0.0})
+    b.op("shift", "Affine", ["scale"], {"a": 1.0, "b": -0.0})
+    g = b.build(["shift"])
+    assert OPS["Affine"].code(["x"], {"a": 2.0, "b": 0.0}) == "(2.0f*x)"
+    assert OPS["Affine"].code(["x"], {"a": 1.0, "b": 3.0}) == "(x + 3.0f)"
+    assert OPS["Affine"].code(["x"], {"a": 1.0, "b": 0.0}) == "(x)"
+    x = {"x": np.array([[-0.0, 0.0, -1.5, np.nan, np.inf, -np.inf, 1e-45, 3]] * 2, dtype=np.float32)}
+    torch_like = x["x"] * np.float32(2.0)
+    want = execute_graph(g, x)[0]
+    assert np.signbit(want[0, 0]) and not np.signbit(want[0, 1])
+    np.testing.assert_array_equal(want, torch_like)
+    fused = [p for p in build_candidates(g, "h200").plans if len(p.kernels) == 1][0]
+    got = cpu_backend().compile(fused).run(x)[0]
+    assert np.array_equal(got.view(np.uint32), torch_like.view(np.uint32))
 
 
 def test_fma_contraction_is_an_option_within_the_fp32_tolerance(tmp_path):

@@ -57,6 +57,14 @@ def test_region_bound_limits_kernel_size():
     assert max(max(p.partition) for p in cands.plans) == 3
 
 
+def test_a_torch_sized_chain_fits_one_kernel_by_default():
+    """``a*x + b`` stages imported from torch are two ops each: an 8-stage chain is 20 ops, which the
+    default kernel-size bound must still allow as one kernel (it was 16, so the best plan had two)."""
+    cands = build_candidates(ew_chain(14, 64), "seed-k4")
+    assert [21] in [list(p.partition) for p in cands.plans]
+    assert len(cands.best.kernels) == 1
+
+
 def test_sampling_is_seeded_distinct_and_valid():
     g = mlp_stack(6, 16, 4, "fp32")
     cands = build_candidates(g, "h200", cap=50, k=10)

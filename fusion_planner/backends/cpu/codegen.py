@@ -73,6 +73,10 @@ float expf(float) __attribute__((__simd__("notinbranch")));
 static inline float fp_bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline uint32_t fp_f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 
+/* ReLU as a bit mask, not a branch: gcc threads a branch into every later op of a fused chain
+   (both paths, predicated), which made long chains 1.5-2x slower on AVX2; this keeps NaN and -0. */
+static inline float fp_relu(float x) { return fp_bits_f32(fp_f32_bits(x) & ~(-(uint32_t)(x < 0.0f))); }
+
 static inline float fp_bf16_to_f32(uint16_t h) { return fp_bits_f32((uint32_t)h << 16); }
 
 /* Branch-free conversions (so loops vectorise); the fp16 pair follows

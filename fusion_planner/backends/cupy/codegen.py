@@ -41,6 +41,10 @@ RAW = {4: "unsigned int", 8: "uint2", 16: "uint4"}
 
 PRELUDE = """#include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#ifndef FP_PRELUDE
+#define FP_PRELUDE
+__host__ __device__ __forceinline__ float fp_relu(float x) { return x < 0.0f ? 0.0f : x; }
+#endif
 """
 
 
