@@ -15,6 +15,7 @@ from pathlib import Path
 from fusion_planner.core.examples import ew_chain, mlp_stack
 from fusion_planner.core.machine import describe
 from fusion_planner.egraph.candidates import build_candidates
+from fusion_planner.egraph.program import Limits
 
 
 def measure(graph, repeats: int) -> dict:
@@ -77,8 +78,8 @@ def main() -> None:
         "register form per fusable input, plus at most six cuBLASLt nodes per GEMM.",
         "Spaces up to the default cap (4096) are enumerated exactly; larger ones take the better of",
         "the tree DP and the stitched per-region exact plans, refined by exact local search, plus its",
-        "neighbours and seeded samples (docs/cost-model.md). ew-chain k >= 16 needs two or more kernels",
-        "because a fused kernel holds at most 16 ops (`--max-region-ops`).",
+        "neighbours and seeded samples (docs/cost-model.md). A fused kernel holds at most",
+        f"{Limits().max_region_ops} ops (`--max-region-ops`): a longer chain needs two or more kernels.",
     ]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

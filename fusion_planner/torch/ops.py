@@ -344,7 +344,7 @@ def _prepare(attrs: Attrs) -> Callable[[Sequence[np.ndarray], np.ndarray], None]
     in_shapes = [tuple(s) for s in call["in"]]
 
     def write(xs: Sequence[np.ndarray], out: np.ndarray) -> None:
-        ts = [_view(x).reshape(s) for x, s in zip(xs, in_shapes, strict=True)]
+        ts = [numpy_view(x).reshape(s) for x, s in zip(xs, in_shapes, strict=True)]
         value = _run_steps(impl, steps, ts)
         target = torch.from_numpy(out)
         if value.numel() != target.numel():
@@ -354,7 +354,7 @@ def _prepare(attrs: Attrs) -> Callable[[Sequence[np.ndarray], np.ndarray], None]
     return write
 
 
-def _view(x: np.ndarray) -> torch.Tensor:
+def numpy_view(x: np.ndarray) -> torch.Tensor:
     """``x`` as a tensor without a copy; a read-only array (a bound parameter) is only ever read by the
     recorded calls, which are out of place (the allowlist has no in-place op), so torch's warning is moot."""
     if x.flags.writeable:

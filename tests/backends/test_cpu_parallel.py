@@ -13,7 +13,7 @@ from fusion_planner.backends import get_backend
 from fusion_planner.backends.base import BackendError, BackendUnavailable
 from fusion_planner.backends.cpu import parallel
 from fusion_planner.backends.cpu.parallel import WorkerPool, check_threads, split, threads_from_env
-from fusion_planner.backends.reference import random_inputs
+from fusion_planner.backends.reference import execute_graph, random_inputs
 from fusion_planner.core import examples
 from fusion_planner.core.cost import load_device
 from fusion_planner.core.errors import UsageError
@@ -24,11 +24,11 @@ from fusion_planner.pipeline import PlanOptions
 SPEC = load_device("seed-k4")
 
 
-def cpu(threads: int, tile_bytes: int | None = None):  # noqa: ANN201
+def cpu(threads: int, tile_bytes: int | None = None, gemm_library: str | None = None):  # noqa: ANN201
     from fusion_planner.backends.cpu.backend import CpuBackend
 
     try:
-        return CpuBackend(SPEC, threads=threads, tile_bytes=tile_bytes)
+        return CpuBackend(SPEC, threads=threads, tile_bytes=tile_bytes, gemm_library=gemm_library)
     except BackendUnavailable as exc:
         pytest.skip(f"no C compiler: {exc}")
 
@@ -78,7 +78,7 @@ def test_a_failing_task_is_raised_after_every_task_ended() -> None:
     pool.close()
 
 
-def _same_on_threads(plan, graph, threads: int, exact: bool = True, **kw) -> list[dict]:  # noqa: ANN001
+def _same_on_threads(plan, graph, threads: int, exact: bool = True, workers: bool = True, **kw) -> list[dict]:  # noqa: ANN001
     """Run ``plan`` on 1 and on ``threads`` threads: loops give identical bits (each element is computed by
     the same code whichever thread runs it); BLAS may round a block of other height differently."""
     inputs = random_inputs(graph, seed=3)
@@ -88,7 +88,7 @@ def _same_on_threads(plan, graph, threads: int, exact: bool = True, **kw) -> lis
     many = compiled.run(inputs)
     for a, b in zip(one, many, strict=True):
         assert np.array_equal(a, b) if exact else np.allclose(a, b, rtol=1e-5, atol=1e-6)
-    assert backend.pool.parallel_runs >= 1
+    assert backend.pool.parallel_runs >= 1 or not workers
     return compiled.kernel_facts
 
 
@@ -105,9 +105,53 @@ def test_broadcast_loops_split_by_rows_and_gemms_by_row_blocks() -> None:
     cands = build_candidates(graph, SPEC)
     unfused = _same_on_threads(cands.unfused, graph, 2, exact=False)  # BiasAdd reads its bias by column
     assert [f["threads"] for f in unfused] == [2] * len(unfused)
-    fused = _same_on_threads(cands.best, graph, 2, exact=False, tile_bytes=1 << 16)
-    (gemm,) = fused
-    assert gemm["impl"] == "blas+c-epilogue" and gemm["threads"] == 2 and gemm["tiles"] >= 2
+    for library in ("numpy", "torch"):
+        if library == "torch":
+            pytest.importorskip("torch")
+        # torch's GEMM is split by torch itself; these tiles' epilogues are too small to split
+        fused = _same_on_threads(cands.best, graph, 2, exact=False, workers=library == "numpy", tile_bytes=1 << 16,
+                                 gemm_library=library)
+        (gemm,) = fused
+        assert gemm["impl"] == f"{library}-gemm+c-epilogue" and gemm["threads"] == 2 and gemm["tiles"] >= 2
+
+
+def test_a_torch_gemm_runs_on_the_plans_threads_and_its_epilogue_on_the_workers(monkeypatch) -> None:
+    """torch.mm gets the plan's thread count (restored afterwards), each tile's epilogue is split by rows
+    across the workers (the tile pointer offset to each part), and the result agrees with the reference."""
+    torch = pytest.importorskip("torch")
+    graph = examples.mlp_epilogue(512, 512, 64, "fp32")
+    plan = build_candidates(graph, SPEC).best
+    backend = cpu(2, tile_bytes=256 * (512 + 64) * 4, gemm_library="torch")
+    compiled = backend.compile(plan)
+    assert compiled.kernel_facts[0]["tiles"] == 2
+    seen: list[int] = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda *a, **k: (seen.append(torch.get_num_threads()), real_mm(*a, **k))[1])
+    torch.set_num_threads(1)
+    inputs = random_inputs(graph, seed=4)
+    got = compiled.run(inputs)[0]
+    assert set(seen) == {2} and len(seen) == compiled.kernel_facts[0]["tiles"] and torch.get_num_threads() == 1
+    assert backend.pool.parallel_runs >= len(seen)
+    np.testing.assert_allclose(got, execute_graph(graph, inputs)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_the_gemm_library_is_chosen_checked_and_in_the_cache_key(monkeypatch) -> None:
+    from fusion_planner.backends.cpu import gemm
+
+    monkeypatch.setenv(gemm.GEMM_ENV, "mkl")
+    with pytest.raises(BackendError, match="FUSION_PLANNER_CPU_GEMM='mkl'"):
+        cpu(1)
+    monkeypatch.setenv(gemm.GEMM_ENV, "numpy")
+    assert cpu(1).gemm_library == "numpy"
+    monkeypatch.delenv(gemm.GEMM_ENV)
+    with monkeypatch.context() as m:
+        m.delitem(sys.modules, "torch", raising=False)
+        assert gemm.library_from_env() == "numpy"  # auto, torch not imported: numpy, without importing it
+        assert "torch" not in sys.modules
+    graph = examples.ew_chain(2, 1000)
+    region = whole_graph_region(graph)
+    options = PlanOptions("cpu", SPEC, ())
+    assert options.cache_key(region, cpu(1, gemm_library="numpy")) != options.cache_key(region, cpu(1, gemm_library="torch"))
 
 
 def test_small_kernels_stay_on_the_calling_thread() -> None:
@@ -125,7 +169,7 @@ def test_thread_count_is_part_of_the_plan_cache_key() -> None:
     region = whole_graph_region(graph)
     keys = {options.cache_key(region, cpu(t)) for t in (1, 2)}
     assert len(keys) == 2
-    assert get_backend("cpu", SPEC, threads=2).identity == "cpu threads=2"
+    assert get_backend("cpu", SPEC, threads=2).identity.startswith("cpu threads=2 gemm=")
     with pytest.raises(UsageError, match="thread count"):
         get_backend("model", SPEC, threads=2)
 

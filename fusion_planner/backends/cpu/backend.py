@@ -42,7 +42,7 @@ from fusion_planner.backends.base import (
     collect_samples,
 )
 from fusion_planner.backends.codegen import find_matmul
-from fusion_planner.backends.cpu import parallel
+from fusion_planner.backends.cpu import gemm, parallel
 from fusion_planner.backends.cpu.codegen import (
     CKernel,
     CodegenError,
@@ -343,12 +343,16 @@ class CpuBackend(Backend):
         blas_threads: int | None | str = "env",
         threads: int | None = None,
         stream_bytes: int | None = None,
+        gemm_library: str | None = None,
     ) -> None:
         """``threads``: worker threads a plan runs on (None: ``FUSION_PLANNER_THREADS``, else every
         available core; see :mod:`fusion_planner.backends.cpu.parallel`).  ``blas_threads``: threads
         BLAS may use inside one GEMM block (None: the library's default; "env":
-        ``FUSION_PLANNER_BLAS_THREADS``, else :data:`DEFAULT_BLAS_THREADS`)."""
+        ``FUSION_PLANNER_BLAS_THREADS``, else :data:`DEFAULT_BLAS_THREADS`).  ``gemm_library``: numpy,
+        torch or auto (None: ``FUSION_PLANNER_CPU_GEMM``; :mod:`fusion_planner.backends.cpu.gemm`)."""
         super().__init__(spec)
+        self.gemm_library = gemm.library_from_env(gemm_library)
+        self.matmul = gemm.matmul(self.gemm_library)
         self.threads = parallel.check_threads(threads)
         self.pool = parallel.WorkerPool(self.threads)
         self.blas_threads: int | None = (
@@ -427,7 +431,7 @@ class CpuBackend(Backend):
     @property
     def identity(self) -> str:
         """What the plan cache keys on besides the device: a choice timed on 1 thread may not be best on 8."""
-        return f"cpu threads={self.threads}"
+        return f"cpu threads={self.threads} gemm={self.gemm_library}"
 
     def _step(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory) -> Step:
         # generated loops trust these shapes: a mismatch would write out of bounds
@@ -532,7 +536,11 @@ class CpuBackend(Backend):
         kdim = a_buf.shape[-1]
         if a_buf.shape != (rows, kdim) or b_buf.shape != (kdim, cols):
             raise BackendError(f"GEMM operands {list(a_buf.shape)} @ {list(b_buf.shape)} do not give {[rows, cols]}")
-        blocks = parallel.split(rows, parallel.gemm_parts(self.threads, rows))
+        # numpy's BLAS: one row block per worker, BLAS on one thread inside each.  torch: one block, torch.mm
+        # on every thread (MKL's own split of a GEMM beat ours by 1.2-1.3x on 2 cores here), and each
+        # tile's epilogue split by rows across the workers.
+        torch_gemm = self.gemm_library == "torch"
+        blocks = [(0, rows)] if torch_gemm else parallel.split(rows, parallel.gemm_parts(self.threads, rows))
         # the workers share the last-level cache: each block's tiles get its share of the tile budget
         tile_rows = min(gemm_tile_rows(rows, cols, kdim, self.tile_bytes // len(blocks)), blocks[0][1] - blocks[0][0])
         widen_b, b_scratch = self._widen(memory, b_name, tensors[b_name].dtype, b_buf.shape[0])
@@ -549,20 +557,27 @@ class CpuBackend(Backend):
             scratch += tile.nbytes + a_scratch
             bounds = [(r, min(r_end, r + tile_rows)) for r in range(r_start, r_end, tile_rows)]
             blockwork.append((fn, params, tile, widen_a, bounds))
-        pool, addr, out_name = self.pool, memory.addr, k.out
+        pool, addr, out_name, product, threads = self.pool, memory.addr, k.out, self.matmul, self.threads
 
         def call() -> None:
             b32 = widen_b(0, b_rows)  # B in fp32, widened once and shared by the blocks
             out = addr[out_name]
-            pool.run([functools.partial(_gemm_block, fn, [tile.ctypes.data if n is None else addr[n] for n in params],
-                                        out, cols, tile, widen_a, b32, bounds)
+            if torch_gemm:
+                ((fn, params, tile, widen_a, bounds),) = blockwork
+                epilogue = _split_epilogue(pool, threads, fn, [None if n is None else addr[n] for n in params],
+                                           tile, out, cols)
+                with parallel.torch_threads(threads):
+                    _gemm_block(product, epilogue, tile, widen_a, b32, bounds)
+                return
+            pool.run([functools.partial(_gemm_block, product, functools.partial(
+                          fn, *[tile.ctypes.data if n is None else addr[n] for n in params], out), tile, widen_a, b32, bounds)
                       for fn, params, tile, widen_a, bounds in blockwork])
 
         facts = {
-            "impl": "blas+c-epilogue",
+            "impl": f"{self.gemm_library}-gemm+c-epilogue",
             "tile_rows": tile_rows,
             "tiles": sum(-(-(end - start) // tile_rows) for start, end in blocks),
-            "threads": len(blocks),
+            "threads": threads if torch_gemm else len(blocks),
             "scratch_bytes": scratch,
             "blas_threads": self.blas_threads or "default",
             "source_sha256": ck.digest[:16],
@@ -607,9 +622,24 @@ def _direct_opaque(k: Kernel, tensors: Mapping[str, TensorType]) -> tuple[Callab
     return opaque_writer(body.attr_dict), order
 
 
-def _gemm_block(fn: Callable[..., None], ptrs: list[int], out_ptr: int, cols: int, tile: np.ndarray,
+def _gemm_block(mm: gemm.MatMul, epilogue: Callable[[int, int, int], None], tile: np.ndarray,
                 widen_a: Callable[[int, int], np.ndarray], b32: np.ndarray, bounds: list[tuple[int, int]]) -> None:
-    """One worker's rows of a GEMM: BLAS computes each tile of rows, the generated epilogue stores it."""
+    """One block of a GEMM's rows: the GEMM library computes each tile of rows, the generated epilogue
+    (``epilogue(r0, r1, cols)``) stores it."""
+    cols = tile.shape[1]
     for r0, r1 in bounds:
-        np.matmul(widen_a(r0, r1), b32, out=tile[: r1 - r0])
-        fn(*ptrs, out_ptr, r0, r1, cols)
+        mm(widen_a(r0, r1), b32, tile[: r1 - r0])
+        epilogue(r0, r1, cols)
+
+
+def _split_epilogue(pool: parallel.WorkerPool, threads: int, fn: Callable[..., None], ptrs: list[int | None],
+                    tile: np.ndarray, out: int, cols: int) -> Callable[[int, int, int], None]:
+    """A tile's epilogue with its rows split across the pool (the tile pointer offset to each part's rows)."""
+    row_bytes = cols * tile.itemsize
+
+    def run(r0: int, r1: int, cols: int) -> None:
+        parts = parallel.split(r1 - r0, parallel.loop_parts(threads, (r1 - r0) * cols))
+        pool.run([functools.partial(fn, *[tile.ctypes.data + s * row_bytes if p is None else p for p in ptrs],
+                                    out, r0 + s, r0 + e, cols) for s, e in parts])
+
+    return run
