@@ -215,17 +215,36 @@ class _Tracer(fx.Tracer):
         return type(m) in self.LEAVES
 
 
+def _mutated_input(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
+    """The node whose tensor an in-place call (``x.add_(y)``, ``x += y``, ``inplace=True``) overwrites."""
+    first = node.args[0] if node.args else None
+    if not isinstance(first, fx.Node):
+        return None
+    if node.op == "call_method":
+        name = str(node.target)
+        inplace = name.endswith("_") and not name.startswith("_")
+    elif node.op == "call_module":
+        inplace = bool(getattr(gm.get_submodule(str(node.target)), "inplace", False))
+    elif node.op == "call_function":
+        inplace = node.target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True
+    else:
+        return None
+    return first if inplace else None
+
+
 class _Recorder(fx.Interpreter):
     """Runs a graph once and keeps every node's concrete value."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm)
         self.values: dict[fx.Node, Any] = {}
+        # an in-place op later in the graph must not change a value recorded before it; without one,
+        # no value is copied (a copy of every activation cost as much as running the model again)
+        self.copy = any(_mutated_input(gm, n) is not None for n in gm.graph.nodes)
 
     def run_node(self, n: fx.Node) -> Any:
         v = super().run_node(n)
-        # an in-place op later in the graph must not change the value recorded here
-        self.values[n] = v.detach().clone() if isinstance(v, torch.Tensor) and n.op.startswith("call_") else v
+        self.values[n] = v.detach().clone() if self.copy and isinstance(v, torch.Tensor) and n.op.startswith("call_") else v
         return v
 
 
@@ -495,17 +514,7 @@ class _Importer:
         return out
 
     def mutated_input(self, node: fx.Node) -> fx.Node | None:
-        first = node.args[0] if node.args else None
-        if not isinstance(first, fx.Node):
-            return None
-        if node.op == "call_method":
-            name = str(node.target)
-            inplace = name.endswith("_") and not name.startswith("_")
-        elif node.op == "call_module":
-            inplace = bool(getattr(self.gm.get_submodule(str(node.target)), "inplace", False))
-        else:
-            inplace = node.target in _INPLACE_OPERATORS or node.kwargs.get("inplace") is True
-        return first if inplace else None
+        return _mutated_input(self.gm, node)
 
     def _call(self, node: fx.Node) -> Any:
         args, kwargs = self.arg(node.args), self.arg(node.kwargs)
@@ -866,17 +875,26 @@ def import_module(module: nn.Module | torch.export.ExportedProgram, example_inpu
     """Trace ``module`` on ``example_inputs`` and map it to the IR (see the module docstring)."""
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     _check_example_inputs(module, args)
-    if isinstance(module, nn.Module):
-        try:
-            with torch.no_grad():
-                module(*args)
-        except Exception as exc:
-            raise TorchImportError(f"example inputs do not fit {type(module).__name__}: {_first_line(exc)}") from None
-    gm, ph_values, tracer, sources = _trace(module, args, strategy)
-    if sources is None:
-        sources = [("arg", i) for i in range(len(ph_values))]
-    name = type(module).__name__ if isinstance(module, nn.Module) else "exported"
-    return _import_graph(gm, ph_values, sources, tracer, name)
+    try:
+        gm, ph_values, tracer, sources = _trace(module, args, strategy)
+        if sources is None:
+            sources = [("arg", i) for i in range(len(ph_values))]
+        name = type(module).__name__ if isinstance(module, nn.Module) else "exported"
+        return _import_graph(gm, ph_values, sources, tracer, name)
+    except TorchImportError:
+        _check_inputs_fit(module, args)  # the module itself failing on them is the error to report
+        raise
+
+
+def _check_inputs_fit(module: nn.Module | torch.export.ExportedProgram, args: tuple[Any, ...]) -> None:
+    """Run the module eagerly (only once an import failed: the recorder has already run it once)."""
+    if not isinstance(module, nn.Module):
+        return
+    try:
+        with torch.no_grad():
+            module(*args)
+    except Exception as exc:
+        raise TorchImportError(f"example inputs do not fit {type(module).__name__}: {_first_line(exc)}") from None
 
 
 def _import_graph(gm: fx.GraphModule, ph_values: Sequence[Any], sources: list[tuple[str, Any]], tracer: str, name: str) -> ImportedModule:

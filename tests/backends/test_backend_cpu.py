@@ -483,6 +483,28 @@ def test_a_hanging_compiler_is_a_clear_error_not_a_hang(tmp_path, monkeypatch):
         Compiler(cc=str(cc))
 
 
+def test_the_compiler_probe_runs_once_per_compiler_and_a_tampered_record_is_ignored(tmp_path, monkeypatch, compiler):
+    """The probe's answer is kept in the kernel cache: a new process (the in-process memo cleared) runs no
+    compiler before its first kernel; a record whose flags the probe could not have chosen is ignored."""
+    import fusion_planner.backends.cpu.codegen as codegen
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    runs: list[list[str]] = []
+    real_run = codegen._run
+    monkeypatch.setattr(codegen, "_run", lambda cmd, *a: (runs.append(cmd), real_run(cmd, *a))[1])
+    codegen._probe.cache_clear()
+    first = codegen._probe(compiler.cc)
+    assert runs and (first[0], first[1]) in codegen.PROBE_ATTEMPTS
+    runs.clear()
+    codegen._probe.cache_clear()
+    assert codegen._probe(compiler.cc) == first and runs == []
+    (record,) = (tmp_path / "fusion-planner" / "cpu").glob("probe-*.json")
+    record.write_text(json.dumps({"flags": [*first[0], "-fplugin=/tmp/evil.so"], "libs": [], "version": "x"}))
+    codegen._probe.cache_clear()
+    assert codegen._probe(compiler.cc) == first and runs  # probed again, the injected flag never used
+    codegen._probe.cache_clear()
+
+
 def test_a_hanging_kernel_build_is_a_clear_error(tmp_path, monkeypatch, compiler):
     import fusion_planner.backends.cpu.codegen as codegen
 

@@ -272,6 +272,27 @@ def test_in_place_ops_are_mapped_out_of_place() -> None:
         _assert_close(result(x), m(x.clone()))
 
 
+def test_the_import_runs_the_model_once_and_copies_values_only_when_a_later_op_is_in_place(monkeypatch) -> None:
+    """Importing runs the model once (the recorder), not also a separate eager check, and copies the
+    recorded values only for a graph with an in-place op, which could overwrite them."""
+    from fusion_planner.torch import importer
+
+    calls = []
+
+    class Chain(nn.Module):
+        def forward(self, x):
+            calls.append(1)
+            return torch.relu(2.0 * x + 1.0)
+
+    copies = []
+    real_clone = torch.Tensor.clone
+    monkeypatch.setattr(torch.Tensor, "clone", lambda t, *a, **k: (copies.append(1), real_clone(t, *a, **k))[1])
+    import_module(Chain(), (torch.randn(64),))
+    assert copies == [] and len(calls) == 1  # fx tracing calls forward once, with proxies
+    gm = torch.fx.symbolic_trace(nn.ReLU(inplace=True))
+    assert importer._Recorder(gm).copy and not importer._Recorder(torch.fx.symbolic_trace(Chain())).copy
+
+
 def test_shape_dependent_control_flow_falls_back_to_export() -> None:
     class Shapey(nn.Module):
         def __init__(self) -> None:

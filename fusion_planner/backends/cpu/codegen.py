@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import logging
 import os
 import re
@@ -346,17 +347,63 @@ def _run(cmd: list[str], timeout: float, what: str, error: type[Exception]) -> s
         raise error(f"{what} could not run: {exc}") from None
 
 
+Probe = tuple[tuple[str, ...], tuple[str, ...], str]
+_NATIVE = BASE_FLAGS + NATIVE_FLAGS
+#: what the probe tries, best first: (flags, libraries)
+PROBE_ATTEMPTS = ((_NATIVE + VECTOR_MATH[0], VECTOR_MATH[1]), (_NATIVE, ()), (BASE_FLAGS, ()))
+PROBE_SOURCE = PRELUDE + "float fp_probe(float x) { return tanhf(x) + erff(x) + expf(x); }\n"
+
+
 @functools.lru_cache(maxsize=4)
-def _probe(cc: str) -> tuple[tuple[str, ...], tuple[str, ...], str]:
-    """(flags, libraries, version line): ``-march=native`` and vector math where they work."""
+def _probe(cc: str) -> Probe:
+    """(flags, libraries, version line): ``-march=native`` and vector math where they work.
+
+    The answer is kept in the kernel cache, keyed by the compiler binary (path, size, mtime) and this
+    probe: each process otherwise spent about 0.15 s on two compiler runs before its first kernel."""
     path = shutil.which(cc)
     if path is None:
         raise CompilerUnavailable(f"C compiler {cc!r} not found on PATH (set CC)")
+    record = _probe_record(path)
+    cached = _read_probe(record)
+    if cached is not None:
+        return cached
+    found = _run_probe(cc, path)
+    if record is not None and not untrusted_dir(record.parent):
+        try:
+            record.parent.mkdir(parents=True, exist_ok=True)
+            _write_atomic(record, json.dumps({"flags": found[0], "libs": found[1], "version": found[2]}))
+        except OSError as exc:
+            log.debug("probe result not cached (%s)", exc)
+    return found
+
+
+def _probe_record(path: str) -> Path | None:
+    try:
+        st = os.stat(os.path.realpath(path))
+    except OSError:
+        return None
+    key = hashlib.sha256(repr((os.path.realpath(path), st.st_size, st.st_mtime_ns, PROBE_SOURCE, PROBE_ATTEMPTS))
+                         .encode()).hexdigest()[:24]
+    return cache_dir() / f"probe-{key}.json"
+
+
+def _read_probe(record: Path | None) -> Probe | None:
+    """A cached probe result, if it is one the probe could have given (flags from a file never reach the
+    compiler unless they are exactly one of :data:`PROBE_ATTEMPTS`)."""
+    if record is None or not record.is_file() or untrusted_dir(record.parent):
+        return None
+    try:
+        doc = json.loads(record.read_text()[:4096])
+        found = (tuple(doc["flags"]), tuple(doc["libs"]), str(doc["version"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return found if found[:2] in PROBE_ATTEMPTS else None
+
+
+def _run_probe(cc: str, path: str) -> Probe:
     version = _run([path, "--version"], PROBE_TIMEOUT_S, f"{cc} --version", CompilerUnavailable).stdout
     version = version.splitlines()[0] if version else path
-    native = BASE_FLAGS + NATIVE_FLAGS
-    attempts = [(native + VECTOR_MATH[0], VECTOR_MATH[1]), (native, ()), (BASE_FLAGS, ())]
-    probe = PRELUDE + "float fp_probe(float x) { return tanhf(x) + erff(x) + expf(x); }\n"
+    attempts, probe = PROBE_ATTEMPTS, PROBE_SOURCE
     last = ""
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "probe.c"
