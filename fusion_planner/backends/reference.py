@@ -50,7 +50,10 @@ def prepare_inputs(
             raise ExecutionError(
                 f"input {name!r} has shape {list(arr.shape)}, expected {list(ttype.shape)}"  # type: ignore[attr-defined]
             )
-        mem[name] = round_to(arr.astype(np.float64), ttype.dtype).astype(work)  # type: ignore[attr-defined]
+        if arr.dtype == work == np.float32:  # fp32 holds the value exactly: round once, no float64 detour
+            mem[name] = round_to(arr, ttype.dtype)  # type: ignore[attr-defined]
+        else:
+            mem[name] = round_to(arr.astype(np.float64), ttype.dtype).astype(work)  # type: ignore[attr-defined]
     return mem
 
 
