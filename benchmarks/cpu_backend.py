@@ -87,7 +87,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", help="also write the table as markdown here")
     args = ap.parse_args()
-    backend = CpuBackend(load_device("seed-k4"))
+    # one thread on one core, as memcpy and triad (numpy's) run: the script pins itself
+    core = max(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {core})
+    backend = CpuBackend(load_device("seed-k4"), threads=1)
     load_before = os.getloadavg()[0]
     head = ("| k | ops | fused µs | unfused µs | unfused/fused | fused MB moved | unfused MB moved "
             "| fused GB/s | memcpy GB/s | triad GB/s | fused / memcpy |")
@@ -111,7 +114,7 @@ def main() -> int:
             f"load average {load_before:.1f} before / {os.getloadavg()[0]:.1f} after (other jobs share the machine)\n\n"
         )
         note = (
-            "\n\nOne thread (run pinned: `OMP_NUM_THREADS=1 taskset -c 1`). The fused plan is one generated C loop; "
+            f"\n\nOne thread, pinned by the script to core {core}. The fused plan is one generated C loop; "
             "the unfused plan one generated kernel per op. memcpy is numpy's `copyto` and triad `add(a, b, out=c)` on "
             f"{args.n:,}-element fp32 arrays, timed in the same rounds; GB/s counts bytes read plus written "
             "(the byte ledger's bytes for the fused kernel). Outputs of at least an eighth of the last-level cache are "
