@@ -242,6 +242,8 @@ def _unary(
     regs: int,
     code: CodeFn,
     doc: str,
+    torch_names: tuple[str, ...] = (),
+    gemm_epilogue: bool = True,
 ) -> OpDef:
     return OpDef(
         name=name,
@@ -253,8 +255,27 @@ def _unary(
         regs=lambda attrs: regs,
         code=code,
         fusable_inputs=(0,),
+        gemm_epilogue=gemm_epilogue,
+        torch_names=torch_names,
         doc=doc,
     )
+
+
+def _torch_names(fn: str, functional: bool = False) -> tuple[str, ...]:
+    """The canonical names of a one-tensor torch function: ``torch.f``, ``Tensor.f``, the aten op and
+    (``functional``) ``torch.nn.functional.f``."""
+    names = (f"torch.{fn}", f"torch.Tensor.{fn}", f"torch.ops.aten.{fn}.default")
+    return names + ((f"torch.nn.functional.{fn}",) if functional else ())
+
+
+def _quiet(fn: Callable[[np.ndarray], np.ndarray]) -> Callable[[np.ndarray], np.ndarray]:
+    """numpy's function with its overflow/invalid warnings off: inf and NaN are the values, as in torch."""
+
+    def call(x: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            return fn(x)
+
+    return call
 
 
 _GELU_TANH_C = "0.5f*{0}*(1.0f+tanhf(0.7978845608028654f*({0}+0.044715f*{0}*{0}*{0})))"
@@ -358,6 +379,26 @@ OPS: dict[str, OpDef] = {
             lambda v, attrs: f"({v[0]}/(1.0f+expf(-{v[0]})))",
             "x * sigmoid(x).",
         ),
+        _unary("Exp", _quiet(np.exp), 4.0, 8, lambda v, attrs: f"expf({v[0]})", "e**x.", _torch_names("exp")),
+        _unary("Tanh", np.tanh, 4.0, 8, lambda v, attrs: f"tanhf({v[0]})", "tanh(x).", _torch_names("tanh", True)),
+        _unary(
+            "Sigmoid",
+            _quiet(lambda x: 1 / (1 + np.exp(-x))),
+            4.0,
+            8,
+            lambda v, attrs: f"(1.0f/(1.0f+expf(-{v[0]})))",
+            "1 / (1 + e**-x).",
+            _torch_names("sigmoid", True),
+        ),
+        # Not GEMM epilogues: a product that underflows a 16-bit store (check-rules found fp16 8e-8 -> 6e-8)
+        # changes its root by 14% between the stored and the register form, far outside the tolerance.
+        _unary("Sqrt", _quiet(np.sqrt), 1.0, 4, lambda v, attrs: f"sqrtf({v[0]})", "sqrt(x); NaN below 0.",
+               _torch_names("sqrt"), gemm_epilogue=False),
+        _unary("Rsqrt", _quiet(lambda x: 1 / np.sqrt(x)), 2.0, 4, lambda v, attrs: f"(1.0f/sqrtf({v[0]}))",
+               "1 / sqrt(x) (correctly rounded sqrt, then a division: not an approximate rsqrt).",
+               _torch_names("rsqrt"), gemm_epilogue=False),
+        _unary("Square", lambda x: x * x, 1.0, 4, lambda v, attrs: f"({v[0]}*{v[0]})", "x * x.",
+               _torch_names("square")),
         OpDef(
             name="Stage",
             kind=OpKind.ELEMENTWISE,

@@ -672,6 +672,21 @@ class _Importer:
     def map_neg(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
         return self.affine(node, args[0], -1.0, 0.0, concrete) if isinstance(args[0], _T) else None
 
+    def map_pow(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
+        """``x ** p`` with a constant ``p`` of 2, 3, 0.5 or -0.5: Square, Square then Mul, Sqrt, Rsqrt."""
+        if len(args) != 2 or kwargs or not isinstance(args[0], _T) or not _is_scalar(args[1]):
+            return None
+        x, p = args[0], float(args[1])
+        if not isinstance(concrete, torch.Tensor) or tuple(concrete.shape) != tuple(x.shape):
+            return None
+        ops = {2.0: "Square", 0.5: "Sqrt", -0.5: "Rsqrt"}
+        if p in ops:
+            return self.unary(node, ops[p], x, concrete)
+        if p == 3.0:
+            sq = self.emit(node, "Square", [self.use(x, node.name)], None, concrete.shape, concrete.dtype, "_sq")
+            return self.emit(node, "Mul", [sq.id, self.use(x, f"{node.name}_x")], None, concrete.shape, concrete.dtype)
+        return None
+
     def map_rsub(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
         alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
         if isinstance(args[0], _T) and _is_scalar(args[1]) and _is_scalar(alpha):

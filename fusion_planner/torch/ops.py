@@ -83,6 +83,7 @@ _canon("mul", operator.mul, operator.imul, torch.mul, _aten.mul.Tensor, _aten.mu
 _canon("div", operator.truediv, operator.itruediv, torch.div, _aten.div.Tensor, _aten.div.Scalar, ("method", "div"))
 _canon("neg", operator.neg, torch.neg, _aten.neg.default, ("method", "neg"))
 _canon("rsub", _aten.rsub.Scalar, torch.rsub)
+_canon("pow", operator.pow, torch.pow, _aten.pow.Tensor_Scalar, ("method", "pow"))
 _canon("dropout", F.dropout, _aten.dropout.default, torch.dropout)
 _canon("same", ("method", "contiguous"), ("method", "clone"), ("method", "detach"), _aten.clone.default,
        _aten.alias.default, _aten.detach.default, torch.clone)

@@ -46,12 +46,14 @@ def _canonical(text: str) -> set[str]:
 def test_generated_rules_equal_the_hand_written_ones_they_replace():
     before = _canonical(BEFORE.read_text())
     assert len(before) == 32
+    old_ops = {"BiasAdd", "Add", "Mul", "Affine", "Relu", "GeluTanh", "GeluErf", "Silu", "Stage"}
+    rules = [r for r in fusion_rules() if r.op in old_ops]  # the ops the table had then
     generated = set()
     for ruleset in ("limits", "elementwise", "epilogue"):
-        text = generated_text(ruleset)
+        text = generated_text(ruleset, rules)
         generated |= _canonical(("(ruleset limits)\n" if ruleset == "limits" else "") + text)
     assert generated == before
-    assert len(fusion_rules()) == 32
+    assert len(rules) == 32
 
 
 def test_hand_written_files_hold_no_mechanical_rule():
@@ -70,40 +72,41 @@ def test_an_op_opts_out_of_gemm_epilogues():
 # ---------------------------------------------------------------- adding an op is one entry
 
 
-SQUARE = OpDef(
-    name="Square",
+ABS = OpDef(
+    name="Abs",
     kind="elementwise",
     arity=1,
     shape_rule=same_shape,
-    numpy_fn=lambda xs, attrs: xs[0] * xs[0],
+    numpy_fn=lambda xs, attrs: np.abs(xs[0]),
     flops_per_elem=lambda attrs: 1.0,
     regs=lambda attrs: 4,
-    code=lambda v, attrs: f"({v[0]} * {v[0]})",
+    code=lambda v, attrs: f"fabsf({v[0]})",
     fusable_inputs=(0,),
-    torch_names=("torch.square", "torch.Tensor.square"),
-    doc="x * x.",
+    torch_names=("torch.abs", "torch.Tensor.abs"),
+    doc="|x|.",
 )
 
 
 @pytest.fixture
-def square():
-    register_op(SQUARE)
+def new_op():
+    """An op the table does not have, added as a user would add one: one entry."""
+    register_op(ABS)
     try:
-        yield SQUARE
+        yield ABS
     finally:
-        del OPS["Square"]
+        del OPS["Abs"]
 
 
 def _chain():
-    b = GraphBuilder("square-chain")
+    b = GraphBuilder("abs-chain")
     b.input("x", (64, 32), "fp32")
-    b.op("s1", "Square", ["x"])
+    b.op("s1", "Abs", ["x"])
     b.op("r", "Relu", ["s1"])
-    b.op("s2", "Square", ["r"])
+    b.op("s2", "Abs", ["r"])
     return b.build(["s2"])
 
 
-def test_a_new_op_fuses_into_one_kernel_that_runs_on_the_cpu(square):
+def test_a_new_op_fuses_into_one_kernel_that_runs_on_the_cpu(new_op):
     from fusion_planner.backends.base import BackendUnavailable
     from fusion_planner.backends.cpu.backend import CpuBackend
 
@@ -124,27 +127,27 @@ def test_a_new_op_fuses_into_one_kernel_that_runs_on_the_cpu(square):
     np.testing.assert_allclose(outs[0], execute_plan(one[0], feed)[0], rtol=1e-6)
 
 
-def test_a_new_op_becomes_a_gemm_epilogue_and_its_rules_are_checked(square):
-    b = GraphBuilder("gemm-square")
+def test_a_new_op_becomes_a_gemm_epilogue_and_its_rules_are_checked(new_op):
+    b = GraphBuilder("gemm-abs")
     b.input("a", (32, 16), "fp32")
     b.input("w", (16, 8), "fp32")
     b.op("mm", "MatMul", ["a", "w"])
-    b.op("sq", "Square", ["mm"])
+    b.op("sq", "Abs", ["mm"])
     graph = b.build(["sq"])
     kinds = {tuple(k.kind for k in p.kernels) for p in build_candidates(graph, "h200").plans}
     assert ("gemm_epilogue",) in kinds
-    results = [r for r in check_files(examples=20) if "Square" in r.rule.text]
+    results = [r for r in check_files(examples=20) if "(Abs " in r.rule.text]
     assert {r.rule.path for r in results} == {"generated:elementwise", "generated:epilogue", "generated:limits"}
     assert all(r.ok for r in results)
 
 
-def test_the_torch_importer_maps_a_new_op_from_its_table_entry(square):
+def test_the_torch_importer_maps_a_new_op_from_its_table_entry(new_op):
     torch = pytest.importorskip("torch")
     from fusion_planner.torch.importer import import_module
 
     class M(torch.nn.Module):
         def forward(self, x):
-            return torch.square(torch.relu(x)).square()
+            return torch.abs(torch.relu(x)).abs()
 
     graph = import_module(M(), (torch.randn(4, 8),)).graph
-    assert [n.op for n in graph.ops] == ["Relu", "Square", "Square"]
+    assert [n.op for n in graph.ops] == ["Relu", "Abs", "Abs"]

@@ -186,15 +186,15 @@ def test_single_use_torch_calls_fold_into_one_opaque_kernel() -> None:
     class Chains(nn.Module):
         def forward(self, x):
             s = torch.softmax(x, dim=-1)  # two users: its own kernel
-            t = torch.tanh(s).transpose(0, 1)  # single-use chain: one kernel with two calls
+            t = torch.erf(s).transpose(0, 1)  # single-use chain: one kernel with two calls
             u = torch.cat([t, t], dim=1).transpose(0, 1)  # t referenced twice in one call
-            return torch.sigmoid(s) + u[:4]
+            return torch.cos(s) + u[:4]
 
     m, x = Chains(), torch.randn(4, 8)
     imported = import_module(m, (x,))
     opaque = [n for n in imported.graph.ops if n.op == "Opaque"]
     steps = {n.id: [st["impl"] for st in json.loads(n.attr_dict["call"])["steps"]] for n in opaque}
-    assert len(opaque) == 3, steps  # softmax | sigmoid | tanh+transpose+cat+transpose+getitem
+    assert len(opaque) == 3, steps  # softmax | cos | erf+transpose+cat+transpose+getitem
     used = {i for n in imported.graph.nodes for i in n.inputs} | set(imported.graph.outputs)
     assert all(n.id in used for n in opaque)  # nothing emitted and then dropped
     _assert_close(fusion_planner.plan(m, (x,), backend="reference")(x), m(x))
@@ -291,6 +291,31 @@ def test_the_import_runs_the_model_once_and_copies_values_only_when_a_later_op_i
     assert copies == [] and len(calls) == 1  # fx tracing calls forward once, with proxies
     gm = torch.fx.symbolic_trace(nn.ReLU(inplace=True))
     assert importer._Recorder(gm).copy and not importer._Recorder(torch.fx.symbolic_trace(Chain())).copy
+
+
+def test_primitive_ops_and_a_written_out_gelu_import_as_fusable_ops() -> None:
+    """GPT-2's GELU written with ``torch.pow`` and ``torch.tanh``, and the other one-tensor primitives
+    (exp, sqrt, rsqrt, sigmoid, square, ``** 2``, ``** 0.5``), are op-table ops, not Opaque: the whole
+    body can be one fused kernel, and the CPU plan matches eager torch."""
+    import math
+
+    from fusion_planner.egraph.candidates import build_candidates
+
+    class Primitives(nn.Module):
+        def forward(self, x):
+            g = 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+            return (torch.rsqrt(torch.sigmoid(F.tanh(g)).exp() ** 2 + 1.0).square() + 1.0) ** 0.5
+
+    m = Primitives().eval()
+    x = torch.randn(8, 64)
+    result = fusion_planner.plan(m, (x,), backend="cpu", max_candidates=8)
+    ops = {n.op for n in result.graph.ops}
+    assert "Opaque" not in ops and {"Tanh", "Sigmoid", "Exp", "Sqrt", "Rsqrt", "Square", "Mul"} <= ops
+    assert min(len(p.kernels) for p in build_candidates(result.graph, "seed-k4").plans) == 1
+    with torch.no_grad():
+        _assert_close(result(x), m(x))
+    chain = fusion_planner.plan(nn.Sequential(nn.Tanh(), nn.Sigmoid()), (x,), backend="reference")
+    assert [n.op for n in chain.graph.ops] == ["Tanh", "Sigmoid"]  # the modules' forward calls torch.tanh/sigmoid
 
 
 def test_shape_dependent_control_flow_falls_back_to_export() -> None:
