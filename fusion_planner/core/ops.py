@@ -185,8 +185,9 @@ class OpDef:
     #: input positions that may be read from registers (fused) rather than memory; each one gets the
     #: generated register-read, GEMM-epilogue and subsume rules (fusion_planner/rules/rulegen.py)
     fusable_inputs: tuple[int, ...] = ()
-    #: whether a fusable input may come from a GEMM in registers (the generated epilogue rule)
-    gemm_epilogue: bool = True
+    #: which fusable inputs may come from a GEMM in registers (the generated epilogue rule): all (True),
+    #: none (False) or the listed positions
+    gemm_epilogue: bool | tuple[int, ...] = True
     #: canonical names of the torch callables this op is (``torch.square``, ``torch.Tensor.square``):
     #: the torch importer maps a call of one of them on a single tensor, with no other argument,
     #: to this op (only for ops with one input and no attributes)
@@ -198,6 +199,10 @@ class OpDef:
     #: live temporaries a code generator must keep (the C-05 register-pressure probe)
     probe_temps: Callable[[Attrs], int] = field(default=lambda attrs: 0)
     doc: str = ""
+
+    def takes_gemm_input(self, i: int) -> bool:
+        """May fusable input ``i`` come from a GEMM in registers (an epilogue rule)?"""
+        return i in self.gemm_epilogue if isinstance(self.gemm_epilogue, tuple) else self.gemm_epilogue
 
     def check_attrs(self, attrs: Attrs) -> dict[str, Any]:
         known = {a.name for a in self.attrs}
@@ -333,6 +338,21 @@ OPS: dict[str, OpDef] = {
             code=lambda v, attrs: f"({v[0]} * {v[1]})",
             fusable_inputs=(0, 1),
             doc="Elementwise product of two same-shaped tensors (e.g. a SwiGLU gate).",
+        ),
+        OpDef(
+            name="Div",
+            kind=OpKind.ELEMENTWISE,
+            arity=2,
+            shape_rule=same_shape,
+            numpy_fn=lambda xs, attrs: _quiet(lambda x: x / xs[1])(xs[0]),
+            flops_per_elem=lambda attrs: 4.0,
+            regs=lambda attrs: 8,
+            code=lambda v, attrs: f"({v[0]} / {v[1]})",
+            fusable_inputs=(0, 1),
+            # a GEMM result as the divisor is no epilogue: one that underflows a 16-bit store changes the
+            # quotient by 4% between the stored and the register form (check-rules found it)
+            gemm_epilogue=(0,),
+            doc="Elementwise quotient of two same-shaped tensors (IEEE: x/0 is ±inf, 0/0 NaN).",
         ),
         OpDef(
             name="Affine",

@@ -10,7 +10,7 @@ than typed out per op:
 * **GEMM epilogue** (ruleset ``epilogue``): the op may take a GEMM result from
   registers, ``(Op .. (K (MatMul a b)) ..) -> (Op .. (MatMul a b) ..)``; the kernel
   computes the product and applies the op in its epilogue. An op opts out with
-  ``OpDef.gemm_epilogue = False``.
+  ``OpDef.gemm_epilogue = False``, or lists the inputs that may (``Div``: the dividend only).
 * **subsume a recomputation** (ruleset ``limits``): when every plan stores that input
   (``Forced``), recomputing it in registers only adds traffic, so the register form is
   subsumed. It adds no equality.
@@ -69,7 +69,7 @@ def fusion_rules(ops: Iterable[OpDef] | None = None) -> list[GeneratedRule]:
                 f"(rewrite {_term(op, _with(args, i, f'(K {x})'))} {plain} :when ((Ew {x})) :ruleset elementwise)",
                 f"{op.name} reads input {i} from registers when an elementwise op computes it; K only stores it.",
             ))
-            if op.gemm_epilogue:
+            if op.takes_gemm_input(i):
                 gemm = "(MatMul gemm_a gemm_b)"
                 out.append(GeneratedRule(
                     "epilogue", op.name, i,

@@ -13,7 +13,9 @@ Mapping (everything else becomes an ``Opaque`` node executed by torch, see
 * GELU by its ``approximate`` argument -> ``GeluTanh`` / ``GeluErf``; relu -> ``Relu``;
   silu -> ``Silu``;
 * tensor + tensor -> ``Add`` (``BiasAdd`` for a 1-D row vector), tensor * tensor -> ``Mul``,
-  tensor - tensor -> ``Add`` of an ``Affine(-1, 0)``;
+  tensor / tensor -> ``Div``, tensor - tensor -> ``Add`` of an ``Affine(-1, 0)``;
+* exp, tanh, sigmoid, sqrt, rsqrt, square of one tensor -> the op-table op whose ``torch_names`` name
+  the call; ``x ** p`` for p = 2, 3, 0.5, -0.5 -> ``Square`` (and ``Mul``), ``Sqrt``, ``Rsqrt``;
 * a tensor with a Python scalar (``x*a``, ``x+b``, ``x-b``, ``b-x``, ``-x``, ``x/a``) -> ``Affine``;
 * views that keep the flattened shape, eval-mode dropout, contiguous/clone -> no node.
 
@@ -641,14 +643,14 @@ class _Importer:
         if isinstance(c, _T) and _is_scalar(a):
             coef = {"add": (1.0, a), "sub": (-1.0, a), "mul": (a, 0.0), "div": (None, 0.0)}[kind]
             return None if coef[0] is None else self.affine(node, c, coef[0], coef[1], concrete)
-        if not (_is_tensor(a) and _is_tensor(c)) or a.dtype != c.dtype or kind == "div":
+        if not (_is_tensor(a) and _is_tensor(c)) or a.dtype != c.dtype:
             return None
         out = tuple(concrete.shape)
         if tuple(a.shape) == tuple(c.shape) == out:
             if kind == "sub":
                 neg = self.affine(node, c, -1.0, 0.0, concrete, suffix="_neg")
                 return self.emit(node, "Add", [self.use(a, node.name), neg.id], None, out, concrete.dtype)
-            op = {"add": "Add", "mul": "Mul"}[kind]
+            op = {"add": "Add", "mul": "Mul", "div": "Div"}[kind]
             return self.emit(node, op, [self.use(a, node.name), self.use(c, f"{node.name}_rhs")], None, out, concrete.dtype)
         if kind == "add" and len(out) >= 2:
             for x, bias in ((a, c), (c, a)):

@@ -295,7 +295,7 @@ def test_the_import_runs_the_model_once_and_copies_values_only_when_a_later_op_i
 
 def test_primitive_ops_and_a_written_out_gelu_import_as_fusable_ops() -> None:
     """GPT-2's GELU written with ``torch.pow`` and ``torch.tanh``, and the other one-tensor primitives
-    (exp, sqrt, rsqrt, sigmoid, square, ``** 2``, ``** 0.5``), are op-table ops, not Opaque: the whole
+    (exp, sqrt, rsqrt, sigmoid, square, ``** 2``, ``** 0.5``) and tensor / tensor, are op-table ops, not Opaque: the whole
     body can be one fused kernel, and the CPU plan matches eager torch."""
     import math
 
@@ -304,13 +304,14 @@ def test_primitive_ops_and_a_written_out_gelu_import_as_fusable_ops() -> None:
     class Primitives(nn.Module):
         def forward(self, x):
             g = 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
-            return (torch.rsqrt(torch.sigmoid(F.tanh(g)).exp() ** 2 + 1.0).square() + 1.0) ** 0.5
+            h = (torch.rsqrt(torch.sigmoid(F.tanh(g)).exp() ** 2 + 1.0).square() + 1.0) ** 0.5
+            return h / (x * x + 1.0)
 
     m = Primitives().eval()
     x = torch.randn(8, 64)
     result = fusion_planner.plan(m, (x,), backend="cpu", max_candidates=8)
     ops = {n.op for n in result.graph.ops}
-    assert "Opaque" not in ops and {"Tanh", "Sigmoid", "Exp", "Sqrt", "Rsqrt", "Square", "Mul"} <= ops
+    assert "Opaque" not in ops and {"Tanh", "Sigmoid", "Exp", "Sqrt", "Rsqrt", "Square", "Mul", "Div"} <= ops
     assert min(len(p.kernels) for p in build_candidates(result.graph, "seed-k4").plans) == 1
     with torch.no_grad():
         _assert_close(result(x), m(x))

@@ -5,7 +5,7 @@ Every stored tensor of a plan gets its own buffer, in its stored dtype (fp32 as
 and reused by every run.  Each kernel becomes one step:
 
 * ``elementwise``: one generated C loop nest (``fusion_planner.backends.cpu.codegen``);
-* ``gemm_epilogue`` and ``cublaslt``: for each tile of rows, numpy/BLAS computes
+* ``gemm_epilogue`` and ``cublaslt``: for each tile of rows, the GEMM library (numpy's BLAS or torch.mm) computes
   the fp32 GEMM tile into a scratch buffer sized to a quarter of the L2 cache,
   then the generated epilogue loop reads that tile while it is hot and stores
   the kernel's output.  The full GEMM result never exists in memory.  (A
