@@ -144,6 +144,11 @@ def _affine(x: np.ndarray, attrs: Attrs) -> np.ndarray:
     return y if b == 0.0 else y + x.dtype.type(b)
 
 
+def _divide(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # ±inf and NaN are the values, as in torch
+        return x / y
+
+
 def _elems(shape: Shape) -> int:
     return math.prod(shape)
 
@@ -344,7 +349,7 @@ OPS: dict[str, OpDef] = {
             kind=OpKind.ELEMENTWISE,
             arity=2,
             shape_rule=same_shape,
-            numpy_fn=lambda xs, attrs: _quiet(lambda x: x / xs[1])(xs[0]),
+            numpy_fn=lambda xs, attrs: _divide(xs[0], xs[1]),
             flops_per_elem=lambda attrs: 4.0,
             regs=lambda attrs: 8,
             code=lambda v, attrs: f"({v[0]} / {v[1]})",

@@ -403,12 +403,11 @@ def _read_probe(record: Path | None) -> Probe | None:
 def _run_probe(cc: str, path: str) -> Probe:
     version = _run([path, "--version"], PROBE_TIMEOUT_S, f"{cc} --version", CompilerUnavailable).stdout
     version = version.splitlines()[0] if version else path
-    attempts, probe = PROBE_ATTEMPTS, PROBE_SOURCE
     last = ""
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "probe.c"
-        src.write_text(probe)
-        for flags, libs in attempts:
+        src.write_text(PROBE_SOURCE)
+        for flags, libs in PROBE_ATTEMPTS:
             r = _run([path, *flags, "-o", str(Path(d) / "probe.so"), str(src), *libs, "-lm"], PROBE_TIMEOUT_S,
                      f"{cc} on the probe source", CompilerUnavailable)
             if r.returncode == 0:

@@ -27,16 +27,17 @@ MatMul = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
 
 def library_from_env(choice: str | None = None) -> str:
     """The GEMM library a backend uses: ``choice``, else ``$FUSION_PLANNER_CPU_GEMM``, else ``auto``."""
+    what = "gemm_library" if choice else GEMM_ENV
     value = (choice or os.environ.get(GEMM_ENV) or "auto").strip().lower()
     if value == "auto":
         return "torch" if "torch" in sys.modules else "numpy"
     if value not in LIBRARIES:
-        raise BackendError(f"{GEMM_ENV}={value!r}: expected auto, numpy or torch")
+        raise BackendError(f"{what}={value!r}: expected auto, numpy or torch")
     if value == "torch":
         try:
             import torch  # noqa: F401  (optional dependency)
         except ImportError as exc:
-            raise BackendError(f"{GEMM_ENV}=torch, but torch cannot be imported ({exc})") from None
+            raise BackendError(f"{what}=torch, but torch cannot be imported ({exc})") from None
     return value
 
 
