@@ -325,11 +325,8 @@ def kernel_bandwidth(result: Any) -> list[dict[str, Any]]:
     """Each fused (multi-op) kernel of an ew-chain plan, rebuilt alone at the bandwidth array size and
     timed interleaved with memcpy: byte ledger / time as a fraction of memcpy's bandwidth."""
 
-    from fusion_planner.core import examples
-
     n = bandwidth_elements()
-    k = len([o for o in result.graph.ops if o.op == "Affine"])
-    big = examples.ew_chain(k, n)
+    big = resized(result.graph, n)
     small_plan = result.plan
     from fusion_planner.backends.cpu.backend import CpuBackend
     from fusion_planner.backends.reference import random_inputs
@@ -359,6 +356,20 @@ def kernel_bandwidth(result: Any) -> list[dict[str, Any]]:
         rows.append({"kernel": i, "ops": f"kernel {i}: {len(step.kernel.ops)} ops", "gbps": kern_gbps, "memcpy_gbps": copy_gbps,
                      "fraction": kern_gbps / copy_gbps})
     return rows
+
+
+def resized(graph: Any, n: int) -> Any:
+    """The workload's own graph with its flat inputs (the chain's ``x``) grown to ``n`` elements."""
+    from fusion_planner.core.graph import GraphBuilder
+
+    b = GraphBuilder(f"{graph.name}-{n}")
+    for node in graph.nodes:
+        if node.op == "In":
+            shape = (n,) if len(node.type.shape) == 1 else node.type.shape
+            b.input(node.id, shape, node.type.dtype)
+        else:
+            b.op(node.id, node.op, list(node.inputs), node.attr_dict)
+    return b.build(list(graph.outputs))
 
 
 def bandwidth_elements() -> int:
