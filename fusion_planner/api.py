@@ -278,6 +278,10 @@ def plan(
         graph = imported.graph
         bound = BoundInputs(imported, module)  # the search's feed; the plan's calls reuse its parameters
         feed = bound.feed(args)
+        import torch
+
+        if isinstance(module, torch.export.ExportedProgram):
+            module = module.module()  # what eager torch runs, for the check and the re-measurement
     if backend == "cpu" and imported is not None and imported.opaque_ops and not _omp_quiet():
         log.warning(
             "torch-backed Opaque kernels share the cores with the timed cpu kernels: torch's spinning OpenMP "

@@ -17,7 +17,7 @@ from torch import fx
 
 from fusion_planner.api import plan
 from fusion_planner.torch.errors import TorchImportError
-from fusion_planner.torch.importer import import_fx_graph
+from fusion_planner.torch.importer import TORCH_DTYPES, import_fx_graph
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,12 @@ def dynamo_backend(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], *
     if torch.is_grad_enabled() and any(t.requires_grad for t in example_inputs):
         log.info("fusion_planner: the captured graph needs autograd (an input requires grad); a plan computes no "
                  "gradients, so it runs eagerly")
+        return gm.forward
+    unplannable = [i for i, t in enumerate(example_inputs) if t.dtype not in TORCH_DTYPES]
+    if unplannable:  # e.g. the token ids of an embedding; the planner takes floating-point tensors only
+        i = unplannable[0]
+        log.warning("fusion_planner: graph input %d is %s (the planner takes float32, float16 and bfloat16 tensors); "
+                    "this captured graph runs eagerly", i, str(example_inputs[i].dtype).removeprefix("torch."))
         return gm.forward
     try:
         imported = import_fx_graph(gm, example_inputs)

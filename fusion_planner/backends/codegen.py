@@ -9,7 +9,8 @@ exactly one MatMul whose operands come from memory.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
 from fusion_planner.backends.base import BackendError
@@ -72,3 +73,136 @@ def find_matmul(body: Expr) -> Expr:
     if not all(isinstance(a, Load) for a in mm.args):
         raise CodegenError(f"MatMul {mm.node!r}: operands must be loaded from memory (no prologue fusion)")
     return mm
+
+
+# ---------------------------------------------------------------- row kernels
+# A body holding a row reduction runs one row at a time: each reduction is a loop over the row, its
+# elementwise producers computed inside that loop; the values of one per row (shape [..., 1]: the
+# reductions and what is computed from them) are scalars of the row; the output is written by a last
+# loop over the row (or once per row, for a per-row output).  Both generators emit the same C.
+
+#: per reduction: initial value (``{neg_inf}`` filled in per language), combining expression, final value
+REDUCTIONS = {
+    "RowSum": ("0.0f", "({a} + {b})", "{acc}"),
+    "RowMean": ("0.0f", "({a} + {b})", "({acc} / {width}.0f)"),
+    "RowMax": ("{neg_inf}", "fp_max({a}, {b})", "{acc}"),
+}
+
+Level = Literal["full", "row", "col"]
+
+
+def _shapes(body: Expr, load_shapes: Mapping[str, Sequence[int]]) -> list[Sequence[int]]:
+    out: list[Sequence[int]] = []
+    for e in body.walk():
+        out.append(e.type.shape)
+        out += [load_shapes[a.tensor] for a in e.args if isinstance(a, Load) and a.tensor in load_shapes]
+    return out
+
+
+def is_row_kernel(body: Expr, load_shapes: Mapping[str, Sequence[int]]) -> bool:
+    """Does the body run row by row: it holds a row reduction, or reads or computes one value per row
+    (shape [..., 1]) beside full rows?"""
+    if any(op_def(e.op).kind == OpKind.REDUCTION for e in body.walk()):
+        return True
+    lasts = {int(s[-1]) for s in _shapes(body, load_shapes) if len(s) > 1}
+    return 1 in lasts and len(lasts) > 1
+
+
+def row_width(body: Expr, load_shapes: Mapping[str, Sequence[int]]) -> int:
+    """The length of the rows a row kernel runs over: the longest last dimension in the body."""
+    return max(int(s[-1]) for s in _shapes(body, load_shapes) if len(s) >= 1)
+
+
+@dataclass
+class RowEmitter:
+    """Emits the statements of one row of a row kernel; ``load(tensor, level)`` is the generator's
+    expression reading a loaded tensor at the row (``row``), the column (``col``) or both (``full``)."""
+
+    width: int
+    level_of: Callable[[str], Level]
+    load: Callable[[str, Level], str]
+    lanes: int  # partial results per reduction: the C loop's vector width, 1 for one CUDA thread
+    neg_inf: str
+    lines: list[str] = field(default_factory=list)
+    _row: dict[int, str] = field(default_factory=dict)
+    _count: int = 0
+
+    def _name(self, stem: str = "v") -> str:
+        self._count += 1
+        return f"{stem}{self._count}"
+
+    @staticmethod
+    def per_row(e: Expr) -> bool:
+        return op_def(e.op).kind == OpKind.REDUCTION or int(e.type.shape[-1]) == 1
+
+    def row_value(self, e: Expr | Load) -> str:
+        """A variable of the row scope holding ``e`` (one value per row)."""
+        key = id(e)
+        if key in self._row:
+            return self._row[key]
+        if isinstance(e, Load):
+            expr = self.load(e.tensor, "row")
+        elif op_def(e.op).kind == OpKind.REDUCTION:
+            expr = self._reduce(e)
+        else:
+            expr = snippet(e, [self.row_value(a) for a in e.args])
+        name = self._name()
+        self.lines.append(f"const float {name} = {expr};")
+        self._row[key] = name
+        return name
+
+    def loop_value(self, e: Expr | Load, scope: dict[int, str], body: list[str]) -> str:
+        """An expression for ``e`` at column ``c`` inside a loop over the row (``scope``: its variables)."""
+        if isinstance(e, Load):
+            level = self.level_of(e.tensor)
+            return self.row_value(e) if level == "row" else self.load(e.tensor, level)
+        if self.per_row(e):
+            return self.row_value(e)
+        if id(e) not in scope:
+            args = [self.loop_value(a, scope, body) for a in e.args]
+            scope[id(e)] = name = self._name()
+            body.append(f"const float {name} = {snippet(e, args)};")
+        return scope[id(e)]
+
+    def _reduce(self, e: Expr) -> str:
+        init, combine, final = REDUCTIONS[e.op]
+        init = init.format(neg_inf=self.neg_inf)
+        body: list[str] = []
+        value = self.loop_value(e.args[0], {}, body)
+        part, acc, lanes, w = self._name("part"), self._name("acc"), self.lanes, self.width
+        step = [*body, f"{part}[j] = {combine.format(a=f'{part}[j]', b=value)};"]
+        lines = [f"float {part}[{lanes}];", f"for (long long j = 0; j < {lanes}; ++j) {part}[j] = {init};",
+                 f"for (long long c0 = 0; c0 < {w // lanes * lanes}; c0 += {lanes}) {{",
+                 f"    for (long long j = 0; j < {lanes}; ++j) {{", "        const long long c = c0 + j;",
+                 *(f"        {s}" for s in step), "    }", "}"]
+        if w % lanes:
+            tail = [s.replace(f"{part}[j]", f"{part}[0]") for s in step]
+            lines += [f"for (long long c = {w // lanes * lanes}; c < {w}; ++c) {{", *(f"    {s}" for s in tail), "}"]
+        lines += [f"float {acc} = {part}[0];",
+                  f"for (long long j = 1; j < {lanes}; ++j) {acc} = {combine.format(a=acc, b=f'{part}[j]')};"]
+        self.lines += lines
+        return final.format(acc=acc, width=w)
+
+    def output(self, root: Expr, store: Callable[[str, str], str]) -> list[str]:
+        """The row's statements, ending with the store of the output (``store(value, index)``)."""
+        if self.per_row(root):
+            value = self.row_value(root)
+            return [*self.lines, store(value, "r")]
+        body: list[str] = []
+        value = self.loop_value(root, {}, body)
+        return [*self.lines, f"for (long long c = 0; c < {self.width}; ++c) {{", *(f"    {s}" for s in body),
+                f"    {store(value, f'r * {self.width} + c')}", "}"]
+
+
+def row_level(shape: Sequence[int], width: int, rows: int, tensor: str) -> Level:
+    """How a row kernel reads a tensor of ``shape``: one value per row, a row vector, or the full row."""
+    lead = 1
+    for d in shape[:-1]:
+        lead *= d
+    if len(shape) == 1 and shape[0] == width and rows != 1:
+        return "col"
+    if shape and shape[-1] == 1 and lead == rows:
+        return "row"
+    if shape and shape[-1] == width and lead == rows:
+        return "full"
+    raise CodegenError(f"operand {tensor!r} of shape {list(shape)} is not read row by row over rows of {width}")

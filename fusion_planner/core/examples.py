@@ -49,6 +49,38 @@ def ew_chain(k: int = 4, n: int = 2**24, dtype: str = "fp32", fat_temps: int = 0
     return b.build([y])
 
 
+def layer_norm(rows: int = 128, width: int = 768, dtype: str = "fp32", residual: bool = True) -> Graph:
+    """``LayerNorm(x + r)`` written in the op table's primitives: the row statistics, the per-row
+    broadcasts, the weight and the bias (``residual``: the residual add before the norm)."""
+    b = GraphBuilder(f"layer-norm-{rows}x{width}-{dtype}")
+    x = b.input("x", (rows, width), dtype)
+    if residual:
+        b.input("r", (rows, width), dtype)
+        x = b.op("res", "Add", ["x", "r"])
+    b.input("w", (width,), dtype)
+    b.input("bias", (width,), dtype)
+    b.op("mean", "RowMean", [x])
+    b.op("centred", "SubRow", [x, "mean"])
+    b.op("square", "Square", ["centred"])
+    b.op("var", "RowMean", ["square"])
+    b.op("var_eps", "Affine", ["var"], {"a": 1.0, "b": 1e-5})
+    b.op("rstd", "Rsqrt", ["var_eps"])
+    b.op("normed", "MulRow", ["centred", "rstd"])
+    b.op("scaled", "BiasMul", ["normed", "w"])
+    return b.build([b.op("out", "BiasAdd", ["scaled", "bias"])])
+
+
+def softmax(rows: int = 128, width: int = 128, dtype: str = "fp32") -> Graph:
+    """Softmax over the last dimension: exp(x - max) / sum."""
+    b = GraphBuilder(f"softmax-{rows}x{width}-{dtype}")
+    b.input("x", (rows, width), dtype)
+    b.op("top", "RowMax", ["x"])
+    b.op("shifted", "SubRow", ["x", "top"])
+    b.op("e", "Exp", ["shifted"])
+    b.op("total", "RowSum", ["e"])
+    return b.build([b.op("out", "DivRow", ["e", "total"])])
+
+
 def mlp_stack(layers: int = 4, d: int = 1024, m: int = 64, dtype: str = "fp16") -> Graph:
     """``layers`` mlp-epilogue blocks; each block's residual is its own input."""
     b = GraphBuilder(f"mlp-stack-L{layers}-d{d}-m{m}-{dtype}")

@@ -15,7 +15,13 @@ class OpKind(StrEnum):
     INPUT = "input"
     MATMUL = "matmul"
     ELEMENTWISE = "elementwise"
+    REDUCTION = "reduction"  # over the last dimension, kept as 1: computed in the row kernel of its consumers
     OPAQUE = "opaque"
+
+    @property
+    def fuses(self) -> bool:
+        """Computed in registers inside a kernel (elementwise and row-reduction ops)."""
+        return self in (OpKind.ELEMENTWISE, OpKind.REDUCTION)
 
 
 class KernelKind(StrEnum):

@@ -115,6 +115,21 @@ def _bias_shape(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
     return x
 
 
+def _row_shape(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
+    (x,) = shapes
+    if len(x) < 1:
+        raise OpError(f"{op}: reduces the last dimension of a tensor of rank >= 1, got a scalar")
+    return (*x[:-1], 1)
+
+
+def _per_row_shape(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
+    x, r = shapes
+    if len(r) != len(x) or len(x) < 1 or r[-1] != 1 or any(a != b for a, b in zip(x[:-1], r[:-1], strict=True)):
+        raise OpError(f"{op}: the second input must be one value per row of the first (shape [..., 1]), "
+                      f"got {list(x)} and {list(r)}")
+    return x
+
+
 # ---------------------------------------------------------------- semantics
 
 
@@ -205,6 +220,9 @@ class OpDef:
     probe_temps: Callable[[Attrs], int] = field(default=lambda attrs: 0)
     doc: str = ""
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", OpKind(self.kind))  # a registered op may name its kind as a string
+
     def takes_gemm_input(self, i: int) -> bool:
         """May fusable input ``i`` come from a GEMM in registers (an epilogue rule)?"""
         return i in self.gemm_epilogue if isinstance(self.gemm_epilogue, tuple) else self.gemm_epilogue
@@ -271,6 +289,63 @@ def _unary(
     )
 
 
+def _binary_select(name: str, fn: Callable[[np.ndarray, np.ndarray], np.ndarray], c_fn: str, doc: str) -> OpDef:
+    """torch.maximum / torch.minimum: each backend's prelude defines ``c_fn`` (NaN wins; a tie gives the
+    second operand, as torch and numpy do)."""
+    return OpDef(
+        name=name,
+        kind=OpKind.ELEMENTWISE,
+        arity=2,
+        shape_rule=same_shape,
+        numpy_fn=lambda xs, attrs: fn(xs[0], xs[1]),
+        flops_per_elem=lambda attrs: 1.0,
+        regs=lambda attrs: 8,
+        code=lambda v, attrs: f"{c_fn}({v[0]}, {v[1]})",
+        fusable_inputs=(0, 1),
+        doc=doc + " (NaN if either is NaN).",
+    )
+
+
+def _reduction(name: str, fn: Callable[[np.ndarray], np.ndarray], doc: str) -> OpDef:
+    """A reduction over the last dimension, kept as a dimension of 1 (``keepdim=True``). The row kernel
+    computes it in a loop over the row and hands it to its consumers as one value per row; an elementwise
+    producer runs inside that loop. FLOPs: one per input element."""
+    return OpDef(
+        name=name,
+        kind=OpKind.REDUCTION,
+        arity=1,
+        shape_rule=_row_shape,
+        numpy_fn=lambda xs, attrs: fn(xs[0]),
+        regs=lambda attrs: 8,
+        flops_rule=lambda out, ins, attrs: float(_elems(ins[0])),
+        fusable_inputs=(0,),
+        gemm_epilogue=False,  # a GEMM tile's epilogue runs elementwise; a row kernel reads whole rows
+        doc=doc,
+    )
+
+
+def _per_row(base: str, fn: Callable[[np.ndarray, np.ndarray], np.ndarray], c_op: str, doc: str) -> OpDef:
+    """``x <op> r`` with ``r`` one value per row of ``x`` (shape [..., 1]), as torch broadcasts a kept
+    reduction: the consumers of a row statistic (LayerNorm's x - mean, softmax's exp / sum)."""
+    return OpDef(
+        name=f"{base}Row",
+        kind=OpKind.ELEMENTWISE,
+        arity=2,
+        shape_rule=_per_row_shape,
+        numpy_fn=lambda xs, attrs: fn(xs[0], xs[1]),
+        flops_per_elem=lambda attrs: 4.0 if base == "Div" else 1.0,
+        regs=lambda attrs: 8,
+        code=lambda v, attrs: f"({v[0]} {c_op} {v[1]})",
+        fusable_inputs=(0, 1),
+        gemm_epilogue=(0,),
+        doc=doc,
+    )
+
+
+def _row_mean(x: np.ndarray) -> np.ndarray:
+    return np.sum(x, axis=-1, keepdims=True) / x.dtype.type(x.shape[-1])
+
+
 def _torch_names(fn: str, functional: bool = False) -> tuple[str, ...]:
     """The canonical names of a one-tensor torch function: ``torch.f``, ``Tensor.f``, the aten op and
     (``functional``) ``torch.nn.functional.f``."""
@@ -332,6 +407,20 @@ OPS: dict[str, OpDef] = {
             fusable_inputs=(0, 1),
             doc="Elementwise sum of two same-shaped tensors (e.g. a residual).",
         ),
+        OpDef(
+            name="Sub",
+            kind=OpKind.ELEMENTWISE,
+            arity=2,
+            shape_rule=same_shape,
+            numpy_fn=lambda xs, attrs: xs[0] - xs[1],
+            flops_per_elem=lambda attrs: 1.0,
+            regs=lambda attrs: 8,
+            code=lambda v, attrs: f"({v[0]} - {v[1]})",
+            fusable_inputs=(0, 1),
+            doc="Elementwise difference of two same-shaped tensors.",
+        ),
+        _binary_select("Maximum", np.maximum, "fp_max", "The larger of two same-shaped tensors, elementwise"),
+        _binary_select("Minimum", np.minimum, "fp_min", "The smaller of two same-shaped tensors, elementwise"),
         OpDef(
             name="Mul",
             kind=OpKind.ELEMENTWISE,
@@ -404,6 +493,7 @@ OPS: dict[str, OpDef] = {
             lambda v, attrs: f"({v[0]}/(1.0f+expf(-{v[0]})))",
             "x * sigmoid(x).",
         ),
+        _unary("Neg", lambda x: -x, 1.0, 4, lambda v, attrs: f"(-{v[0]})", "-x (the sign bit flipped, NaN included)."),
         _unary("Exp", _quiet(np.exp), 4.0, 8, lambda v, attrs: f"expf({v[0]})", "e**x.", _torch_names("exp")),
         _unary("Tanh", np.tanh, 4.0, 8, lambda v, attrs: f"tanhf({v[0]})", "tanh(x).", _torch_names("tanh", True)),
         _unary(
@@ -424,6 +514,26 @@ OPS: dict[str, OpDef] = {
                _torch_names("rsqrt"), gemm_epilogue=False),
         _unary("Square", lambda x: x * x, 1.0, 4, lambda v, attrs: f"({v[0]}*{v[0]})", "x * x.",
                _torch_names("square")),
+        _reduction("RowSum", lambda x: np.sum(x, axis=-1, keepdims=True), "Sum over the last dimension, kept as 1."),
+        _reduction("RowMean", _row_mean, "Mean over the last dimension (the sum divided by its size), kept as 1."),
+        _reduction("RowMax", _quiet(lambda x: np.max(x, axis=-1, keepdims=True)),
+                   "Largest value over the last dimension, kept as 1 (NaN if the row holds one, as torch.amax)."),
+        _per_row("Add", lambda x, r: x + r, "+", "x + r, r one value per row of x."),
+        _per_row("Sub", lambda x, r: x - r, "-", "x - r, r one value per row of x."),
+        _per_row("Mul", lambda x, r: x * r, "*", "x * r, r one value per row of x."),
+        _per_row("Div", _divide, "/", "x / r, r one value per row of x (IEEE: x/0 is ±inf, 0/0 NaN)."),
+        OpDef(
+            name="BiasMul",
+            kind=OpKind.ELEMENTWISE,
+            arity=2,
+            shape_rule=_bias_shape,
+            numpy_fn=lambda xs, attrs: xs[0] * xs[1],
+            flops_per_elem=lambda attrs: 1.0,
+            regs=lambda attrs: 8,
+            code=lambda v, attrs: f"({v[0]} * {v[1]})",
+            fusable_inputs=(0,),
+            doc="x * w, w a row vector broadcast over the leading dims (a norm's weight).",
+        ),
         OpDef(
             name="Stage",
             kind=OpKind.ELEMENTWISE,

@@ -170,8 +170,8 @@ def kind_problem(kind: KernelKind, body: Expr, epilogue: str | None) -> str | No
         ok = kinds == [OpKind.OPAQUE] and all(isinstance(a, Load) for a in body.args)
         why = "an opaque kernel is one Opaque op over loaded tensors"
     elif kind == KernelKind.ELEMENTWISE:
-        ok = all(k == OpKind.ELEMENTWISE for k in kinds)
-        why = "an elementwise kernel holds elementwise ops only"
+        ok = all(k.fuses for k in kinds)
+        why = "an elementwise kernel holds elementwise and row-reduction ops only"
     else:
         ok = matmuls == 1 and all(k in (OpKind.MATMUL, OpKind.ELEMENTWISE) for k in kinds)
         mm = next((e for e in body.walk() if op_def(e.op).kind == OpKind.MATMUL), None)

@@ -40,11 +40,27 @@ class Region:
 
 
 def forced_stores(graph: Graph) -> set[str]:
-    """Values every plan stores: graph outputs and operands of GEMMs and Opaque ops."""
+    """Values every plan stores: graph outputs and operands of GEMMs and Opaque ops; and values held
+    across one (a residual stream: read by a norm's row kernel and again after the GEMMs that depend on
+    it). A plan could recompute such a value in its later consumer instead, from the operands it was
+    computed from, which are no fewer bytes to read; the cut gives that option up."""
     forced = set(graph.outputs)
-    for n in graph.nodes:
+    ops = graph.ops
+    pos = {n.id: i for i, n in enumerate(ops)}
+    last_use: dict[str, int] = {}
+    first_reader: dict[str, int] = {}  # the earliest memory reader that depends on the value
+    for i, n in enumerate(ops):
+        for x in n.inputs:
+            last_use[x] = max(last_use.get(x, -1), i)
+    for i in range(len(ops) - 1, -1, -1):
+        n = ops[i]
+        reach = min(i if n.op in _MEMORY_READERS else len(ops), first_reader.get(n.id, len(ops)))
+        for x in n.inputs:
+            if x in pos:
+                first_reader[x] = min(first_reader.get(x, len(ops)), reach)
         if n.op in _MEMORY_READERS:
             forced.update(n.inputs)
+    forced.update(v for v, r in first_reader.items() if last_use.get(v, -1) > r)
     return forced
 
 

@@ -65,6 +65,7 @@ class _Body:
     assign: dict[str, int]
     leaves: frozenset[str]
     n_mm: int
+    n_red: int = 0  # row reductions: a row kernel, never a GEMM epilogue (whose tiles run elementwise)
 
 
 @dataclass
@@ -231,7 +232,13 @@ class Extractor:
             return self._bodies[v]
         self._bodies[v] = []  # cycle guard: a class reached through itself has no body
         out: list[_Body] = []
-        for idx, n in enumerate(self.view.classes.get(v, [])):
+        stored = self.view.stored
+        # the forms reading most children from registers first (and so each class's most fused body
+        # first, and the first combination of the children's bodies the most fused one): where the cap
+        # cuts a large DAG short, it drops mixed forms, never the most fused body; the one-op form
+        # (every child from memory, the unfused kernel) is kept past the cap
+        nodes = sorted(enumerate(self.view.classes.get(v, [])), key=lambda t: (sum(c in stored for c in t[1].children), t[0]))
+        for idx, n in nodes:
             if n.op in ("K", "In", "CublasLt", "NoBias"):
                 continue
             if n.op == "Opaque":
@@ -247,9 +254,11 @@ class Extractor:
                     subs = [b for b in self._bodies_of(c) if self.view.classes[c][b.assign[c]].op != "Opaque"]
                     per_child.append(subs)
             base_mm = 1 if n.op == "MatMul" else 0
+            base_red = 1 if OPS[n.op].kind == OpKind.REDUCTION else 0
             for combo in itertools.product(*per_child):
-                body = _merge(v, idx, base_mm, combo)
-                if body is None or body.n_mm > 1 or len(body.assign) > self.max_region_ops:
+                body = _merge(v, idx, base_mm, base_red, combo)
+                if (body is None or body.n_mm > 1 or (body.n_mm and body.n_red)
+                        or len(body.assign) > self.max_region_ops):
                     continue
                 out.append(body)
                 if len(out) >= self.max_bodies_per_root:
@@ -259,6 +268,11 @@ class Extractor:
                     break
             if len(out) >= self.max_bodies_per_root:
                 break
+        single = [(i, n) for i, n in nodes if n.op in OPS and n.op != "Opaque" and all(c in stored for c in n.children)]
+        if single and not any(b.assign == {v: single[0][0]} for b in out):
+            idx, n = single[0]
+            out.append(_Body({v: idx}, frozenset(n.children), int(n.op == "MatMul"),
+                             int(OPS[n.op].kind == OpKind.REDUCTION)))
         self._bodies[v] = out
         return out
 
@@ -601,10 +615,10 @@ def kernel_sig(k: Kernel) -> str:
     return f"{k.kind}:{'+'.join(inner)}<{','.join(sorted(k.reads))}"
 
 
-def _merge(v: str, idx: int, base_mm: int, parts: Sequence[_Body]) -> _Body | None:
+def _merge(v: str, idx: int, base_mm: int, base_red: int, parts: Sequence[_Body]) -> _Body | None:
     assign: dict[str, int] = {v: idx}
     leaves: set[str] = set()
-    n_mm = base_mm
+    n_mm, n_red = base_mm, base_red
     for p in parts:
         for c, i in p.assign.items():
             if assign.get(c, i) != i:
@@ -613,7 +627,8 @@ def _merge(v: str, idx: int, base_mm: int, parts: Sequence[_Body]) -> _Body | No
                 assign[c] = i
         leaves |= p.leaves
         n_mm += p.n_mm
-    return _Body(assign, frozenset(leaves), n_mm)
+        n_red += p.n_red
+    return _Body(assign, frozenset(leaves), n_mm, n_red)
 
 
 def _prod(xs: Iterator[int] | Sequence[int] | Any) -> int:

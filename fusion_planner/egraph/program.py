@@ -44,7 +44,7 @@ def prelude() -> str:
             continue
         args = ["Op"] * (op.arity or 0) + [_SORT_OF_ATTR[a.sort] for a in op.attrs]
         ctors.append(f"  ({op.name} {' '.join(args)})")
-        if op.kind == OpKind.ELEMENTWISE:
+        if op.kind.fuses:
             vars_ = " ".join(f"v{i}" for i in range(len(args)))
             ew_rules.append(
                 f"(rule ((= e ({op.name} {vars_}))) ((Ew e)) :ruleset analysis)"

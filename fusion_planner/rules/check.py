@@ -330,6 +330,7 @@ class _Prepared:
     stored: set[Term]  # leaves whose values live in memory
     schemes: list[dict[Term, tuple[int, ...]]] = field(default_factory=list)
     n_dims: list[int] = field(default_factory=list)
+    fixed: list[dict[int, int]] = field(default_factory=list)  # per scheme: dimension index -> its fixed size
 
 
 def _substitute(t: Term, binds: Mapping[str, Term], depth: int = 0) -> Term:
@@ -428,13 +429,15 @@ def prepare(rule: RuleSpec) -> _Prepared:
 
 
 class _Dim:
-    """A symbolic dimension: comparing two unifies them (the rule must type-check)."""
+    """A symbolic dimension: comparing two unifies them (the rule must type-check); comparing one with a
+    number fixes it to that size (a reduction's kept dimension is 1)."""
 
-    __slots__ = ("parent", "n")
+    __slots__ = ("parent", "n", "size")
 
     def __init__(self, n: int) -> None:
         self.parent: _Dim = self
         self.n = n
+        self.size: int | None = None
 
     def find(self) -> _Dim:
         while self.parent is not self:
@@ -443,11 +446,19 @@ class _Dim:
         return self
 
     def __eq__(self, other: object) -> bool:
+        a = self.find()
+        if isinstance(other, int) and not isinstance(other, bool):
+            if a.size is None:
+                a.size = other
+            return a.size == other
         if not isinstance(other, _Dim):
-            raise TypeError("symbolic dimension compared with a number")
-        a, b = self.find(), other.find()
+            raise TypeError(f"symbolic dimension compared with {other!r}")
+        b = other.find()
         if a is not b:
+            if a.size is not None and b.size is not None and a.size != b.size:
+                return False
             b.parent = a
+            a.size = a.size if a.size is not None else b.size
         return True
 
     def __ne__(self, other: object) -> bool:
@@ -554,6 +565,8 @@ def _solve_shapes(prep: _Prepared) -> None:
         }
         prep.schemes.append(scheme)
         prep.n_dims.append(len(roots))
+        prep.fixed.append({roots[id(d.find())]: size for dims in env.values() for d in dims
+                           if (size := d.find().size) is not None})
 
 
 # ---------------------------------------------------------------- evaluation
@@ -659,7 +672,7 @@ class _Failure(Exception):
 def _draw_case(data: Any, prep: _Prepared) -> Case:
 
     k = data.draw(st.integers(0, len(prep.schemes) - 1), label="shape scheme")
-    dims = [data.draw(st.sampled_from(DIMS), label=f"dim{i}") for i in range(prep.n_dims[k])]
+    dims = [prep.fixed[k].get(i) or data.draw(st.sampled_from(DIMS), label=f"dim{i}") for i in range(prep.n_dims[k])]
     shapes = {lf: tuple(dims[i] for i in idx) for lf, idx in prep.schemes[k].items()}
     dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
     magnitude = data.draw(st.sampled_from(MAGNITUDES), label="magnitude")
@@ -762,7 +775,7 @@ def _structural(o: Obligation, prep: _Prepared) -> str | None:
         if isinstance(t, Call) and t.name in ("K", "In", "CublasLt"):
             return None
         return f"asserts (Mem {t}) but {t} is not a stored value (K, In or CublasLt)"
-    if isinstance(t, Call) and t.name in OPS and OPS[t.name].kind == OpKind.ELEMENTWISE:
+    if isinstance(t, Call) and t.name in OPS and OPS[t.name].kind.fuses:
         return None
     return f"asserts (Ew {t}) but {t} is not computed by an elementwise op"
 

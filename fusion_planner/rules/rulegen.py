@@ -58,7 +58,7 @@ def fusion_rules(ops: Iterable[OpDef] | None = None) -> list[GeneratedRule]:
     """The three mechanical rules of every (elementwise op, fusable input), in op-table order."""
     out: list[GeneratedRule] = []
     for op in ops if ops is not None else OPS.values():
-        if op.kind != "elementwise":
+        if not op.kind.fuses:
             continue
         args = _vars(op)
         plain = _term(op, args)

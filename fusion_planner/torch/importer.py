@@ -12,11 +12,15 @@ Mapping (everything else becomes an ``Opaque`` node executed by torch, see
   ``(K, N)`` input, then ``BiasAdd``;
 * GELU by its ``approximate`` argument -> ``GeluTanh`` / ``GeluErf``; relu -> ``Relu``;
   silu -> ``Silu``;
-* tensor + tensor -> ``Add`` (``BiasAdd`` for a 1-D row vector), tensor * tensor -> ``Mul``,
-  tensor / tensor -> ``Div``, tensor - tensor -> ``Add`` of an ``Affine(-1, 0)``;
+* tensor + tensor -> ``Add`` (``BiasAdd`` for a 1-D row vector), tensor - tensor -> ``Sub``,
+  tensor * tensor -> ``Mul``, tensor / tensor -> ``Div``, ``torch.maximum`` / ``torch.minimum`` ->
+  ``Maximum`` / ``Minimum`` (operands of one shape); ``-x`` -> ``Neg``;
 * exp, tanh, sigmoid, sqrt, rsqrt, square of one tensor -> the op-table op whose ``torch_names`` name
   the call; ``x ** p`` for p = 2, 3, 0.5, -0.5 -> ``Square`` (and ``Mul``), ``Sqrt``, ``Rsqrt``;
-* a tensor with a Python scalar (``x*a``, ``x+b``, ``x-b``, ``b-x``, ``-x``, ``x/a``) -> ``Affine``;
+* a tensor with a Python scalar (``x*a``, ``x+b``, ``x-b``, ``b-x``, ``x/a``) -> ``Affine``;
+* in fp32: mean / sum / amax over the last dimension with ``keepdim=True`` -> ``RowMean`` / ``RowSum`` /
+  ``RowMax``; a tensor with one value per row (``[..., 1]``) -> ``AddRow`` .. ``DivRow``; a tensor times a
+  row vector -> ``BiasMul``; LayerNorm, RMSNorm and softmax over the last dimension -> those primitives;
 * views that keep the flattened shape, eval-mode dropout, contiguous/clone -> no node.
 
 IR tensors are stored flattened: leading dims fold into one row dim, so a
@@ -166,7 +170,6 @@ class BoundInputs:
 
     def feed(self, args: Sequence[Any]) -> dict[str, np.ndarray]:
         flat = self.imported.check_args(args)
-        state = _module_state(self.module)
         out: dict[str, np.ndarray] = {}
         for b in self.imported.bindings:
             if b.source == "const":
@@ -174,13 +177,13 @@ class BoundInputs:
             elif b.source == "arg":
                 out[b.name] = _to_numpy(flat[int(b.key)], b.transpose)
             else:
-                out[b.name] = self._state_input(b, state)
+                out[b.name] = self._state_input(b)
         return out
 
-    def _state_input(self, b: Binding, state: Mapping[str, torch.Tensor]) -> np.ndarray:
-        if b.key not in state:
+    def _state_input(self, b: Binding) -> np.ndarray:
+        t = _state_tensor(self.module, str(b.key))  # looked up on every call: a reassigned parameter is seen
+        if t is None:
             raise TorchImportError(f"module has no parameter or buffer {b.key!r} (graph input {b.name!r})")
-        t = state[str(b.key)]
         bound = self._bound.get(b.name)
         if bound is not None and bound[0] is t and bound[1] == t._version:
             return bound[2]
@@ -191,13 +194,27 @@ class BoundInputs:
         return arr
 
 
-def _module_state(module: nn.Module | Mapping[str, torch.Tensor] | None) -> Mapping[str, torch.Tensor]:
-    if isinstance(module, nn.Module):
-        return {**dict(module.named_parameters()), **dict(module.named_buffers())}
-    return module or {}
+def _state_tensor(module: nn.Module | Mapping[str, torch.Tensor] | None, key: str) -> torch.Tensor | None:
+    """The parameter or buffer ``key`` (``"ln.weight"``) of ``module``, found by attribute, not by listing
+    the whole module's state on every call."""
+    if not isinstance(module, nn.Module):
+        return (module or {}).get(key)
+    owner: Any = module
+    *path, name = key.split(".")
+    for part in path:
+        owner = owner._modules.get(part) if isinstance(owner, nn.Module) else None
+        if owner is None:
+            return None
+    if not isinstance(owner, nn.Module):
+        return None
+    t: torch.Tensor | None = owner._parameters.get(name)
+    return owner._buffers.get(name) if t is None else t
 
 
 def _to_numpy(t: torch.Tensor, transpose: bool = False) -> np.ndarray:
+    if not transpose and t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous():
+        a = t.detach().numpy()  # the tensor's own memory: no conversion call on the way
+        return a.reshape(flat_shape(a.shape))
     t = t.detach()
     if transpose:
         t = t.t()
@@ -373,6 +390,10 @@ _SHAPE_QUERIES = {("method", "size"), ("method", "dim"), ("method", "numel"), ge
                   _aten.sym_size.int}
 
 
+#: torch.export's checks of a tensor's dtype, device and layout (one per ``.to(dtype)``): no value
+_METADATA_ASSERTIONS = frozenset({_aten._assert_tensor_metadata.default})
+
+
 def _op_for_torch_call(target: Any, args: Any, kwargs: Any) -> str | None:
     """The op-table op whose ``torch_names`` name this call of one tensor and nothing else."""
     if len(args) != 1 or kwargs or not isinstance(args[0], _T):
@@ -534,6 +555,8 @@ class _Importer:
         concrete = self.values[node]
         if not any(isinstance(x, _Multi) or x.runtime for x in leaves):
             return self.fold(node, concrete)
+        if target in _METADATA_ASSERTIONS:
+            return None  # it held on the example inputs, and a call with another dtype or shape is refused
         if not isinstance(concrete, torch.Tensor) and not isinstance(concrete, (tuple, list)):
             if _CANON.get(target) is None and target not in _SHAPE_QUERIES:
                 raise TorchImportError(
@@ -647,16 +670,22 @@ class _Importer:
             return None
         out = tuple(concrete.shape)
         if tuple(a.shape) == tuple(c.shape) == out:
-            if kind == "sub":
-                neg = self.affine(node, c, -1.0, 0.0, concrete, suffix="_neg")
-                return self.emit(node, "Add", [self.use(a, node.name), neg.id], None, out, concrete.dtype)
-            op = {"add": "Add", "mul": "Mul", "div": "Div"}[kind]
+            op = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "maximum": "Maximum", "minimum": "Minimum"}[kind]
             return self.emit(node, op, [self.use(a, node.name), self.use(c, f"{node.name}_rhs")], None, out, concrete.dtype)
-        if kind == "add" and len(out) >= 2:
-            for x, bias in ((a, c), (c, a)):
-                if tuple(x.shape) == out and tuple(bias.shape) == (out[-1],):
-                    return self.emit(node, "BiasAdd", [self.use(x, node.name), self.use(bias, f"{node.name}_bias")],
+        row_vector = {"add": "BiasAdd", "mul": "BiasMul"}.get(kind)
+        if row_vector and len(out) >= 2:
+            for x, vec in ((a, c), (c, a)):
+                if tuple(x.shape) == out and tuple(vec.shape) == (out[-1],):
+                    return self.emit(node, row_vector, [self.use(x, node.name), self.use(vec, f"{node.name}_rhs")],
                                      None, out, concrete.dtype)
+        if kind in ("add", "sub", "mul", "div") and len(out) >= 1:  # one value per row, e.g. x - x.mean(-1, keepdim=True)
+            per_row = (*out[:-1], 1)
+            pairs = ((a, c), (c, a)) if kind in ("add", "mul") else ((a, c),)
+            for x, r in pairs:
+                if tuple(x.shape) == out and tuple(r.shape) == per_row and out[-1] != 1:
+                    op = {"add": "AddRow", "sub": "SubRow", "mul": "MulRow", "div": "DivRow"}[kind]
+                    return self.emit(node, op, [self.use(x, node.name), self.use(r, f"{node.name}_row")], None, out,
+                                     concrete.dtype)
         return None
 
     def map_add(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
@@ -671,8 +700,93 @@ class _Importer:
     def map_div(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
         return self.binary(node, args, kwargs, concrete, "div")
 
+    # -- rows: reductions over the last dimension and what is made of them (fp32 only: a 16-bit graph
+    # would store the statistics of the unfused plan in 16 bits, where torch keeps them in fp32)
+    def reduction(self, node, args, kwargs, concrete, op):  # noqa: ANN001, ANN201
+        """``x.mean(-1, keepdim=True)`` (``sum``, ``amax``): the op-table reduction over the last dimension."""
+        x = args[0] if args else kwargs.get("input")
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        keep = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+        dims = tuple(dim) if isinstance(dim, (list, tuple)) else (dim,)
+        if (not isinstance(x, _T) or not isinstance(concrete, torch.Tensor) or keep is not True or len(dims) != 1
+                or not isinstance(dims[0], int) or dims[0] not in (-1, len(x.shape) - 1) or kwargs.get("dtype")
+                or concrete.dtype != torch.float32 or x.dtype != torch.float32):
+            return None
+        return self.emit(node, op, [self.use(x, node.name)], None, concrete.shape, concrete.dtype)
+
+    def map_mean(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
+        return self.reduction(node, args, kwargs, concrete, "RowMean")
+
+    def map_sum(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
+        return self.reduction(node, args, kwargs, concrete, "RowSum")
+
+    def map_amax(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
+        return self.reduction(node, args, kwargs, concrete, "RowMax")
+
+    def map_softmax(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
+        """softmax over the last dimension: exp(x - max) / sum, one row kernel once fused."""
+        x = args[0] if args else kwargs.get("input")
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        if (not isinstance(x, _T) or not isinstance(concrete, torch.Tensor) or not isinstance(dim, int)
+                or dim not in (-1, len(x.shape) - 1) or x.dtype != torch.float32 or concrete.dtype != torch.float32
+                or kwargs.get("dtype") is not None or (len(args) > 2 and args[2] not in (None, False))):
+            return None
+        shape, dt, stat = concrete.shape, concrete.dtype, (*concrete.shape[:-1], 1)
+        xi = self.use(x, node.name)
+        top = self.emit(node, "RowMax", [xi], None, stat, dt, "_max")
+        e = self.emit(node, "Exp", [self.emit(node, "SubRow", [xi, top.id], None, shape, dt, "_shift").id], None,
+                      shape, dt, "_exp")
+        total = self.emit(node, "RowSum", [e.id], None, stat, dt, "_sum")
+        return self.emit(node, "DivRow", [e.id, total.id], None, shape, dt)
+
+    def norm(self, node, x, shape, weight, bias, eps, concrete, rms):  # noqa: ANN001, ANN201
+        """LayerNorm (``rms``: RMSNorm) over the last dimension as the ops it is made of: the row
+        statistics, ``(x - mean) * rsqrt(var + eps)`` (``x * rsqrt(mean(x*x) + eps)``), weight, bias."""
+        if (not isinstance(x, _T) or not isinstance(concrete, torch.Tensor) or x.dtype != torch.float32
+                or concrete.dtype != torch.float32 or tuple(shape or ()) != (x.shape[-1],)):
+            return None
+        eps = float(torch.finfo(torch.float32).eps if eps is None else eps)
+        full, dt, stat = concrete.shape, concrete.dtype, (*concrete.shape[:-1], 1)
+        xi = centred = self.use(x, node.name)
+        if not rms:
+            mean = self.emit(node, "RowMean", [xi], None, stat, dt, "_mean")
+            centred = self.emit(node, "SubRow", [xi, mean.id], None, full, dt, "_centred").id
+        square = self.emit(node, "Square", [centred], None, full, dt, "_square")
+        var = self.emit(node, "RowMean", [square.id], None, stat, dt, "_var")
+        inv = self.emit(node, "Rsqrt", [self.emit(node, "Affine", [var.id], {"a": 1.0, "b": eps}, stat, dt, "_eps").id],
+                        None, stat, dt, "_rstd")
+        y = self.emit(node, "MulRow", [centred, inv.id], None, full, dt, "_normed" if weight is not None or bias is not None else "")
+        if weight is not None:
+            y = self.emit(node, "BiasMul", [y.id, self.use(weight, f"{node.name}_weight")], None, full, dt,
+                          "_scaled" if bias is not None else "")
+        if bias is not None:
+            y = self.emit(node, "BiasAdd", [y.id, self.use(bias, f"{node.name}_bias")], None, full, dt)
+        return y
+
+    def map_layer_norm(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
+        names = ("input", "normalized_shape", "weight", "bias", "eps")
+        a = {**dict(zip(names, args, strict=False)), **kwargs}
+        if set(a) - set(names):
+            return None
+        return self.norm(node, a.get("input"), a.get("normalized_shape"), a.get("weight"), a.get("bias"),
+                         a.get("eps", 1e-5), concrete, rms=False)
+
+    def map_rms_norm(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
+        names = ("input", "normalized_shape", "weight", "eps")
+        a = {**dict(zip(names, args, strict=False)), **kwargs}
+        if set(a) - set(names):
+            return None
+        return self.norm(node, a.get("input"), a.get("normalized_shape"), a.get("weight"), None, a.get("eps"),
+                         concrete, rms=True)
+
+    def map_maximum(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
+        return self.binary(node, args, kwargs, concrete, "maximum") if all(_is_tensor(a) for a in args) else None
+
+    def map_minimum(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
+        return self.binary(node, args, kwargs, concrete, "minimum") if all(_is_tensor(a) for a in args) else None
+
     def map_neg(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
-        return self.affine(node, args[0], -1.0, 0.0, concrete) if isinstance(args[0], _T) else None
+        return self.unary(node, "Neg", args[0], concrete)
 
     def map_pow(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
         """``x ** p`` with a constant ``p`` of 2, 3, 0.5 or -0.5: Square, Square then Mul, Sqrt, Rsqrt."""
@@ -751,7 +865,8 @@ class _Importer:
             return self.alias(x, concrete)
         assert isinstance(m, nn.LayerNorm)
         call_args = (x, tuple(m.normalized_shape), state("weight"), state("bias"), float(m.eps))
-        return self.opaque_call(node, "torch.nn.functional.layer_norm", call_args, {}, concrete)
+        return (self.norm(node, *call_args, concrete, rms=False)
+                or self.opaque_call(node, "torch.nn.functional.layer_norm", call_args, {}, concrete))
 
     # -- everything else
     def generic(self, node: fx.Node, target: Any, args: Any, kwargs: Any) -> Any:

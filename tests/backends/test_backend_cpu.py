@@ -566,3 +566,55 @@ def test_a_poisoned_kernel_cache_heals(tmp_path, caplog, compiler):
     with caplog.at_level("WARNING"):
         third.function(other, 2)
     assert "does not load" in caplog.text and third.compiled == 1
+
+
+# ---------------------------------------------------------------- row kernels
+
+
+@pytest.mark.parametrize("width", [5, 16, 37, 64])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_every_norm_and_softmax_plan_matches_the_reference(width, dtype):
+    """LayerNorm (with the residual add before it) and softmax in every plan the extractor offers, the
+    one-row-kernel plan among them, on 1 and 2 threads: widths below, at and off the 16 partial sums."""
+    for g in (examples.layer_norm(7, width, dtype), examples.softmax(7, width, dtype)):
+        plans = build_candidates(g, "seed-k4", cap=64).plans
+        assert min(len(p.kernels) for p in plans) == 1
+        x = random_inputs(g, seed=width)
+        want = execute_graph(g, x)[0]
+        for plan in plans[:24] + [min(plans, key=lambda p: len(p.kernels))]:
+            for threads in (1, 2):
+                got = cpu_backend(threads=threads).compile(plan).run(x)[0]
+                assert close(got, want, dtype), (g.name, plan.notation(), threads)
+
+
+def test_row_kernel_is_one_kernel_reading_each_tensor_once():
+    g = examples.layer_norm(128, 768)
+    one = min(build_candidates(g, "seed-k4").plans, key=lambda p: len(p.kernels))
+    (k,) = one.kernels
+    assert k.kind == "elementwise" and {"RowMean", "SubRow", "Rsqrt", "BiasMul", "Add"} <= set(k.ops)
+    compiled = cpu_backend().compile(one)
+    assert compiled.kernel_facts[0]["bytes_moved"] == k.cost.bytes == 4 * (3 * 128 * 768 + 2 * 768)
+
+
+def test_row_max_keeps_nan_and_softmax_of_a_nan_row_is_nan():
+    g = examples.softmax(3, 20)
+    x = {"x": np.random.default_rng(0).standard_normal((3, 20)).astype(np.float32)}
+    x["x"][1, 7] = np.nan
+    one = min(build_candidates(g, "seed-k4").plans, key=lambda p: len(p.kernels))
+    got = cpu_backend().compile(one).run(x)[0]
+    assert np.isnan(got[1]).all() and not np.isnan(got[[0, 2]]).any()
+    np.testing.assert_allclose(got[[0, 2]], execute_graph(g, x)[0][[0, 2]], rtol=1e-5)
+
+
+def test_row_kernel_loops_are_vectorised(compiler):
+    about = subprocess.run([compiler.cc, "--version"], capture_output=True, text=True).stdout
+    if "Free Software Foundation" not in about:
+        pytest.skip(f"the vectorisation report is gcc's; this compiler is {compiler.version}")
+    g = examples.layer_norm(64, 768)
+    one = min(build_candidates(g, "seed-k4").plans, key=lambda p: len(p.kernels))
+    ck = generate(one.kernels[0].body, {n.id: (n.type.shape, n.type.dtype) for n in g.nodes})
+    report = compiler.vectorisation_report(ck.source)
+    lines = [i for i, line in enumerate(ck.source.splitlines(), 1)
+             if "for (long long c0 = 0;" in line or "for (long long c = 0; c < 768" in line]
+    assert len(lines) == 3  # the two statistics' loops and the output loop
+    assert all(re.search(rf":{line}:\d+: optimized: loop vectorized", report) for line in lines), report

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -130,7 +131,7 @@ def test_mapping_uses_the_op_table() -> None:
     assert ops("mlp-gelu-tanh") == {"MatMul", "BiasAdd", "GeluTanh"}
     assert ops("mlp-gelu-erf") == {"MatMul", "BiasAdd", "GeluErf"}
     assert ops("swiglu") == {"MatMul", "Silu", "Mul"}
-    assert ops("residual") == {"MatMul", "BiasAdd", "GeluTanh", "Add", "Relu", "Affine"}
+    assert ops("residual") == {"MatMul", "BiasAdd", "GeluTanh", "Add", "Relu", "Affine", "Neg"}
     g = import_module(*_model("mlp-relu", torch.float32)).graph
     assert g["x"].type.shape == (12, 16)  # (2, 6, 16) flattened: M = 2 * 6
     assert g["fc1.weight.T"].type.shape == (16, 32)  # Linear weight bound as (K, N)
@@ -155,7 +156,8 @@ def test_opaque_ops_are_logged_and_saved_by_name(tmp_path: Path, caplog: pytest.
     out = result.save(tmp_path)
     plan = json.loads((out / "plan.json").read_text())
     impls = {k["body"]["attrs"]["impl"] for k in plan["plan"]["kernels"] if k["kind"] == "opaque"}
-    assert {"torch.nn.functional.layer_norm", "torch.nn.functional.scaled_dot_product_attention"} <= impls
+    assert "torch.nn.functional.scaled_dot_product_attention" in impls
+    assert "torch.nn.functional.layer_norm" not in impls and "RowMean" in {n.op for n in result.graph.ops}  # fp32: fused
     assert json.loads((out / "graph.json").read_text())["format"] == "fusion-planner-graph"
 
 
@@ -185,7 +187,7 @@ def test_saved_plan_executes_in_a_fresh_process(tmp_path: Path) -> None:
 def test_single_use_torch_calls_fold_into_one_opaque_kernel() -> None:
     class Chains(nn.Module):
         def forward(self, x):
-            s = torch.softmax(x, dim=-1)  # two users: its own kernel
+            s = torch.log_softmax(x, dim=-1)  # two users: its own kernel
             t = torch.erf(s).transpose(0, 1)  # single-use chain: one kernel with two calls
             u = torch.cat([t, t], dim=1).transpose(0, 1)  # t referenced twice in one call
             return torch.cos(s) + u[:4]
@@ -194,12 +196,12 @@ def test_single_use_torch_calls_fold_into_one_opaque_kernel() -> None:
     imported = import_module(m, (x,))
     opaque = [n for n in imported.graph.ops if n.op == "Opaque"]
     steps = {n.id: [st["impl"] for st in json.loads(n.attr_dict["call"])["steps"]] for n in opaque}
-    assert len(opaque) == 3, steps  # softmax | cos | erf+transpose+cat+transpose+getitem
+    assert len(opaque) == 3, steps  # log_softmax | cos | erf+transpose+cat+transpose+getitem
     used = {i for n in imported.graph.nodes for i in n.inputs} | set(imported.graph.outputs)
     assert all(n.id in used for n in opaque)  # nothing emitted and then dropped
     _assert_close(fusion_planner.plan(m, (x,), backend="reference")(x), m(x))
     block = import_module(*_block()).graph
-    assert sum(n.op == "Opaque" for n in block.ops) == 3  # two LayerNorms, one attention (split/view/transpose in it)
+    assert sum(n.op == "Opaque" for n in block.ops) == 1  # attention (split/view/transpose in it); LayerNorms fuse
 
 
 def test_opaque_names_are_an_allowlist() -> None:
@@ -317,6 +319,104 @@ def test_primitive_ops_and_a_written_out_gelu_import_as_fusable_ops() -> None:
         _assert_close(result(x), m(x))
     chain = fusion_planner.plan(nn.Sequential(nn.Tanh(), nn.Sigmoid()), (x,), backend="reference")
     assert [n.op for n in chain.graph.ops] == ["Tanh", "Sigmoid"]  # the modules' forward calls torch.tanh/sigmoid
+
+
+def test_sub_neg_maximum_minimum_are_ops_that_match_torch_bit_for_bit() -> None:
+    """tensor - tensor, -x, torch.maximum and torch.minimum import as ``Sub``, ``Neg``, ``Maximum`` and
+    ``Minimum``; one fused C kernel gives torch's bits on NaN, ±0 ties and infinities."""
+
+    class Picks(nn.Module):
+        def forward(self, x, y):
+            return torch.maximum(x, -y) - torch.minimum(y, x).neg()
+
+    edge = torch.tensor([float("nan"), 0.0, -0.0, 1.0, float("inf"), -float("inf"), 2.0, -3.0])
+    x = torch.cat([edge, edge.flip(0), torch.randn(48)]).reshape(4, 16)
+    y = torch.cat([edge.roll(1), -edge, torch.randn(48)]).reshape(4, 16)
+    m = Picks().eval()
+    result = fusion_planner.plan(m, (x, y), backend="cpu", max_candidates=4, cache=False)
+    assert {n.op for n in result.graph.ops} == {"Maximum", "Minimum", "Sub", "Neg"}
+    assert len(result.plan.kernels) == 1
+    want = m(x, y)
+    got = result(x, y)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num().view(torch.int32), want.nan_to_num().view(torch.int32))
+    for a, b in ((0.0, -0.0), (-0.0, 0.0)):  # a tie gives the second operand, as torch and numpy do
+        ta, tb = torch.full((4, 16), a), torch.full((4, 16), b)
+        assert torch.equal(result(ta, -tb).view(torch.int32), m(ta, -tb).view(torch.int32))
+
+
+def test_norms_and_softmax_import_as_row_ops_and_fuse_into_one_row_kernel() -> None:
+    """nn.LayerNorm after a residual add, LLaMA's RMSNorm written out (pow, mean, rsqrt, a weight),
+    F.softmax and F.layer_norm import as row reductions and per-row ops, no Opaque node: the whole
+    body can be one row kernel, and the CPU plan matches eager torch."""
+
+    class Rows(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln = nn.LayerNorm(48)
+            self.w = nn.Parameter(torch.randn(48))
+
+        def forward(self, x, r):
+            h = self.ln(x + r)
+            h = self.w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+            return F.softmax(h, dim=-1) + F.layer_norm(h, (48,)) - h.amax(-1, keepdim=True) / h.sum(-1, keepdim=True)
+
+    from fusion_planner.egraph.candidates import build_candidates
+
+    m = Rows().eval()
+    x, r = torch.randn(2, 5, 48), torch.randn(2, 5, 48)
+    result = fusion_planner.plan(m, (x, r), backend="cpu", max_candidates=8)
+    ops = {n.op for n in result.graph.ops}
+    assert "Opaque" not in ops
+    assert {"RowMean", "RowMax", "RowSum", "SubRow", "MulRow", "DivRow", "BiasMul", "Exp", "Rsqrt"} <= ops
+    assert min(len(p.kernels) for p in build_candidates(result.graph, "seed-k4").plans) == 1
+    with torch.no_grad():
+        _assert_close(result(x, r), m(x, r))
+
+
+def test_a_16_bit_norm_stays_a_torch_call() -> None:
+    """In fp16 the unfused plan would store the row statistics in 16 bits (torch keeps them in fp32):
+    the norm stays one Opaque call."""
+    m = nn.LayerNorm(32).half().eval()
+    result = fusion_planner.plan(m, (torch.randn(4, 32).half(),), backend="reference")
+    assert [n.op for n in result.graph.ops] == ["Opaque"]
+
+
+def test_exported_dtype_assertions_are_dropped() -> None:
+    """``torch.export`` writes ``aten._assert_tensor_metadata`` for each ``.to(dtype)`` (every LLaMA-style
+    RMSNorm): the importer drops it instead of refusing the module."""
+
+    class Norm(nn.Module):
+        def forward(self, x):
+            h = x.to(torch.float32)
+            return torch.rsqrt(h * h + 1.0).to(x.dtype) * x
+
+    x = torch.randn(4, 32)
+    ep = torch.export.export(Norm().eval(), (x,))
+    assert "_assert_tensor_metadata" in str(ep.graph)
+    result = fusion_planner.plan(ep, (x,), backend="reference")
+    assert "Opaque" not in {n.op for n in result.graph.ops}
+    _assert_close(result(x), Norm()(x))
+
+
+def test_torch_compile_runs_a_graph_with_integer_inputs_eagerly(caplog: pytest.LogCaptureFixture) -> None:
+    torch._dynamo.reset()
+
+    class Embed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(10, 8)
+
+        def forward(self, ids):
+            return torch.relu(self.emb(ids))
+
+    m = Embed().eval()
+    ids = torch.tensor([[1, 2, 3], [4, 5, 9]])
+    with caplog.at_level(logging.WARNING, logger="fusion_planner.dynamo"), torch.no_grad():
+        got = torch.compile(m, backend="fusion_planner")(ids)
+    assert torch.equal(got, m(ids))
+    assert re.search(r"graph input \d+ is int64", caplog.text) and "runs eagerly" in caplog.text
+    torch._dynamo.reset()
 
 
 def test_shape_dependent_control_flow_falls_back_to_export() -> None:

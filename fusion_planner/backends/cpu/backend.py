@@ -224,6 +224,9 @@ class CpuCompiledPlan(CompiledPlan):
         self.blas_threads = backend.blas_threads
         self.controller = backend.controller
         self.uses_torch = any(s.kernel.kind == KernelKind.OPAQUE for s in steps)
+        # numpy's BLAS runs in GEMM steps and in numpy Opaque implementations; generated loops never call
+        # it, and threadpoolctl's limit costs tens of µs a call (it walks the loaded libraries)
+        self.uses_blas = any(s.kernel.kind != KernelKind.ELEMENTWISE for s in steps)
         written = {k.out for k in plan.kernels}
         self._fresh_outputs = [o for o in dict.fromkeys(plan.outputs) if o in written and plan.tensors[o].dtype == "fp32"]
         self._loaded: dict[str, np.ndarray] = {}  # the array last copied into each input buffer
@@ -283,7 +286,8 @@ class CpuCompiledPlan(CompiledPlan):
     def _pools(self) -> contextlib.ExitStack:
         """BLAS at its pinned count and torch's pool at the plan's thread count while the plan runs."""
         stack = contextlib.ExitStack()
-        stack.enter_context(limit_blas_threads(self.blas_threads, self.controller))
+        if self.uses_blas:
+            stack.enter_context(limit_blas_threads(self.blas_threads, self.controller))
         if self.uses_torch:
             stack.enter_context(parallel.torch_threads(self.threads))
         return stack
@@ -469,8 +473,8 @@ class CpuBackend(Backend):
         fn, params, reads = self._bind(ck, memory.own)
         names = [n for n in params if n is not None]
         out_name, addr, pool, rows, cols = k.out, memory.addr, self.pool, ck.rows, ck.cols
-        flat = all(p.index == "full" for p in ck.params)
-        parts = parallel.loop_parts(self.threads, rows * cols)
+        flat = not ck.row_width and all(p.index == "full" for p in ck.params)  # a row kernel runs whole rows
+        parts = parallel.loop_parts(self.threads, rows * max(cols, ck.row_width))
         threads = 1
         if parts == 1:
             if flat:  # one row of every element: the form a streaming kernel streams

@@ -25,6 +25,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -34,9 +35,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fusion_planner.backends.codegen import CodegenError, broadcast, nodes_to_emit, snippet
+from fusion_planner.backends.codegen import (
+    CodegenError,
+    RowEmitter,
+    broadcast,
+    is_row_kernel,
+    loads,
+    nodes_to_emit,
+    row_level,
+    row_width,
+    snippet,
+)
 from fusion_planner.core.files import untrusted_dir
-from fusion_planner.core.ops import DTYPE_BYTES
+from fusion_planner.core.kinds import OpKind
+from fusion_planner.core.ops import DTYPE_BYTES, op_def
 from fusion_planner.core.plans import Expr, Load
 
 log = logging.getLogger(__name__)
@@ -59,6 +71,7 @@ VECTOR_MATH = (("-fno-math-errno", "-DFP_VECTOR_MATH=1"), ("-lmvec",))
 INDEX = {
     "full": "{p}[r * cols + c]",
     "col": "{p}[c]",
+    "row": "{p}[r]",  # one value per row (a row kernel's per-row operand)
     "tile": "{p}[(r - r0) * cols + c]",
 }
 
@@ -80,6 +93,15 @@ static inline uint32_t fp_f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); ret
 /* ReLU as a bit mask, not a branch: gcc threads a branch into every later op of a fused chain
    (both paths, predicated), which made long chains 1.5-2x slower on AVX2; this keeps NaN and -0. */
 static inline float fp_relu(float x) { return fp_bits_f32(fp_f32_bits(x) & ~(-(uint32_t)(x < 0.0f))); }
+
+/* torch.maximum / torch.minimum as bit masks too: NaN if either operand is NaN, the second operand
+   when they compare equal (so max(-0, +0) = +0 and max(+0, -0) = -0, as torch and numpy answer). */
+static inline float fp_pick(float a, float b, uint32_t take_a) {
+    uint32_t m = -take_a;
+    return fp_bits_f32((fp_f32_bits(a) & m) | (fp_f32_bits(b) & ~m));
+}
+static inline float fp_max(float a, float b) { return fp_pick(a, b, (uint32_t)((a > b) | (a != a))); }
+static inline float fp_min(float a, float b) { return fp_pick(a, b, (uint32_t)((a < b) | (a != a))); }
 
 static inline float fp_bf16_to_f32(uint16_t h) { return fp_bits_f32((uint32_t)h << 16); }
 
@@ -140,6 +162,8 @@ class CKernel:
     out_dtype: str
     rows: int
     cols: int
+    #: a row kernel's row length (it runs whole rows: never flattened or split within a row); 0 otherwise
+    row_width: int = 0
 
     @property
     def digest(self) -> str:
@@ -169,6 +193,10 @@ def generate(
     of a kernel whose operands all have the output's layout and whose output is fp32 stores with
     non-temporal (streaming) stores where the compiler targets AVX (see :data:`STREAM_SOURCE`).
     """
+    if tile is not None and any(op_def(e.op).kind == OpKind.REDUCTION for e in body.walk()):
+        raise CodegenError(f"kernel for node {body.node!r}: a row reduction is no GEMM epilogue")
+    if tile is None and is_row_kernel(body, {t: shape for t, (shape, _) in tensor_types.items()}):
+        return _row_kernel(body, tensor_types)
     out_shape = tuple(body.type.shape)
     rows, cols = rows_cols(out_shape)
     params: list[Param] = []
@@ -192,7 +220,8 @@ def generate(
             if e.tensor not in tensor_types:
                 raise CodegenError("kernel loads a tensor with no known type")
             shape, dtype = tensor_types[e.tensor]
-            return param(e.tensor, dtype, broadcast(shape, out_shape, e.tensor))
+            per_row = len(shape) > 1 and shape[-1] == 1 and shape != out_shape and math.prod(shape[:-1]) == rows
+            return param(e.tensor, dtype, "row" if per_row else broadcast(shape, out_shape, e.tensor))
         if tile is not None and e is tile:
             return param(None, "fp32", "tile")
         return var_of[id(e)]
@@ -213,6 +242,39 @@ def generate(
     else:
         source = _loop_function(in_ctypes, _STORAGE[out_dtype][0], stmts, store)
     return CKernel(source, tuple(params), out_dtype, rows, cols)
+
+
+#: partial sums (maxima) each reduction loop keeps: one 512-bit vector of fp32, so gcc vectorises it
+ROW_LANES = 16
+
+
+def _row_kernel(body: Expr, tensor_types: dict[str, tuple[tuple[int, ...], str]]) -> CKernel:
+    """A kernel of one row at a time (see :class:`fusion_planner.backends.codegen.RowEmitter`); the row
+    length is a constant of the source, so the loops over it have known trip counts."""
+    rows, cols = rows_cols(tuple(body.type.shape))
+    missing = [t for t in loads(body) if t not in tensor_types]
+    if missing:
+        raise CodegenError(f"kernel loads {missing[0]!r}, a tensor with no known type")
+    width = row_width(body, {t: tensor_types[t][0] for t in loads(body)})
+    params: list[Param] = []
+    levels = {t: row_level(tensor_types[t][0], width, rows, t) for t in loads(body)}
+
+    def load(tensor: str, level: str) -> str:
+        if tensor not in [p.tensor for p in params]:
+            params.append(Param(tensor, tensor_types[tensor][1], level))
+        i = [p.tensor for p in params].index(tensor)
+        index = {"full": f"r * {width} + c", "row": "r", "col": "c"}[level]
+        return _STORAGE[params[i].dtype][1].format(f"t{i}[{index}]")
+
+    emitter = RowEmitter(width, levels.__getitem__, load, ROW_LANES, "-INFINITY")
+    out_dtype = body.type.dtype
+    lines = emitter.output(body, lambda value, index: f"out[{index}] = {_STORAGE[out_dtype][2].format(value)};")
+    sig = [f"const {_STORAGE[p.dtype][0]}* restrict t{i}" for i, p in enumerate(params)]
+    sig += [f"{_STORAGE[out_dtype][0]}* restrict out", "int64_t r0", "int64_t r1", "int64_t cols"]
+    inner = "\n".join(f"        {line}" for line in lines)
+    source = (PRELUDE + f"\n/* row kernel: rows of {width} */\nvoid {SYMBOL}({', '.join(sig)}) {{\n"
+              "    (void)cols;\n    for (int64_t r = r0; r < r1; ++r) {\n" + inner + "\n    }\n}\n")
+    return CKernel(source, tuple(params), out_dtype, rows, cols, width)
 
 
 def _loop_function(in_ctypes: list[str], out_ctype: str, stmts: list[str], store: str) -> str:

@@ -24,7 +24,18 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from fusion_planner.backends.codegen import CodegenError, broadcast, find_matmul, loads, nodes_to_emit, snippet
+from fusion_planner.backends.codegen import (
+    CodegenError,
+    RowEmitter,
+    broadcast,
+    find_matmul,
+    is_row_kernel,
+    loads,
+    nodes_to_emit,
+    row_level,
+    row_width,
+    snippet,
+)
 from fusion_planner.core.graph import TensorType
 from fusion_planner.core.kinds import KernelKind
 from fusion_planner.core.ops import DTYPE_BYTES, op_def
@@ -44,6 +55,9 @@ PRELUDE = """#include <cuda_fp16.h>
 #ifndef FP_PRELUDE
 #define FP_PRELUDE
 __host__ __device__ __forceinline__ float fp_relu(float x) { return x < 0.0f ? 0.0f : x; }
+__host__ __device__ __forceinline__ float fp_max(float a, float b) { return (a > b || a != a) ? a : b; }
+__host__ __device__ __forceinline__ float fp_min(float a, float b) { return (a < b || a != a) ? a : b; }
+__host__ __device__ __forceinline__ float fp_neg_inf() { union { unsigned int u; float f; } v = {0xff800000u}; return v.f; }
 #endif
 """
 
@@ -380,8 +394,42 @@ def _used_outside(body: Expr, mm: Expr, tensor: str) -> bool:
     return any(e is not mm and any(isinstance(a, Load) and a.tensor == tensor for a in e.args) for e in body.walk())
 
 
+#: threads per block of a row kernel (one thread per row)
+ROW_BLOCK = 128
+
+
+def row_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
+    """A row kernel (a body with a row reduction or per-row values) as one thread per row, running the
+    row's loops in turn: the same statements as the C backend's row kernel, one partial per reduction."""
+    body = k.body
+    out_t = tensors.get(k.out, body.type)
+    leaves = loads(body)
+    shapes = {t: tensors[t].shape for t in leaves}
+    width = row_width(body, shapes)
+    rows = math.prod(out_t.shape[:-1])
+    levels = {t: row_level(shapes[t], width, rows, t) for t in leaves}
+    index = {t: i for i, t in enumerate(leaves)}
+
+    def load(tensor: str, level: str) -> str:
+        at = {"full": f"r * {width}LL + c", "row": "r", "col": "c"}[level]
+        return TO_FLOAT[tensors[tensor].dtype].format(f"p{index[tensor]}[{at}]")
+
+    emitter = RowEmitter(width, levels.__getitem__, load, 1, "fp_neg_inf()")
+    lines = emitter.output(body, lambda value, at: f"out[{at}] = {FROM_FLOAT[out_t.dtype].format(value)};")
+    params = [f"const {CTYPE[tensors[t].dtype]}* __restrict__ p{index[t]}" for t in leaves]
+    params.append(f"{CTYPE[out_t.dtype]}* __restrict__ out")
+    name = kernel_name(KernelKind.ELEMENTWISE, k.out, _shape_salt(k, tensors))
+    src = [PRELUDE, f'extern "C" __global__ void {name}({", ".join(params)}) {{',
+           "  const long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x;",
+           f"  if (r >= {rows}LL) return;", *(f"  {line}" for line in lines), "}"]
+    grid = (max(1, -(-rows // ROW_BLOCK)), 1)
+    return CudaKernel(name, KernelKind.ELEMENTWISE, "\n".join(src) + "\n", (*leaves, k.out), ROW_BLOCK, grid)
+
+
 def generate(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
     """The CUDA kernel of one plan kernel (elementwise or gemm_epilogue)."""
+    if k.kind == KernelKind.ELEMENTWISE and is_row_kernel(k.body, {t: v.shape for t, v in tensors.items()}):
+        return row_kernel(k, tensors)
     if k.kind == KernelKind.ELEMENTWISE:
         return elementwise_kernel(k, tensors)
     if k.kind == KernelKind.GEMM_EPILOGUE:

@@ -17,7 +17,7 @@ import pytest
 
 from fusion_planner.backends.cupy.codegen import CTYPE, generate
 from fusion_planner.backends.reference import execute_plan, random_inputs
-from fusion_planner.core.examples import ew_chain, mlp_epilogue
+from fusion_planner.core.examples import ew_chain, layer_norm, mlp_epilogue, softmax
 from fusion_planner.core.ops import numpy_dtype
 from fusion_planner.egraph.candidates import build_candidates
 
@@ -97,6 +97,10 @@ def _plan(graph, pred):
         (mlp_epilogue(13, 16, 8, "fp16"), lambda p: p.partition == (1, 3) and p.kernels[0].kind == "gemm_epilogue"),
         # bf16, bias of 12 columns: scalar path with i % cols
         (mlp_epilogue(7, 12, 8, "bf16"), lambda p: p.partition == (1, 1, 2) and p.kernels[0].kind == "gemm_epilogue"),
+        # row kernels, one thread per row: residual + LayerNorm in one kernel (fp16), and op by op
+        (layer_norm(9, 40, "fp16"), lambda p: len(p.kernels) == 1),
+        (layer_norm(5, 24, "fp32"), lambda p: len(p.kernels) == 10),
+        (softmax(6, 33, "bf16"), lambda p: len(p.kernels) == 1),
     ],
 )
 def test_generated_elementwise_code_matches_the_reference(graph, pred, tmp_path):
