@@ -9,6 +9,7 @@ exactly one MatMul whose operands come from memory.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -81,12 +82,15 @@ def find_matmul(body: Expr) -> Expr:
 # reductions and what is computed from them) are scalars of the row; the output is written by a last
 # loop over the row (or once per row, for a per-row output).  Both generators emit the same C.
 
-#: per reduction: initial value (``{neg_inf}`` filled in per language), combining expression, final value
+#: per reduction: initial value (``{neg_inf}`` filled in per language), combining expression, final value,
+#: and the C prelude's 16-lane vector combine and horizontal combine
 REDUCTIONS = {
-    "RowSum": ("0.0f", "({a} + {b})", "{acc}"),
-    "RowMean": ("0.0f", "({a} + {b})", "({acc} / {width}.0f)"),
-    "RowMax": ("{neg_inf}", "fp_max({a}, {b})", "{acc}"),
+    "RowSum": ("0.0f", "({a} + {b})", "{acc}", "fp_v16_add", "fp_v16_hadd"),
+    "RowMean": ("0.0f", "({a} + {b})", "({acc} / {width}.0f)", "fp_v16_add", "fp_v16_hadd"),
+    "RowMax": ("{neg_inf}", "fp_max({a}, {b})", "{acc}", "fp_v16_max", "fp_v16_hmax"),
 }
+#: an fp32 array read at the row's column ``c``: contiguous along the row, so a vector loop can load it
+_ARRAY_AT_C = re.compile(r"\w+\[[^\[\]]*\bc\]")
 
 Level = Literal["full", "row", "col"]
 
@@ -121,10 +125,15 @@ class RowEmitter:
     width: int
     level_of: Callable[[str], Level]
     load: Callable[[str, Level], str]
-    lanes: int  # partial results per reduction: the C loop's vector width, 1 for one CUDA thread
+    lanes: int  # partial results per reduction: 16 (one vector, the C prelude's fp_v16) or 1 (a CUDA thread)
     neg_inf: str
+    #: rows up to this long keep each reduction's input in a row buffer (0: never): its loop is then a
+    #: plain elementwise loop (vectorised with the vector math library; a call in the loop over the
+    #: partials is not), and later loops read the buffer instead of computing the value again
+    buffer_limit: int = 0
     lines: list[str] = field(default_factory=list)
     _row: dict[int, str] = field(default_factory=dict)
+    _buffers: dict[int, str] = field(default_factory=dict)
     _count: int = 0
 
     def _name(self, stem: str = "v") -> str:
@@ -158,6 +167,8 @@ class RowEmitter:
             return self.row_value(e) if level == "row" else self.load(e.tensor, level)
         if self.per_row(e):
             return self.row_value(e)
+        if id(e) in self._buffers:
+            return f"{self._buffers[id(e)]}[c]"
         if id(e) not in scope:
             args = [self.loop_value(a, scope, body) for a in e.args]
             scope[id(e)] = name = self._name()
@@ -165,11 +176,26 @@ class RowEmitter:
         return scope[id(e)]
 
     def _reduce(self, e: Expr) -> str:
-        init, combine, final = REDUCTIONS[e.op]
+        init, combine, final, vcombine, hcombine = REDUCTIONS[e.op]
         init = init.format(neg_inf=self.neg_inf)
         body: list[str] = []
         value = self.loop_value(e.args[0], {}, body)
         part, acc, lanes, w = self._name("part"), self._name("acc"), self.lanes, self.width
+        if (body or not _ARRAY_AT_C.fullmatch(value)) and w <= self.buffer_limit:
+            buf = self._name("row")
+            self.lines += [f"float {buf}[{w}];", f"for (long long c = 0; c < {w}; ++c) {{", *(f"    {s}" for s in body),
+                           f"    {buf}[c] = {value};", "}"]
+            self._buffers[id(e.args[0])] = buf
+            body, value = [], f"{buf}[c]"
+        if lanes == 16 and not body and w >= lanes:  # one vector of partials over a contiguous row
+            end = w // lanes * lanes
+            self.lines += [f"fp_v16 {part} = fp_v16_fill({init});",
+                           f"for (long long c0 = 0; c0 < {end}; c0 += 16) "
+                           f"{part} = {vcombine}({part}, fp_v16_load(&{value[:-2]}c0]));",
+                           f"float {acc} = {hcombine}({part});"]
+            if w % lanes:
+                self.lines.append(f"for (long long c = {end}; c < {w}; ++c) {acc} = {combine.format(a=acc, b=value)};")
+            return final.format(acc=acc, width=w)
         step = [*body, f"{part}[j] = {combine.format(a=f'{part}[j]', b=value)};"]
         lines = [f"float {part}[{lanes}];", f"for (long long j = 0; j < {lanes}; ++j) {part}[j] = {init};",
                  f"for (long long c0 = 0; c0 < {w // lanes * lanes}; c0 += {lanes}) {{",
@@ -185,6 +211,9 @@ class RowEmitter:
 
     def output(self, root: Expr, store: Callable[[str, str], str]) -> list[str]:
         """The row's statements, ending with the store of the output (``store(value, index)``)."""
+        for e in root.walk():  # the row's values first, producers before consumers: the buffers they
+            if self.per_row(e):  # leave exist before any later loop is written
+                self.row_value(e)
         if self.per_row(root):
             value = self.row_value(root)
             return [*self.lines, store(value, "r")]

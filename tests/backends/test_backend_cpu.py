@@ -581,10 +581,10 @@ def test_every_norm_and_softmax_plan_matches_the_reference(width, dtype):
         assert min(len(p.kernels) for p in plans) == 1
         x = random_inputs(g, seed=width)
         want = execute_graph(g, x)[0]
-        for plan in plans[:24] + [min(plans, key=lambda p: len(p.kernels))]:
-            for threads in (1, 2):
-                got = cpu_backend(threads=threads).compile(plan).run(x)[0]
-                assert close(got, want, dtype), (g.name, plan.notation(), threads)
+        one = min(plans, key=lambda p: len(p.kernels))
+        for plan, threads in [(p, 1) for p in plans[:10]] + [(one, 1), (one, 2)]:
+            got = cpu_backend(threads=threads).compile(plan).run(x)[0]
+            assert close(got, want, dtype), (g.name, plan.notation(), threads)
 
 
 def test_row_kernel_is_one_kernel_reading_each_tensor_once():
@@ -614,7 +614,7 @@ def test_row_kernel_loops_are_vectorised(compiler):
     one = min(build_candidates(g, "seed-k4").plans, key=lambda p: len(p.kernels))
     ck = generate(one.kernels[0].body, {n.id: (n.type.shape, n.type.dtype) for n in g.nodes})
     report = compiler.vectorisation_report(ck.source)
-    lines = [i for i, line in enumerate(ck.source.splitlines(), 1)
-             if "for (long long c0 = 0;" in line or "for (long long c = 0; c < 768" in line]
-    assert len(lines) == 3  # the two statistics' loops and the output loop
+    lines = [i for i, line in enumerate(ck.source.splitlines(), 1) if "for (long long c = 0; c < 768" in line]
+    assert len(lines) == 3  # the two statistics' row buffers (x + r, then its centred square) and the output
     assert all(re.search(rf":{line}:\d+: optimized: loop vectorized", report) for line in lines), report
+    assert ck.source.split("row kernel")[1].count("fp_v16_add(") == 2  # each statistic summed as one vector of 16 partial sums

@@ -103,6 +103,30 @@ static inline float fp_pick(float a, float b, uint32_t take_a) {
 static inline float fp_max(float a, float b) { return fp_pick(a, b, (uint32_t)((a > b) | (a != a))); }
 static inline float fp_min(float a, float b) { return fp_pick(a, b, (uint32_t)((a < b) | (a != a))); }
 
+/* A row reduction's 16 partial results as one vector (GCC/clang vector extensions): gcc vectorises
+   neither the NaN-keeping max of a loop-carried partial nor the loop around it otherwise. */
+typedef float fp_v16 __attribute__((vector_size(64)));
+typedef int32_t fp_v16i __attribute__((vector_size(64)));
+static inline fp_v16 fp_v16_load(const float* p) { fp_v16 v; memcpy(&v, p, 64); return v; }
+static inline fp_v16 fp_v16_fill(float x) { fp_v16 v; for (int j = 0; j < 16; ++j) v[j] = x; return v; }
+static inline fp_v16 fp_v16_add(fp_v16 a, fp_v16 b) { return a + b; }
+static inline fp_v16 fp_v16_max(fp_v16 a, fp_v16 b) {
+    fp_v16i m = (a > b) | (a != a);
+    return (fp_v16)(((fp_v16i)a & m) | ((fp_v16i)b & ~m));
+}
+static inline float fp_v16_hadd(fp_v16 v) {
+    float p[16];
+    memcpy(p, &v, 64);
+    for (int h = 8; h > 0; h /= 2) for (int j = 0; j < h; ++j) p[j] = p[j] + p[j + h];
+    return p[0];
+}
+static inline float fp_v16_hmax(fp_v16 v) {
+    float p[16];
+    memcpy(p, &v, 64);
+    for (int h = 8; h > 0; h /= 2) for (int j = 0; j < h; ++j) p[j] = fp_max(p[j], p[j + h]);
+    return p[0];
+}
+
 static inline float fp_bf16_to_f32(uint16_t h) { return fp_bits_f32((uint32_t)h << 16); }
 
 /* Branch-free conversions (so loops vectorise); the fp16 pair follows
@@ -246,6 +270,8 @@ def generate(
 
 #: partial sums (maxima) each reduction loop keeps: one 512-bit vector of fp32, so gcc vectorises it
 ROW_LANES = 16
+#: rows up to this long keep a reduction's input in a buffer on the stack (16 KiB of fp32 each)
+ROW_BUFFER_LIMIT = 4096
 
 
 def _row_kernel(body: Expr, tensor_types: dict[str, tuple[tuple[int, ...], str]]) -> CKernel:
@@ -266,7 +292,7 @@ def _row_kernel(body: Expr, tensor_types: dict[str, tuple[tuple[int, ...], str]]
         index = {"full": f"r * {width} + c", "row": "r", "col": "c"}[level]
         return _STORAGE[params[i].dtype][1].format(f"t{i}[{index}]")
 
-    emitter = RowEmitter(width, levels.__getitem__, load, ROW_LANES, "-INFINITY")
+    emitter = RowEmitter(width, levels.__getitem__, load, ROW_LANES, "-INFINITY", ROW_BUFFER_LIMIT)
     out_dtype = body.type.dtype
     lines = emitter.output(body, lambda value, index: f"out[{index}] = {_STORAGE[out_dtype][2].format(value)};")
     sig = [f"const {_STORAGE[p.dtype][0]}* restrict t{i}" for i, p in enumerate(params)]
