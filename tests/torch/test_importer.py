@@ -374,6 +374,27 @@ def test_norms_and_softmax_import_as_row_ops_and_fuse_into_one_row_kernel() -> N
         _assert_close(result(x, r), m(x, r))
 
 
+def test_a_norm_written_another_way_fuses_through_the_primitives() -> None:
+    """RMSNorm as ``x / sqrt(mean(x**2) + eps) * w`` matches no named norm: it imports as Square, RowMean,
+    Affine, Sqrt, DivRow and BiasMul, and the rules still give a one-row-kernel plan."""
+    from fusion_planner.egraph.candidates import build_candidates
+
+    class OtherRMS(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(40))
+
+        def forward(self, x):
+            return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
+
+    m, x = OtherRMS().eval(), torch.randn(3, 7, 40)
+    result = fusion_planner.plan(m, (x,), backend="cpu", max_candidates=4)
+    assert [n.op for n in result.graph.ops] == ["Square", "RowMean", "Affine", "Sqrt", "DivRow", "BiasMul"]
+    assert min(len(p.kernels) for p in build_candidates(result.graph, "seed-k4").plans) == 1
+    with torch.no_grad():
+        _assert_close(result(x), m(x))
+
+
 def test_a_16_bit_norm_stays_a_torch_call() -> None:
     """In fp16 the unfused plan would store the row statistics in 16 bits (torch keeps them in fp32):
     the norm stays one Opaque call."""
