@@ -180,34 +180,45 @@ class RowEmitter:
         init = init.format(neg_inf=self.neg_inf)
         body: list[str] = []
         value = self.loop_value(e.args[0], {}, body)
-        part, acc, lanes, w = self._name("part"), self._name("acc"), self.lanes, self.width
-        if (body or not _ARRAY_AT_C.fullmatch(value)) and w <= self.buffer_limit:
+        if (body or not _ARRAY_AT_C.fullmatch(value)) and self.width <= self.buffer_limit:
             buf = self._name("row")
-            self.lines += [f"float {buf}[{w}];", f"for (long long c = 0; c < {w}; ++c) {{", *(f"    {s}" for s in body),
-                           f"    {buf}[c] = {value};", "}"]
+            self.lines += [f"float {buf}[{self.width}];", f"for (long long c = 0; c < {self.width}; ++c) {{",
+                           *(f"    {s}" for s in body), f"    {buf}[c] = {value};", "}"]
             self._buffers[id(e.args[0])] = buf
             body, value = [], f"{buf}[c]"
-        if lanes == 16 and not body and w >= lanes:  # one vector of partials over a contiguous row
-            end = w // lanes * lanes
-            self.lines += [f"fp_v16 {part} = fp_v16_fill({init});",
-                           f"for (long long c0 = 0; c0 < {end}; c0 += 16) "
-                           f"{part} = {vcombine}({part}, fp_v16_load(&{value[:-2]}c0]));",
-                           f"float {acc} = {hcombine}({part});"]
-            if w % lanes:
-                self.lines.append(f"for (long long c = {end}; c < {w}; ++c) {acc} = {combine.format(a=acc, b=value)};")
-            return final.format(acc=acc, width=w)
+        acc = self._name("acc")
+        if self.lanes == 16 and not body and self.width >= 16 and _ARRAY_AT_C.fullmatch(value):
+            self.lines += self._vector_partials(acc, value, init, combine, vcombine, hcombine)
+        else:
+            self.lines += self._scalar_partials(acc, body, value, init, combine)
+        return final.format(acc=acc, width=self.width)
+
+    def _vector_partials(self, acc: str, value: str, init: str, combine: str, vcombine: str, hcombine: str) -> list[str]:
+        """One vector of 16 partials over a contiguous fp32 row (``value`` is an array read at ``c``)."""
+        part, w = self._name("part"), self.width
+        end = w // 16 * 16
+        lines = [f"fp_v16 {part} = fp_v16_fill({init});",
+                 f"for (long long c0 = 0; c0 < {end}; c0 += 16) {part} = {vcombine}({part}, fp_v16_load(&{value[:-2]}c0]));",
+                 f"float {acc} = {hcombine}({part});"]
+        if w % 16:
+            lines.append(f"for (long long c = {end}; c < {w}; ++c) {acc} = {combine.format(a=acc, b=value)};")
+        return lines
+
+    def _scalar_partials(self, acc: str, body: list[str], value: str, init: str, combine: str) -> list[str]:
+        """``lanes`` partials in an array, the value computed in the loop (a CUDA thread's row, or a row too
+        long for a buffer)."""
+        part, lanes, w = self._name("part"), self.lanes, self.width
+        end = w // lanes * lanes
         step = [*body, f"{part}[j] = {combine.format(a=f'{part}[j]', b=value)};"]
         lines = [f"float {part}[{lanes}];", f"for (long long j = 0; j < {lanes}; ++j) {part}[j] = {init};",
-                 f"for (long long c0 = 0; c0 < {w // lanes * lanes}; c0 += {lanes}) {{",
+                 f"for (long long c0 = 0; c0 < {end}; c0 += {lanes}) {{",
                  f"    for (long long j = 0; j < {lanes}; ++j) {{", "        const long long c = c0 + j;",
                  *(f"        {s}" for s in step), "    }", "}"]
         if w % lanes:
             tail = [s.replace(f"{part}[j]", f"{part}[0]") for s in step]
-            lines += [f"for (long long c = {w // lanes * lanes}; c < {w}; ++c) {{", *(f"    {s}" for s in tail), "}"]
-        lines += [f"float {acc} = {part}[0];",
-                  f"for (long long j = 1; j < {lanes}; ++j) {acc} = {combine.format(a=acc, b=f'{part}[j]')};"]
-        self.lines += lines
-        return final.format(acc=acc, width=w)
+            lines += [f"for (long long c = {end}; c < {w}; ++c) {{", *(f"    {s}" for s in tail), "}"]
+        return lines + [f"float {acc} = {part}[0];",
+                        f"for (long long j = 1; j < {lanes}; ++j) {acc} = {combine.format(a=acc, b=f'{part}[j]')};"]
 
     def output(self, root: Expr, store: Callable[[str, str], str]) -> list[str]:
         """The row's statements, ending with the store of the output (``store(value, index)``)."""

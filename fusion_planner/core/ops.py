@@ -324,6 +324,23 @@ def _reduction(name: str, fn: Callable[[np.ndarray], np.ndarray], doc: str) -> O
     )
 
 
+def _row_vector(name: str, fn: Callable[[np.ndarray, np.ndarray], np.ndarray], c_op: str, doc: str) -> OpDef:
+    """``x <op> v`` with ``v`` a row vector of ``x``'s last dimension (a bias, a norm's weight), read by
+    column; only ``x`` fuses (``v`` is a parameter in memory)."""
+    return OpDef(
+        name=name,
+        kind=OpKind.ELEMENTWISE,
+        arity=2,
+        shape_rule=_bias_shape,
+        numpy_fn=lambda xs, attrs: fn(xs[0], xs[1]),
+        flops_per_elem=lambda attrs: 1.0,
+        regs=lambda attrs: 8,
+        code=lambda v, attrs: f"({v[0]} {c_op} {v[1]})",
+        fusable_inputs=(0,),
+        doc=doc,
+    )
+
+
 def _per_row(base: str, fn: Callable[[np.ndarray, np.ndarray], np.ndarray], c_op: str, doc: str) -> OpDef:
     """``x <op> r`` with ``r`` one value per row of ``x`` (shape [..., 1]), as torch broadcasts a kept
     reduction: the consumers of a row statistic (LayerNorm's x - mean, softmax's exp / sum)."""
@@ -383,18 +400,7 @@ OPS: dict[str, OpDef] = {
             regs=lambda attrs: 128,
             doc="2-D matrix product (M,K)@(K,N) with fp32 accumulation.",
         ),
-        OpDef(
-            name="BiasAdd",
-            kind=OpKind.ELEMENTWISE,
-            arity=2,
-            shape_rule=_bias_shape,
-            numpy_fn=lambda xs, attrs: xs[0] + xs[1],
-            flops_per_elem=lambda attrs: 1.0,
-            regs=lambda attrs: 8,
-            code=lambda v, attrs: f"({v[0]} + {v[1]})",
-            fusable_inputs=(0,),
-            doc="x + bias, the bias a row vector broadcast over the leading dims.",
-        ),
+        _row_vector("BiasAdd", lambda x, b: x + b, "+", "x + bias, the bias a row vector broadcast over the leading dims."),
         OpDef(
             name="Add",
             kind=OpKind.ELEMENTWISE,
@@ -522,18 +528,7 @@ OPS: dict[str, OpDef] = {
         _per_row("Sub", lambda x, r: x - r, "-", "x - r, r one value per row of x."),
         _per_row("Mul", lambda x, r: x * r, "*", "x * r, r one value per row of x."),
         _per_row("Div", _divide, "/", "x / r, r one value per row of x (IEEE: x/0 is ±inf, 0/0 NaN)."),
-        OpDef(
-            name="BiasMul",
-            kind=OpKind.ELEMENTWISE,
-            arity=2,
-            shape_rule=_bias_shape,
-            numpy_fn=lambda xs, attrs: xs[0] * xs[1],
-            flops_per_elem=lambda attrs: 1.0,
-            regs=lambda attrs: 8,
-            code=lambda v, attrs: f"({v[0]} * {v[1]})",
-            fusable_inputs=(0,),
-            doc="x * w, w a row vector broadcast over the leading dims (a norm's weight).",
-        ),
+        _row_vector("BiasMul", lambda x, w: x * w, "*", "x * w, w a row vector broadcast over the leading dims (a norm's weight)."),
         OpDef(
             name="Stage",
             kind=OpKind.ELEMENTWISE,
