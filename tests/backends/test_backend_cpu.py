@@ -618,3 +618,16 @@ def test_row_kernel_loops_are_vectorised(compiler):
     assert len(lines) == 3  # the two statistics' row buffers (x + r, then its centred square) and the output
     assert all(re.search(rf":{line}:\d+: optimized: loop vectorized", report) for line in lines), report
     assert ck.source.split("row kernel")[1].count("fp_v16_add(") == 2  # each statistic summed as one vector of 16 partial sums
+
+
+def test_rows_longer_than_the_buffer_limit_reduce_in_the_loop():
+    """A 16-bit row longer than the row buffer computes each reduction's input in the partials' loop."""
+    from fusion_planner.backends.cpu.codegen import ROW_BUFFER_LIMIT
+
+    g = examples.layer_norm(3, ROW_BUFFER_LIMIT + 24, "fp16", residual=False)  # the mean reads x itself
+    one = min(build_candidates(g, "seed-k4").plans, key=lambda p: len(p.kernels))
+    x = random_inputs(g, seed=1)
+    got = cpu_backend().compile(one).run(x)[0]
+    assert close(got, execute_graph(g, x)[0], "fp16")
+    source = generate(one.kernels[0].body, {n.id: (n.type.shape, n.type.dtype) for n in g.nodes}).source
+    assert "fp_v16_load(" not in source.split("row kernel")[1]  # no row buffer: scalar partials
