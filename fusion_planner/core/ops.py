@@ -289,20 +289,31 @@ def _unary(
     )
 
 
-def _binary_select(name: str, fn: Callable[[np.ndarray, np.ndarray], np.ndarray], c_fn: str, doc: str) -> OpDef:
-    """torch.maximum / torch.minimum: each backend's prelude defines ``c_fn`` (NaN wins; a tie gives the
-    second operand, as torch and numpy do)."""
+def _binary(
+    name: str,
+    fn: Callable[[np.ndarray, np.ndarray], np.ndarray],
+    code: str,
+    doc: str,
+    *,
+    shape_rule: Callable[[str, Sequence[Shape], Attrs], Shape] = same_shape,
+    flops: float = 1.0,
+    fusable: tuple[int, ...] = (0, 1),
+    gemm_epilogue: bool | tuple[int, ...] = True,
+) -> OpDef:
+    """A two-tensor elementwise op; ``code`` is its C expression over ``{0}`` and ``{1}`` (an infix
+    operator, or a prelude function such as ``fp_max``)."""
     return OpDef(
         name=name,
         kind=OpKind.ELEMENTWISE,
         arity=2,
-        shape_rule=same_shape,
+        shape_rule=shape_rule,
         numpy_fn=lambda xs, attrs: fn(xs[0], xs[1]),
-        flops_per_elem=lambda attrs: 1.0,
+        flops_per_elem=lambda attrs: flops,
         regs=lambda attrs: 8,
-        code=lambda v, attrs: f"{c_fn}({v[0]}, {v[1]})",
-        fusable_inputs=(0, 1),
-        doc=doc + " (NaN if either is NaN).",
+        code=lambda v, attrs: code.format(v[0], v[1]),
+        fusable_inputs=fusable,
+        gemm_epilogue=gemm_epilogue,
+        doc=doc,
     )
 
 
@@ -320,41 +331,6 @@ def _reduction(name: str, fn: Callable[[np.ndarray], np.ndarray], doc: str) -> O
         flops_rule=lambda out, ins, attrs: float(_elems(ins[0])),
         fusable_inputs=(0,),
         gemm_epilogue=False,  # a GEMM tile's epilogue runs elementwise; a row kernel reads whole rows
-        doc=doc,
-    )
-
-
-def _row_vector(name: str, fn: Callable[[np.ndarray, np.ndarray], np.ndarray], c_op: str, doc: str) -> OpDef:
-    """``x <op> v`` with ``v`` a row vector of ``x``'s last dimension (a bias, a norm's weight), read by
-    column; only ``x`` fuses (``v`` is a parameter in memory)."""
-    return OpDef(
-        name=name,
-        kind=OpKind.ELEMENTWISE,
-        arity=2,
-        shape_rule=_bias_shape,
-        numpy_fn=lambda xs, attrs: fn(xs[0], xs[1]),
-        flops_per_elem=lambda attrs: 1.0,
-        regs=lambda attrs: 8,
-        code=lambda v, attrs: f"({v[0]} {c_op} {v[1]})",
-        fusable_inputs=(0,),
-        doc=doc,
-    )
-
-
-def _per_row(base: str, fn: Callable[[np.ndarray, np.ndarray], np.ndarray], c_op: str, doc: str) -> OpDef:
-    """``x <op> r`` with ``r`` one value per row of ``x`` (shape [..., 1]), as torch broadcasts a kept
-    reduction: the consumers of a row statistic (LayerNorm's x - mean, softmax's exp / sum)."""
-    return OpDef(
-        name=f"{base}Row",
-        kind=OpKind.ELEMENTWISE,
-        arity=2,
-        shape_rule=_per_row_shape,
-        numpy_fn=lambda xs, attrs: fn(xs[0], xs[1]),
-        flops_per_elem=lambda attrs: 4.0 if base == "Div" else 1.0,
-        regs=lambda attrs: 8,
-        code=lambda v, attrs: f"({v[0]} {c_op} {v[1]})",
-        fusable_inputs=(0, 1),
-        gemm_epilogue=(0,),
         doc=doc,
     )
 
@@ -400,60 +376,20 @@ OPS: dict[str, OpDef] = {
             regs=lambda attrs: 128,
             doc="2-D matrix product (M,K)@(K,N) with fp32 accumulation.",
         ),
-        _row_vector("BiasAdd", lambda x, b: x + b, "+", "x + bias, the bias a row vector broadcast over the leading dims."),
-        OpDef(
-            name="Add",
-            kind=OpKind.ELEMENTWISE,
-            arity=2,
-            shape_rule=same_shape,
-            numpy_fn=lambda xs, attrs: xs[0] + xs[1],
-            flops_per_elem=lambda attrs: 1.0,
-            regs=lambda attrs: 8,
-            code=lambda v, attrs: f"({v[0]} + {v[1]})",
-            fusable_inputs=(0, 1),
-            doc="Elementwise sum of two same-shaped tensors (e.g. a residual).",
-        ),
-        OpDef(
-            name="Sub",
-            kind=OpKind.ELEMENTWISE,
-            arity=2,
-            shape_rule=same_shape,
-            numpy_fn=lambda xs, attrs: xs[0] - xs[1],
-            flops_per_elem=lambda attrs: 1.0,
-            regs=lambda attrs: 8,
-            code=lambda v, attrs: f"({v[0]} - {v[1]})",
-            fusable_inputs=(0, 1),
-            doc="Elementwise difference of two same-shaped tensors.",
-        ),
-        _binary_select("Maximum", np.maximum, "fp_max", "The larger of two same-shaped tensors, elementwise"),
-        _binary_select("Minimum", np.minimum, "fp_min", "The smaller of two same-shaped tensors, elementwise"),
-        OpDef(
-            name="Mul",
-            kind=OpKind.ELEMENTWISE,
-            arity=2,
-            shape_rule=same_shape,
-            numpy_fn=lambda xs, attrs: xs[0] * xs[1],
-            flops_per_elem=lambda attrs: 1.0,
-            regs=lambda attrs: 8,
-            code=lambda v, attrs: f"({v[0]} * {v[1]})",
-            fusable_inputs=(0, 1),
-            doc="Elementwise product of two same-shaped tensors (e.g. a SwiGLU gate).",
-        ),
-        OpDef(
-            name="Div",
-            kind=OpKind.ELEMENTWISE,
-            arity=2,
-            shape_rule=same_shape,
-            numpy_fn=lambda xs, attrs: _divide(xs[0], xs[1]),
-            flops_per_elem=lambda attrs: 4.0,
-            regs=lambda attrs: 8,
-            code=lambda v, attrs: f"({v[0]} / {v[1]})",
-            fusable_inputs=(0, 1),
-            # a GEMM result as the divisor is no epilogue: one that underflows a 16-bit store changes the
-            # quotient by 4% between the stored and the register form (check-rules found it)
-            gemm_epilogue=(0,),
-            doc="Elementwise quotient of two same-shaped tensors (IEEE: x/0 is ±inf, 0/0 NaN).",
-        ),
+        # a row vector (a bias, a norm's weight) is read by column; only x fuses (the vector is in memory)
+        _binary("BiasAdd", np.add, "({0} + {1})", "x + bias, the bias a row vector broadcast over the leading dims.",
+                shape_rule=_bias_shape, fusable=(0,)),
+        _binary("Add", np.add, "({0} + {1})", "Elementwise sum of two same-shaped tensors (e.g. a residual)."),
+        _binary("Sub", np.subtract, "({0} - {1})", "Elementwise difference of two same-shaped tensors."),
+        # torch.maximum / torch.minimum: each backend's prelude defines fp_max / fp_min (NaN wins; a tie gives
+        # the second operand, as torch and numpy do)
+        _binary("Maximum", np.maximum, "fp_max({0}, {1})", "The larger of two same-shaped tensors, elementwise (NaN if either is NaN)."),
+        _binary("Minimum", np.minimum, "fp_min({0}, {1})", "The smaller of two same-shaped tensors, elementwise (NaN if either is NaN)."),
+        _binary("Mul", np.multiply, "({0} * {1})", "Elementwise product of two same-shaped tensors (e.g. a SwiGLU gate)."),
+        # a GEMM result as the divisor is no epilogue: one that underflows a 16-bit store changes the
+        # quotient by 4% between the stored and the register form (check-rules found it)
+        _binary("Div", _divide, "({0} / {1})", "Elementwise quotient of two same-shaped tensors (IEEE: x/0 is ±inf, 0/0 NaN).",
+                flops=4.0, gemm_epilogue=(0,)),
         OpDef(
             name="Affine",
             kind=OpKind.ELEMENTWISE,
@@ -524,11 +460,14 @@ OPS: dict[str, OpDef] = {
         _reduction("RowMean", _row_mean, "Mean over the last dimension (the sum divided by its size), kept as 1."),
         _reduction("RowMax", _quiet(lambda x: np.max(x, axis=-1, keepdims=True)),
                    "Largest value over the last dimension, kept as 1 (NaN if the row holds one, as torch.amax)."),
-        _per_row("Add", lambda x, r: x + r, "+", "x + r, r one value per row of x."),
-        _per_row("Sub", lambda x, r: x - r, "-", "x - r, r one value per row of x."),
-        _per_row("Mul", lambda x, r: x * r, "*", "x * r, r one value per row of x."),
-        _per_row("Div", _divide, "/", "x / r, r one value per row of x (IEEE: x/0 is ±inf, 0/0 NaN)."),
-        _row_vector("BiasMul", lambda x, w: x * w, "*", "x * w, w a row vector broadcast over the leading dims (a norm's weight)."),
+        # x <op> r with r one value per row of x (shape [..., 1]), as torch broadcasts a kept reduction: the
+        # consumers of a row statistic (x - mean, e / sum); a GEMM result may be x, not r
+        _binary("AddRow", np.add, "({0} + {1})", "x + r, r one value per row of x.", shape_rule=_per_row_shape, gemm_epilogue=(0,)),
+        _binary("SubRow", np.subtract, "({0} - {1})", "x - r, r one value per row of x.", shape_rule=_per_row_shape, gemm_epilogue=(0,)),
+        _binary("MulRow", np.multiply, "({0} * {1})", "x * r, r one value per row of x.", shape_rule=_per_row_shape, gemm_epilogue=(0,)),
+        _binary("DivRow", _divide, "({0} / {1})", "x / r, r one value per row of x (IEEE: x/0 is ±inf, 0/0 NaN).", shape_rule=_per_row_shape, flops=4.0, gemm_epilogue=(0,)),
+        _binary("BiasMul", np.multiply, "({0} * {1})", "x * w, w a row vector broadcast over the leading dims (a norm's weight).",
+                shape_rule=_bias_shape, fusable=(0,)),
         OpDef(
             name="Stage",
             kind=OpKind.ELEMENTWISE,

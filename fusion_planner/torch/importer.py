@@ -199,16 +199,12 @@ def _state_tensor(module: nn.Module | Mapping[str, torch.Tensor] | None, key: st
     the whole module's state on every call."""
     if not isinstance(module, nn.Module):
         return (module or {}).get(key)
-    owner: Any = module
-    *path, name = key.split(".")
-    for part in path:
-        owner = owner._modules.get(part) if isinstance(owner, nn.Module) else None
-        if owner is None:
-            return None
-    if not isinstance(owner, nn.Module):
+    path, _, name = key.rpartition(".")
+    try:
+        t = getattr(module.get_submodule(path), name, None)
+    except AttributeError:
         return None
-    t: torch.Tensor | None = owner._parameters.get(name)
-    return owner._buffers.get(name) if t is None else t
+    return t if isinstance(t, torch.Tensor) else None
 
 
 def _to_numpy(t: torch.Tensor, transpose: bool = False) -> np.ndarray:
@@ -403,6 +399,13 @@ def _op_for_torch_call(target: Any, args: Any, kwargs: Any) -> str | None:
         if name in op.torch_names and op.arity == 1 and not op.attrs and op.kind == OpKind.ELEMENTWISE:
             return op.name
     return None
+
+
+def _fp32_rows(x: Any, concrete: Any, dim: Any = -1) -> bool:
+    """Is this a call the row ops can take: an fp32 tensor ``x`` reduced over its last dimension ``dim``
+    to an fp32 result?"""
+    return (isinstance(x, _T) and isinstance(concrete, torch.Tensor) and x.dtype == concrete.dtype == torch.float32
+            and isinstance(dim, int) and not isinstance(dim, bool) and dim in (-1, len(x.shape) - 1))
 
 
 def _is_scalar(v: Any) -> bool:
@@ -708,9 +711,7 @@ class _Importer:
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
         keep = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
         dims = tuple(dim) if isinstance(dim, (list, tuple)) else (dim,)
-        if (not isinstance(x, _T) or not isinstance(concrete, torch.Tensor) or keep is not True or len(dims) != 1
-                or not isinstance(dims[0], int) or dims[0] not in (-1, len(x.shape) - 1) or kwargs.get("dtype")
-                or concrete.dtype != torch.float32 or x.dtype != torch.float32):
+        if len(dims) != 1 or not _fp32_rows(x, concrete, dims[0]) or keep is not True or kwargs.get("dtype"):
             return None
         return self.emit(node, op, [self.use(x, node.name)], None, concrete.shape, concrete.dtype)
 
@@ -727,9 +728,8 @@ class _Importer:
         """softmax over the last dimension: exp(x - max) / sum, one row kernel once fused."""
         x = args[0] if args else kwargs.get("input")
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-        if (not isinstance(x, _T) or not isinstance(concrete, torch.Tensor) or not isinstance(dim, int)
-                or dim not in (-1, len(x.shape) - 1) or x.dtype != torch.float32 or concrete.dtype != torch.float32
-                or kwargs.get("dtype") is not None or (len(args) > 2 and args[2] not in (None, False))):
+        if (not _fp32_rows(x, concrete, dim) or kwargs.get("dtype") is not None
+                or (len(args) > 2 and args[2] not in (None, False))):
             return None
         shape, dt, stat = concrete.shape, concrete.dtype, (*concrete.shape[:-1], 1)
         xi = self.use(x, node.name)
@@ -742,8 +742,7 @@ class _Importer:
     def norm(self, node, x, shape, weight, bias, eps, concrete, rms):  # noqa: ANN001, ANN201
         """LayerNorm (``rms``: RMSNorm) over the last dimension as the ops it is made of: the row
         statistics, ``(x - mean) * rsqrt(var + eps)`` (``x * rsqrt(mean(x*x) + eps)``), weight, bias."""
-        if (not isinstance(x, _T) or not isinstance(concrete, torch.Tensor) or x.dtype != torch.float32
-                or concrete.dtype != torch.float32 or tuple(shape or ()) != (x.shape[-1],)):
+        if not _fp32_rows(x, concrete) or tuple(shape or ()) != (x.shape[-1],):
             return None
         eps = float(torch.finfo(torch.float32).eps if eps is None else eps)
         full, dt, stat = concrete.shape, concrete.dtype, (*concrete.shape[:-1], 1)
