@@ -180,8 +180,15 @@ def expr_to_json(e: Expr | Load) -> dict[str, Any]:
 
 
 def expr_from_json(d: Any, where: str = "body") -> Expr | Load:
-    """Rebuild a body; validates structure but does not trust it (no code is loaded)."""
+    """Rebuild a body; validates structure but does not trust it (no code is loaded).
 
+    JSON writes a shared value (a row mean that both the centring and the variance read) once per use;
+    equal nodes come back as one object, as the extractor built them, so a generator that emits each
+    object once computes the value once."""
+    return _expr_from_json(d, where, {})
+
+
+def _expr_from_json(d: Any, where: str, shared: dict[tuple[Any, ...], Expr]) -> Expr | Load:
     if not isinstance(d, dict):
         raise ValueError(f"{where}: expected an object")
     if "load" in d:
@@ -199,13 +206,16 @@ def expr_from_json(d: Any, where: str = "body") -> Expr | Load:
         attrs = opd.check_attrs(raw_attrs)
     except OpError as exc:
         raise OpError(f"node {d.get('node')!r}: {exc}") from None
-    args = tuple(expr_from_json(a, f"{where}.{op}") for a in raw_args)
+    args = tuple(_expr_from_json(a, f"{where}.{op}", shared) for a in raw_args)
     shape = d.get("shape")
     dtype = d.get("dtype")
     if (not isinstance(shape, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape)
             or not isinstance(dtype, str)):
         raise ValueError(f"{where}: {op} needs 'shape' (a list of non-negative integers) and 'dtype'")
-    return Expr(op, args, tuple(sorted(attrs.items())), str(d.get("node", "")), TensorType(tuple(shape), dtype))
+    e = Expr(op, args, tuple(sorted(attrs.items())), str(d.get("node", "")), TensorType(tuple(shape), dtype))
+    # the arguments are already shared objects: their identities (and the loads' names) key the node
+    key = (op, tuple(a.tensor if isinstance(a, Load) else id(a) for a in args), e.attrs, e.node, e.type)
+    return shared.setdefault(key, e)
 
 
 # ---------------------------------------------------------------- renaming and composing
