@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# the CPU build of torch lies on disk; installing it first keeps pip from pulling a CUDA build
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[torch,test]'
+	$(PY) -m pip install -q -e '.[torch,test,nvrtc]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -23,7 +23,7 @@ test: $(STAMP)
 	$(PY) -m ruff check fusion_planner planner backends tests benchmarks examples
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q
+	FUSION_PLANNER_REQUIRE_NVRTC=1 $(PY) -m pytest -q
 
 clean:
 	rm -rf $(VENV) build *.egg-info

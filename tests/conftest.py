@@ -1,3 +1,4 @@
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -8,8 +9,23 @@ import pytest
 sys.path.append(str(Path(__file__).resolve().parent))
 
 
+def _nvrtc_missing() -> str | None:
+    """Why cupy's NVRTC cannot compile here, or None; ``FUSION_PLANNER_REQUIRE_NVRTC=1`` (``make test``) makes
+    a missing NVRTC a failure of its tests rather than a skip."""
+    if os.environ.get("FUSION_PLANNER_REQUIRE_NVRTC") == "1":
+        return None
+    try:
+        from cupy.cuda import compiler
+
+        compiler._get_nvrtc_version()
+    except Exception as exc:
+        return f"no cupy NVRTC ({type(exc).__name__}: {str(exc)[:80]}); pip install '.[test]'"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     no_nvcc = shutil.which("nvcc") is None
+    no_nvrtc = _nvrtc_missing()
     try:
         import cupy  # noqa: F401
         import cupy.cuda.runtime as rt
@@ -20,6 +36,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "nvcc" in item.keywords and no_nvcc:
             item.add_marker(pytest.mark.skip(reason="nvcc is not on PATH"))
+        if "nvrtc" in item.keywords and no_nvrtc:
+            item.add_marker(pytest.mark.skip(reason=no_nvrtc))
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(pytest.mark.skip(reason="no CUDA device with cupy"))
 

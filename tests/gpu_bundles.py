@@ -7,6 +7,7 @@ with ``python -m tests.gpu_bundles``.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -35,7 +36,7 @@ def epilogue_graph(epilogue: str, dtype: str, m: int = 64, n: int = 96, k: int =
 
 
 def _specs() -> dict[str, tuple[Callable[[], Any], Callable[[Any], bool] | None]]:
-    from fusion_planner.core.examples import ew_chain, mlp_epilogue
+    from fusion_planner.core.examples import ew_chain, layer_norm, mlp_epilogue, softmax
 
     one = lambda p: len(p.kernels) == 1  # noqa: E731
     specs: dict[str, tuple[Callable[[], Any], Callable[[Any], bool] | None]] = {
@@ -48,6 +49,9 @@ def _specs() -> dict[str, tuple[Callable[[], Any], Callable[[Any], bool] | None]
         "fat": (lambda: ew_chain(4, 2**20, "fp32", fat_temps=48), one),
         "lean": (lambda: ew_chain(4, 2**20, "fp32"), one),
         "lt_gelu_fp32": (lambda: epilogue_graph("GELU_BIAS", "fp32", 128, 128, 64), one),
+        "rows_ln_fp32": (lambda: layer_norm(96, 768, "fp32"), lambda p: len(p.kernels) <= 3),
+        "rows_ln_fp16": (lambda: layer_norm(40, 5000, "fp16", residual=False), lambda p: len(p.kernels) <= 2),
+        "rows_softmax_bf16": (lambda: softmax(70, 128, "bf16"), lambda p: len(p.kernels) <= 3),
     }
     for epi in LT_EPILOGUES:
         specs[f"lt_{epi}"] = (lambda e=epi: epilogue_graph(e, "fp16"), one)
@@ -62,6 +66,44 @@ def build(name: str) -> dict[str, Any]:
     cands = build_candidates(make(), "h200")
     plans = [p for p in cands.plans if keep is None or keep(p)]
     return export_bundle(cands, seed=0, plans=plans)
+
+
+def example_graphs() -> list[Any]:
+    """Built-in examples in the shapes that exercise each code path of the CUDA generator."""
+    from fusion_planner.core.examples import ew_chain, heavy, layer_norm, mlp_epilogue, mlp_stack, softmax
+
+    return [
+        mlp_epilogue(4096, 4096, 4096, "fp16"),
+        mlp_epilogue(100, 200, 72, "bf16", "erf"),  # no tile multiple, erf GELU
+        mlp_epilogue(16, 4096, 4096, "fp16"),  # decode
+        ew_chain(4, 2**24, "fp32"),
+        ew_chain(3, 1001, "fp16"),  # odd length: scalar tail
+        ew_chain(4, 2**24, "fp32", fat_temps=48),
+        heavy(2**20, "fp16"),
+        mlp_stack(2, 256, 64, "fp16"),
+        layer_norm(64, 768, "fp32"),  # row kernels: a residual add, two means, per-row broadcasts
+        layer_norm(32, 5000, "fp16", residual=False),  # a row longer than the row buffer, 16-bit storage
+        softmax(48, 128, "bf16"),  # a row max and a row sum
+    ]
+
+
+@functools.cache
+def example_kernels() -> dict[str, tuple[str, Any, Any]]:
+    """Every generated CUDA kernel of the examples' candidates, by source digest: (graph name, Kernel, CudaKernel);
+    built once a process (the nvcc and the NVRTC tests share it)."""
+    from fusion_planner.backends.cupy.codegen import generate
+    from fusion_planner.egraph.candidates import build_candidates
+
+    out = {}
+    for g in example_graphs():
+        cands = build_candidates(g, "h200", cap=256, k=8)
+        for p in cands.plans:
+            for k in p.kernels:
+                if k.kind == "cublaslt":
+                    continue
+                c = generate(k, p.tensors)
+                out[c.digest] = (g.name, k, c)
+    return out
 
 
 def names() -> list[str]:

@@ -19,7 +19,8 @@ PACKAGE = ROOT / "fusion_planner"
 
 #: modules a function may import locally, because they need an optional dependency (torch, cupy);
 #: and the package's own lazy entry point (``fusion_planner.plan`` without importing egglog)
-OPTIONAL = ("fusion_planner.torch.", "fusion_planner.backends.cupy.gpu", "fusion_planner.dynamo")
+OPTIONAL = ("fusion_planner.torch.", "fusion_planner.backends.cupy.gpu", "fusion_planner.backends.cupy.nvrtc",
+            "fusion_planner.dynamo")
 LAZY_ENTRY = {("fusion_planner/__init__.py", "fusion_planner.api")}
 
 

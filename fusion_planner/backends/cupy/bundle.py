@@ -272,3 +272,25 @@ def load_bundle(path: str | Path) -> Bundle:
     except json.JSONDecodeError as exc:
         raise BundleError(f"{p}: not JSON ({exc})") from None
     return bundle_from_json(data, str(p))
+
+
+def variant_candidate(v: Any, i: int) -> Candidate:
+    """One C-05 variant (a candidate with its graph name and tensors inline)."""
+    if not isinstance(v, dict) or not isinstance(v.get("tensors"), dict):
+        raise BundleError(f"variants[{i}]: expected an object with 'tensors'")
+    tensors = {t: TensorType(tuple(d["shape"]), d["dtype"]) for t, d in v["tensors"].items()}
+    return candidate_from_json(v, v.get("graph", ""), tensors, f"variants[{i}]")
+
+
+def generated_kernels(path: str | Path) -> list[CudaKernel]:
+    """Every generated kernel of an exported file: a candidates bundle, or a C-05 bundle (its ``variants``)."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise BundleError(f"{p}: not JSON ({exc})") from None
+    if isinstance(data, dict) and "variants" in data:
+        cands = [variant_candidate(v, i) for i, v in enumerate(data["variants"])]
+    else:
+        cands = list(bundle_from_json(data, str(p)).candidates)
+    return [bk.cuda for cand in cands for bk in cand.kernels if bk.cuda is not None]

@@ -21,11 +21,10 @@ from typing import Any
 import numpy as np
 
 from fusion_planner.backends.cupy.backend import plan_candidate
-from fusion_planner.backends.cupy.bundle import Candidate, candidate_from_json, plan_to_json
+from fusion_planner.backends.cupy.bundle import Candidate, plan_to_json, variant_candidate
 from fusion_planner.backends.cupy.verify import allclose_report
 from fusion_planner.backends.reference import execute_plan
 from fusion_planner.core.cost import DeviceSpec
-from fusion_planner.core.graph import TensorType
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +72,7 @@ def load_c05(path: str | Path) -> dict[str, Any]:
 
 
 def bundle_variants(data: dict[str, Any]) -> list[tuple[str, int, Candidate]]:
-    out = []
-    for i, v in enumerate(data["variants"]):
-        tensors = {t: TensorType(tuple(d["shape"]), d["dtype"]) for t, d in v["tensors"].items()}
-        out.append((v["tag"], int(v["k"]), candidate_from_json(v, v["graph"], tensors, f"variants[{i}]")))
-    return out
+    return [(v["tag"], int(v["k"]), variant_candidate(v, i)) for i, v in enumerate(data["variants"])]
 
 
 def gpu_executor() -> Any | None:

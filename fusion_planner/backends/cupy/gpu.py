@@ -17,22 +17,19 @@ from typing import Any
 
 import numpy as np
 
+from fusion_planner.backends.base import BackendUnavailable
 from fusion_planner.backends.cupy.bundle import BundleKernel, Candidate, CublasCall
 from fusion_planner.backends.cupy.codegen import CudaKernel
+from fusion_planner.backends.cupy.nvrtc import compile_options
 from fusion_planner.core.kinds import KernelKind
 from fusion_planner.core.ops import numpy_dtype
 
 try:
     import cupy as cp
 except ImportError as exc:  # pragma: no cover - depends on the machine
-    from fusion_planner.backends.base import BackendUnavailable
-
     raise BackendUnavailable(f"the cupy executor needs cupy: {exc}") from None
 
 log = logging.getLogger(__name__)
-
-COMPILE_OPTIONS = ("--std=c++17",)
-
 
 def _device_name() -> str:
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
@@ -60,7 +57,7 @@ def sm_count() -> int:
 
 
 def raw_kernel(k: CudaKernel) -> Any:
-    kern = cp.RawKernel(k.source, k.name, options=COMPILE_OPTIONS)
+    kern = cp.RawKernel(k.source, k.name, options=compile_options())  # crt/ from the carried wheel (nvrtc.py)
     kern.compile()
     return kern
 
@@ -212,7 +209,10 @@ class CupyExecutor:
     name = "cupy"
 
     def __init__(self) -> None:
-        self.sms = sm_count()
+        try:
+            self.sms = sm_count()
+        except cp.cuda.runtime.CUDARuntimeError as exc:  # cupy present, no usable device or driver
+            raise BackendUnavailable(f"cupy found no usable CUDA device: {exc}") from None
         self._kernels: dict[str, Any] = {}
 
     def machine(self) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 import re
 
 import pytest
+from gpu_bundles import example_kernels
 
 from fusion_planner.backends.cupy.codegen import CodegenError, elementwise_kernel, generate, sanitize
 from fusion_planner.backends.cupy.facts import (
@@ -13,7 +14,7 @@ from fusion_planner.backends.cupy.facts import (
     parse_resource_usage,
 )
 from fusion_planner.core.cost import load_device
-from fusion_planner.core.examples import ew_chain, heavy, mlp_epilogue, mlp_stack
+from fusion_planner.core.examples import ew_chain, mlp_epilogue
 from fusion_planner.core.graph import GraphBuilder
 from fusion_planner.egraph.candidates import build_candidates
 
@@ -28,35 +29,9 @@ def _nvcc_cache(tmp_path_factory):
         yield
 
 
-def _example_graphs():
-    return [
-        mlp_epilogue(4096, 4096, 4096, "fp16"),
-        mlp_epilogue(100, 200, 72, "bf16", "erf"),  # no tile multiple, erf GELU
-        mlp_epilogue(16, 4096, 4096, "fp16"),  # decode
-        ew_chain(4, 2**24, "fp32"),
-        ew_chain(3, 1001, "fp16"),  # odd length: scalar tail
-        ew_chain(4, 2**24, "fp32", fat_temps=48),
-        heavy(2**20, "fp16"),
-        mlp_stack(2, 256, 64, "fp16"),
-    ]
-
-
-def _generated_kernels():
-    out = {}
-    for g in _example_graphs():
-        cands = build_candidates(g, "h200", cap=256, k=8)
-        for p in cands.plans:
-            for k in p.kernels:
-                if k.kind == "cublaslt":
-                    continue
-                c = generate(k, p.tensors)
-                out[c.digest] = (g.name, k, c)
-    return out
-
-
 @pytest.fixture(scope="module")
 def generated():
-    return _generated_kernels()
+    return example_kernels()
 
 
 @pytest.fixture(scope="module")

