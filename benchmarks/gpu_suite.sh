@@ -1,21 +1,37 @@
 #!/usr/bin/env bash
-# One-shot GPU suite (issue 7): GPU tests, C-05 sweep + modes, mlp-epilogue search at 4096^3 fp16 and
-# M=16 decode beside torch eager and torch.compile.  Two phases, because egglog is not on the GPU machine:
+# One-shot GPU suite: smoke checks, GPU tests, calibration, C-05 sweep + modes, mlp-epilogue search at 4096^3
+# fp16 and M=16 decode beside torch eager and torch.compile.  Two phases, because egglog is not on the GPU
+# machine:
 #
-#   bash benchmarks/gpu_suite.sh prepare   # here (CPU, egglog, nvcc): bundles -> benchmarks/gpu_suite/
-#                                          # plus a CPU dry run of the device-side runner
-#   bash benchmarks/gpu_suite.sh device    # on the H200 (python3 with numpy, cupy, torch, pytest);
-#                                          # results and the two markdown reports -> $OUT (or ./out)
+#   bash benchmarks/gpu_suite.sh prepare   # here (CPU, egglog, nvcc, network): bundles -> benchmarks/gpu_suite/,
+#                                          # the wheels the device lacks -> .whl/, a CPU dry run of the device side
+#   bash benchmarks/gpu_suite.sh device    # on the H200 (python3 with numpy, cupy, torch, pytest), with .whl carried;
+#                                          # logs, reports and one tarball -> $OUT (or ./out), within 7 minutes
 #
-# nvmath-python (cuBLASLt) is not in the H200 image: carry its wheel in .whl/ (docs/gpu.md).
+# docs/gpu.md says what runs, what travels and what comes back.
 set -uo pipefail  # no -e: in the device phase a failing step is logged and the rest still runs
 cd "$(dirname "$0")/.."
 BUNDLES=benchmarks/gpu_suite
+WHEELS=${WHEELS:-.whl}  # the carried wheels (prepare writes them)
+# The device image (Python 3.12, cupy-cuda13x 14.2, pip CUDA 13 runtime headers) lacks these, exactly so:
+# nvmath-python (cuBLASLt) with the cuda-core, cuda-pathfinder and cuda-bindings it was checked with, and
+# crt/ (mma.h, for the wmma GEMM kernels) matching the CUDA 13.0 runtime headers.  CI installs the same crt.
+DEVICE_WHEELS=(nvmath-python==1.0.0 cuda-core==1.2.2 cuda-pathfinder==1.9.1 cuda-bindings==13.0.3 nvidia-cuda-crt==13.0.88)
+DEVICE_PLATFORM=(--python-version 3.12 --implementation cp --abi cp312 --abi none
+                 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+DEADLINE_S=${DEADLINE_S:-420}  # the device phase ends its last step by then (7 minutes)
+
+wheels() {
+  rm -rf "$WHEELS" && mkdir -p "$WHEELS"
+  $py -m pip download -q --no-deps --only-binary=:all: "${DEVICE_PLATFORM[@]}" -d "$WHEELS" "${DEVICE_WHEELS[@]}"
+  ls "$WHEELS"
+}
 
 prepare() {
   set -e  # preparing is all or nothing: a stale bundle must not travel to the device
   local py=${PYTHON:-.venv/bin/python}
   mkdir -p "$BUNDLES"
+  wheels
   $py -m tests.gpu_bundles  # the GPU tests' bundles (tests/data/gpu), fresh from this checkout
   $py -m fusion_planner bench c05 --mode sweep --export "$BUNDLES/c05_sweep.json"
   $py -m fusion_planner bench c05 --mode modes --export "$BUNDLES/c05_modes.json"
@@ -23,6 +39,8 @@ prepare() {
       --device h200 -o "$BUNDLES/mlp_4096.json"
   $py -m fusion_planner export-candidates --example mlp-epilogue --m 16 --n 4096 --k 4096 --dtype fp16 \
       --device h200 -o "$BUNDLES/mlp_decode16.json"
+  # every kernel that travels compiles under cupy's NVRTC options with the device's header layout
+  $py -m fusion_planner.backends.cupy nvrtc tests/data/gpu/*.json "$BUNDLES"/*.json
   # dry run of the device side on the CPU: the same runner, numpy executor, decode bundle
   $py -m fusion_planner.backends.cupy time "$BUNDLES/mlp_decode16.json" -o /tmp/gpu_suite_dry_measured.json \
       --executor numpy --warmup 0 --repeats 1 --max-candidates 3
@@ -33,36 +51,44 @@ prepare() {
 }
 
 device() {
-  # $OUT gets at most 8 files back: two logs, two reports and one tarball of every JSON result
+  # $OUT gets at most 8 files back: the log, the smoke report, two reports, the calibration and one tarball
   local py=${PYTHON:-python3} out=${OUT:-out} res=${RES:-/tmp/gpu_suite_results}
   mkdir -p "$out" "$res"
-  if compgen -G ".whl/*.whl" >/dev/null; then
-    $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-  fi
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
   {
-    date -u; nvidia-smi -L || true; $py -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__)"
-    $py -c "import nvmath; print('nvmath', nvmath.__version__)" || echo "nvmath-python missing: cuBLASLt candidates will be rejected"
+    date -u
+    if compgen -G "$WHEELS/*.whl" >/dev/null; then
+      $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
+        && echo "installed $(ls "$WHEELS" | wc -l) carried wheels into /tmp/site" || echo "== wheels FAILED to install"
+    else
+      echo "== no $WHEELS/*.whl carried (run 'gpu_suite.sh prepare' here and carry $WHEELS): nvmath-python and crt/ missing"
+    fi
   } 2>&1 | tee "$out/suite.log"
-  step() {  # one device step on its own: its failure is logged, never the end of the run
-    local name=$1; shift
-    echo "== $name" | tee -a "$out/suite.log"
-    "$@" 2>&1 | tee -a "$out/suite.log"
+  [ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+  step() {  # one device step on its own, within what is left of the deadline: a failure is logged, never the end
+    local name=$1 cap=$2; shift 2
+    local left=$((DEADLINE_S - SECONDS))
+    if [ "$left" -le 5 ]; then echo "== $name SKIPPED (deadline of ${DEADLINE_S}s reached)" | tee -a "$out/suite.log"; return; fi
+    [ "$cap" -lt "$left" ] || cap=$left
+    echo "== $name (limit ${cap}s, at ${SECONDS}s)" | tee -a "$out/suite.log"
+    timeout "$cap" "$@" 2>&1 | tee -a "$out/suite.log"
     local rc=${PIPESTATUS[0]}
-    [ "$rc" -eq 0 ] || echo "== $name FAILED (exit $rc)" | tee -a "$out/suite.log"
+    [ "$rc" -eq 0 ] || echo "== $name FAILED (exit $rc$([ "$rc" -eq 124 ] && echo ', timed out'))" | tee -a "$out/suite.log"
   }
-  step "gpu tests" $py -m pytest -q -m gpu tests/backends/cupy/test_cupy_gpu.py -p no:cacheprovider
-  step "c05 sweep" $py -m fusion_planner.backends.cupy c05 "$BUNDLES/c05_sweep.json" -o "$res/c05_sweep.json"
-  step "c05 modes" $py -m fusion_planner.backends.cupy c05 "$BUNDLES/c05_modes.json" -o "$res/c05_modes.json"
+  step "smoke" 90 $py benchmarks/device_smoke.py --out "$out/smoke.md"
+  step "gpu tests" 120 $py -m pytest -q -m gpu tests/backends/cupy/test_cupy_gpu.py -p no:cacheprovider
+  step "calibrate" 60 $py -m fusion_planner.backends.cupy calibrate -o "$out/calibration.json"
+  step "c05 sweep" 60 $py -m fusion_planner.backends.cupy c05 "$BUNDLES/c05_sweep.json" -o "$res/c05_sweep.json"
+  step "c05 modes" 30 $py -m fusion_planner.backends.cupy c05 "$BUNDLES/c05_modes.json" -o "$res/c05_modes.json"
   for shape in mlp_4096 mlp_decode16; do
-    step "time $shape" $py -m fusion_planner.backends.cupy time "$BUNDLES/$shape.json" -o "$res/measured_$shape.json" \
+    step "time $shape" 60 $py -m fusion_planner.backends.cupy time "$BUNDLES/$shape.json" -o "$res/measured_$shape.json" \
       --executor cupy
-    step "torch $shape" $py benchmarks/torch_baseline.py "$BUNDLES/$shape.json" -o "$res/torch_$shape.json"
+    step "torch $shape" 60 $py benchmarks/torch_baseline.py "$BUNDLES/$shape.json" -o "$res/torch_$shape.json"
   done
-  step "report" $py benchmarks/gpu_report.py "$res"
+  step "report" 30 $py benchmarks/gpu_report.py "$res"
   cp "$res/c05_h200.md" "$res/mlp_epilogue_h200.md" "$out/" 2>/dev/null || echo "== reports missing" | tee -a "$out/suite.log"
   tar -czf "$out/results.tar.gz" -C "$res" .
+  echo "== done at ${SECONDS}s" | tee -a "$out/suite.log"
 }
 
 case "${1:-}" in

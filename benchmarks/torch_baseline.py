@@ -68,6 +68,9 @@ def main() -> int:
     dtype = bundle.tensors[bundle.reference.outputs[0]].dtype
     tdt = getattr(torch, TORCH_DTYPES[dtype])
     dev = "cpu" if args.check_cpu else "cuda"
+    if dev == "cuda" and not torch.cuda.is_available():
+        print(f"{ap.prog}: error: torch {torch.__version__} sees no CUDA device", file=sys.stderr)
+        return 2
     x, w, b, r = (torch.from_numpy(np.asarray(inputs[n], np.float32)).to(dev, tdt) for n in ("x", "w", "b", "r"))
 
     def eager():

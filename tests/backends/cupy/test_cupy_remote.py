@@ -276,15 +276,33 @@ def test_a_candidate_whose_timing_fails_is_rejected_and_the_run_goes_on(bundle_f
     assert closed == [c.plan.key for c in bundle.candidates[:3]]
 
 
-def test_the_device_phase_dry_runs_on_the_cpu_and_always_leaves_its_files(tmp_path):
-    """Without a GPU every GPU step fails: each failure is one logged line, the rest still runs, and the
-    reports and the tarball are written (at most 8 files come back from the device)."""
+def _device_phase(tmp_path, **env_over):
     out, res = tmp_path / "out", tmp_path / "res"
-    env = {**os.environ, "OUT": str(out), "RES": str(res), "PYTHON": sys.executable}
+    env = {**os.environ, "OUT": str(out), "RES": str(res), "PYTHON": sys.executable,
+           "WHEELS": str(tmp_path / "no-wheels"), **env_over}
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), "device"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    return out, (out / "suite.log").read_text()
+
+
+def test_the_device_phase_dry_runs_on_the_cpu_and_always_leaves_its_files(tmp_path):
+    """Without a GPU every GPU step fails: each failure is one logged line (no traceback), the rest still runs,
+    and the reports and the tarball are written (at most 8 files come back from the device)."""
+    out, log = _device_phase(tmp_path)
     files = sorted(p.name for p in out.iterdir())
-    assert {"suite.log", "results.tar.gz", "c05_h200.md", "mlp_epilogue_h200.md"} <= set(files) and len(files) <= 8
-    log = (out / "suite.log").read_text()
-    assert "== report" in log and "Traceback" not in log.split("== report")[-1]
+    assert {"suite.log", "smoke.md", "results.tar.gz", "c05_h200.md", "mlp_epilogue_h200.md"} <= set(files)
+    assert len(files) <= 8
+    assert "Traceback" not in log
+    assert "carried (run 'gpu_suite.sh prepare' here and carry" in log  # the missing wheels: one line
+    assert "PASS headers" in log or "FAIL headers" in log  # the smoke script ran first
+    for step in ("smoke", "calibrate", "time mlp_4096", "torch mlp_4096"):
+        failed = [line for line in log.splitlines() if line.startswith(f"== {step} FAILED")]
+        assert len(failed) == 1, step
+    assert "== report (" in log and "== done at" in log
+
+
+def test_the_device_phase_skips_what_its_deadline_leaves_no_time_for(tmp_path):
+    out, log = _device_phase(tmp_path, DEADLINE_S="0")
+    assert "== smoke SKIPPED (deadline of 0s reached)" in log and "== report SKIPPED" in log
+    assert {"suite.log", "results.tar.gz"} <= {p.name for p in out.iterdir()}
