@@ -5,6 +5,9 @@ extra); skipped without them unless ``FUSION_PLANNER_REQUIRE_NVRTC=1`` (``make t
 pass by skipping.
 """
 
+import sys
+from pathlib import Path
+
 import pytest
 from gpu_bundles import example_kernels
 from testpaths import GPU_DATA, ROOT
@@ -121,3 +124,38 @@ def test_nvrtc_registers_match_nvcc_within_a_few(nvrtc, kernels, compiled):
     assert not flagged, nvrtc.comparison_table(flagged)
     table = nvrtc.comparison_table(rows)
     assert table.count("\n") == len(rows) + 1 and "**differs**" not in table
+
+
+def test_wmma_kernels_compile_with_the_devices_header_layout_only_through_the_carried_crt(nvrtc, kernels, tmp_path,
+                                                                                          monkeypatch):
+    """The device's layout, rebuilt from this machine's headers: the runtime headers without crt/ where cupy
+    looks, crt/ alone in another root on the import path (pip --target).  A wmma kernel fails without that
+    root (finding 1: "cannot open source file crt/mma.h") and compiles with it."""
+    from cupy._core import core
+
+    real = next(d for d in nvrtc._include_dirs(core.assemble_cupy_compiler_options(()))
+                if (Path(d) / "cuda_fp16.h").is_file())
+    image = tmp_path / "image" / "nvidia" / "cu13" / "include"
+    image.mkdir(parents=True)
+    for entry in Path(real).iterdir():
+        if entry.name != "crt":
+            (image / entry.name).symlink_to(entry)
+    carried = tmp_path / "site" / "nvidia" / "cu13" / "include"
+    carried.mkdir(parents=True)
+    (carried / "crt").symlink_to(Path(real) / "crt")
+    assemble = core.assemble_cupy_compiler_options
+    monkeypatch.setattr(core, "assemble_cupy_compiler_options",
+                        lambda opts: tuple(f"-I{image}" if o == f"-I{real}" else o for o in assemble(opts)))
+    gemm = next(c for c in kernels.values() if c.kind == "gemm_epilogue")
+    nvrtc.compile_options.cache_clear()
+    try:
+        monkeypatch.setattr(sys, "path", [p for p in sys.path if not (Path(p) / "nvidia" / "cu13").is_dir()])
+        (alone,) = nvrtc.compile_each([gemm])
+        assert isinstance(alone, nvrtc.NvrtcError) and "crt/mma.h" in str(alone)
+        nvrtc.compile_options.cache_clear()
+        monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path / "site")])
+        assert nvrtc.compile_options()[-1] == f"-I{carried}"
+        (carried_res,) = nvrtc.compile_each([gemm])
+        assert not isinstance(carried_res, nvrtc.NvrtcError) and carried_res.smem_bytes > 0
+    finally:
+        nvrtc.compile_options.cache_clear()
