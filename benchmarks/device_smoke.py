@@ -147,7 +147,9 @@ def check_cublaslt() -> str:
         try:
             cand = _first(b, lambda c, e=epilogue: c.kernels[0].kernel.epilogue == e)
             e = _checked(b, cand)
-            passed.append(f"{epilogue} {e['max_abs']:.2g}")
+            lib = [f for f in e["kernels"] if f.get("kind") == KernelKind.CUBLASLT]
+            where = "in place" if lib and all(f.get("preallocated") for f in lib) else "allocating"
+            passed.append(f"{epilogue} {e['max_abs']:.2g} ({where})")
         except Exception as exc:
             failed.append(f"{epilogue}: {_why(exc)}")
     if failed:

@@ -86,26 +86,39 @@ class CublasLtGemm:
     BiasAdd adds one entry per column of the row-major ``D(M,N)``.  So the
     library computes ``D^T(N,M) = B^T @ A^T`` (row-major D is column-major D^T,
     and the transposes are free views): its bias then has length N, as ours.
+
+    The result is written in place into the plan's own ``D`` buffer (``c = D^T``, ``beta = 0``,
+    ``MatmulOptions.inplace``), so ``execute`` allocates nothing inside the timed region and the
+    result has our layout.  Where the library refuses that, it allocates a result per call as
+    before; the kernel's facts then say ``preallocated: false``.
     """
 
-    def __init__(self, call: CublasCall, bufs: Mapping[str, Any], stream: Any) -> None:
+    def __init__(self, call: CublasCall, bufs: Mapping[str, Any], out: str, stream: Any) -> None:
         if call.dtype == "bf16":
             raise RuntimeError("cuBLASLt bf16 is not timed: cupy has no bfloat16 dtype to hand to nvmath-python")
         from nvmath.linalg.advanced import Matmul, MatmulEpilog
 
-        self.call = call
-        self.stream = stream
-        self.bufs = bufs
+        self.call, self.stream, self.bufs, self.out = call, stream, bufs, out
         self.a, self.b = bufs[call.a], bufs[call.b]
-        self.mm = Matmul(self.b.T, self.a.T, stream=stream)
         # nvmath's bias is a column of the result: shape (rows, 1); ours is (N,), so a free reshape
         inputs = {"bias": bufs[call.bias].reshape(-1, 1)} if call.bias else None
         # "no epilogue" is epilog=None: nvmath's handler map has no DEFAULT and asserts on it
         epilog = None if call.epilogue == "DEFAULT" else MatmulEpilog[call.epilogue]
-        self.mm.plan(epilog=epilog, epilog_inputs=inputs, stream=stream)
+        try:
+            self.mm = Matmul(self.b.T, self.a.T, c=bufs[out].T, beta=0.0, options={"inplace": True}, stream=stream)
+            self.mm.plan(epilog=epilog, epilog_inputs=inputs, stream=stream)
+            self.preallocated = True
+        except Exception as exc:  # any refusal of the in-place form: plan the allocating one
+            log.warning("cuBLASLt %s: no in-place result (%s); a result is allocated per call", call.epilogue, exc)
+            self.mm = Matmul(self.b.T, self.a.T, stream=stream)
+            self.mm.plan(epilog=epilog, epilog_inputs=inputs, stream=stream)
+            self.preallocated = False
         self.layout_copy = False
 
     def __call__(self) -> Any:
+        if self.preallocated:
+            self.mm.execute(stream=self.stream)
+            return self.bufs[self.out]
         a, b = self.bufs[self.call.a], self.bufs[self.call.b]
         if a is not self.a or b is not self.b:  # an upstream library call returned a new array
             self.a, self.b = a, b
@@ -251,9 +264,10 @@ class CupyExecutor:
             prepared.kernel_facts.append({"kind": bk.kernel.kind, "name": bk.cuda.name, **compiled_facts(kern, bk.cuda.block)})
             return _launcher(kern, bk.cuda, prepared.bufs, self.sms)
         if bk.cublas is not None:
-            g = CublasLtGemm(bk.cublas, prepared.bufs, prepared.stream)
+            g = CublasLtGemm(bk.cublas, prepared.bufs, bk.kernel.out, prepared.stream)
             prepared.gemms.append(g)
-            prepared.kernel_facts.append({"kind": KernelKind.CUBLASLT, "epilogue": bk.cublas.epilogue})
+            prepared.kernel_facts.append({"kind": KernelKind.CUBLASLT, "epilogue": bk.cublas.epilogue,
+                                          "preallocated": g.preallocated})
             return _gemm_step(g, bk.kernel.out, prepared.bufs)
         raise RuntimeError(bk.unsupported or f"kernel {bk.kernel.describe()} has no GPU form")
 
