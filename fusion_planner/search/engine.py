@@ -104,7 +104,7 @@ class Entry:
     max_rel: float | None = None
     facts: list[dict[str, Any]] = field(default_factory=list)
     choice: dict[str, Option] | None = field(default=None, repr=False)
-    #: the median of the final interleaved best-vs-unfused re-measurement (best and unfused only)
+    #: the median of the final interleaved re-measurement (the unfused plan and the finalists only)
     confirm_us: float | None = None
 
     @property
@@ -332,19 +332,36 @@ class _Run:
         self._record(entry)
         return True
 
-    def confirm_speedup(self, base: Entry, best: Entry, rounds: int = 5) -> float:
-        """Best vs unfused from an interleaved re-measurement: the two alternate, round by round, so a
-        machine that got busier during the search slows both alike (the search's own figures came
-        minutes apart). Medians over all rounds; 1.0 when the best is the unfused plan."""
-        if best is base:
-            return 1.0
-        plans = {"base": self.backend.compile(base.plan), "best": self.backend.compile(best.plan)}
-        samples: dict[str, list[float]] = {"base": [], "best": []}
+    def finalists(self) -> list[Entry]:
+        """The best and the fully timed runners-up within :data:`FINAL_MARGIN` of it, fastest first, at most
+        :data:`FINALISTS`: on a machine whose load drifts, timings minutes apart cannot tell them apart."""
+        best = self.best
+        assert best is not None and best.meas_us is not None
+        if not self.backend.measures:  # given figures (the cost model) do not drift
+            return [best]
+        close = sorted((e for e in self.entries if e is not best and e.verdict == Verdict.TIMED and not e.stopped_early
+                        and e.meas_us is not None and e.meas_us <= best.meas_us * FINAL_MARGIN),
+                       key=lambda e: e.meas_us)  # type: ignore[arg-type, return-value]
+        return [best, *close[: FINALISTS - 1]]
+
+    def final_round(self, base: Entry, finalists: list[Entry], rounds: int = 5) -> tuple[Entry, float]:
+        """The winner among ``finalists`` and its speedup over the unfused ``base``, from one interleaved
+        re-measurement of all of them: they alternate round by round, so a machine that got busier during the
+        search slows each alike.  Medians over all rounds; 1.0 when the unfused plan wins."""
+        contenders = list({id(e): e for e in [base, *finalists]}.values())
+        if len(contenders) == 1:
+            return base, 1.0
+        plans = [(e, self.backend.compile(e.plan)) for e in contenders]
+        samples: dict[int, list[float]] = {id(e): [] for e in contenders}
         for _ in range(rounds):
-            for name, compiled in plans.items():
-                samples[name] += compiled.time(self.inputs, warmup=1, repeats=3).samples_us
-        base.confirm_us, best.confirm_us = (float(np.median(samples[k])) for k in ("base", "best"))
-        return base.confirm_us / best.confirm_us
+            for e, compiled in plans:
+                samples[id(e)] += compiled.time(self.inputs, warmup=1, repeats=3).samples_us
+        for e in contenders:
+            e.confirm_us = float(np.median(samples[id(e)]))
+        winner = min(finalists, key=lambda e: e.confirm_us)  # type: ignore[arg-type, return-value]
+        if len(finalists) > 1:
+            self.slog.final_round([(e.plan, e.confirm_us) for e in finalists], winner.plan)  # type: ignore[misc]
+        return winner, base.confirm_us / winner.confirm_us  # type: ignore[operator]
 
     def _verify(self, entry: Entry, outs: Sequence[np.ndarray]) -> str | None:
         reason, entry.max_abs, entry.max_rel = check_outputs(
@@ -483,10 +500,11 @@ def search(
             raise SearchError(f"every candidate was rejected ({reasons})")
         # a verify-only backend: the model's favourite among the verified candidates
         run.best = min(verified, key=lambda e: e.plan.sort_key())
-    run.best.verdict = Verdict.BEST
     base = run.entries[0]
-    confirm = base.timed and run.best.timed and run.stop != INTERRUPTED
-    speedup = run.confirm_speedup(base, run.best) if confirm else None
+    speedup = None
+    if base.timed and run.best.timed and run.stop != INTERRUPTED:
+        run.best, speedup = run.final_round(base, run.finalists())
+    run.best.verdict = Verdict.BEST
     timed = [e for e in run.entries if e.timed]
     rho = spearman([e.est_us for e in timed], [e.meas_us for e in timed])  # type: ignore[misc]
     n_rejected = sum(is_rejected(e.verdict) for e in run.entries)
@@ -521,6 +539,11 @@ def _origin(entry: Entry) -> str:
     """Log suffix for candidates that did not come from the cost-model list."""
     return entry.source if entry.source.startswith(("mutant", "sample")) else ""
 
+
+#: runners-up within this factor of the best's search timing are re-measured with it before one is chosen
+FINAL_MARGIN = 1.15
+#: at most this many plans (the best included) in that final round
+FINALISTS = 3
 
 #: SearchResult.stop of a search ended by Ctrl-C (its best is not kept in the plan cache)
 INTERRUPTED = "interrupted (Ctrl-C)"

@@ -84,6 +84,10 @@ class SearchLog:
     def rejected(self, reason: str, plan: Plan, origin: str = "") -> None:
         self.emit(f"Rejected {reason} {self.label(plan)}{_origin(origin)}")
 
+    def final_round(self, finalists: list[tuple[Plan, float]], winner: Plan) -> None:
+        rows = ", ".join(f"{self.label(p)} {fmt_us(us)}" for p, us in finalists)
+        self.emit(f"Final round (interleaved re-measurement): {rows} | best {self.label(winner)}")
+
     def footer(
         self,
         seconds: float,
