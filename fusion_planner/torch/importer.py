@@ -208,9 +208,10 @@ def _state_tensor(module: nn.Module | Mapping[str, torch.Tensor] | None, key: st
 
 
 def _to_numpy(t: torch.Tensor, transpose: bool = False) -> np.ndarray:
-    if not transpose and t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous():
+    if t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous():
         a = t.detach().numpy()  # the tensor's own memory: no conversion call on the way
-        return a.reshape(flat_shape(a.shape))
+        # a Linear weight (N, K) read as (K, N): its transpose, a view (the GEMM library takes either order)
+        return a.T if transpose else a.reshape(flat_shape(a.shape))
     t = t.detach()
     if transpose:
         t = t.t()

@@ -631,3 +631,37 @@ def test_rows_longer_than_the_buffer_limit_reduce_in_the_loop():
     assert close(got, execute_graph(g, x)[0], "fp16")
     source = generate(one.kernels[0].body, {n.id: (n.type.shape, n.type.dtype) for n in g.nodes}).source
     assert "fp_v16_load(" not in source.split("row kernel")[1]  # no row buffer: scalar partials
+
+
+def test_a_gemms_right_operand_is_read_in_place_in_either_order():
+    """A fp32 tensor only GEMM libraries read (a weight) is bound as given, C or Fortran order: an nn.Linear
+    weight (N, K) arrives as its (K, N) transpose and is multiplied in that layout, with no copy.  A tensor
+    another kernel also reads keeps the C-ordered copy those kernels index."""
+    from fusion_planner.backends.cpu.backend import gemm_b_only
+
+    g = examples.mlp_epilogue(48, 40, 32, "fp32")
+    cands = build_candidates(g, "h200")
+    plan = next(p for p in cands.plans if len(p.kernels) == 2)
+    assert gemm_b_only(plan) == {"w"}
+    inputs = random_inputs(g)
+    (want,) = execute_graph(g, inputs, "device")
+    compiled = cpu_backend().compile(plan)
+    w_t = np.ascontiguousarray(inputs["w"].T)  # how nn.Linear stores it
+    fortran = dict(inputs, w=w_t.T)
+    assert fortran["w"].flags.f_contiguous and not fortran["w"].flags.c_contiguous
+    loads = compiled.loads
+    (got,) = compiled.run(fortran)
+    assert compiled.memory.arrays["w"] is fortran["w"] and compiled.loads == loads  # bound, not copied
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    # the same tensor also read by an elementwise kernel: copied into the C-ordered buffer, still right
+    b = GraphBuilder("w-twice")
+    b.input("x", (8, 8), "fp32")
+    b.input("w", (8, 8), "fp32")
+    mm = b.op("mm", "MatMul", ["x", "w"])
+    out = b.op("out", "Add", [mm, "w"])
+    g2 = b.build([out])
+    plan2 = next(p for p in build_candidates(g2, "h200").plans if len(p.kernels) == 1)
+    assert gemm_b_only(plan2) == frozenset()
+    x, w = np.eye(8, dtype=np.float32) * 2, np.arange(64, dtype=np.float32).reshape(8, 8)
+    (got2,) = cpu_backend().compile(plan2).run({"x": x, "w": np.asfortranarray(w)})
+    np.testing.assert_allclose(got2, x @ w + w)
