@@ -16,6 +16,7 @@ recomputed (and costed) in each.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import logging
@@ -213,6 +214,7 @@ class Extractor:
     notes: list[str] = field(default_factory=list)
     neighbourhood: int = 8  # options per class tried by local search and mutation
     _bodies: dict[str, list[_Body]] = field(default_factory=dict)
+    _uses: collections.Counter[str] = field(default_factory=collections.Counter)
     _rank: dict[str, list[Option]] | None = None
     _facts: dict[tuple[str, int], tuple[float, float, int, str]] = field(default_factory=dict)
     _bytes: dict[str, int] = field(default_factory=dict)
@@ -220,11 +222,21 @@ class Extractor:
     _by_sig: dict[str, Option] | None = None
 
     def __post_init__(self) -> None:
+        # each class's bodies are dropped once every e-node reading it has used them: they are the bulk of
+        # the extractor's memory (a 64-op region cap gives a chain's node up to 64 bodies of up to 64 ops),
+        # and a class asked for again after that is only computed again
+        self._uses = collections.Counter(c for nodes in self.view.classes.values() for n in nodes for c in n.children)
         for cls in sorted(self.view.stored - self.view.inputs, key=self.view.order.__getitem__):
             opts = self._options_for(cls)
             if not opts:
                 raise ExtractionError(f"no kernel computes {self.view.tensor[cls]!r}")
             self.options[cls] = opts
+        self._bodies.clear()
+
+    def _used(self, c: str) -> None:
+        self._uses[c] -= 1
+        if self._uses[c] <= 0:
+            self._bodies.pop(c, None)
 
     # -- bodies of a value class, as register-resident regions
     def _bodies_of(self, v: str) -> list[_Body]:
@@ -253,6 +265,8 @@ class Extractor:
                     # an Opaque op is always its own kernel: never inlined into a consumer
                     subs = [b for b in self._bodies_of(c) if self.view.classes[c][b.assign[c]].op != "Opaque"]
                     per_child.append(subs)
+            for c in n.children:
+                self._used(c)
             base_mm = 1 if n.op == "MatMul" else 0
             base_red = 1 if OPS[n.op].kind == OpKind.REDUCTION else 0
             for combo in itertools.product(*per_child):
@@ -283,6 +297,7 @@ class Extractor:
                 for body in self._bodies_of(n.children[0]):
                     o = self._body_option(cls, body)
                     opts.setdefault(o.sig, o)
+                self._used(n.children[0])
             elif n.op == "CublasLt":
                 lib = self._cublaslt_option(cls, n)
                 if lib is not None:
