@@ -650,6 +650,31 @@ class MatmulEpilogue(nn.Module):
         return out.view(x.shape) + x
 
 
+class Conv1DOnTheInput(nn.Module):
+    """GPT-2's Conv1D applied to the call input itself: ``x.view(-1, d)`` of a graph input."""
+
+    def __init__(self, d: int = 16, hidden: int = 24) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d, hidden) / 4)
+        self.bias = nn.Parameter(torch.randn(hidden))
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.weight.size(-1),)
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
+
+
+def test_a_view_of_a_call_input_is_the_input_itself() -> None:
+    """A view of a graph input that keeps its flattened shape is no node (it was an Opaque copy kernel)."""
+    m = Conv1DOnTheInput().eval()
+    x = torch.randn(2, 5, 16)
+    ops = [n.op for n in import_module(m, (x,)).graph.ops]
+    assert ops == ["MatMul", "BiasAdd"]
+    result = fusion_planner.plan(m, (x,), backend="cpu", max_candidates=4, cache=False, threads=1)
+    assert "opaque" not in result.plan.composition()
+    with torch.no_grad():
+        _assert_close(result(x), m(x))
+
+
 def test_matmul_and_addmm_are_gemms_with_their_bias() -> None:
     m = MatmulEpilogue().eval()
     x = torch.randn(2, 4, 16)
