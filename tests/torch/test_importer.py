@@ -321,6 +321,42 @@ def test_primitive_ops_and_a_written_out_gelu_import_as_fusable_ops() -> None:
     assert [n.op for n in chain.graph.ops] == ["Tanh", "Sigmoid"]  # the modules' forward calls torch.tanh/sigmoid
 
 
+def test_written_out_gelu_and_silu_become_the_ops_themselves_and_library_epilogues() -> None:
+    """The rules of algebra.egg: GPT-2's MLP as the library writes it (Conv1D's addmm, the written-out tanh
+    GELU) gets cuBLASLt's GELU_BIAS epilogue, and ``h * torch.sigmoid(h)`` is SiLU in the GEMM's epilogue."""
+    import math
+
+    class Gpt2Mlp(nn.Module):
+        def __init__(self, d: int = 32) -> None:
+            super().__init__()
+            self.fc, self.proj = Conv1DOnTheInput(d, 4 * d), Conv1DOnTheInput(4 * d, d)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return self.proj(0.5 * h * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * torch.pow(h, 3.0)))))
+
+    class SiluByHand(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(32, 48)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return h * torch.sigmoid(h)
+
+    x = torch.randn(2, 8, 32)
+    for module, expect in ((Gpt2Mlp(), "GeluTanh"), (SiluByHand(), "Silu")):
+        m = module.eval()
+        modelled = fusion_planner.plan(m, (x,), backend="reference", cache=False)  # the cost model's choice
+        assert expect not in {n.op for n in modelled.graph.ops}  # written out in the graph...
+        assert any(expect in k.ops for k in modelled.plan.kernels)  # ...one op in the plan, by the rules
+        if expect == "GeluTanh":
+            assert "GELU_BIAS" in {k.epilogue for p in modelled.candidates.plans for k in p.kernels}
+        measured = fusion_planner.plan(m, (x,), backend="cpu", max_candidates=8, cache=False, threads=1)
+        with torch.no_grad():
+            _assert_close(measured(x), m(x))
+
+
 def test_sub_neg_maximum_minimum_are_ops_that_match_torch_bit_for_bit() -> None:
     """tensor - tensor, -x, torch.maximum and torch.minimum import as ``Sub``, ``Neg``, ``Maximum`` and
     ``Minimum``; one fused C kernel gives torch's bits on NaN, ±0 ties and infinities."""
