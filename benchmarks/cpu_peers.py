@@ -161,17 +161,7 @@ def build_workload(name: str) -> Workload:
         params = {k: v.detach().numpy().T.copy() if v.ndim == 2 else v.detach().numpy()
                   for k, v in mod.state_dict().items()}
 
-        def mlp_np(x: Any) -> Any:
-            h = x @ params["c_fc.weight"]
-            h += params["c_fc.bias"]
-            return _gelu_np(h) @ params["c_proj.weight"] + params["c_proj.bias"]
-
-        def mlp_jax(p: Any, x: Any) -> Any:
-            import jax
-
-            return jax.nn.gelu(x @ p["c_fc.weight"] + p["c_fc.bias"], approximate=True) @ p["c_proj.weight"] + p["c_proj.bias"]
-
-        return Workload(name, mod, (torch.randn(1, 128, 768),), mlp_np, mlp_jax, params)
+        return _gpt2_workload(name, mod, params)
     if name == "gpt2conv1d":
         return _gpt2_conv1d(name)
     if name == "block":
@@ -186,6 +176,23 @@ def build_workload(name: str) -> Workload:
     if name in ROW_WORKLOADS:
         return _row_workload(name)
     raise SystemExit(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+
+
+def _gpt2_workload(name: str, mod: Any, params: dict[str, Any]) -> Workload:
+    """A GPT-2 MLP on x [1, 128, 768] with its numpy and jax forms; ``params`` hold (in, out) weights."""
+    import torch
+
+    def mlp_np(x: Any) -> Any:
+        h = x @ params["c_fc.weight"]
+        h += params["c_fc.bias"]
+        return _gelu_np(h) @ params["c_proj.weight"] + params["c_proj.bias"]
+
+    def mlp_jax(p: Any, x: Any) -> Any:
+        import jax
+
+        return jax.nn.gelu(x @ p["c_fc.weight"] + p["c_fc.bias"], approximate=True) @ p["c_proj.weight"] + p["c_proj.bias"]
+
+    return Workload(name, mod, (torch.randn(1, 128, 768),), mlp_np, mlp_jax, params)
 
 
 def _gpt2_conv1d(name: str) -> Workload:
@@ -219,17 +226,7 @@ def _gpt2_conv1d(name: str) -> Workload:
     mod = GPT2MLP().eval()
     params = {k: v.detach().numpy().copy() for k, v in mod.state_dict().items()}
 
-    def mlp_np(x: Any) -> Any:
-        h = x @ params["c_fc.weight"]
-        h += params["c_fc.bias"]
-        return _gelu_np(h) @ params["c_proj.weight"] + params["c_proj.bias"]
-
-    def mlp_jax(p: Any, x: Any) -> Any:
-        import jax
-
-        return jax.nn.gelu(x @ p["c_fc.weight"] + p["c_fc.bias"], approximate=True) @ p["c_proj.weight"] + p["c_proj.bias"]
-
-    return Workload(name, mod, (torch.randn(1, 128, 768),), mlp_np, mlp_jax, params)
+    return _gpt2_workload(name, mod, params)
 
 
 def _row_workload(name: str) -> Workload:

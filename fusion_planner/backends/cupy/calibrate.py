@@ -48,19 +48,10 @@ def measure(copy_mib: tuple[int, ...] = COPY_MIB, gemm_sizes: tuple[int, ...] = 
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     stream = cp.cuda.Stream(non_blocking=True)
 
+    from fusion_planner.backends.cupy.gpu import event_times  # needs cupy, present here
+
     def event_us(fn: Callable[[], None], repeats: int = 5) -> float:
-        with stream:
-            fn()
-            stream.synchronize()
-            samples = []
-            for _ in range(repeats):
-                start, end = cp.cuda.Event(), cp.cuda.Event()
-                start.record(stream)
-                fn()
-                end.record(stream)
-                end.synchronize()
-                samples.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
-        return statistics.median(samples)
+        return statistics.median(event_times(fn, stream, 1, repeats))
 
     empty = cp.RawKernel('extern "C" __global__ void fp_empty() {}', "fp_empty")
 
