@@ -117,7 +117,6 @@ def graph_commands(graph: Graph) -> list[str]:
     return lines
 
 
-
 # ---------------------------------------------------------------- saturation
 
 

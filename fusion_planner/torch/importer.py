@@ -820,7 +820,7 @@ class _Importer:
         if x.id is None:
             if concrete.shape == x.shape:
                 return _T(tuple(concrete.shape), x.dtype, x.runtime, None, x.source, x.name)
-            if x.source is None or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            if x.source is None or x.dtype not in TORCH_DTYPES:
                 return None  # an integer input stays torch's (an Opaque embedding reads it)
             # a call input or parameter seen with another shape (GPT-2's x.view(-1, d)): bind it, then alias
             return _T(tuple(concrete.shape), x.dtype, x.runtime, self.use(x, x.name or "view"))
