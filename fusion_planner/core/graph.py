@@ -212,6 +212,10 @@ class GraphBuilder:
         self._add(node)
         return node_id
 
+    def shape_of(self, node_id: str) -> tuple[int, ...]:
+        """The shape of a node added so far."""
+        return self._nodes[node_id].type.shape
+
     def build(self, outputs: Iterable[str]) -> Graph:
         outs = tuple(outputs)
         if not any(n.op != "In" for n in self._nodes.values()):

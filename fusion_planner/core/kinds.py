@@ -16,6 +16,9 @@ class OpKind(StrEnum):
     MATMUL = "matmul"
     ELEMENTWISE = "elementwise"
     REDUCTION = "reduction"  # over the last dimension, kept as 1: computed in the row kernel of its consumers
+    #: its own kernel, every input read from memory, never fused into another: the layout copies of attention
+    #: heads, batched products and the fused attention kernel
+    STANDALONE = "standalone"
     OPAQUE = "opaque"
 
     @property
@@ -30,6 +33,7 @@ class KernelKind(StrEnum):
     ELEMENTWISE = "elementwise"  # fused elementwise ops, one loop
     GEMM_EPILOGUE = "gemm_epilogue"  # a custom GEMM applying elementwise ops to its result
     CUBLASLT = "cublaslt"  # a library GEMM with one of cuBLASLt's epilogues
+    STANDALONE = "standalone"  # one standalone op (a head layout, a batched product, attention) over loads
     OPAQUE = "opaque"  # one Opaque op, its registered implementation
 
 

@@ -130,6 +130,38 @@ def _per_row_shape(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
     return x
 
 
+def _heads_shape(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
+    (x,) = shapes
+    heads, seq, offset, width = (int(attrs[a]) for a in ("heads", "seq", "offset", "width"))
+    if len(x) != 2 or x[0] % seq or offset + width > x[1] or width % heads:
+        raise OpError(f"{op}: takes columns [{offset}, {offset + width}) of a 2-D tensor of rows (batch x {seq} "
+                      f"tokens) as {heads} heads, got {list(x)}")
+    return (x[0] // seq * heads, seq, width // heads)
+
+
+def _merge_shape(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
+    (y,) = shapes
+    heads = int(attrs["heads"])
+    if len(y) != 3 or y[0] % heads:
+        raise OpError(f"{op}: takes (batch x {heads} heads, tokens, head dim), got {list(y)}")
+    return (y[0] // heads * y[1], heads * y[2])
+
+
+def _batch_shape(op: str, shapes: Sequence[Shape], transpose_b: bool) -> Shape:
+    a, b = shapes
+    inner = b[2] if transpose_b else b[1]
+    if len(a) != 3 or len(b) != 3 or a[0] != b[0] or a[2] != inner:
+        rhs = "(G, T, K)" if transpose_b else "(G, K, N)"
+        raise OpError(f"{op}: expects (G, S, K) and {rhs}, got {list(a)} and {list(b)}")
+    return (a[0], a[1], b[1] if transpose_b else b[2])
+
+
+def _attention_op_shape(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
+    q, k, v = shapes
+    scores = _batch_shape(op, [q, k], True)
+    return _batch_shape(op, [scores, v], False)
+
+
 # ---------------------------------------------------------------- semantics
 
 
@@ -162,6 +194,36 @@ def _affine(x: np.ndarray, attrs: Attrs) -> np.ndarray:
 def _divide(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # ±inf and NaN are the values, as in torch
         return x / y
+
+
+def _heads(x: np.ndarray, attrs: Attrs) -> np.ndarray:
+    heads, seq, offset, width = (int(attrs[a]) for a in ("heads", "seq", "offset", "width"))
+    cols = x[:, offset:offset + width].reshape(-1, seq, heads, width // heads)
+    return np.ascontiguousarray(cols.transpose(0, 2, 1, 3)).reshape(-1, seq, width // heads)
+
+
+def _merge(y: np.ndarray, attrs: Attrs) -> np.ndarray:
+    heads = int(attrs["heads"])
+    g, s, d = y.shape
+    return np.ascontiguousarray(y.reshape(g // heads, heads, s, d).transpose(0, 2, 1, 3)).reshape(-1, heads * d)
+
+
+def _causal(scores: np.ndarray) -> np.ndarray:
+    """Scores with query i's keys after i set to -inf (torch's ``is_causal``: the top-left triangle kept)."""
+    s, t = scores.shape[-2:]
+    return np.where(np.triu(np.ones((s, t), dtype=bool), 1), scores.dtype.type(-np.inf), scores)
+
+
+def _batch_scores(q: np.ndarray, k: np.ndarray, attrs: Attrs) -> np.ndarray:
+    scores = np.matmul(q, np.swapaxes(k, -1, -2))
+    return _causal(scores) if attrs["causal"] else scores
+
+
+def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, attrs: Attrs) -> np.ndarray:
+    s = _affine(_batch_scores(q, k, attrs), {"a": attrs["scale"], "b": 0.0})
+    with np.errstate(over="ignore", invalid="ignore"):
+        e = np.exp(s - np.max(s, axis=-1, keepdims=True))
+        return np.matmul(e / np.sum(e, axis=-1, keepdims=True), v)
 
 
 def _elems(shape: Shape) -> int:
@@ -468,6 +530,61 @@ OPS: dict[str, OpDef] = {
         _binary("DivRow", _divide, "({0} / {1})", "x / r, r one value per row of x (IEEE: x/0 is ±inf, 0/0 NaN).", shape_rule=_per_row_shape, flops=4.0, gemm_epilogue=(0,)),
         _binary("BiasMul", np.multiply, "({0} * {1})", "x * w, w a row vector broadcast over the leading dims (a norm's weight).",
                 shape_rule=_bias_shape, fusable=(0,)),
+        # attention, as model code writes it: the heads taken out of a packed projection, softmax(scale * q@kT)
+        # @ v from batched products and row ops, the heads merged back; rules/shipped/attention.egg fuses it
+        OpDef(
+            name="Heads",
+            kind=OpKind.STANDALONE,
+            arity=1,
+            attrs=(AttrSpec("heads", "i64", minimum=1), AttrSpec("seq", "i64", minimum=1),
+                   AttrSpec("offset", "i64", minimum=0), AttrSpec("width", "i64", minimum=1)),
+            shape_rule=_heads_shape,
+            numpy_fn=lambda xs, attrs: _heads(xs[0], attrs),
+            doc="Columns [offset, offset+width) of (batch*seq, C) token rows as (batch*heads, seq, width/heads): "
+                "torch's split(-1), view and transpose(1, 2) of q, k or v, copied head-major.",
+        ),
+        OpDef(
+            name="Merge",
+            kind=OpKind.STANDALONE,
+            arity=1,
+            attrs=(AttrSpec("heads", "i64", minimum=1),),
+            shape_rule=_merge_shape,
+            numpy_fn=lambda xs, attrs: _merge(xs[0], attrs),
+            doc="(batch*heads, seq, d) back to (batch*seq, heads*d) token rows: transpose(1, 2) and reshape.",
+        ),
+        OpDef(
+            name="BatchScores",
+            kind=OpKind.STANDALONE,
+            arity=2,
+            attrs=(AttrSpec("causal", "i64", 0, minimum=0),),
+            shape_rule=lambda op, shapes, attrs: _batch_shape(op, shapes, True),
+            numpy_fn=lambda xs, attrs: _batch_scores(xs[0], xs[1], attrs),
+            flops_rule=lambda out, ins, attrs: 2.0 * _elems(out) * ins[0][-1],
+            regs=lambda attrs: 64,
+            doc="q @ k^T per group, (G,S,K) x (G,T,K) -> (G,S,T); causal (1) sets query i's keys after i to -inf.",
+        ),
+        OpDef(
+            name="BatchApply",
+            kind=OpKind.STANDALONE,
+            arity=2,
+            shape_rule=lambda op, shapes, attrs: _batch_shape(op, shapes, False),
+            numpy_fn=lambda xs, attrs: np.matmul(xs[0], xs[1]),
+            flops_rule=lambda out, ins, attrs: 2.0 * _elems(out) * ins[0][-1],
+            regs=lambda attrs: 64,
+            doc="p @ v per group, (G,S,T) x (G,T,N) -> (G,S,N): attention probabilities applied to the values.",
+        ),
+        OpDef(
+            name="Attention",
+            kind=OpKind.STANDALONE,
+            arity=3,
+            attrs=(AttrSpec("scale", "f64"), AttrSpec("causal", "i64", 0, minimum=0)),
+            shape_rule=_attention_op_shape,
+            numpy_fn=lambda xs, attrs: _attention(xs[0], xs[1], xs[2], attrs),
+            flops_rule=lambda out, ins, attrs: 2.0 * ins[1][1] * _elems(out[:-1]) * (ins[0][-1] + out[-1]),
+            regs=lambda attrs: 96,
+            doc="softmax(scale * q@k^T, causal-masked) @ v in one kernel with an online softmax: the [S, T] "
+                "scores are never stored.",
+        ),
         OpDef(
             name="Stage",
             kind=OpKind.ELEMENTWISE,

@@ -169,6 +169,9 @@ def kind_problem(kind: KernelKind, body: Expr, epilogue: str | None) -> str | No
     if kind == KernelKind.OPAQUE:
         ok = kinds == [OpKind.OPAQUE] and all(isinstance(a, Load) for a in body.args)
         why = "an opaque kernel is one Opaque op over loaded tensors"
+    elif kind == KernelKind.STANDALONE:
+        ok = kinds == [OpKind.STANDALONE] and all(isinstance(a, Load) for a in body.args)
+        why = "a standalone kernel is one standalone op (Heads, Merge, BatchScores, BatchApply, Attention) over loaded tensors"
     elif kind == KernelKind.ELEMENTWISE:
         ok = all(k.fuses for k in kinds)
         why = "an elementwise kernel holds elementwise and row-reduction ops only"

@@ -20,7 +20,7 @@ from fusion_planner.core.kinds import OpKind
 from fusion_planner.core.ops import OPS
 
 #: op kinds that read every operand from memory
-_MEMORY_READERS = {name for name, op in OPS.items() if op.kind in (OpKind.MATMUL, OpKind.OPAQUE)}
+_MEMORY_READERS = {name for name, op in OPS.items() if op.kind in (OpKind.MATMUL, OpKind.STANDALONE, OpKind.OPAQUE)}
 
 
 @dataclass(frozen=True)

@@ -314,7 +314,7 @@ class Extractor:
             opd = OPS[n.op]
             attrs = self._attrs(n, v.value_node.get(c, ""))
             f = opd.flops(v.types[c].shape, [v.types[k].shape for k in n.children], attrs)
-            gemm, ew = (f, 0.0) if opd.kind == OpKind.MATMUL else (0.0, f)
+            gemm, ew = (f, 0.0) if opd.kind in (OpKind.MATMUL, OpKind.STANDALONE) else (0.0, f)
             facts = (gemm, ew, opd.live_regs(attrs), opd.kind)
             self._facts[key] = facts
         return facts
@@ -333,6 +333,8 @@ class Extractor:
                 kind = KernelKind.GEMM_EPILOGUE
             elif op_kind == OpKind.OPAQUE:
                 kind = KernelKind.OPAQUE
+            elif op_kind == OpKind.STANDALONE:
+                kind = KernelKind.STANDALONE
         leaves = tuple(sorted(body.leaves, key=v.order.__getitem__))
         nbytes = sum(self._nbytes(leaf) for leaf in leaves) + self._nbytes(cls)
         cost = kernel_cost(

@@ -19,7 +19,8 @@ from fusion_planner.rules.rulegen import generated_text
 
 RULES_DIR = Path(__file__).resolve().parent / "shipped"
 #: shipped rules in declaration order: hand-written files and ``generated:<ruleset>`` texts from the op table
-SHIPPED_RULE_FILES = ("limits.egg", "generated:limits", "generated:elementwise", "algebra.egg", "generated:epilogue",
+SHIPPED_RULE_FILES = ("limits.egg", "generated:limits", "generated:elementwise", "algebra.egg", "attention.egg",
+                      "generated:epilogue",
                       "cublaslt.egg")
 
 

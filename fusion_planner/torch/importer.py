@@ -36,6 +36,7 @@ import importlib.util
 import inspect
 import json
 import logging
+import math
 import operator
 import os
 import traceback
@@ -55,6 +56,7 @@ from fusion_planner.core.kinds import OpKind
 from fusion_planner.core.opaque import flat_shape, step_flops
 from fusion_planner.core.ops import OPS, OpError
 from fusion_planner.torch.errors import TorchImportError
+from fusion_planner.torch.heads import head_merge, head_split
 from fusion_planner.torch.ops import IMPORTER_TABLE as _CANON
 from fusion_planner.torch.ops import encode_arg, resolve_torch_fn, torch_fn_name, trust_traced
 
@@ -280,8 +282,10 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
-def _trace(module: nn.Module | torch.export.ExportedProgram, args: tuple[Any, ...], strategy: str) -> tuple[fx.GraphModule, list[Any], str, Any]:
-    """Trace with fx, else torch.export; returns the graph module, its placeholder values and specs."""
+def _trace(module: nn.Module | torch.export.ExportedProgram, args: tuple[Any, ...],
+           strategy: str) -> tuple[fx.GraphModule, list[Any], str, Any, Any]:
+    """Trace with fx, else torch.export; returns the graph module, its placeholder values, the tracer, the
+    placeholders' sources and the pytree spec of the module's result (None: the graph's output node has it)."""
     fx_error: BaseException | None = None
     if strategy in ("auto", "fx"):
         try:
@@ -291,7 +295,7 @@ def _trace(module: nn.Module | torch.export.ExportedProgram, args: tuple[Any, ..
             n_ph = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
             if n_ph != len(args):
                 raise TorchImportError(f"forward takes {n_ph} input(s) after tracing, got {len(args)} example input(s)")
-            return gm, list(args), "fx", None
+            return gm, list(args), "fx", None, None
         except TorchImportError:
             raise
         except Exception as exc:  # fx raises TraceError, TypeError, AttributeError ... on untraceable code
@@ -306,7 +310,7 @@ def _trace(module: nn.Module | torch.export.ExportedProgram, args: tuple[Any, ..
     return _from_export(ep, args)
 
 
-def _from_export(ep: torch.export.ExportedProgram, args: tuple[Any, ...]) -> tuple[fx.GraphModule, list[Any], str, Any]:
+def _from_export(ep: torch.export.ExportedProgram, args: tuple[Any, ...]) -> tuple[fx.GraphModule, list[Any], str, Any, Any]:
 
     state = {**ep.state_dict, **ep.constants}
     flat_args, _ = pytree.tree_flatten(args)
@@ -323,7 +327,8 @@ def _from_export(ep: torch.export.ExportedProgram, args: tuple[Any, ...]) -> tup
             sources.append(("state", spec.target))
         else:
             raise TorchImportError(f"exported program input {spec.arg.name!r} has unsupported kind {spec.kind.name}")
-    return ep.graph_module, values, "export", sources
+    # the exported graph returns a flat tuple; the module's own result structure (one tensor, a dict) is this spec
+    return ep.graph_module, values, "export", sources, ep.call_spec.out_spec
 
 
 def _untraceable(fx_exc: BaseException | None, export_exc: BaseException | None) -> TorchImportError:
@@ -740,6 +745,45 @@ class _Importer:
         total = self.emit(node, "RowSum", [e.id], None, stat, dt, "_sum")
         return self.emit(node, "DivRow", [e.id, total.id], None, shape, dt)
 
+    def map_sdpa(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
+        """``scaled_dot_product_attention(q, k, v, is_causal=..., scale=...)`` of heads taken out of token rows
+        (``split``/``view``/``transpose``): ``Heads`` of each, softmax(scale * q@k^T) @ v from ``BatchScores``,
+        ``Affine``, the row ops and ``BatchApply`` (fp32; no mask, no dropout).  The rules fuse it into one
+        ``Attention`` kernel; the heads are merged back where the result is transposed and reshaped."""
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        bound = dict(zip(names, args, strict=False)) | kwargs
+        if (set(bound) - set(names) or bound.get("attn_mask") is not None or bound.get("dropout_p", 0.0) != 0.0
+                or bound.get("enable_gqa", False) or not isinstance(bound.get("is_causal", False), bool)):
+            return None
+        qkv = [bound.get(n) for n in names[:3]]
+        if not all(isinstance(t, _T) and t.program is not None and t.dtype == torch.float32 for t in qkv):
+            return None
+        splits = [head_split(t.program.steps, t.program.in_shapes) for t in qkv]
+        if any(sp is None for sp in splits) or concrete.dtype != torch.float32:
+            return None
+        scale = bound.get("scale")
+        scale = 1.0 / math.sqrt(concrete.shape[-1] if not qkv[0].shape else qkv[0].shape[-1]) if scale is None else scale
+        if not _is_scalar(scale):
+            return None
+        heads = []
+        for t, sp, name in zip(qkv, splits, "qkv", strict=True):
+            _, layout = sp
+            src = t.program.inputs[0]
+            attrs = {"heads": layout.heads, "seq": layout.seq, "offset": layout.offset, "width": layout.width}
+            heads.append(self.emit(node, "Heads", [src], attrs, t.shape, t.dtype, f"_{name}").id)
+        q, k, v = heads
+        scores_shape = (*qkv[0].shape[:-1], qkv[1].shape[-2])
+        stat, dt = (*scores_shape[:-1], 1), concrete.dtype
+        scores = self.emit(node, "BatchScores", [q, k], {"causal": int(bound.get("is_causal", False))}, scores_shape,
+                           dt, "_scores")
+        scaled = self.emit(node, "Affine", [scores.id], {"a": float(scale), "b": 0.0}, scores_shape, dt, "_scaled")
+        top = self.emit(node, "RowMax", [scaled.id], None, stat, dt, "_max")
+        e = self.emit(node, "Exp", [self.emit(node, "SubRow", [scaled.id, top.id], None, scores_shape, dt, "_shift").id],
+                      None, scores_shape, dt, "_exp")
+        probs = self.emit(node, "DivRow", [e.id, self.emit(node, "RowSum", [e.id], None, stat, dt, "_sum").id], None,
+                          scores_shape, dt, "_probs")
+        return self.emit(node, "BatchApply", [probs.id, v], None, concrete.shape, dt)
+
     def norm(self, node, x, shape, weight, bias, eps, concrete, rms):  # noqa: ANN001, ANN201
         """LayerNorm (``rms``: RMSNorm) over the last dimension as the ops it is made of: the row
         statistics, ``(x - mean) * rsqrt(var + eps)`` (``x * rsqrt(mean(x*x) + eps)``), weight, bias."""
@@ -815,6 +859,8 @@ class _Importer:
             return None
         if flat_shape(concrete.shape) != flat_shape(x.shape):
             return None
+        if x.program is not None and tuple(concrete.shape) == x.shape:
+            return x  # contiguous(), clone(), .to(same dtype) of a pending torch-backed value: still pending
         if x.program is not None:
             x = _T(x.shape, x.dtype, x.runtime, self.materialise(x))
         if x.id is None:
@@ -935,7 +981,6 @@ class _Importer:
             raise TorchImportError(f"{self.where(node)}: {exc}") from None
         step.update({"item": item, "shapes": shapes, "out": list(concrete.shape)})
         steps.append(step)
-        self.opaque_names.append(impl)
         value = _T(tuple(concrete.shape), concrete.dtype, True,
                    program=_Program(node, tuple(steps), tuple(inputs), tuple(in_shapes)))
         users = list(node.users)
@@ -947,6 +992,11 @@ class _Importer:
         """Emit a pending torch-backed value as one Opaque node (once)."""
         p = v.program
         assert p is not None
+        heads = head_merge(p.steps, p.in_shapes, v.shape) if v.dtype in TORCH_DTYPES else None
+        if id(p) not in self.emitted and heads is not None and self.b.shape_of(p.inputs[0]) == _head_major(p.in_shapes[0]):
+            merged = self.emit(p.node, "Merge", [p.inputs[0]], {"heads": heads}, v.shape, v.dtype)
+            assert merged.id is not None
+            self.emitted[id(p)] = merged.id
         if id(p) not in self.emitted:
             call = {"steps": list(p.steps), "in": [list(s) for s in p.in_shapes], "out": list(v.shape)}
             # named after its heaviest call (attention rather than the transposes around it)
@@ -956,6 +1006,7 @@ class _Importer:
             assert out.id is not None
             self.emitted[id(p)] = out.id
             self.opaque_kernels += 1
+            self.opaque_names.extend(str(st["impl"]) for st in p.steps)
         return self.emitted[id(p)]
 
 
@@ -974,6 +1025,12 @@ def _renumber(step: dict[str, Any], inputs: Mapping[int, int], base: int) -> dic
         return d
 
     return {**step, "args": walk(step["args"]), "kwargs": walk(step["kwargs"])}
+
+
+def _head_major(shape: Sequence[int]) -> tuple[int, ...]:
+    """The IR shape of a (batch, heads, seq, d) value the op table computes: (batch * heads, seq, d)."""
+    b, h, s, d = shape
+    return (b * h, s, d)
 
 
 def _is_tensor(v: Any) -> bool:
@@ -1013,11 +1070,11 @@ def import_module(module: nn.Module | torch.export.ExportedProgram, example_inpu
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     _check_example_inputs(module, args)
     try:
-        gm, ph_values, tracer, sources = _trace(module, args, strategy)
+        gm, ph_values, tracer, sources, out_spec = _trace(module, args, strategy)
         if sources is None:
             sources = [("arg", i) for i in range(len(ph_values))]
         name = type(module).__name__ if isinstance(module, nn.Module) else "exported"
-        return _import_graph(gm, ph_values, sources, tracer, name)
+        return _import_graph(gm, ph_values, sources, tracer, name, out_spec)
     except TorchImportError:
         _check_inputs_fit(module, args)  # the module itself failing on them is the error to report
         raise
@@ -1034,7 +1091,8 @@ def _check_inputs_fit(module: nn.Module | torch.export.ExportedProgram, args: tu
         raise TorchImportError(f"example inputs do not fit {type(module).__name__}: {_first_line(exc)}") from None
 
 
-def _import_graph(gm: fx.GraphModule, ph_values: Sequence[Any], sources: list[tuple[str, Any]], tracer: str, name: str) -> ImportedModule:
+def _import_graph(gm: fx.GraphModule, ph_values: Sequence[Any], sources: list[tuple[str, Any]], tracer: str, name: str,
+                  out_spec: Any = None) -> ImportedModule:
     rec = _Recorder(gm)
     try:
         with torch.no_grad():
@@ -1060,7 +1118,7 @@ def _import_graph(gm: fx.GraphModule, ph_values: Sequence[Any], sources: list[tu
         constants=dict(imp.constants),
         arg_specs=arg_specs,
         outputs=tuple(specs),
-        out_tree=tree,
+        out_tree=tree if out_spec is None else out_spec,
         opaque_ops=tuple(imp.opaque_names),
         tracer=tracer,
     )

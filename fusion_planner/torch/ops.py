@@ -92,6 +92,7 @@ _canon("layer_norm", F.layer_norm, torch.layer_norm, _aten.layer_norm.default)
 _canon("rms_norm", F.rms_norm, _aten.rms_norm.default)
 _canon("minimum", torch.minimum, _aten.minimum.default, ("method", "minimum"))
 _canon("pow", operator.pow, torch.pow, _aten.pow.Tensor_Scalar, ("method", "pow"))
+_canon("sdpa", F.scaled_dot_product_attention, _aten.scaled_dot_product_attention.default)
 _canon("dropout", F.dropout, _aten.dropout.default, torch.dropout)
 _canon("same", ("method", "contiguous"), ("method", "clone"), ("method", "detach"), _aten.clone.default,
        _aten.alias.default, _aten.detach.default, torch.clone)

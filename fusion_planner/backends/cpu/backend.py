@@ -10,6 +10,8 @@ and reused by every run.  Each kernel becomes one step:
   then the generated epilogue loop reads that tile while it is hot and stores
   the kernel's output.  The full GEMM result never exists in memory.  (A
   ``cublaslt`` kernel is the CPU's library-GEMM-with-epilogue: the same route.)
+* ``standalone``: attention's head layouts (strided numpy copies), its batched products (the GEMM
+  library's) and the fused attention kernel (generated C, ``fusion_planner.backends.cpu.standalone``);
 * ``opaque``: the registered numpy implementation (the reference's).
 
 Each step knows the buffers it reads and writes; ``kernel_facts[i]["bytes_moved"]``
@@ -42,7 +44,7 @@ from fusion_planner.backends.base import (
     collect_samples,
 )
 from fusion_planner.backends.codegen import find_matmul
-from fusion_planner.backends.cpu import gemm, parallel
+from fusion_planner.backends.cpu import gemm, parallel, standalone
 from fusion_planner.backends.cpu.codegen import (
     CKernel,
     CodegenError,
@@ -378,6 +380,7 @@ class CpuBackend(Backend):
         super().__init__(spec)
         self.gemm_library = gemm.library_from_env(gemm_library)
         self.matmul = gemm.matmul(self.gemm_library)
+        self.bmm = standalone.batch_matmul(self.gemm_library)
         self.threads = parallel.check_threads(threads)
         self.pool = parallel.WorkerPool(self.threads)
         self.blas_threads: int | None = (
@@ -447,6 +450,9 @@ class CpuBackend(Backend):
             widen = [widen_source(tensors[a.tensor].dtype) for a in mm.args  # type: ignore[union-attr]
                      if DTYPE_BYTES[tensors[a.tensor].dtype] != 4]  # type: ignore[union-attr]
             return [generate(k.body, types, tile=mm).source, *widen]
+        if k.kind == KernelKind.STANDALONE:
+            source = standalone.source_of(k.body, {n: t[0] for n, t in types.items()})
+            return [] if source is None else [source]
         return []
 
     def _streams(self, out: TensorType) -> bool:
@@ -472,6 +478,8 @@ class CpuBackend(Backend):
             return self._gemm(k, tensors, memory)
         if k.kind == KernelKind.OPAQUE:
             return self._opaque(k, tensors, memory)
+        if k.kind == KernelKind.STANDALONE:
+            return self._standalone(k, tensors, memory)
         raise BackendError(f"unknown kernel kind {k.kind!r}")
 
     def _types(self, tensors: Mapping[str, TensorType]) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -610,11 +618,42 @@ class CpuBackend(Backend):
         return Step(k, call, [a_buf, b_buf] + [b for b in reads if b is not a_buf and b is not b_buf],
                     buffers[k.out], facts)
 
+    def _standalone(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory) -> Step:
+        body = k.body
+        order = [a.tensor for a in body.args if isinstance(a, Load)]
+        if len(order) != len(body.args) or any(tensors[n].dtype != "fp32" for n in order) or body.type.dtype != "fp32":
+            return self._converted(k, tensors, memory)  # 16-bit storage: the reference's numpy form
+        arrays, out_name, reads = memory.arrays, k.out, [memory.own[n] for n in dict.fromkeys(order)]
+        if body.op == "Attention":
+            source = standalone.source_of(body, {n: tuple(t.shape) for n, t in tensors.items()})
+            assert source is not None
+            fn = self.compiler.function(source, 4)
+            addr = memory.addr
+            groups = int(body.type.shape[0])
+            call = standalone.attention_call(fn, self.pool, self.threads, groups,
+                                             lambda: [addr[n] for n in order] + [addr[out_name]])
+            return Step(k, call, reads, memory.own[k.out], {"impl": "c-attention", "threads": min(self.threads, groups),
+                                                            "key_block": standalone.KEY_BLOCK})
+        if body.op in ("Heads", "Merge"):
+            copy = standalone.layout_copy(body)
+
+            def call_copy() -> None:
+                copy(arrays[order[0]], arrays[out_name])
+
+            return Step(k, call_copy, reads, memory.own[k.out], {"impl": "numpy-layout-copy"})
+        write = standalone.scores_writer(body, self.bmm) if body.op == "BatchScores" else self.bmm
+        threads = self.threads
+
+        def call_product() -> None:
+            with parallel.torch_threads(threads):
+                write(arrays[order[0]], arrays[order[1]], arrays[out_name])
+
+        return Step(k, call_product, reads, memory.own[k.out], {"impl": f"{self.gemm_library}-batched-gemm"})
+
     def _opaque(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory) -> Step:
-        names = list(dict.fromkeys(k.reads))
         own, arrays = memory.own, memory.arrays
-        out_name, dtype = k.out, k.body.type.dtype
-        reads = [own[n] for n in names]
+        out_name = k.out
+        reads = [own[n] for n in dict.fromkeys(k.reads)]
         direct = _direct_opaque(k, tensors)
         if direct is not None:  # fp32 in and out: the implementation reads the bound arrays and writes out
             write, order = direct
@@ -623,6 +662,14 @@ class CpuBackend(Backend):
                 write([arrays[n] for n in order], arrays[out_name])
 
             return Step(k, call, reads, own[k.out], {"impl": "opaque-in-place"})
+        return self._converted(k, tensors, memory)
+
+    def _converted(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory) -> Step:
+        """A kernel computed by the reference's numpy form: its loads widened from storage, the result stored."""
+        names = list(dict.fromkeys(k.reads))
+        own, arrays = memory.own, memory.arrays
+        out_name, dtype = k.out, k.body.type.dtype
+        reads = [own[n] for n in names]
 
         def call_converted() -> None:
             mem = {n: from_storage(arrays[n], tensors[n].dtype) for n in names}

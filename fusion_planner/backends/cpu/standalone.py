@@ -1,0 +1,221 @@
+"""The CPU forms of the standalone ops: attention's head layouts, its batched products and the fused kernel.
+
+Each runs on fp32 buffers bound in the plan's memory: ``Heads`` and ``Merge`` are numpy copies through
+strided views, ``BatchScores`` and ``BatchApply`` the GEMM library's batched product, and ``Attention`` one
+generated C function (:func:`attention_source`) that computes softmax(scale * q@k^T) @ v a block of keys
+at a time with an online softmax, groups split across the worker pool.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from fusion_planner.backends.codegen import CodegenError
+from fusion_planner.backends.cpu import parallel
+from fusion_planner.backends.cpu.codegen import PRELUDE, SYMBOL
+from fusion_planner.core.plans import Expr, Load
+
+#: keys per block of the attention kernel: a block's scores stay in registers and L1 (a multiple of 16)
+KEY_BLOCK = 64
+
+#: ``bmm(a, b, out)``: ``out[g] = a[g] @ b[g]`` for fp32 3-D arrays (``b`` may be a transposed view)
+BatchMatMul = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
+
+
+def numpy_bmm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    np.matmul(a, b, out=out)
+
+
+def torch_bmm() -> BatchMatMul:
+    """``torch.bmm`` on zero-copy views (torch is imported: the GEMM library choice checked it)."""
+    import torch  # optional dependency
+
+    def bmm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+        torch.bmm(torch.from_numpy(a), torch.from_numpy(b), out=torch.from_numpy(out))
+
+    return bmm
+
+
+def batch_matmul(library: str) -> BatchMatMul:
+    return torch_bmm() if library == "torch" else numpy_bmm
+
+
+#: query rows per block of the attention kernel: their scores for a key block are 4 x 4 vectors in registers
+QUERY_BLOCK = 4
+
+
+def attention_source(seq: int, keys: int, dim: int, vdim: int, scale: float, causal: bool) -> str:
+    """C for softmax(scale * q@k^T) @ v over groups [g0, g1): q (S, D), k (T, D), v (T, E), out (S, E) per group.
+
+    Per group the keys are transposed once into a zero-padded scratch (D, T rounded up to a key block), so
+    that the scores of a block of 4 queries against a block of 64 keys are 16 vectors of 16 kept in
+    registers, built by D rounds of 16 multiply-adds.  The block's max, exponentials and sum use 16-wide
+    partials, and each query's running output is rescaled when its max grows (the online softmax): the
+    [S, T] scores never exist.  Causal: query i reads keys 0..i, key blocks past a query block are skipped.
+    A NaN score makes its row NaN, as in the unfused form."""
+    if not scale > 0:
+        raise CodegenError(f"attention kernel: scale must be positive, got {scale!r}")
+    s_, t_, d_, e_ = (int(x) for x in (seq, keys, dim, vdim))
+    return PRELUDE + f"""
+#include <stdlib.h>
+#define FP_S {s_}
+#define FP_T {t_}
+#define FP_D {d_}
+#define FP_E {e_}
+#define FP_TB {KEY_BLOCK}
+#define FP_NV (FP_TB / 16)
+#define FP_QB {QUERY_BLOCK}
+#define FP_TP (((FP_T + FP_TB - 1) / FP_TB) * FP_TB)
+#define FP_CAUSAL {int(bool(causal))}
+
+static inline fp_v16 fp_v16_select(fp_v16i take_b, fp_v16 a, fp_v16 b) {{
+    return (fp_v16)(((fp_v16i)a & ~take_b) | ((fp_v16i)b & take_b));
+}}
+
+void {SYMBOL}(const float* restrict q, const float* restrict k, const float* restrict v, float* restrict out,
+               int64_t g0, int64_t g1, int64_t unused) {{
+    (void)unused;
+    const float scale = {float(scale)!r}f;
+    float* kt = (float*)aligned_alloc(64, sizeof(float) * FP_D * FP_TP);
+    if (!kt) return;
+    float p[FP_QB][FP_TB] __attribute__((aligned(64)));
+    float acc[FP_QB][FP_E] __attribute__((aligned(64)));
+    fp_v16i lane;
+    for (int j = 0; j < 16; ++j) lane[j] = j;
+    const fp_v16 ninf = fp_v16_fill(-INFINITY);
+    for (int64_t g = g0; g < g1; ++g) {{
+        const float* qg = q + g * FP_S * FP_D;
+        const float* kg = k + g * FP_T * FP_D;
+        const float* vg = v + g * FP_T * FP_E;
+        float* og = out + g * FP_S * FP_E;
+        for (int64_t d = 0; d < FP_D; ++d) {{
+            float* row = kt + d * FP_TP;
+            for (int64_t t = 0; t < FP_T; ++t) row[t] = kg[t * FP_D + d];
+            for (int64_t t = FP_T; t < FP_TP; ++t) row[t] = 0.0f;
+        }}
+        for (int64_t i0 = 0; i0 < FP_S; i0 += FP_QB) {{
+            const int64_t nq = FP_S - i0 < FP_QB ? FP_S - i0 : FP_QB;
+            const int64_t last = FP_CAUSAL ? (i0 + nq < FP_T ? i0 + nq : FP_T) : FP_T;
+            float m[FP_QB], l[FP_QB];
+            for (int r = 0; r < FP_QB; ++r) {{
+                m[r] = -INFINITY;
+                l[r] = 0.0f;
+                for (int64_t e = 0; e < FP_E; ++e) acc[r][e] = 0.0f;
+            }}
+            for (int64_t t0 = 0; t0 < last; t0 += FP_TB) {{
+                fp_v16 sc[FP_QB][FP_NV];
+                for (int r = 0; r < FP_QB; ++r)
+                    for (int u = 0; u < FP_NV; ++u) sc[r][u] = fp_v16_fill(0.0f);
+                for (int64_t d = 0; d < FP_D; ++d) {{
+                    fp_v16 kv[FP_NV];
+                    for (int u = 0; u < FP_NV; ++u) kv[u] = fp_v16_load(kt + d * FP_TP + t0 + 16 * u);
+                    for (int r = 0; r < FP_QB; ++r) {{
+                        const float qd = r < nq ? qg[(i0 + r) * FP_D + d] : 0.0f;
+                        for (int u = 0; u < FP_NV; ++u) sc[r][u] += qd * kv[u];
+                    }}
+                }}
+                const int64_t nb = last - t0 < FP_TB ? last - t0 : FP_TB;
+                for (int r = 0; r < nq; ++r) {{
+                    /* keys past the last one, and (causal) past this query, are -inf */
+                    const int64_t visible = FP_CAUSAL && i0 + r + 1 < FP_T ? i0 + r + 1 : FP_T;
+                    const int64_t limit = visible - t0;
+                    fp_v16 mv = ninf;
+                    for (int u = 0; u < FP_NV; ++u) {{
+                        fp_v16i idx = lane + 16 * u;
+                        sc[r][u] = fp_v16_select(idx >= (int32_t)limit, scale * sc[r][u], ninf);
+                        mv = fp_v16_max(mv, sc[r][u]);
+                    }}
+                    const float mn = fp_max(fp_v16_hmax(mv), m[r]);
+                    const float alpha = expf(m[r] - mn);
+                    for (int u = 0; u < FP_NV; ++u) memcpy(p[r] + 16 * u, &sc[r][u], 64);
+                    for (int j = 0; j < FP_TB; ++j) p[r][j] = expf(p[r][j] - mn);
+                    fp_v16 sv = fp_v16_load(p[r]);
+                    for (int u = 1; u < FP_NV; ++u) sv = fp_v16_add(sv, fp_v16_load(p[r] + 16 * u));
+                    l[r] = l[r] * alpha + fp_v16_hadd(sv);
+                    for (int64_t e = 0; e < FP_E; ++e) acc[r][e] *= alpha;
+                    m[r] = mn;
+                }}
+                for (int64_t j = 0; j < nb; ++j) {{
+                    const float* vj = vg + (t0 + j) * FP_E;
+                    for (int r = 0; r < FP_QB; ++r) {{
+                        const float pj = p[r][j];
+                        for (int64_t e = 0; e < FP_E; ++e) acc[r][e] += pj * vj[e];
+                    }}
+                }}
+            }}
+            for (int r = 0; r < nq; ++r)
+                for (int64_t e = 0; e < FP_E; ++e) og[(i0 + r) * FP_E + e] = acc[r][e] / l[r];
+        }}
+    }}
+    free(kt);
+}}
+"""
+
+
+def attention_shapes(body: Expr, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, int, int, int, int]:
+    """(groups, S, T, D, E) of an Attention body over loads."""
+    q, k, v = (shapes[a.tensor] for a in body.args if isinstance(a, Load))
+    return q[0], q[1], k[1], q[2], v[2]
+
+
+def source_of(body: Expr, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
+    """The generated C a standalone kernel loads (only Attention has one)."""
+    if body.op != "Attention":
+        return None
+    _, s, t, d, e = attention_shapes(body, shapes)
+    attrs = body.attr_dict
+    return attention_source(s, t, d, e, float(attrs["scale"]), bool(attrs["causal"]))
+
+
+def layout_copy(body: Expr) -> Callable[[np.ndarray, np.ndarray], None]:
+    """``copy(x, out)`` for Heads and Merge: one strided numpy copy."""
+    attrs = body.attr_dict
+    heads = int(attrs["heads"])
+    if body.op == "Heads":
+        seq, offset, width = int(attrs["seq"]), int(attrs["offset"]), int(attrs["width"])
+        dh = width // heads
+
+        def heads_copy(x: np.ndarray, out: np.ndarray) -> None:
+            cols = x.reshape(-1, seq, x.shape[-1])[:, :, offset:offset + width].reshape(-1, seq, heads, dh)
+            np.copyto(out.reshape(-1, heads, seq, dh), cols.transpose(0, 2, 1, 3))
+
+        return heads_copy
+
+    def merge_copy(y: np.ndarray, out: np.ndarray) -> None:
+        g, s, d = y.shape
+        np.copyto(out.reshape(g // heads, s, heads, d), y.reshape(g // heads, heads, s, d).transpose(0, 2, 1, 3))
+
+    return merge_copy
+
+
+def scores_writer(body: Expr, bmm: BatchMatMul) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None]:
+    """``write(q, k, out)`` for BatchScores: the batched product with k transposed, then the causal mask."""
+    causal = bool(body.attr_dict["causal"])
+    masks: dict[tuple[int, int], np.ndarray] = {}
+
+    def write(q: np.ndarray, k: np.ndarray, out: np.ndarray) -> None:
+        bmm(q, k.transpose(0, 2, 1), out)
+        if causal:
+            s, t = out.shape[1:]
+            mask = masks.get((s, t))
+            if mask is None:
+                mask = masks[(s, t)] = np.triu(np.ones((s, t), dtype=bool), 1)
+            out[:, mask] = -np.inf
+
+    return write
+
+
+def attention_call(fn: Any, pool: parallel.WorkerPool, threads: int, groups: int,
+                   addr: Callable[[], list[int]]) -> Callable[[], None]:
+    """Run the generated attention function with its groups split across the pool."""
+    ranges = parallel.split(groups, threads)
+
+    def call() -> None:
+        q, k, v, out = addr()
+        pool.run([functools.partial(fn, q, k, v, out, g0, g1, 0) for g0, g1 in ranges])
+
+    return call

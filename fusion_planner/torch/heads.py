@@ -1,0 +1,137 @@
+"""Attention's head layouts, read off the torch calls model code writes around ``scaled_dot_product_attention``.
+
+Model code takes q, k and v head-major with ``split(d, dim=-1)[i]`` (or a projection of its own), ``view(b, s,
+h, d // h)`` and ``transpose(1, 2)`` (or ``permute(0, 2, 1, 3)``), and merges the heads back with
+``transpose(1, 2)`` and ``reshape(b, s, d)``.  The importer records such calls as Opaque steps; these
+functions recognise the two layouts in a recorded step list, so that the importer emits the op table's
+``Heads`` and ``Merge`` instead (``docs/torch.md``).  Anything else is not recognised and stays Opaque.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Shape = tuple[int, ...]
+
+_SPLITS = frozenset({"torch.Tensor.split", "torch.split", "torch.ops.aten.split.Tensor"})
+_CHUNKS = frozenset({"torch.Tensor.chunk", "torch.chunk", "torch.ops.aten.chunk.default"})
+_VIEWS = frozenset({"torch.Tensor.view", "torch.Tensor.reshape", "torch.reshape", "torch.ops.aten.view.default",
+                    "torch.ops.aten.reshape.default", "torch.ops.aten._unsafe_view.default",
+                    "torch.Tensor.contiguous"})
+_TRANSPOSES = frozenset({"torch.Tensor.transpose", "torch.transpose", "torch.ops.aten.transpose.int"})
+_PERMUTES = frozenset({"torch.Tensor.permute", "torch.permute", "torch.ops.aten.permute.default"})
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """Columns [offset, offset + width) of a (batch, seq, C) tensor as (batch, heads, seq, width / heads)."""
+
+    heads: int
+    seq: int
+    offset: int
+    width: int
+
+
+def _args(step: dict[str, Any]) -> list[Any]:
+    args = step.get("args")
+    return args if isinstance(args, list) else []
+
+
+def _kwargs(step: dict[str, Any]) -> dict[str, Any]:
+    kw = step.get("kwargs")
+    inner = kw.get("$dict") if isinstance(kw, dict) else None
+    return inner if isinstance(inner, dict) else {}
+
+
+def _reads(step: dict[str, Any], ref: dict[str, int]) -> bool:
+    args = _args(step)
+    return bool(args) and args[0] == ref
+
+
+def _int_list(v: Any) -> list[int] | None:
+    if isinstance(v, dict) and set(v) in ({"$list"}, {"$tuple"}):
+        v = next(iter(v.values()))
+    if isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        return list(v)
+    return None
+
+
+def _swaps_dims_1_2(step: dict[str, Any], rank: int) -> bool:
+    impl, args = step.get("impl"), _args(step)
+    if impl in _TRANSPOSES:
+        dims = sorted(d % rank for d in args[1:3] if isinstance(d, int)) if len(args) == 3 else []
+        return dims == [1, 2]
+    if impl in _PERMUTES:
+        perm = _int_list(args[1]) if len(args) == 2 else [a for a in args[1:] if isinstance(a, int)]
+        return perm == [0, 2, 1, 3]
+    return False
+
+
+def _column_slice(step: dict[str, Any], in_shape: Shape) -> tuple[int, int] | None:
+    """(offset, width) of a split or chunk of the last dimension, item ``step["item"]``."""
+    impl, args, kw, item = step.get("impl"), _args(step), _kwargs(step), step.get("item")
+    dim = kw.get("dim", args[2] if len(args) > 2 else 0)
+    if not isinstance(item, int) or item < 0 or not isinstance(dim, int) or dim % len(in_shape) != len(in_shape) - 1:
+        return None
+    cols = in_shape[-1]
+    if impl in _SPLITS and len(args) >= 2:
+        sizes = [args[1]] if isinstance(args[1], int) else _int_list(args[1])
+        if not sizes or any(s <= 0 for s in sizes):
+            return None
+        if len(sizes) == 1:
+            offset, width = item * sizes[0], min(sizes[0], cols - item * sizes[0])
+        elif item < len(sizes):
+            offset, width = sum(sizes[:item]), sizes[item]
+        else:
+            return None
+    elif impl in _CHUNKS and len(args) >= 2 and isinstance(args[1], int) and args[1] > 0:
+        size = -(-cols // args[1])
+        offset, width = item * size, min(size, cols - item * size)
+    else:
+        return None
+    return (offset, width) if width > 0 and offset + width <= cols else None
+
+
+def head_split(steps: Sequence[dict[str, Any]], in_shapes: Sequence[Shape]) -> tuple[int, HeadSplit] | None:
+    """(input index, layout) when ``steps`` take heads out of one input of shape (batch, seq, C): an optional
+    split/chunk of the last dimension, a view to (batch, seq, heads, d) and a swap of dims 1 and 2."""
+    if len(in_shapes) != 1 or len(in_shapes[0]) != 3 or len(steps) not in (2, 3):
+        return None
+    b, s, c = in_shapes[0]
+    offset, width = 0, c
+    ref: dict[str, int] = {"$in": 0}
+    rest = list(steps)
+    if len(rest) == 3:
+        first = rest.pop(0)
+        sliced = _column_slice(first, in_shapes[0]) if _reads(first, ref) else None
+        if sliced is None:
+            return None
+        offset, width = sliced
+        ref = {"$step": 0}
+    view, swap = rest
+    out = view.get("out")
+    if view.get("impl") not in _VIEWS or not _reads(view, ref) or not isinstance(out, list) or len(out) != 4:
+        return None
+    if out[:2] != [b, s] or out[2] * out[3] != width:
+        return None
+    if not _reads(swap, {"$step": len(steps) - 2}) or not _swaps_dims_1_2(swap, 4):
+        return None
+    if swap.get("out") != [b, out[2], s, out[3]]:
+        return None
+    return 0, HeadSplit(heads=out[2], seq=s, offset=offset, width=width)
+
+
+def head_merge(steps: Sequence[dict[str, Any]], in_shapes: Sequence[Shape], out_shape: Shape) -> int | None:
+    """The head count when ``steps`` merge (batch, heads, seq, d) back to (batch, seq, heads * d): a swap of
+    dims 1 and 2, then views (``contiguous`` included) ending in that shape."""
+    if len(in_shapes) != 1 or len(in_shapes[0]) != 4 or not steps:
+        return None
+    b, h, s, d = in_shapes[0]
+    if tuple(out_shape) != (b, s, h * d) or not _reads(steps[0], {"$in": 0}) or not _swaps_dims_1_2(steps[0], 4):
+        return None
+    for i, step in enumerate(steps[1:], start=1):
+        if step.get("impl") not in _VIEWS or not _reads(step, {"$step": i - 1}):
+            return None
+    return h

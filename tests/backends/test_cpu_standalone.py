@@ -1,0 +1,107 @@
+"""The CPU forms of the standalone ops: head layouts, batched products and the fused attention kernel equal the
+op table's numpy semantics, on awkward shapes, split across threads; the attention rule fuses the example."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fusion_planner.backends.codegen import CodegenError
+from fusion_planner.backends.cpu.backend import CpuBackend
+from fusion_planner.backends.cpu.standalone import KEY_BLOCK, attention_source
+from fusion_planner.backends.reference import execute_plan, random_inputs
+from fusion_planner.core import examples
+from fusion_planner.core.cost import load_device
+from fusion_planner.core.graph import GraphBuilder, TensorType
+from fusion_planner.core.kinds import KernelKind
+from fusion_planner.core.ops import OPS
+from fusion_planner.core.planfile import kind_problem
+from fusion_planner.core.plans import Expr, Load, Plan
+from fusion_planner.egraph.candidates import build_candidates
+
+SPEC = load_device("h200")
+
+
+def _attention_plan(g: int, s: int, t: int, d: int, e: int, scale: float, causal: int) -> Plan:
+    b = GraphBuilder("attention-kernel")
+    for name, shape in (("q", (g, s, d)), ("k", (g, t, d)), ("v", (g, t, e))):
+        b.input(name, shape, "fp32")
+    b.op("out", "Attention", ["q", "k", "v"], {"scale": scale, "causal": causal})
+    graph = b.build(["out"])
+    return build_candidates(graph, SPEC).unfused
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("g", "s", "t", "d", "e", "causal"), [
+    (3, 5, 5, 4, 4, 1),  # fewer keys than a vector
+    (2, 70, 70, 16, 24, 1),  # a query block and a key block cut short
+    (2, 9, KEY_BLOCK * 2 + 3, 8, 8, 0),  # three key blocks, the last one ragged
+    (1, 130, 67, 32, 16, 1),  # more queries than keys, causal (top-left, as torch's is_causal)
+])
+def test_attention_kernel_equals_the_op_tables_semantics(g, s, t, d, e, causal, threads) -> None:
+    plan = _attention_plan(g, s, t, d, e, 0.7, causal)
+    assert [k.describe() for k in plan.kernels] == ["standalone[Attention]"]
+    rng = np.random.default_rng(5)
+    inputs = {n: rng.standard_normal(plan.tensors[n].shape).astype(np.float32) for n in "qkv"}
+    got = CpuBackend(SPEC, threads=threads).compile(plan).run(inputs)[0]
+    want = OPS["Attention"].evaluate([inputs["q"].astype(np.float64), inputs["k"].astype(np.float64),
+                                      inputs["v"].astype(np.float64)], {"scale": 0.7, "causal": causal})
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
+def test_a_nan_score_makes_its_row_nan_as_in_the_unfused_form() -> None:
+    plan = _attention_plan(1, 4, 4, 4, 4, 1.0, 0)
+    q, k, v = (np.random.default_rng(i).standard_normal(plan.tensors[n].shape).astype(np.float32)
+               for i, n in enumerate("qkv"))
+    q[0, 2, 1] = np.nan
+    got = CpuBackend(SPEC, threads=1).compile(plan).run({"q": q, "k": k, "v": v})[0]
+    assert np.isnan(got[0, 2]).all() and np.isfinite(np.delete(got[0], 2, axis=0)).all()
+
+
+def test_a_non_positive_scale_has_no_kernel_and_says_why() -> None:
+    with pytest.raises(CodegenError, match="scale must be positive"):
+        attention_source(4, 4, 4, 4, -1.0, True)
+
+
+def test_layouts_and_batched_products_equal_their_numpy_semantics() -> None:
+    graph = examples.attention(batch=2, seq=7, d_model=24, heads=3, causal=True)
+    inputs = random_inputs(graph, seed=2)
+    unfused = build_candidates(graph, SPEC).unfused
+    kinds = [k.describe() for k in unfused.kernels]
+    assert kinds.count("standalone[Heads]") == 3 and "standalone[BatchScores]" in kinds and kinds[-1] == "standalone[Merge]"
+    for threads in (1, 2):
+        got = CpuBackend(SPEC, threads=threads).compile(unfused).run(inputs)[0]
+        np.testing.assert_allclose(got, execute_plan(unfused, inputs)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_the_attention_rule_fuses_the_example_into_one_kernel_between_its_layouts() -> None:
+    graph = examples.attention(batch=1, seq=16, d_model=32, heads=2, causal=True)
+    cands = build_candidates(graph, SPEC)
+    fused = [p for p in cands.plans if any(k.body.op == "Attention" for k in p.kernels)]
+    assert fused and cands.best in fused  # the cost model prefers it: the scores are never stored
+    assert [k.describe() for k in fused[0].kernels] == ["standalone[Heads]"] * 3 + ["standalone[Attention]", "standalone[Merge]"]
+    assert sum(k.cost.bytes for k in fused[0].kernels) < sum(k.cost.bytes for k in cands.unfused.kernels)
+    inputs = random_inputs(graph, seed=1)
+    for plan in (fused[0], cands.unfused):
+        np.testing.assert_allclose(CpuBackend(SPEC, threads=1).compile(plan).run(inputs)[0],
+                                   execute_plan(cands.unfused, inputs)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_16_bit_standalone_kernels_run_through_the_reference_form() -> None:
+    graph = examples.attention(batch=1, seq=8, d_model=16, heads=2, dtype="bf16")
+    plan = next(p for p in build_candidates(graph, SPEC).plans if any(k.body.op == "Attention" for k in p.kernels))
+    compiled = CpuBackend(SPEC, threads=1).compile(plan)
+    assert {f["impl"] for f in compiled.kernel_facts} == {"numpy-reference"}
+    inputs = random_inputs(graph, seed=4)
+    got = compiled.run(inputs)[0]
+    want = execute_plan(plan, inputs)[0]
+    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_a_standalone_kernel_in_a_plan_file_must_be_one_op_over_loads() -> None:
+    t = TensorType((2, 3, 4), "fp32")
+    att = Expr("Attention", (Load("q"), Load("k"), Load("v")), (("causal", 1), ("scale", 0.5)), "o", t)
+    assert kind_problem(KernelKind.STANDALONE, att, None) is None
+    nested = Expr("Exp", (att,), (), "e", t)
+    assert "standalone kernel" in kind_problem(KernelKind.STANDALONE, nested, None)
+    assert kind_problem(KernelKind.ELEMENTWISE, att, None) is not None
