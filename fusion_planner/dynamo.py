@@ -17,7 +17,7 @@ from torch import fx
 
 from fusion_planner.api import plan
 from fusion_planner.torch.errors import TorchImportError
-from fusion_planner.torch.importer import TORCH_DTYPES, import_fx_graph
+from fusion_planner.torch.importer import INDEX_DTYPES, TORCH_DTYPES, import_fx_graph
 
 log = logging.getLogger(__name__)
 
@@ -50,19 +50,21 @@ def dynamo_backend(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], *
         log.info("fusion_planner: the captured graph needs autograd (an input requires grad); a plan computes no "
                  "gradients, so it runs eagerly")
         return gm.forward
-    unplannable = [i for i, t in enumerate(example_inputs) if t.dtype not in TORCH_DTYPES]
-    if unplannable:  # e.g. the token ids of an embedding; the planner takes floating-point tensors only
+    unplannable = [i for i, t in enumerate(example_inputs) if t.dtype not in TORCH_DTYPES and t.dtype not in INDEX_DTYPES]
+    if unplannable:  # e.g. a boolean mask; the planner takes floating-point tensors and integer indices only
         i = unplannable[0]
-        log.warning("fusion_planner: graph input %d is %s (the planner takes float32, float16 and bfloat16 tensors); "
-                    "this captured graph runs eagerly", i, str(example_inputs[i].dtype).removeprefix("torch."))
+        log.warning("fusion_planner: graph input %d is %s (the planner takes float32, float16 and bfloat16 tensors, "
+                    "and int64/int32 indices); this captured graph runs eagerly", i,
+                    str(example_inputs[i].dtype).removeprefix("torch."))
         return gm.forward
     try:
         imported = import_fx_graph(gm, example_inputs)
     except TorchImportError as exc:
         if "is empty" in str(exc):  # a graph break left no op to plan
             log.info("fusion_planner: captured graph has no ops; running it eagerly")
-            return gm.forward
-        raise
+        else:  # compiling must not fail on what the planner cannot take: torch runs this graph, and says why
+            log.warning("fusion_planner: cannot plan the captured graph (%s); it runs eagerly", exc)
+        return gm.forward
     backend = options.pop("backend", None) or _default_backend()
     # compiling happens on the first call: keep the measured search short unless told otherwise
     opts: dict[str, Any] = {} if backend == "reference" else {"max_candidates": 16, "time_budget_s": 10.0}

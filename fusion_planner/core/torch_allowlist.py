@@ -41,7 +41,7 @@ TORCH_CALLABLES: frozenset[str] = frozenset({
     "torch.Tensor.cos", "torch.Tensor.cumsum", "torch.Tensor.detach", "torch.Tensor.div", "torch.Tensor.erf",
     "torch.Tensor.exp", "torch.Tensor.expand", "torch.Tensor.expand_as", "torch.Tensor.flatten", "torch.Tensor.flip",
     "torch.Tensor.float", "torch.Tensor.gather", "torch.Tensor.half", "torch.Tensor.index_select",
-    "torch.Tensor.log", "torch.Tensor.log_softmax", "torch.Tensor.masked_fill", "torch.Tensor.matmul", "torch.Tensor.max",
+    "torch.Tensor.log", "torch.Tensor.log_softmax", "torch.Tensor.long", "torch.Tensor.masked_fill", "torch.Tensor.matmul", "torch.Tensor.max",
     "torch.Tensor.maximum", "torch.Tensor.mean", "torch.Tensor.min", "torch.Tensor.minimum", "torch.Tensor.mm",
     "torch.Tensor.movedim", "torch.Tensor.mul",
     "torch.Tensor.narrow", "torch.Tensor.neg", "torch.Tensor.permute", "torch.Tensor.pow", "torch.Tensor.reciprocal",

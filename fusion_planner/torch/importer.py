@@ -52,6 +52,7 @@ from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
 from fusion_planner.core.graph import Graph, GraphBuilder, GraphError
+from fusion_planner.core.inputs import INDEX_STEP
 from fusion_planner.core.kinds import OpKind
 from fusion_planner.core.opaque import flat_shape, step_flops
 from fusion_planner.core.ops import OPS, OpError
@@ -63,6 +64,10 @@ from fusion_planner.torch.ops import encode_arg, resolve_torch_fn, torch_fn_name
 log = logging.getLogger(__name__)
 
 TORCH_DTYPES: dict[torch.dtype, str] = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+#: integer call inputs (token ids) the importer accepts: bound as fp32 (exact below 2**24), converted back with
+#: ``.long()`` right before the Opaque call that takes them, and never read by an op of the op table
+INDEX_DTYPES = frozenset({torch.int64, torch.int32})
+INDEX_LIMIT = 2**24
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _PLANNER_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -210,6 +215,9 @@ def _state_tensor(module: nn.Module | Mapping[str, torch.Tensor] | None, key: st
 
 
 def _to_numpy(t: torch.Tensor, transpose: bool = False) -> np.ndarray:
+    if t.dtype in INDEX_DTYPES and t.numel() and int(t.abs().max()) >= INDEX_LIMIT:
+        raise TorchImportError(f"integer input {_describe(t)} holds values of {INDEX_LIMIT} or more: a plan carries "
+                               "indices as fp32, exact only below that")
     if t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous():
         a = t.detach().numpy()  # the tensor's own memory: no conversion call on the way
         # a Linear weight (N, K) read as (K, N): its transpose, a view (the GEMM library takes either order)
@@ -467,7 +475,7 @@ class _Importer:
             return self.bindings[key].name
         tensor = v if isinstance(v, torch.Tensor) else None
         shape = tuple(v.shape)
-        dtype = ir_dtype(v.dtype, f"tensor {name_base!r}")
+        dtype = "fp32" if isinstance(v, _T) and v.dtype in INDEX_DTYPES else ir_dtype(v.dtype, f"tensor {name_base!r}")
         ir_shape = (shape[1], shape[0]) if transpose else flat_shape(shape)
         nid = self.fresh(name_base + (".T" if transpose else ""))
         self.b.input(nid, ir_shape, dtype)
@@ -516,7 +524,8 @@ class _Importer:
         v = self.values[node]
         if not isinstance(v, torch.Tensor):
             raise TorchImportError(f"input {node.name!r} is a {type(v).__name__}; only tensor inputs are supported")
-        ir_dtype(v.dtype, f"input {node.name!r}")
+        if not (source[0] == "arg" and v.dtype in INDEX_DTYPES):
+            ir_dtype(v.dtype, f"input {node.name!r}")
         name = str(source[1]) if source[0] == "state" else node.name
         return _T(tuple(v.shape), v.dtype, source[0] == "arg", source=source, name=name)
 
@@ -579,6 +588,8 @@ class _Importer:
             return self.opaque(node, args[0].impl, args[0].node, item=int(args[1]))
         if target is operator.getitem and not isinstance(args[0], _T):
             return concrete  # indexing a shape tuple
+        if any(isinstance(x, _T) and x.dtype in INDEX_DTYPES for x in leaves):
+            return self.generic(node, fn_target, args, kwargs)  # integer indices: only torch computes with them
         kind = _CANON.get(target)
         if kind is None:
             op = _op_for_torch_call(fn_target, args, kwargs)
@@ -973,7 +984,12 @@ class _Importer:
             shapes.append(list(v.shape))
             if isinstance(v, _T) and v.program is not None and len(v.program.node.users) == 1:
                 return {"$step": fold(v.program)}
-            return {"$in": add_input(self.use(v, f"{node.name}_const{len(inputs)}"), tuple(v.shape))}
+            ref_in = {"$in": add_input(self.use(v, f"{node.name}_const{len(inputs)}"), tuple(v.shape))}
+            if isinstance(v, _T) and v.dtype in INDEX_DTYPES:  # bound as fp32: the indices again, as torch takes them
+                steps.append({"impl": INDEX_STEP, "args": [ref_in], "kwargs": {"$dict": {}}, "item": -1,
+                              "shapes": [list(v.shape)], "out": list(v.shape)})
+                return {"$step": len(steps) - 1}
+            return ref_in
 
         try:
             step = {"impl": impl, "args": encode_arg(list(args), ref), "kwargs": encode_arg(dict(kwargs), ref)}
@@ -1052,7 +1068,8 @@ def _check_example_inputs(module: Any, args: tuple[Any, ...]) -> None:
     for i, t in enumerate(flat):
         if not isinstance(t, torch.Tensor):
             raise TorchImportError(f"example input {i} is a {type(t).__name__}; only tensors are supported")
-        ir_dtype(t.dtype, f"example input {i}")
+        if t.dtype not in INDEX_DTYPES:
+            ir_dtype(t.dtype, f"example input {i}")
     if isinstance(module, nn.Module):
         try:
             inspect.signature(module.forward).bind(*args)

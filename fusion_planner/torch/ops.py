@@ -108,6 +108,7 @@ _KEPT_METHODS = (
     "softmax", "log_softmax", "mean", "sum", "var", "std", "cumsum", "max", "min", "amax", "amin",
     "pow", "square", "rsqrt", "sqrt", "reciprocal", "exp", "log", "tanh", "sigmoid", "erf", "cos", "sin", "abs",
     "clamp", "tril", "triu", "matmul", "bmm", "mm", "half", "bfloat16",
+    "long",  # the importer's conversion of integer indices bound as fp32 (core.inputs.INDEX_STEP)
 )
 #: torch calls the importer keeps as Opaque steps (the ops of the models it was tried on); with
 #: IMPORTER_TABLE this is everything the importer can emit, so it is the allowlist

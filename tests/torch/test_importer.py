@@ -474,7 +474,8 @@ def test_exported_dtype_assertions_are_dropped() -> None:
     _assert_close(result(x), Norm()(x))
 
 
-def test_torch_compile_runs_a_graph_with_integer_inputs_eagerly(caplog: pytest.LogCaptureFixture) -> None:
+def test_torch_compile_plans_a_graph_with_integer_inputs_and_runs_a_boolean_one_eagerly(
+        caplog: pytest.LogCaptureFixture) -> None:
     torch._dynamo.reset()
 
     class Embed(nn.Module):
@@ -485,13 +486,54 @@ def test_torch_compile_runs_a_graph_with_integer_inputs_eagerly(caplog: pytest.L
         def forward(self, ids):
             return torch.relu(self.emb(ids))
 
+    class Masked(nn.Module):
+        def forward(self, x, keep):
+            return torch.where(keep, x, 0.0) * 2.0
+
     m = Embed().eval()
     ids = torch.tensor([[1, 2, 3], [4, 5, 9]])
-    with caplog.at_level(logging.WARNING, logger="fusion_planner.dynamo"), torch.no_grad():
-        got = torch.compile(m, backend="fusion_planner")(ids)
-    assert torch.equal(got, m(ids))
-    assert re.search(r"graph input \d+ is int64", caplog.text) and "runs eagerly" in caplog.text
+    with caplog.at_level(logging.INFO, logger="fusion_planner.dynamo"), torch.no_grad():
+        got = torch.compile(m, backend="fusion_planner", options={"backend": "reference"})(ids)
+        _assert_close(got, m(ids))
+        assert "planned" in caplog.text  # token ids feed the Opaque embedding; the ReLU is an op-table op
+        caplog.clear()
+        x, keep = torch.randn(4), torch.tensor([True, False, True, True])
+        assert torch.equal(torch.compile(Masked(), backend="fusion_planner")(x, keep), Masked()(x, keep))
+    assert re.search(r"graph input \d+ is bool", caplog.text) and "runs eagerly" in caplog.text
     torch._dynamo.reset()
+
+
+def test_integer_inputs_plan_when_only_torch_calls_read_them() -> None:
+    """A 2-layer language model called with token ids: the embedding stays Opaque, everything after it is planned,
+    and the ids reach it exactly (bound as fp32, converted back right before the call)."""
+    torch.manual_seed(0)
+    block, _ = _block()
+
+    class LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(50, 64)
+            self.blocks = nn.ModuleList([type(block)(64, 4, 256), type(block)(64, 4, 256)])
+            self.head = nn.Linear(64, 50, bias=False)
+
+        def forward(self, ids):
+            x = self.emb(ids)
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+    lm, ids = LM().eval(), torch.randint(0, 50, (2, 16))
+    result = fusion_planner.plan(lm, (ids,), backend="cpu", cache=False, max_candidates=6)
+    opaque = [n for n in result.graph.ops if n.op == "Opaque"]
+    assert len(opaque) == 1 and "embedding" in opaque[0].attr_dict["impl"]
+    with torch.no_grad():
+        _assert_close(result(ids), lm(ids))
+        other = torch.randint(0, 50, (2, 16))
+        _assert_close(result(other), lm(other))
+    with pytest.raises(TorchImportError, match="made for .* int64"):
+        result(ids.float())  # planned for int64 ids
+    with pytest.raises(TorchImportError, match="exact only below"):
+        result(torch.full((2, 16), 2**24))
 
 
 def test_shape_dependent_control_flow_falls_back_to_export() -> None:
@@ -528,11 +570,12 @@ def test_data_dependent_control_flow_is_a_clear_error() -> None:
     [
         (nn.Linear(8, 8), torch.randn(4, 8, dtype=torch.float64), "float64"),
         (nn.Linear(8, 8).double(), torch.randn(4, 8), "parameter 'weight' has dtype float64"),
-        (nn.Linear(8, 8), torch.randn(4, 8).long(), "int64"),
+        (nn.Linear(8, 8), torch.randn(4, 8).long(), "do not fit Linear"),  # indices are accepted; Linear takes none
+        (nn.Linear(8, 8), torch.randn(4, 8) > 0, "has dtype bool"),
         (nn.Linear(8, 8), torch.randn(4, 7), "do not fit Linear"),
         (nn.Linear(8, 8), (torch.randn(4, 8), torch.randn(4, 8)), "do not match Linear.forward"),
     ],
-    ids=["fp64-input", "fp64-param", "int-input", "wrong-shape", "too-many-inputs"],
+    ids=["fp64-input", "fp64-param", "int-input", "bool-input", "wrong-shape", "too-many-inputs"],
 )
 def test_bad_example_inputs(model: nn.Module, inputs, needle: str) -> None:
     with pytest.raises(TorchImportError, match=needle.replace("(", r"\(").replace(".", r"\.")):
