@@ -11,7 +11,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# the CPU build of torch lies on disk; installing it first keeps pip from pulling a CUDA build
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[torch,test,nvrtc]'
+	$(PY) -m pip install -q -e '.[torch,test,nvrtc,models]'
+	# no later install may replace the CPU build
+	$(PY) -c "import torch; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
 	touch $(STAMP)
 
 install: $(STAMP)

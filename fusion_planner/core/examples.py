@@ -51,25 +51,27 @@ def ew_chain(k: int = 4, n: int = 2**24, dtype: str = "fp32", fat_temps: int = 0
     return b.build([y])
 
 
+def layer_norm_ops(b: GraphBuilder, x: str, width: int, dtype: str, prefix: str = "") -> str:
+    """``LayerNorm(x)`` over the last dimension in the op table's primitives: the row statistics, the per-row
+    broadcasts, the weight ``<prefix>w`` and the bias ``<prefix>bias``; the result is ``<prefix>out``."""
+    b.input(f"{prefix}w", (width,), dtype)
+    b.input(f"{prefix}bias", (width,), dtype)
+    mean = b.op(f"{prefix}mean", "RowMean", [x])
+    centred = b.op(f"{prefix}centred", "SubRow", [x, mean])
+    var = b.op(f"{prefix}var", "RowMean", [b.op(f"{prefix}square", "Square", [centred])])
+    rstd = b.op(f"{prefix}rstd", "Rsqrt", [b.op(f"{prefix}var_eps", "Affine", [var], {"a": 1.0, "b": 1e-5})])
+    scaled = b.op(f"{prefix}scaled", "BiasMul", [b.op(f"{prefix}normed", "MulRow", [centred, rstd]), f"{prefix}w"])
+    return b.op(f"{prefix}out", "BiasAdd", [scaled, f"{prefix}bias"])
+
+
 def layer_norm(rows: int = 128, width: int = 768, dtype: str = "fp32", residual: bool = True) -> Graph:
-    """``LayerNorm(x + r)`` written in the op table's primitives: the row statistics, the per-row
-    broadcasts, the weight and the bias (``residual``: the residual add before the norm)."""
+    """``LayerNorm(x + r)`` written in the op table's primitives (``residual``: the residual add before the norm)."""
     b = GraphBuilder(f"layer-norm-{rows}x{width}-{dtype}")
     x = b.input("x", (rows, width), dtype)
     if residual:
         b.input("r", (rows, width), dtype)
         x = b.op("res", "Add", ["x", "r"])
-    b.input("w", (width,), dtype)
-    b.input("bias", (width,), dtype)
-    b.op("mean", "RowMean", [x])
-    b.op("centred", "SubRow", [x, "mean"])
-    b.op("square", "Square", ["centred"])
-    b.op("var", "RowMean", ["square"])
-    b.op("var_eps", "Affine", ["var"], {"a": 1.0, "b": 1e-5})
-    b.op("rstd", "Rsqrt", ["var_eps"])
-    b.op("normed", "MulRow", ["centred", "rstd"])
-    b.op("scaled", "BiasMul", ["normed", "w"])
-    return b.build([b.op("out", "BiasAdd", ["scaled", "bias"])])
+    return b.build([layer_norm_ops(b, x, width, dtype)])
 
 
 def softmax(rows: int = 128, width: int = 128, dtype: str = "fp32") -> Graph:
@@ -131,12 +133,15 @@ def transformer(
     mlp: str = "gelu",
     heads: int | None = None,
 ) -> Graph:
-    """A pre-LN decoder stack: LN, q/k/v projections, attention, output projection and
-    residual; LN, MLP (GELU or SwiGLU) and residual.  LayerNorm and attention stay
-    Opaque (registered implementations)."""
+    """A pre-LN decoder stack: LN, q/k/v projections, causal attention, output projection and
+    residual; LN, MLP (GELU or SwiGLU) and residual, all in the op table's primitives: the
+    LayerNorms are row ops and the attention is ``Heads``, ``BatchScores``, the softmax's row
+    ops, ``BatchApply`` and ``Merge`` (:func:`attention_ops`), which the rules fuse."""
     if mlp not in ("gelu", "swiglu"):
         raise ValueError(f"--mlp must be 'gelu' or 'swiglu', got {mlp!r}")
     heads = heads or max(1, d_model // 64)
+    if d_model % heads:
+        raise ValueError(f"--d-model {d_model} is not a multiple of the {heads} heads")
     b = GraphBuilder(f"transformer-L{layers}-d{d_model}-s{seq}-{dtype}-{mlp}")
     x = b.input("x", (seq, d_model), dtype)
     hidden = 4 * d_model if mlp == "gelu" else (8 * d_model) // 3
@@ -149,18 +154,13 @@ def transformer(
             y = b.op(f"{name}.bias", "BiasAdd", [y, f"{name}.b"])
         return y
 
-    def layer_norm(name: str, inp: str) -> str:
-        b.input(f"{name}.g", (d_model,), dtype)
-        b.input(f"{name}.beta", (d_model,), dtype)
-        return b.op(name, "Opaque", [inp, f"{name}.g", f"{name}.beta"], {"impl": "layer_norm", "eps": 1e-5})
-
     for i in range(layers):
         p = f"l{i}"
-        h = layer_norm(f"{p}.ln1", x)
+        h = layer_norm_ops(b, x, d_model, dtype, f"{p}.ln1.")
         q, k, v = (linear(f"{p}.{t}", h, d_model, d_model) for t in "qkv")
-        att = b.op(f"{p}.attn", "Opaque", [q, k, v], {"impl": "attention", "heads": heads, "causal": 1})
+        att = attention_ops(b, f"{p}.attn", (q, k, v), batch=1, seq=seq, heads=heads, width=d_model)
         x = b.op(f"{p}.res1", "Add", [x, linear(f"{p}.o", att, d_model, d_model)])
-        h = layer_norm(f"{p}.ln2", x)
+        h = layer_norm_ops(b, x, d_model, dtype, f"{p}.ln2.")
         if mlp == "gelu":
             u = b.op(f"{p}.gelu", "GeluTanh", [linear(f"{p}.up", h, d_model, hidden)])
             d = linear(f"{p}.down", u, hidden, d_model)

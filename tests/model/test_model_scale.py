@@ -18,7 +18,7 @@ from fusion_planner.model.stack import plan_model
 def test_regions_find_repeated_layers_without_markers():
     g4 = transformer(4, 64, 8)
     regions = split_regions(g4)
-    assert len({r.key for r in regions}) == 5  # layer 0's first pieces differ: x is a graph input
+    assert len({r.key for r in regions}) == 6  # layer 0 is cut in 4 pieces (x is a graph input), the others in 2
     g8 = transformer(8, 64, 8)
     assert {r.key for r in split_regions(g8)} == {r.key for r in regions}
 
@@ -122,10 +122,10 @@ def test_plan_cli_searches_each_region_once_and_caches(tmp_path, capsys):
             "--backend", "reference", "--cache-dir", str(tmp_path)]
     assert main(args) == 0
     first = capsys.readouterr().out
-    assert "in 8 regions, 5 unique (0 from the cache)" in first
+    assert "in 9 regions, 6 unique (0 from the cache)" in first
     assert "verified against the reference" in first
     assert main(args) == 0
-    assert "5 unique (5 from the cache)" in capsys.readouterr().out
+    assert "6 unique (6 from the cache)" in capsys.readouterr().out
     assert main([*args, "--no-cache"]) == 0
     assert "(0 from the cache)" in capsys.readouterr().out
 

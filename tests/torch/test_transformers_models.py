@@ -1,0 +1,104 @@
+"""Layers taken from the ``transformers`` package itself (small configs, random weights, nothing downloaded) plan
+from Python and equal eager torch: GPT-2's block (Conv1D, the written-out GELU, causal SDPA), BERT's and ViT's
+layers (LayerNorm, SDPA) with no Opaque node and the fused Attention kernel; LLaMA's decoder layer (hand-written
+RMSNorm, SwiGLU) with its RoPE and attention still torch's."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from torch import nn  # noqa: E402
+
+import fusion_planner  # noqa: E402
+from fusion_planner.api import allclose_report  # noqa: E402
+from fusion_planner.torch.importer import TORCH_DTYPES, import_module  # noqa: E402
+
+D, HEADS, SEQ = 64, 4, 16
+
+
+class FirstOutput(nn.Module):
+    """A transformers layer returns a tuple (or a tensor, by version): the hidden states are the first element."""
+
+    def __init__(self, layer: nn.Module, rope: nn.Module | None = None) -> None:
+        super().__init__()
+        self.layer, self.rope = layer, rope
+
+    def forward(self, x):
+        if self.rope is None:
+            out = self.layer(x)
+        else:
+            pos = torch.arange(x.shape[1]).unsqueeze(0)
+            out = self.layer(x, position_embeddings=self.rope(x, pos), position_ids=pos)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def _gpt2() -> nn.Module:
+    from transformers import GPT2Config
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    return FirstOutput(GPT2Block(GPT2Config(n_embd=D, n_head=HEADS, attn_implementation="sdpa")))
+
+
+def _bert() -> nn.Module:
+    from transformers import BertConfig
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    return FirstOutput(BertLayer(BertConfig(hidden_size=D, num_attention_heads=HEADS, intermediate_size=4 * D,
+                                            attn_implementation="sdpa")))
+
+
+def _vit() -> nn.Module:
+    from transformers import ViTConfig
+    from transformers.models.vit.modeling_vit import ViTLayer
+
+    return FirstOutput(ViTLayer(ViTConfig(hidden_size=D, num_attention_heads=HEADS, intermediate_size=4 * D,
+                                          attn_implementation="sdpa")))
+
+
+def _llama() -> nn.Module:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    cfg = LlamaConfig(hidden_size=D, num_attention_heads=HEADS, num_key_value_heads=HEADS, intermediate_size=2 * D,
+                      attn_implementation="sdpa")
+    return FirstOutput(LlamaDecoderLayer(cfg, 0), LlamaRotaryEmbedding(cfg))
+
+
+def _close(got, want) -> None:
+    ok, max_abs, max_rel = allclose_report(got.float().numpy(), want.float().numpy(), TORCH_DTYPES[want.dtype])
+    assert ok, (max_abs, max_rel)
+
+
+@pytest.mark.parametrize("factory", [_gpt2, _bert, _vit], ids=["gpt2-block", "bert-layer", "vit-layer"])
+def test_transformers_layers_plan_with_no_opaque_node_and_fused_attention(factory) -> None:
+    torch.manual_seed(0)
+    module, x = factory().eval(), torch.randn(2, SEQ, D)
+    ops = Counter(n.op for n in import_module(module, (x,)).graph.ops)
+    assert "Opaque" not in ops and ops["Heads"] == 3 and ops["BatchScores"] == 1 and ops["Merge"] == 1
+    result = fusion_planner.plan(module, (x,), backend="cpu", cache=False, max_candidates=6)
+    assert any(k.body.op == "Attention" for p in result.candidates.plans for k in p.kernels)
+    with torch.no_grad():
+        _close(result(x), module(x))
+
+
+def test_gpt2_written_out_gelu_becomes_the_op_the_epilogues_know() -> None:
+    torch.manual_seed(0)
+    module, x = _gpt2().eval(), torch.randn(2, SEQ, D)
+    result = fusion_planner.plan(module, (x,), backend="reference", cache=False)
+    bodies = {e.op for p in result.candidates.plans for k in p.kernels for e in k.body.walk()}
+    assert "GeluTanh" in bodies  # algebra.egg: 0.5*x*(1 + tanh(...)) is GeluTanh, so cuBLASLt's GELU_BIAS applies
+
+
+def test_llama_decoder_layer_plans_its_norms_and_mlp_and_keeps_rope_with_attention_in_torch() -> None:
+    torch.manual_seed(0)
+    module, x = _llama().eval(), torch.randn(2, SEQ, D)
+    ops = Counter(n.op for n in import_module(module, (x,)).graph.ops)
+    assert ops["RowMean"] == 2 and ops["Rsqrt"] == 2 and ops["Silu"] == 1  # RMSNorm x2 and SwiGLU, native
+    assert ops["Opaque"] >= 1 and "BatchScores" not in ops  # RoPE's slices and cat: not mapped yet
+    result = fusion_planner.plan(module, (x,), backend="cpu", cache=False, max_candidates=4)
+    with torch.no_grad():
+        _close(result(x), module(x))
