@@ -43,11 +43,14 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKLOADS = ("ew2", "ew4", "ew8", "mlp1024", "mlp64", "gpt2mlp", "gpt2conv1d", "block", "layernorm", "softmax", "rmsnorm")
+WORKLOADS = ("ew2", "ew4", "ew8", "mlp1024", "mlp64", "gpt2mlp", "gpt2conv1d", "block", "attention", "layernorm",
+             "softmax", "rmsnorm")
 #: the MLP workloads whose end-to-end call and call overhead have targets
 MLP_WORKLOADS = ("mlp1024", "mlp64", "gpt2mlp", "gpt2conv1d")
 #: the row-kernel workloads (the op-coverage issue): a residual add + nn.LayerNorm, F.softmax, LLaMA's RMSNorm
 ROW_WORKLOADS = ("layernorm", "softmax", "rmsnorm")
+#: the workloads with attention (the op-coverage issue): a whole pre-LN block, and causal SDPA alone
+ATTENTION_WORKLOADS = ("block", "attention")
 CONTENDERS = ("numpy", "torch", "torch.compile", "jax.jit", "fp.bare", "fp.call")
 PEERS = ("numpy", "torch", "torch.compile", "jax.jit")
 EW_N = 4_000_000
@@ -173,6 +176,8 @@ def build_workload(name: str) -> Workload:
         params = {k: v.detach().numpy().T.copy() if v.ndim == 2 else v.detach().numpy()
                   for k, v in mod.state_dict().items()}
         return Workload(name, mod, inputs, lambda x: _block_np(params, x, heads), lambda p, x: _block_jax(p, x, heads), params)
+    if name == "attention":
+        return _attention_workload(name)
     if name in ROW_WORKLOADS:
         return _row_workload(name)
     raise SystemExit(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
@@ -227,6 +232,39 @@ def _gpt2_conv1d(name: str) -> Workload:
     params = {k: v.detach().numpy().copy() for k, v in mod.state_dict().items()}
 
     return _gpt2_workload(name, mod, params)
+
+
+def _attention_workload(name: str, seq: int = 512, d: int = 768, heads: int = 12) -> Workload:
+    """Causal multi-head SDPA as GPT-2 writes it around one packed projection, x [1, 512, 3*768]: split, view,
+    transpose, F.scaled_dot_product_attention(is_causal=True), transpose and reshape back; fp32."""
+    import numpy as np
+    import torch
+    from torch import nn
+
+    class CausalAttention(nn.Module):
+        def forward(self, qkv: torch.Tensor) -> torch.Tensor:
+            b, s, _ = qkv.shape
+            q, k, v = (t.view(b, s, heads, d // heads).transpose(1, 2) for t in qkv.split(d, dim=-1))
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return a.transpose(1, 2).reshape(b, s, d)
+
+    def att_np(qkv: Any) -> Any:
+        b, s, _ = qkv.shape
+        q, k, v = (qkv[..., i * d:(i + 1) * d].reshape(b, s, heads, -1).transpose(0, 2, 1, 3) for i in range(3))
+        att = q @ k.transpose(0, 1, 3, 2) / np.float32(math.sqrt(d // heads))
+        att = np.where(np.tril(np.ones((s, s), bool)), att, np.float32(-np.inf))
+        att = np.exp(att - att.max(-1, keepdims=True))
+        att /= att.sum(-1, keepdims=True)
+        return (att @ v).transpose(0, 2, 1, 3).reshape(b, s, d)
+
+    def att_jax(p: Any, qkv: Any) -> Any:
+        import jax
+
+        b, s, _ = qkv.shape
+        q, k, v = (qkv[..., i * d:(i + 1) * d].reshape(b, s, heads, -1) for i in range(3))
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, s, d)
+
+    return Workload(name, CausalAttention().eval(), (torch.randn(1, seq, 3 * d),), att_np, att_jax)
 
 
 def _row_workload(name: str) -> Workload:
@@ -662,6 +700,11 @@ def targets(steady_rows: dict[str, list[dict[str, Any]]], firsts: dict[str, dict
             if row["workload"] in ROW_WORKLOADS:
                 out.append(f"- {row['workload']} ({mode} thread{'s' if mode != '1' else ''}): one row kernel "
                            f"({row['plan']}) end to end vs best peer ({best}): {r:.2f}× — {verdict(r >= 1.0)}")
+            if row["workload"] in ATTENTION_WORKLOADS:
+                tc = m["torch.compile"] / m["fp.call"]
+                out.append(f"- {row['workload']} ({mode} thread{'s' if mode != '1' else ''}): planned call ≥ 1.0× "
+                           f"torch.compile: {tc:.2f}× — {verdict(tc >= 1.0)}; ≥ 1.0× best peer ({best}): {r:.2f}× — "
+                           f"{verdict(r >= 1.0)} ({row['plan']})")
             if row["workload"] in MLP_WORKLOADS:
                 ov = (m["fp.call"] - m["fp.bare"]) / m["fp.bare"]
                 out.append(f"- {row['workload']} ({mode}): call overhead ≤ 5% of the bare kernels: {ov:+.1%} — {verdict(ov <= 0.05)}")

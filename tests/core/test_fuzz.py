@@ -12,16 +12,29 @@ from hypothesis import strategies as st
 
 from fusion_planner.backends.reference import execute_graph
 from fusion_planner.core.examples import ew_chain, heavy, mlp_epilogue, transformer
-from fusion_planner.core.graph import GraphError, graph_from_json
+from fusion_planner.core.graph import Graph, GraphBuilder, GraphError, graph_from_json
 from fusion_planner.core.inputs import random_inputs
 from fusion_planner.egraph.candidates import build_candidates
 from fusion_planner.egraph.program import Limits
 from fusion_planner.errors import USER_ERRORS
 
+def _opaque_block() -> Graph:
+    """A LayerNorm and a causal attention as the built-in Opaque implementations (the example graphs write
+    them in op-table primitives now)."""
+    b = GraphBuilder("opaque-block")
+    b.input("x", (4, 16), "fp32")
+    b.input("g", (16,), "fp32")
+    b.input("beta", (16,), "fp32")
+    h = b.op("ln", "Opaque", ["x", "g", "beta"], {"impl": "layer_norm", "eps": 1e-5})
+    return b.build([b.op("attn", "Opaque", [h, h, h], {"impl": "attention", "heads": 2, "causal": 1})])
+
+
 SEEDS = [
     json.loads(g.dumps())
-    for g in (ew_chain(3, 64), heavy(64), mlp_epilogue(8, 16, 8, "fp32"), transformer(1, 16, 4, "fp32"))
+    for g in (ew_chain(3, 64), heavy(64), mlp_epilogue(8, 16, 8, "fp32"), transformer(1, 16, 4, "fp32"),
+              _opaque_block())
 ]
+OPAQUE_SEED = 4
 
 #: values a careless or hostile file puts anywhere
 JUNK = st.one_of(
@@ -114,7 +127,7 @@ def test_each_crash_signature_is_a_named_refusal(name):
      ("heads", True), ("causal", "yes"), ("eps", "abc"), ("eps", math.nan)],
 )
 def test_built_in_opaque_attributes_are_checked(attr, value):
-    doc = copy.deepcopy(SEEDS[3])
+    doc = copy.deepcopy(SEEDS[OPAQUE_SEED])
     impl = "attention" if attr in ("heads", "causal") else "layer_norm"
     node = next(n for n in doc["nodes"] if n.get("attrs", {}).get("impl") == impl)
     node["attrs"][attr] = value
@@ -131,7 +144,7 @@ def test_an_integer_attribute_of_infinity_is_refused():
 
 
 def test_a_norm_without_inputs_is_refused():
-    doc = copy.deepcopy(SEEDS[3])
+    doc = copy.deepcopy(SEEDS[OPAQUE_SEED])
     node = next(n for n in doc["nodes"] if n.get("attrs", {}).get("impl") == "layer_norm")
     node["inputs"] = []
     with pytest.raises(GraphError, match="norm"):
