@@ -92,9 +92,10 @@ def main() -> None:
     lines += [
         "",
         "With dedup, the graph is cut where exactly one computed value is live and must be stored",
-        "anyway (read by a GEMM or an Opaque op, or a graph output); each structurally unique region",
-        "gets its own e-graph and extraction, and its plan is reused for every instance. A transformer",
-        "stack has 5 unique regions at any depth from 2 layers on (4 for one layer). Without dedup the whole graph is one e-graph",
+        "anyway (read by a GEMM, a standalone op such as attention's, or an Opaque op, or a graph output); each",
+        "structurally unique region gets its own e-graph and extraction, and its plan is reused for every instance.",
+        f"This stack has {max(r['unique'] for _, dd, r in rows if dd)} unique regions at its largest depth (layer 0 is cut "
+        "differently: its input is a graph input). Without dedup the whole graph is one e-graph",
         "and the extractor runs over all of it: it reaches the same estimate (its search is seeded with",
         "the stitched per-region plans) but takes longer and needs more memory as depth grows.",
     ]

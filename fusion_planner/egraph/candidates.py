@@ -11,7 +11,7 @@ from typing import Any
 from fusion_planner.core.cost import DeviceSpec, load_device
 from fusion_planner.core.graph import Graph
 from fusion_planner.core.plans import Plan, rename_kernel
-from fusion_planner.core.regions import split_regions
+from fusion_planner.core.regions import Region, split_regions
 from fusion_planner.egraph.extract import Extractor, Option, view_egraph
 from fusion_planner.egraph.program import Limits, saturate
 from fusion_planner.rules.files import RuleFile
@@ -21,6 +21,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CAP = 4096
 DEFAULT_K = 16
+#: an enumerated space keeps its best plans by exact cost only, at most this many (and the unfused plan):
+#: a LayerNorm's 9 row ops enumerate 1,120 plans, and building each one as a Plan object took 0.3 s that
+#: no caller needs (a search times its ``max_candidates``, a seed uses the best)
+MAX_PLANS = 256
 
 
 @dataclass
@@ -69,6 +73,21 @@ class CandidateSet:
         }
 
 
+#: the best plan of each sub-region a seed is stitched from, by (structure, device, rules, limits): the
+#: regions of a layer stack share their pieces (a LayerNorm, the attention), each saturated once per process
+_REGION_BEST: dict[tuple[Any, ...], Plan] = {}
+_REGION_BEST_MAX = 256
+
+
+def _region_best(r: Region, spec: DeviceSpec, rules: tuple[RuleFile, ...], limits: Limits) -> Plan:
+    memo = (r.key, repr(spec), rules, limits)
+    if memo not in _REGION_BEST:
+        if len(_REGION_BEST) >= _REGION_BEST_MAX:
+            _REGION_BEST.clear()
+        _REGION_BEST[memo] = build_candidates(r.graph, spec, rules=list(rules), limits=limits, k=1).best
+    return _REGION_BEST[memo]
+
+
 def _region_seed(graph: Graph, ex: Extractor, spec: DeviceSpec, rules, limits) -> list[dict[str, Option]]:
     """The per-region best plans, stitched and refined: exact within each region
     (regions are cut at forced stores, so the optimum decomposes over them)."""
@@ -76,12 +95,9 @@ def _region_seed(graph: Graph, ex: Extractor, spec: DeviceSpec, rules, limits) -
     regions = split_regions(graph)
     if len(regions) < 2:
         return []
-    best: dict[str, Plan] = {}
     kernels = []
     for r in regions:
-        if r.key not in best:
-            best[r.key] = build_candidates(r.graph, spec, rules=rules, limits=limits, k=1).best
-        kernels += [rename_kernel(kk, r.renaming()) for kk in best[r.key].kernels]
+        kernels += [rename_kernel(kk, r.renaming()) for kk in _region_best(r, spec, tuple(rules), limits).kernels]
     choice = ex.choice_from_kernels(kernels)
     return [ex.improve(choice)] if choice is not None else []
 
@@ -98,9 +114,10 @@ def build_candidates(
 ) -> CandidateSet:
     """Saturate, extract and cost candidates.
 
-    Every plan is listed when the space holds at most ``cap`` plans; otherwise the
-    best plan (tree DP refined by exact local search), its one-kernel neighbours
-    and seeded uniform samples are costed and the best ``k`` kept.
+    Every plan is enumerated and costed when the space holds at most ``cap`` plans, and
+    the best :data:`MAX_PLANS` (or ``k``, if more) are kept; otherwise the best plan (tree DP
+    refined by exact local search), its one-kernel neighbours and seeded uniform samples are
+    costed and the best ``k`` kept. The unfused plan is always kept.
     """
     spec = device if isinstance(device, DeviceSpec) else load_device(device)
     limits = limits or Limits()
@@ -120,10 +137,11 @@ def build_candidates(
     by_key: dict[str, dict[str, Option]] = {}
     for c in choices:
         by_key.setdefault(ex.key(c), c)
-    if not complete:
+    keep = max(k, MAX_PLANS) if complete else k
+    if len(by_key) > keep:
         # rank by exact cost before building plans: only the kept ones become Plan objects
         unfused_key = ex.key(ex.unfused())
-        ranked = sorted(by_key, key=lambda key: (round(ex.cost(by_key[key]), 6), key))[:k]
+        ranked = sorted(by_key, key=lambda key: (round(ex.cost(by_key[key]), 6), key))[:keep]
         if unfused_key not in ranked:
             ranked.append(unfused_key)
         by_key = {key: by_key[key] for key in ranked}
