@@ -397,6 +397,22 @@ def _reduction(name: str, fn: Callable[[np.ndarray], np.ndarray], doc: str) -> O
     )
 
 
+def _batched(name: str, transpose_b: bool, fn: Callable[[Sequence[np.ndarray], Attrs], np.ndarray], doc: str,
+             attrs: tuple[AttrSpec, ...] = ()) -> OpDef:
+    """A batched product of attention, a standalone kernel: (G,S,K) times (G,K,N), or (G,T,K) transposed."""
+    return OpDef(
+        name=name,
+        kind=OpKind.STANDALONE,
+        arity=2,
+        attrs=attrs,
+        shape_rule=lambda op, shapes, attrs: _batch_shape(op, shapes, transpose_b),
+        numpy_fn=fn,
+        flops_rule=lambda out, ins, attrs: 2.0 * _elems(out) * ins[0][-1],
+        regs=lambda attrs: 64,
+        doc=doc,
+    )
+
+
 def _row_mean(x: np.ndarray) -> np.ndarray:
     return np.sum(x, axis=-1, keepdims=True) / x.dtype.type(x.shape[-1])
 
@@ -552,27 +568,11 @@ OPS: dict[str, OpDef] = {
             numpy_fn=lambda xs, attrs: _merge(xs[0], attrs),
             doc="(batch*heads, seq, d) back to (batch*seq, heads*d) token rows: transpose(1, 2) and reshape.",
         ),
-        OpDef(
-            name="BatchScores",
-            kind=OpKind.STANDALONE,
-            arity=2,
-            attrs=(AttrSpec("causal", "i64", 0, minimum=0),),
-            shape_rule=lambda op, shapes, attrs: _batch_shape(op, shapes, True),
-            numpy_fn=lambda xs, attrs: _batch_scores(xs[0], xs[1], attrs),
-            flops_rule=lambda out, ins, attrs: 2.0 * _elems(out) * ins[0][-1],
-            regs=lambda attrs: 64,
-            doc="q @ k^T per group, (G,S,K) x (G,T,K) -> (G,S,T); causal (1) sets query i's keys after i to -inf.",
-        ),
-        OpDef(
-            name="BatchApply",
-            kind=OpKind.STANDALONE,
-            arity=2,
-            shape_rule=lambda op, shapes, attrs: _batch_shape(op, shapes, False),
-            numpy_fn=lambda xs, attrs: np.matmul(xs[0], xs[1]),
-            flops_rule=lambda out, ins, attrs: 2.0 * _elems(out) * ins[0][-1],
-            regs=lambda attrs: 64,
-            doc="p @ v per group, (G,S,T) x (G,T,N) -> (G,S,N): attention probabilities applied to the values.",
-        ),
+        _batched("BatchScores", True, lambda xs, attrs: _batch_scores(xs[0], xs[1], attrs),
+                 "q @ k^T per group, (G,S,K) x (G,T,K) -> (G,S,T); causal (1) sets query i's keys after i to -inf.",
+                 (AttrSpec("causal", "i64", 0, minimum=0),)),
+        _batched("BatchApply", False, lambda xs, attrs: np.matmul(xs[0], xs[1]),
+                 "p @ v per group, (G,S,T) x (G,T,N) -> (G,S,N): attention probabilities applied to the values."),
         OpDef(
             name="Attention",
             kind=OpKind.STANDALONE,

@@ -773,7 +773,7 @@ class _Importer:
         if any(sp is None for sp in splits) or concrete.dtype != torch.float32:
             return None
         scale = bound.get("scale")
-        scale = 1.0 / math.sqrt(concrete.shape[-1] if not qkv[0].shape else qkv[0].shape[-1]) if scale is None else scale
+        scale = 1.0 / math.sqrt(qkv[0].shape[-1]) if scale is None else scale  # torch's default: 1/sqrt(head dim)
         if not _is_scalar(scale):
             return None
         heads = []
