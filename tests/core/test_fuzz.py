@@ -18,6 +18,7 @@ from fusion_planner.egraph.candidates import build_candidates
 from fusion_planner.egraph.program import Limits
 from fusion_planner.errors import USER_ERRORS
 
+
 def _opaque_block() -> Graph:
     """A LayerNorm and a causal attention as the built-in Opaque implementations (the example graphs write
     them in op-table primitives now)."""
