@@ -21,10 +21,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CAP = 4096
 DEFAULT_K = 16
-#: an enumerated space keeps its best plans by exact cost only, at most this many (and the unfused plan):
-#: a LayerNorm's 9 row ops enumerate 1,120 plans, and building each one as a Plan object took 0.3 s that
-#: no caller needs (a search times its ``max_candidates``, a seed uses the best)
-MAX_PLANS = 256
 
 
 @dataclass
@@ -84,7 +80,7 @@ def _region_best(r: Region, spec: DeviceSpec, rules: tuple[RuleFile, ...], limit
     if memo not in _REGION_BEST:
         if len(_REGION_BEST) >= _REGION_BEST_MAX:
             _REGION_BEST.clear()
-        _REGION_BEST[memo] = build_candidates(r.graph, spec, rules=list(rules), limits=limits, k=1).best
+        _REGION_BEST[memo] = build_candidates(r.graph, spec, rules=list(rules), limits=limits, k=1, keep_all=False).best
     return _REGION_BEST[memo]
 
 
@@ -111,13 +107,15 @@ def build_candidates(
     cap: int = DEFAULT_CAP,
     k: int = DEFAULT_K,
     seed: int = 0,
+    keep_all: bool = True,
 ) -> CandidateSet:
     """Saturate, extract and cost candidates.
 
-    Every plan is enumerated and costed when the space holds at most ``cap`` plans, and
-    the best :data:`MAX_PLANS` (or ``k``, if more) are kept; otherwise the best plan (tree DP
-    refined by exact local search), its one-kernel neighbours and seeded uniform samples are
-    costed and the best ``k`` kept. The unfused plan is always kept.
+    Every plan is listed when the space holds at most ``cap`` plans (``keep_all=False``: only
+    the best ``k`` of them, by exact cost, become Plan objects: a seed needs the best, and a
+    LayerNorm's 1,120 plans took 0.3 s to build); otherwise the best plan (tree DP refined by
+    exact local search), its one-kernel neighbours and seeded uniform samples are costed and
+    the best ``k`` kept. The unfused plan is always kept.
     """
     spec = device if isinstance(device, DeviceSpec) else load_device(device)
     limits = limits or Limits()
@@ -137,7 +135,7 @@ def build_candidates(
     by_key: dict[str, dict[str, Option]] = {}
     for c in choices:
         by_key.setdefault(ex.key(c), c)
-    keep = max(k, MAX_PLANS) if complete else k
+    keep = len(by_key) if complete and keep_all else k
     if len(by_key) > keep:
         # rank by exact cost before building plans: only the kept ones become Plan objects
         unfused_key = ex.key(ex.unfused())
