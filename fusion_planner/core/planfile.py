@@ -21,7 +21,7 @@ from fusion_planner.core.cost import DeviceSpec, DeviceSpecError, KernelCost, de
 from fusion_planner.core.files import read_limited
 from fusion_planner.core.graph import Graph, GraphError, graph_from_json, torch_names
 from fusion_planner.core.kinds import KernelKind, OpKind
-from fusion_planner.core.ops import CUBLASLT_EPILOGUES, OpError, op_def
+from fusion_planner.core.ops import CUBLASLT_EPILOGUES, OPS, OpError, op_def
 from fusion_planner.core.plans import KERNEL_KINDS, Expr, Kernel, Load, Plan, expr_from_json, expr_to_json
 from fusion_planner.core.torch_allowlist import loading_file
 
@@ -171,7 +171,7 @@ def kind_problem(kind: KernelKind, body: Expr, epilogue: str | None) -> str | No
         why = "an opaque kernel is one Opaque op over loaded tensors"
     elif kind == KernelKind.STANDALONE:
         ok = kinds == [OpKind.STANDALONE] and all(isinstance(a, Load) for a in body.args)
-        why = "a standalone kernel is one standalone op (Heads, Merge, BatchScores, BatchApply, Attention) over loaded tensors"
+        why = f"a standalone kernel is one standalone op ({', '.join(n for n, o in OPS.items() if o.kind == OpKind.STANDALONE)}) over loaded tensors"
     elif kind == KernelKind.ELEMENTWISE:
         ok = all(k.fuses for k in kinds)
         why = "an elementwise kernel holds elementwise and row-reduction ops only"

@@ -20,8 +20,7 @@ from fusion_planner.rules.rulegen import generated_text
 RULES_DIR = Path(__file__).resolve().parent / "shipped"
 #: shipped rules in declaration order: hand-written files and ``generated:<ruleset>`` texts from the op table
 SHIPPED_RULE_FILES = ("limits.egg", "generated:limits", "generated:elementwise", "algebra.egg", "attention.egg",
-                      "generated:epilogue",
-                      "cublaslt.egg")
+                      "generated:epilogue", "cublaslt.egg")
 
 
 #: the rulesets the planner schedules itself: the analysis and limits facts run to saturation before every
