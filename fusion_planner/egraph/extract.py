@@ -21,7 +21,7 @@ import itertools
 import json
 import logging
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,27 +46,49 @@ class ENode:
     lits: tuple[Any, ...]  # literal arguments (attributes, names)
 
 
-@dataclass(frozen=True)
 class Option:
-    """One way to compute a stored class: a kernel."""
+    """One way to compute a stored class: a kernel.
 
-    root: str
-    kind: str
-    assign: tuple[tuple[str, int], ...]  # value class -> chosen node index
-    leaves: tuple[str, ...]  # stored classes read
-    n_ops: int
-    cost: KernelCost
-    sig: str
-    epilogue: str | None = None
-    lt_args: tuple[str, ...] = ()  # cuBLASLt a, b[, bias] classes
+    ``assign`` (value class -> chosen e-node index) is the body's own dict, shared and never
+    mutated; the signature, which names the kernel across e-graphs, is built on first use (most
+    options of a large graph are only ever costed)."""
+
+    __slots__ = ("root", "kind", "assign", "leaves", "n_ops", "cost", "epilogue", "lt_args", "_sig", "_view")
+
+    def __init__(
+        self, root: str, kind: str, assign: dict[str, int], leaves: tuple[str, ...], n_ops: int, cost: KernelCost,
+        *, sig: str | None = None, epilogue: str | None = None, lt_args: tuple[str, ...] = (),
+        view: EGraphView | None = None,
+    ) -> None:
+        self.root, self.kind, self.assign, self.leaves, self.n_ops = root, kind, assign, leaves, n_ops
+        self.cost, self.epilogue, self.lt_args, self._sig, self._view = cost, epilogue, lt_args, sig, view
+
+    @property
+    def sig(self) -> str:
+        if self._sig is None:
+            v = self._view
+            assert v is not None, "a body option keeps its view"
+            inner = sorted(v.value_node.get(c, c) for c in self.assign)
+            self._sig = f"{self.kind}:{'+'.join(inner)}<{','.join(sorted(v.tensor[x] for x in self.leaves))}"
+        return self._sig
+
+    def __repr__(self) -> str:
+        return f"Option({self.sig}, est {self.cost.est_us:.3f} us)"
 
 
-@dataclass
+@dataclass(slots=True)
 class _Body:
+    """A register-resident region: the chosen e-node of each value class, the stored classes it reads,
+    and its ledger sums, kept as it grows so that costing it never walks it again."""
+
     assign: dict[str, int]
     leaves: frozenset[str]
-    n_mm: int
+    n_mm: int = 0
     n_red: int = 0  # row reductions: a row kernel, never a GEMM epilogue (whose tiles run elementwise)
+    gemm: float = 0.0
+    ew: float = 0.0
+    regs: int = 0
+    kind: str = KernelKind.ELEMENTWISE
 
 
 @dataclass
@@ -220,11 +242,17 @@ class Extractor:
     _bytes: dict[str, int] = field(default_factory=dict)
     _counts: dict[str, int] | None = None
     _by_sig: dict[str, Option] | None = None
+    _weights: dict[str, list[int]] | None = None  # per option: the plans below it (sampling)
+    _names: dict[str, str] = field(default_factory=dict)
+    _kernels: dict[Option, Kernel] = field(default_factory=dict)  # built kernels, by option
+    _unfused: dict[str, Option] | None = None
+    _chain: bool | None = None  # value class -> the name its signature uses
 
     def __post_init__(self) -> None:
         # each class's bodies are dropped once every e-node reading it has used them: they are the bulk of
         # the extractor's memory (a 64-op region cap gives a chain's node up to 64 bodies of up to 64 ops),
         # and a class asked for again after that is only computed again
+        self._names = {c: self.view.value_node.get(c, c) for c in self.view.classes}
         self._uses = collections.Counter(c for nodes in self.view.classes.values() for n in nodes for c in n.children)
         for cls in sorted(self.view.stored - self.view.inputs, key=self.view.order.__getitem__):
             opts = self._options_for(cls)
@@ -255,24 +283,23 @@ class Extractor:
                 continue
             if n.op == "Opaque":
                 if all(c in self.view.stored for c in n.children):
-                    out.append(_Body({v: idx}, frozenset(n.children), 0))
+                    body = self._merge(v, idx, [_Body({}, frozenset(n.children))])
+                    assert body is not None
+                    out.append(body)
                 continue
             per_child: list[list[_Body]] = []
             for c in n.children:
                 if c in self.view.stored:
-                    per_child.append([_Body({}, frozenset([c]), 0)])
+                    per_child.append([_Body({}, frozenset([c]))])
                 else:
                     # an Opaque op is always its own kernel: never inlined into a consumer
                     subs = [b for b in self._bodies_of(c) if self.view.classes[c][b.assign[c]].op != "Opaque"]
                     per_child.append(subs)
             for c in n.children:
                 self._used(c)
-            base_mm = 1 if n.op == "MatMul" else 0
-            base_red = 1 if OPS[n.op].kind == OpKind.REDUCTION else 0
             for combo in itertools.product(*per_child):
-                body = _merge(v, idx, base_mm, base_red, combo)
-                if (body is None or body.n_mm > 1 or (body.n_mm and body.n_red)
-                        or len(body.assign) > self.max_region_ops):
+                body = self._merge(v, idx, combo)
+                if body is None or body.n_mm > 1 or (body.n_mm and body.n_red):
                     continue
                 out.append(body)
                 if len(out) >= self.max_bodies_per_root:
@@ -285,24 +312,73 @@ class Extractor:
         single = [(i, n) for i, n in nodes if n.op in OPS and n.op != "Opaque" and all(c in stored for c in n.children)]
         if single and not any(b.assign == {v: single[0][0]} for b in out):
             idx, n = single[0]
-            out.append(_Body({v: idx}, frozenset(n.children), int(n.op == "MatMul"),
-                             int(OPS[n.op].kind == OpKind.REDUCTION)))
+            body = self._merge(v, idx, [_Body({}, frozenset(n.children))])
+            assert body is not None
+            out.append(body)
         self._bodies[v] = out
         return out
 
+    def _merge(self, v: str, idx: int, parts: Sequence[_Body]) -> _Body | None:
+        """The body computing ``v`` with e-node ``idx`` over its children's bodies, or None when they
+        choose one value two ways or it would exceed the region cap.  The largest part's dict is copied
+        and the rest checked against it: a chain's body grows by one entry, not by a walk."""
+        g, e, r, op_kind = self._node_facts(v, idx)
+        if len(parts) == 1 and parts[0].assign and v not in parts[0].assign:  # a chain: one child in registers
+            p = parts[0]
+            if len(p.assign) >= self.max_region_ops:
+                return None
+            assign = p.assign.copy()
+            assign[v] = idx
+            return _Body(assign, p.leaves, p.n_mm + (op_kind == OpKind.MATMUL), p.n_red + (op_kind == OpKind.REDUCTION),
+                         p.gemm + g, p.ew + e, p.regs + r, _KERNEL_OF_OP.get(op_kind, p.kind))
+        bodies = [p for p in parts if p.assign]
+        n_mm = (op_kind == OpKind.MATMUL) + sum(p.n_mm for p in parts)
+        n_red = (op_kind == OpKind.REDUCTION) + sum(p.n_red for p in parts)
+        if bodies:
+            big = max(bodies, key=lambda p: len(p.assign))
+            if len(big.assign) + (v not in big.assign) > self.max_region_ops:
+                return None
+            assign = dict(big.assign)
+            gemm, ew, regs, kind = big.gemm, big.ew, big.regs, big.kind
+            for p in bodies:
+                if p is big:
+                    continue
+                for c, i in p.assign.items():
+                    j = assign.get(c)
+                    if j is None:
+                        assign[c] = i
+                        cg, ce, cr, c_kind = self._node_facts(c, i)
+                        gemm, ew, regs, kind = gemm + cg, ew + ce, regs + cr, _KERNEL_OF_OP.get(c_kind, kind)
+                    elif j != i:
+                        return None  # one value computed two ways in one kernel
+            if len(assign) + (v not in assign) > self.max_region_ops:
+                return None
+        else:
+            assign, gemm, ew, regs, kind = {}, 0.0, 0.0, 0, KernelKind.ELEMENTWISE
+        j = assign.get(v)
+        if j is not None and j != idx:
+            return None
+        if j is None:
+            assign[v] = idx
+            gemm, ew, regs, kind = gemm + g, ew + e, regs + r, _KERNEL_OF_OP.get(op_kind, kind)
+        leaves = parts[0].leaves if len(parts) == 1 else frozenset[str]().union(*(p.leaves for p in parts))
+        return _Body(assign, leaves, n_mm, n_red, gemm, ew, regs, kind)
+
     def _options_for(self, cls: str) -> list[Option]:
-        opts: dict[str, Option] = {}
+        opts: dict[Any, Option] = {}
+        names = self._names
         for n in self.view.classes[cls]:
             if n.op == "K":
                 for body in self._bodies_of(n.children[0]):
                     o = self._body_option(cls, body)
-                    opts.setdefault(o.sig, o)
+                    # the signature's content: e-node variants over the same values and reads are one kernel
+                    opts.setdefault((o.kind, frozenset(map(names.__getitem__, o.assign)), o.leaves), o)
                 self._used(n.children[0])
             elif n.op == "CublasLt":
                 lib = self._cublaslt_option(cls, n)
                 if lib is not None:
                     opts.setdefault(lib.sig, lib)
-        return sorted(opts.values(), key=lambda o: (o.cost.est_us, o.sig))
+        return _cheapest_first(list(opts.values()), lambda o: o.cost.est_us)
 
     def _node_facts(self, c: str, i: int) -> tuple[float, float, int, str]:
         """(GEMM FLOPs, elementwise FLOPs, live registers, op kind) of one e-node."""
@@ -321,28 +397,13 @@ class Extractor:
 
     def _body_option(self, cls: str, body: _Body) -> Option:
         v = self.view
-        gemm = ew = 0.0
-        regs = 0
-        kind = KernelKind.ELEMENTWISE
-        for c, i in body.assign.items():
-            g, e, r, op_kind = self._node_facts(c, i)
-            gemm += g
-            ew += e
-            regs += r
-            if op_kind == OpKind.MATMUL:
-                kind = KernelKind.GEMM_EPILOGUE
-            elif op_kind == OpKind.OPAQUE:
-                kind = KernelKind.OPAQUE
-            elif op_kind == OpKind.STANDALONE:
-                kind = KernelKind.STANDALONE
         leaves = tuple(sorted(body.leaves, key=v.order.__getitem__))
         nbytes = sum(self._nbytes(leaf) for leaf in leaves) + self._nbytes(cls)
         cost = kernel_cost(
-            self.spec, kind=kind, dtype=v.types[cls].dtype, nbytes=nbytes, gemm_flops=gemm, ew_flops=ew, regs=regs
+            self.spec, kind=body.kind, dtype=v.types[cls].dtype, nbytes=nbytes, gemm_flops=body.gemm,
+            ew_flops=body.ew, regs=body.regs,
         )
-        inner = sorted(v.value_node.get(c, c) for c in body.assign)
-        sig = f"{kind}:{'+'.join(inner)}<{','.join(sorted(v.tensor[x] for x in leaves))}"
-        return Option(cls, kind, tuple(sorted(body.assign.items())), leaves, len(body.assign), cost, sig)
+        return Option(cls, body.kind, body.assign, leaves, len(body.assign), cost, view=v)
 
     def _cublaslt_option(self, cls: str, n: ENode) -> Option | None:
         v = self.view
@@ -367,7 +428,8 @@ class Extractor:
             self.spec, kind=KernelKind.CUBLASLT, dtype=out.dtype, nbytes=nbytes, gemm_flops=2.0 * m * nn * k, ew_flops=ew, regs=regs
         )
         sig = f"cublaslt({epilogue})<{','.join(v.tensor[x] for x in args)}"
-        return Option(cls, KernelKind.CUBLASLT, (), leaves, 1 + len(epi_ops), cost, sig, epilogue, args)
+        return Option(cls, KernelKind.CUBLASLT, {}, leaves, 1 + len(epi_ops), cost, sig=sig, epilogue=epilogue,
+                      lt_args=args)
 
     def _nbytes(self, cls: str) -> int:
         n = self._bytes.get(cls)
@@ -404,16 +466,25 @@ class Extractor:
     def plan_of(self, choice: dict[str, Option]) -> Plan:
         used = sorted(self.required(choice), key=self.view.order.__getitem__)
         kernels = tuple(self._kernel(choice[c]) for c in used)
-        partition = tuple(choice[c].n_ops for c in used) if self.graph.is_chain() else None
+        if self._chain is None:
+            self._chain = self.graph.is_chain()
+        partition = tuple(choice[c].n_ops for c in used) if self._chain else None
         key = ";".join(choice[c].sig for c in used)
         tensors = {n.id: n.type for n in self.graph.nodes}
         outs = tuple(self.view.tensor[r] for r in self.view.roots)
         return Plan(self.graph.name, kernels, outs, tensors, key, partition)
 
     def _kernel(self, o: Option) -> Kernel:
+        """The kernel of an option, built once: a search's plans share most of their kernels."""
+        k = self._kernels.get(o)
+        if k is None:
+            k = self._kernels[o] = self._build_kernel(o)
+        return k
+
+    def _build_kernel(self, o: Option) -> Kernel:
         v = self.view
         out_name = v.tensor[o.root]
-        body = self._cublaslt_body(o) if o.kind == KernelKind.CUBLASLT else self._expr(self._k_child(o.root), dict(o.assign), {})
+        body = self._cublaslt_body(o) if o.kind == KernelKind.CUBLASLT else self._expr(self._k_child(o.root), o.assign, {})
         reads = tuple(v.tensor[x] for x in o.leaves)
         return Kernel(o.kind, body, out_name, reads, o.cost, o.epilogue)
 
@@ -455,13 +526,15 @@ class Extractor:
 
     def unfused(self) -> dict[str, Option]:
         """One kernel per op: every value read from memory, no library calls."""
-        choice: dict[str, Option] = {}
-        for c, opts in self.options.items():
-            singles = [o for o in opts if o.kind != KernelKind.CUBLASLT and o.n_ops == 1]
-            if not singles:
-                raise ExtractionError(f"no single-op kernel for {self.view.tensor[c]!r}")
-            choice[c] = singles[0]
-        return choice
+        if self._unfused is None:
+            choice: dict[str, Option] = {}
+            for c, opts in self.options.items():
+                singles = [o for o in opts if o.kind != KernelKind.CUBLASLT and o.n_ops == 1]
+                if not singles:
+                    raise ExtractionError(f"no single-op kernel for {self.view.tensor[c]!r}")
+                choice[c] = singles[0]
+            self._unfused = choice
+        return dict(self._unfused)
 
     def enumerate(self, cap: int) -> tuple[list[dict[str, Option]], bool]:
         """All plans if there are at most ``cap``; returns (plans, complete)."""
@@ -526,15 +599,9 @@ class Extractor:
             best: dict[str, float] = {}
             ranked: dict[str, list[Option]] = {}
             for c in sorted(self.options, key=self.view.order.__getitem__):
-                scored = sorted(
-                    (
-                        (o.cost.est_us + sum(best[x] for x in o.leaves if x in best), o.sig, o)
-                        for o in self.options[c]
-                    ),
-                    key=lambda t: (t[0], t[1]),
-                )
-                best[c] = scored[0][0]
-                ranked[c] = [t[2] for t in scored]
+                value = {o: o.cost.est_us + sum(best[x] for x in o.leaves if x in best) for o in self.options[c]}
+                ranked[c] = _cheapest_first(self.options[c], value.__getitem__)
+                best[c] = value[ranked[c][0]]
             self._rank = ranked
         return self._rank
 
@@ -561,12 +628,14 @@ class Extractor:
     def sample(self, n: int, seed: int) -> list[dict[str, Option]]:
         """Seeded, deduplicated samples; uniform over plans when they form trees."""
         rng = random.Random(seed)
-        count = self._local_counts()
-        shared = self._shared()
-        weights = {
-            c: [_prod(count[x] for x in o.leaves if x in count and x not in shared) for o in opts]
-            for c, opts in self.options.items()
-        }
+        if self._weights is None:
+            count = self._local_counts()
+            shared = self._shared()
+            self._weights = {
+                c: [_prod(count[x] for x in o.leaves if x in count and x not in shared) for o in opts]
+                for c, opts in self.options.items()
+            }
+        weights = self._weights
         seen: set[str] = set()
         out: list[dict[str, Option]] = []
         attempts = 0
@@ -632,20 +701,25 @@ def kernel_sig(k: Kernel) -> str:
     return f"{k.kind}:{'+'.join(inner)}<{','.join(sorted(k.reads))}"
 
 
-def _merge(v: str, idx: int, base_mm: int, base_red: int, parts: Sequence[_Body]) -> _Body | None:
-    assign: dict[str, int] = {v: idx}
-    leaves: set[str] = set()
-    n_mm, n_red = base_mm, base_red
-    for p in parts:
-        for c, i in p.assign.items():
-            if assign.get(c, i) != i:
-                return None  # one value computed two ways in one kernel
-            if c not in assign:
-                assign[c] = i
-        leaves |= p.leaves
-        n_mm += p.n_mm
-        n_red += p.n_red
-    return _Body(assign, frozenset(leaves), n_mm, n_red)
+#: the kernel kind of a body holding an op of this kind (a body holds at most one op that is not
+#: elementwise or a reduction: the extractor's rules)
+_KERNEL_OF_OP: dict[str, str] = {OpKind.MATMUL: KernelKind.GEMM_EPILOGUE, OpKind.OPAQUE: KernelKind.OPAQUE,
+                 OpKind.STANDALONE: KernelKind.STANDALONE}
+
+
+def _cheapest_first(options: list[Option], value: Callable[[Option], float]) -> list[Option]:
+    """Options by ``value``; ties (a chain's bodies all read and write the same bytes) the more fused
+    first, then by signature, built only for those still tied."""
+    out = sorted(options, key=lambda o: (value(o), -o.n_ops))
+    i = 0
+    while i < len(out):
+        j = i + 1
+        while j < len(out) and value(out[j]) == value(out[i]) and out[j].n_ops == out[i].n_ops:
+            j += 1
+        if j - i > 1:
+            out[i:j] = sorted(out[i:j], key=lambda o: o.sig)
+        i = j
+    return out
 
 
 def _prod(xs: Iterator[int] | Sequence[int] | Any) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from fusion_planner.core.kinds import KernelKind
 from fusion_planner.egraph.extract import Extractor, Option
@@ -90,89 +91,109 @@ class Mutator:
         if not self.outputs <= stored or not stored <= set(self.class_of):
             return None
         allowed = stored | self.input_tensors
+
+        def fits(o: Option) -> bool:
+            return all(v.tensor[x] in allowed for x in o.leaves) and self.interior(o).isdisjoint(stored)
+
         choice: Choice = {}
         for t in stored:
             c = self.class_of[t]
-            fits = [
-                o
-                for o in ex.options[c]
-                if {v.tensor[x] for x in o.leaves} <= allowed and not (self.interior(o) & stored)
-            ]
-            if not fits:
+            own = prefer.get(c)
+            if own is not None and fits(own):  # the parent's kernel still fits: it is the preferred one
+                choice[c] = own
+                continue
+            fitting = [o for o in ex.options[c] if fits(o)]
+            if not fitting:
                 return None
-            choice[c] = min(fits, key=_preference(prefer.get(c)))
+            choice[c] = min(fitting, key=_preference(own))
         return choice if self.stored(choice) == stored else None
 
-    # -- operators
-    def remove_boundary(self, choice: Choice) -> list[Mutant]:
+    # -- operators: each lists its targets cheaply, then realizes one target (None: no plan has it)
+    def _targets(self, operator: str, choice: Choice) -> list[Any]:
         s = self.stored(choice)
-        out = []
-        for x in sorted(s - self.outputs):
-            m = self.realize(s - {x}, choice)
-            if m is not None:
-                out.append(self._mutant("remove-boundary", x, m))
-        return out
-
-    def add_boundary(self, choice: Choice) -> list[Mutant]:
-        s = self.stored(choice)
-        inner = set().union(*(self.interior(choice[c]) for c in self.ex.required(choice)))
-        out = []
-        for y in sorted(inner & set(self.class_of)):
-            m = self.realize(s | {y}, choice)
-            if m is not None:
-                out.append(self._mutant("add-boundary", y, m))
-        return out
-
-    def move_boundary(self, choice: Choice) -> list[Mutant]:
-        s = self.stored(choice)
-        out = []
-        for x in sorted(s - self.outputs):
-            near = set(self.ex.graph[x].inputs) | set(self.consumers.get(x, []))
-            for y in sorted(near - s - self.input_tensors):
-                if y not in self.class_of:
-                    continue
-                m = self.realize((s - {x}) | {y}, choice)
-                if m is not None:
-                    out.append(self._mutant("move-boundary", f"{x}->{y}", m))
-        return out
-
-    def swap_impl(self, choice: Choice) -> list[Mutant]:
+        if operator == "remove-boundary":
+            return sorted(s - self.outputs)
+        if operator == "add-boundary":
+            inner = set().union(*(self.interior(choice[c]) for c in self.ex.required(choice)))
+            return sorted(inner & set(self.class_of))
+        if operator == "move-boundary":
+            moves = []
+            for x in sorted(s - self.outputs):
+                near = set(self.ex.graph[x].inputs) | set(self.consumers.get(x, []))
+                moves += [(x, y) for y in sorted(near - s - self.input_tensors) if y in self.class_of]
+            return moves
         v = self.ex.view
-        out = []
+        swaps = []
         for c in sorted(self.ex.required(choice), key=v.order.__getitem__):
             o = choice[c]
             alts: dict[str, Option] = {}
             for o2 in self.ex.options[c]:  # sorted by estimate: keep the cheapest per kind
                 if set(o2.leaves) == set(o.leaves) and o2.kind != o.kind and KernelKind.CUBLASLT in (o.kind, o2.kind):
                     alts.setdefault(o2.kind, o2)
-            for o2 in alts.values():
-                m = dict(choice)
-                m[c] = o2
-                out.append(self._mutant("swap-impl", f"{v.tensor[c]}: {_impl(o)} -> {_impl(o2)}", m))
+            swaps += [(c, o2) for o2 in alts.values()]
+        return swaps
+
+    def _apply(self, operator: str, target: Any, choice: Choice) -> Mutant | None:
+        s = self.stored(choice)
+        if operator == "remove-boundary":
+            m, detail = self.realize(s - {target}, choice), target
+        elif operator == "add-boundary":
+            m, detail = self.realize(s | {target}, choice), target
+        elif operator == "move-boundary":
+            x, y = target
+            m, detail = self.realize((s - {x}) | {y}, choice), f"{x}->{y}"
+        else:
+            c, o2 = target
+            m = dict(choice)
+            m[c] = o2
+            detail = f"{self.ex.view.tensor[c]}: {_impl(choice[c])} -> {_impl(o2)}"
+        return None if m is None else self._mutant(operator, detail, m)
+
+    def _results(self, operator: str, choice: Choice) -> list[Mutant]:
+        out = []
+        for t in self._targets(operator, choice):
+            m = self._apply(operator, t, choice)
+            if m is not None:
+                out.append(m)
         return out
+
+    def remove_boundary(self, choice: Choice) -> list[Mutant]:
+        return self._results("remove-boundary", choice)
+
+    def add_boundary(self, choice: Choice) -> list[Mutant]:
+        return self._results("add-boundary", choice)
+
+    def move_boundary(self, choice: Choice) -> list[Mutant]:
+        return self._results("move-boundary", choice)
+
+    def swap_impl(self, choice: Choice) -> list[Mutant]:
+        return self._results("swap-impl", choice)
 
     def mutants(self, choice: Choice) -> list[Mutant]:
         """Every one-step mutant, deduplicated, none equal to the parent."""
         parent = self.ex.key(choice)
         seen = {parent}
         out = []
-        for op in (self.remove_boundary, self.add_boundary, self.move_boundary, self.swap_impl):
-            for m in op(choice):
+        for op in OPERATORS:
+            for m in self._results(op, choice):
                 if m.key not in seen:
                     seen.add(m.key)
                     out.append(m)
         return out
 
     def random_mutant(self, choice: Choice, rng: random.Random, exclude: set[str] | frozenset[str] = frozenset()) -> Mutant | None:
-        """A uniformly chosen operator, then a uniformly chosen result of it, avoiding ``exclude``."""
-        by_op: dict[str, list[Mutant]] = {}
-        for m in self.mutants(choice):
-            if m.key not in exclude:
-                by_op.setdefault(m.operator, []).append(m)
-        if not by_op:
-            return None
-        op = rng.choice(sorted(by_op))
-        return rng.choice(by_op[op])
+        """A uniformly chosen operator among those with a result, then a uniformly chosen result of it,
+        avoiding ``exclude`` and the parent.  Targets are tried in a random order until one realizes: a
+        long segment has a thousand boundaries to add, and realizing all of them to keep one was most
+        of a search's time."""
+        parent = self.ex.key(choice)
+        for op in rng.sample(OPERATORS, len(OPERATORS)):
+            targets = self._targets(op, choice)
+            for t in rng.sample(targets, len(targets)):
+                m = self._apply(op, t, choice)
+                if m is not None and m.key != parent and m.key not in exclude:
+                    return m
+        return None
 
     def _mutant(self, operator: str, detail: str, choice: Choice) -> Mutant:
         return Mutant(operator, detail, self.ex.key(choice), choice)

@@ -399,6 +399,7 @@ class CpuBackend(Backend):
         self.tile_bytes = tile_bytes
         #: outputs of at least this many bytes are written with streaming stores (elementwise kernels)
         self.stream_bytes = stream_bytes if stream_bytes is not None else stream_bytes_default()
+        self._types_of: tuple[Mapping[str, TensorType], dict[str, tuple[tuple[int, ...], str]]] | None = None
 
     # -- compile
     def compile(self, plan: Plan) -> CpuCompiledPlan:
@@ -483,7 +484,11 @@ class CpuBackend(Backend):
         raise BackendError(f"unknown kernel kind {k.kind!r}")
 
     def _types(self, tensors: Mapping[str, TensorType]) -> dict[str, tuple[tuple[int, ...], str]]:
-        return {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
+        """Shape and dtype by tensor, for codegen; one plan's kernels share its table (built once per plan:
+        a 1,000-op plan's kernels built it 1,000 times)."""
+        if self._types_of is None or self._types_of[0] is not tensors:
+            self._types_of = (tensors, {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()})
+        return self._types_of[1]
 
     def _bind(self, ck: CKernel, buffers: Mapping[str, np.ndarray]) -> tuple[Callable[..., None], list[str | None], list[np.ndarray]]:
         """The compiled function, the tensor of each pointer parameter (None: the GEMM tile), the buffers read."""

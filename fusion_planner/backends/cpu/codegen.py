@@ -219,7 +219,7 @@ def generate(
     """
     if tile is not None and any(op_def(e.op).kind == OpKind.REDUCTION for e in body.walk()):
         raise CodegenError(f"kernel for node {body.node!r}: a row reduction is no GEMM epilogue")
-    if tile is None and is_row_kernel(body, {t: shape for t, (shape, _) in tensor_types.items()}):
+    if tile is None and is_row_kernel(body, {t: tensor_types[t][0] for t in loads(body)}):
         return _row_kernel(body, tensor_types)
     out_shape = tuple(body.type.shape)
     rows, cols = rows_cols(out_shape)

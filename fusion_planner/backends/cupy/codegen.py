@@ -428,7 +428,7 @@ def row_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
 
 def generate(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
     """The CUDA kernel of one plan kernel (elementwise or gemm_epilogue)."""
-    if k.kind == KernelKind.ELEMENTWISE and is_row_kernel(k.body, {t: v.shape for t, v in tensors.items()}):
+    if k.kind == KernelKind.ELEMENTWISE and is_row_kernel(k.body, {t: tensors[t].shape for t in loads(k.body)}):
         return row_kernel(k, tensors)
     if k.kind == KernelKind.ELEMENTWISE:
         return elementwise_kernel(k, tensors)
