@@ -29,13 +29,13 @@ g = transformer(layers, d, seq)
 t0 = time.perf_counter()
 mp = plan_model(g, "h200", dedup=dedup)
 total = time.perf_counter() - t0
-cands = [u.cands for u in mp.unique.values() if u.cands is not None]
+stats = [u.stats for u in mp.unique.values() if not u.cached]
 print(json.dumps({
     "ops": len(g.ops), "regions": len(mp.regions), "unique": len(mp.unique),
-    "enodes": sum(c.enodes for c in cands),
-    "build": sum(c.times["build"] for c in cands),
-    "saturate": sum(c.times["saturate"] for c in cands),
-    "extract": sum(c.times["extract"] for c in cands),
+    "enodes": sum(s["enodes"] for s in stats),
+    "build": sum(s["build"] for s in stats),
+    "saturate": sum(s["saturate"] for s in stats),
+    "extract": sum(s["extract"] for s in stats),
     "total": total, "est_us": mp.plan.est_us, "kernels": len(mp.plan.kernels),
     "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
 }))

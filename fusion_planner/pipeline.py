@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,6 +99,7 @@ class Planned:
             s = self.model.summary()
             lines.append(f"{self.graph.name}: {s['regions']} regions, {s['unique_regions']} distinct, "
                          f"{s['cache_hits']} from the plan cache")
+            lines += [f"{self.graph.name}: {note}" for note in s["notes"]]
         elif self.from_cache:
             lines.append(f"{self.graph.name}: plan from the plan cache, not re-searched")
         return lines
@@ -116,15 +118,17 @@ def plan_graph(
 
     ``inputs`` (default: the input recipe) are what a whole-graph search verifies and times on;
     a layer stack's regions always use the recipe."""
-    regions = split_regions(graph)
-    if options.dedup and len({r.key for r in regions}) < len(regions):
-        return _plan_regions(graph, options, backend, cache, progress)
+    segment_ops = (options.limits or Limits()).max_segment_ops
+    regions = split_regions(graph, segment_ops)
+    if len(graph.ops) > segment_ops or (options.dedup and len({r.key for r in regions}) < len(regions)):
+        return _plan_regions(graph, regions, options, backend, cache, progress)
     whole = whole_graph_region(graph)
     key = options.cache_key(whole, backend)
     if cache is not None:
         cached = cache.load(key, whole.graph, options.spec)
         if cached is not None:
-            full = compose_plan(graph, [rename_kernel(k, whole.renaming()) for k in cached.kernels], cached.key)
+            names = whole.renaming()
+            full = compose_plan(graph, [rename_kernel(k, names) for k in cached.kernels], cached.key)
             return Planned(graph, full, options, from_cache=True, cache_key=key)
     cands = build_candidates(graph, options.spec, rules=options.rules, limits=options.limits, cap=options.cap,
                              k=options.k, seed=options.seed)
@@ -137,18 +141,30 @@ def plan_graph(
     return Planned(graph, result.best, options, candidates=cands, search=result, cache_key=key)
 
 
-def _plan_regions(graph: Graph, options: PlanOptions, backend: Backend, cache: PlanCache | None,
-                  progress: Progress) -> Planned:
+#: the least budget a region's search gets: with the whole budget spent, a search still compares the cost
+#: model's favourite with the unfused baseline (the search always considers those two)
+MIN_REGION_BUDGET_S = 1e-3
+
+
+def _plan_regions(graph: Graph, regions: Sequence[Region], options: PlanOptions, backend: Backend,
+                  cache: PlanCache | None, progress: Progress) -> Planned:
     searches: dict[str, SearchResult] = {}
+    deadline = time.perf_counter() + options.search.time_budget_s
+    pending = len({r.key for r in regions}) if options.dedup else len(regions)
 
     def choose(cands: CandidateSet) -> Plan:
+        # --time-budget bounds the whole search: the regions still to search share what is left of it
+        # (regions answered by the cache are counted as pending too, so a share is never too large)
+        share = max(deadline - time.perf_counter(), 0.0) / max(pending - len(searches), 1)
+        opts = dataclasses.replace(options.search, time_budget_s=max(share, MIN_REGION_BUDGET_S))
         with progress() as (slog, tick):
-            result = search(cands, backend, options=options.search, log=slog, on_candidate=tick)
+            result = search(cands, backend, options=opts, log=slog, on_candidate=tick)
         searches[cands.graph.name] = result
         return result.best
 
     mp = plan_model(graph, options.spec, backend=options.cache_tag(backend), choose=choose, rules=options.rules,
-                    limits=options.limits, cache=cache, cap=options.cap, k=options.k, seed=options.seed)
+                    limits=options.limits, dedup=options.dedup, cache=cache, cap=options.cap, k=options.k,
+                    seed=options.seed, regions=regions)
     composite = measure_composite(mp, backend, options.search)
     return Planned(graph, mp.plan, options, model=mp, region_searches=searches, composite=composite)
 

@@ -75,11 +75,13 @@ def add_planning_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-nodes", type=int, default=d.max_nodes, help="e-graph size limit")
     g.add_argument("--time-limit", type=float, default=d.time_limit_s, help="saturation time limit (s)")
     g.add_argument("--max-region-ops", type=int, default=d.max_region_ops, help="ops in one fused kernel")
+    g.add_argument("--max-segment-ops", type=int, default=d.max_segment_ops,
+                   help="ops in one e-graph; a longer graph is planned in segments (docs/scaling.md)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
 def limits_from_args(args: argparse.Namespace) -> Limits:
-    for name in ("max_iterations", "max_nodes", "max_region_ops", "cap", "top"):
+    for name in ("max_iterations", "max_nodes", "max_region_ops", "max_segment_ops", "cap", "top"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     if not (math.isfinite(args.time_limit) and args.time_limit > 0):
@@ -89,6 +91,7 @@ def limits_from_args(args: argparse.Namespace) -> Limits:
         max_nodes=args.max_nodes,
         time_limit_s=args.time_limit,
         max_region_ops=args.max_region_ops,
+        max_segment_ops=args.max_segment_ops,
     )
 
 

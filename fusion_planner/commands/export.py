@@ -32,9 +32,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
 
     graph = graph_from_args(args)
+    limits = limits_from_args(args)
+    if len(graph.ops) > limits.max_segment_ops:
+        raise UsageError(f"{graph.name} has {len(graph.ops):,} ops, more than one e-graph holds (--max-segment-ops "
+                         f"{limits.max_segment_ops:,}); a bundle lists one e-graph's candidates: export a smaller graph")
     cands = build_candidates(
-        graph, args.device, rules=load_rules(args.rules), limits=limits_from_args(args), cap=args.cap, k=args.top,
-        seed=args.seed,
+        graph, args.device, rules=load_rules(args.rules), limits=limits, cap=args.cap, k=args.top, seed=args.seed,
     )
     if args.kernel_facts:
 

@@ -26,7 +26,7 @@ from fusion_planner.core.graph import Graph
 from fusion_planner.core.kinds import Verdict
 from fusion_planner.core.planfile import save_plan
 from fusion_planner.core.plans import Plan
-from fusion_planner.core.report import ledger_table
+from fusion_planner.core.report import TABLE_PARTS, count_text, ledger_table
 from fusion_planner.model.plancache import PlanCache
 from fusion_planner.model.stack import ModelPlan
 from fusion_planner.pipeline import Planned, PlanOptions, plan_graph
@@ -169,7 +169,7 @@ def _progress(force_log: bool) -> Iterator[tuple[SearchLog, Callable[[int, int],
 def print_result(result: SearchResult) -> None:
     scope = "enumerated" if result.enumerated else "sampled"
     print(
-        f"{result.graph} on {result.device}, backend {result.backend}: {result.space:,} candidate plans ({scope}); "
+        f"{result.graph} on {result.device}, backend {result.backend}: {count_text(result.space)} candidate plans ({scope}); "
         f"{len(result.timed)} timed, {len(result.rejected)} rejected in {result.elapsed_s:.2f}s ({result.stop})"
     )
     meas = {e.plan.key: e for e in result.entries}
@@ -191,7 +191,7 @@ def print_result(result: SearchResult) -> None:
         print(f"({untried:,} more candidates of the cost-model list were not tried; --json and results.json list them)")
     b = result.best_entry
     best_meas = fmt_us(b.meas_us) if b.meas_us is not None else f"not timed (backend {result.backend} only verifies)"
-    print(f"best: {b.plan.notation()} {b.plan.composition()}  est {fmt_us(b.est_us)}  meas {best_meas}")
+    print(f"best: {b.plan.notation(TABLE_PARTS)} {b.plan.composition()}  est {fmt_us(b.est_us)}  meas {best_meas}")
     if result.speedup_vs_unfused is not None:
         print(f"speedup vs unfused (one kernel per op): {result.speedup_vs_unfused:.2f}x")
     rho = "n/a" if result.spearman is None else f"{result.spearman:.2f}"
@@ -258,7 +258,7 @@ def report_regions(args: argparse.Namespace, planned: Planned, out_dir: Path | N
     assert mp is not None
     if args.json:
         emit_json(dict(mp.summary(), backend=args.backend, **meas, best=mp.plan.to_json(),
-                       regions=[region_json(u) for u in mp.unique.values()]))
+                       region_plans=[region_json(u) for u in mp.unique.values()]))
     else:
         print_regions(mp, args.backend, meas)
     if out_dir is not None:
@@ -287,14 +287,23 @@ def region_json(u) -> dict:
             "plan": u.plan.to_json()}
 
 
+#: distinct regions listed in the text report (a long graph's segments: --json lists all)
+TABLE_REGIONS = 24
+
+
 def print_regions(mp: ModelPlan, backend: str, meas: dict) -> None:
     s = mp.summary()
     print(f"{mp.graph.name} on {mp.spec.name}, backend {backend}: {s['ops']} ops in {s['regions']} regions, "
           f"{s['unique_regions']} unique ({s['cache_hits']} from the cache); planned in {s['times_s']['total']:.2f}s")
-    for u in mp.unique.values():
+    for note in mp.notes:
+        print(f"note: {note}")
+    shown = list(mp.unique.values())[:TABLE_REGIONS]
+    for u in shown:
         src = "cache" if u.cached else "searched"
         print(f"  region {u.key} x{u.instances} ({len(u.region.ops)} ops, {src}): {u.plan.composition()}  "
               f"est {fmt_us(u.plan.est_us)}")
+    if len(mp.unique) > len(shown):
+        print(f"  ... {len(mp.unique) - len(shown):,} more regions (--json lists them)")
     p = mp.plan
     checked = ("the whole plan verified against the reference" if meas["verified"] == "whole graph"
                else "each region's plan verified against the reference when it was searched")

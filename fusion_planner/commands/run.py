@@ -12,6 +12,7 @@ from fusion_planner.commands.common import add_graph_args, add_threads_arg, emit
 from fusion_planner.core.cost import load_device
 from fusion_planner.core.errors import UsageError
 from fusion_planner.core.planfile import PlanFileError, load_plan
+from fusion_planner.core.report import TABLE_PARTS
 from fusion_planner.core.tolerance import check_outputs
 from fusion_planner.search.searchlog import fmt_us
 
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(report)
         return 0
-    print(f"{graph.name}: plan {plan.notation()} [{plan.composition()}] on backend {args.backend}")
+    print(f"{graph.name}: plan {plan.notation(TABLE_PARTS)} [{plan.composition()}] on backend {args.backend}")
     print(f"verified against the reference: max_abs {max_abs:.3g}, max_rel {max_rel:.3g}")
     timing = fmt_us(meas) if meas is not None else f"not timed ({why_not})"
     print(f"est {fmt_us(plan.est_us)} | meas {timing}")

@@ -60,6 +60,13 @@ class Expr:
         return iter(order)
 
 
+def abbreviate(parts: list[str], sep: str, limit: int | None) -> str:
+    """``parts`` joined by ``sep``; past ``limit`` of them, the first ``limit`` and how many more."""
+    if limit is None or len(parts) <= limit:
+        return sep.join(parts)
+    return sep.join(parts[:limit]) + f"{sep}...{len(parts) - limit:,} more"
+
+
 @dataclass(frozen=True)
 class Kernel:
     kind: str  # one of KERNEL_KINDS
@@ -82,8 +89,9 @@ class Kernel:
             return f"cublaslt({self.epilogue})"
         return self.kind
 
-    def describe(self) -> str:
-        return f"{self.label}[{'+'.join(self.ops)}]"
+    def describe(self, limit: int | None = None) -> str:
+        """``label[op+op+...]``; with ``limit``, at most that many ops named (for tables of long kernels)."""
+        return f"{self.label}[{abbreviate(list(self.ops), '+', limit)}]"
 
 
 @dataclass(frozen=True)
@@ -115,10 +123,12 @@ class Plan:
     def flops(self) -> float:
         return sum(k.cost.flops for k in self.kernels)
 
-    def notation(self) -> str:
+    def notation(self, limit: int | None = None) -> str:
+        """The chain partition ``[2,3]`` or the kernels ``{...}``; with ``limit``, abbreviated past that many
+        parts (what a person reads; files and logs keep the whole)."""
         if self.partition is not None:
-            return "[" + ",".join(str(p) for p in self.partition) + "]"
-        return "{" + " ; ".join(k.describe() for k in self.kernels) + "}"
+            return "[" + abbreviate([str(p) for p in self.partition], ",", limit) + "]"
+        return "{" + abbreviate([k.describe(limit) for k in self.kernels], " ; ", limit) + "}"
 
     def composition(self) -> str:
         """Kernel composition, e.g. ``elementwise:2, cublaslt(GELU_BIAS):1``."""

@@ -64,8 +64,9 @@ def forced_stores(graph: Graph) -> set[str]:
     return forced
 
 
-def boundaries(graph: Graph) -> list[int]:
-    """Indices into ``graph.ops`` after which the graph is cut."""
+def boundaries(graph: Graph, max_ops: int | None = None) -> list[int]:
+    """Indices into ``graph.ops`` after which the graph is cut: at forced stores, and where a piece
+    would hold more than ``max_ops`` ops, at the cheapest point of its second half (see ``_size_cuts``)."""
     ops = graph.ops
     pos = {n.id: i for i, n in enumerate(ops)}
     last_use: dict[str, int] = {}
@@ -84,12 +85,43 @@ def boundaries(graph: Graph) -> list[int]:
         live -= {x for x in n.inputs if last_use.get(x) == i}
         if live == {n.id} and n.id in forced and i < len(ops) - 1:
             cuts.append(i)
-    return cuts
+    return cuts if max_ops is None or len(ops) <= max_ops else _size_cuts(graph, cuts, forced, max_ops)
 
 
-def split_regions(graph: Graph) -> list[Region]:
+def _size_cuts(graph: Graph, cuts: list[int], forced: set[str], max_ops: int) -> list[int]:
+    """``cuts`` plus cuts that keep every piece within ``max_ops`` ops (the segment limit: one e-graph
+    and one extraction stay bounded however long the graph is).  A cut stores every value live across
+    it; those stored anyway cost nothing, so each cut goes where the fewest other bytes are live, the
+    latest such point of the piece's second half (a chain: anywhere, one value; a fan-out of graph
+    outputs: anywhere, nothing).  Kernels do not span a cut."""
     ops = graph.ops
-    cuts = boundaries(graph)
+    pos = {n.id: i for i, n in enumerate(ops)}
+    last_use: dict[str, int] = {}
+    for i, n in enumerate(ops):
+        for x in n.inputs:
+            if x in pos:
+                last_use[x] = i
+    extra = [0] * (len(ops) + 1)  # bytes a cut after op i stores that no plan stores otherwise
+    for v, u in last_use.items():
+        if v not in forced and u > pos[v]:
+            extra[pos[v]] += graph[v].type.nbytes
+            extra[u] -= graph[v].type.nbytes
+    for i in range(1, len(ops)):
+        extra[i] += extra[i - 1]
+    out = list(cuts)
+    for start, end in zip([0] + [c + 1 for c in cuts], [c + 1 for c in cuts] + [len(ops)], strict=True):
+        while end - start > max_ops:
+            latest_first = range(start + max_ops - 1, start + max(1, max_ops // 2) - 2, -1)
+            cut = min(latest_first, key=extra.__getitem__)
+            out.append(cut)
+            start = cut + 1
+    return sorted(out)
+
+
+def split_regions(graph: Graph, max_ops: int | None = None) -> list[Region]:
+    """The graph's regions, in order; with ``max_ops``, none longer than that where a cut exists."""
+    ops = graph.ops
+    cuts = boundaries(graph, max_ops)
     starts = [0] + [c + 1 for c in cuts]
     ends = [c + 1 for c in cuts] + [len(ops)]
     produced_after: dict[str, int] = {}
@@ -102,11 +134,12 @@ def split_regions(graph: Graph) -> list[Region]:
             for x in n.inputs:
                 used_later[x] = max(used_later.get(x, -1), r)
     regions = []
+    graph_outputs = set(graph.outputs)
     for r, (s, e) in enumerate(zip(starts, ends, strict=True)):
         members = ops[s:e]
         inside = {n.id for n in members}
         outputs = tuple(
-            n.id for n in members if used_later.get(n.id, -1) > r or n.id in graph.outputs
+            n.id for n in members if used_later.get(n.id, -1) > r or n.id in graph_outputs
         )
         regions.append(_canonical(graph, r, members, inside, outputs))
     return regions
@@ -119,11 +152,11 @@ def whole_graph_region(graph: Graph) -> Region:
 
 
 def _canonical(graph: Graph, index: int, members: list, inside: set[str], outputs: tuple[str, ...]) -> Region:
-    inputs: list[str] = []
+    inputs: dict[str, None] = {}  # ordered by first use
     for n in members:
         for x in n.inputs:
-            if x not in inside and x not in inputs:
-                inputs.append(x)
+            if x not in inside:
+                inputs.setdefault(x)
     local = {g: f"i{j}" for j, g in enumerate(inputs)}
     local.update({n.id: f"n{j}" for j, n in enumerate(members)})
     b = GraphBuilder(f"{graph.name}.r{index}")

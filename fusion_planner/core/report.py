@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
-from fusion_planner.core.plans import Plan
+from fusion_planner.core.plans import Plan, abbreviate
+
+#: what a table row names at most: kernels of a plan, ops of a kernel, parts of a chain partition
+TABLE_KERNELS, TABLE_OPS, TABLE_PARTS = 24, 32, 24
+
+
+def count_text(n: int) -> str:
+    """A count as a person reads it: ``1,234`` or, past fifteen digits, ``~7.1e44``."""
+    if n < 10**15:
+        return f"{n:,}"
+    shift = max(0, n.bit_length() - 60)
+    log10 = math.log10(n >> shift) + shift * math.log10(2)
+    exp = math.floor(log10)
+    return f"~{10 ** (log10 - exp):.1f}e{exp}"
 
 
 def _kernels(p: Plan) -> str:
-    return " | ".join(k.describe() for k in p.kernels)
+    return abbreviate([k.describe(TABLE_OPS) for k in p.kernels], " | ", TABLE_KERNELS)
 
 
 def ledger_table(
@@ -23,7 +37,7 @@ def ledger_table(
         rows.append(
             [
                 "*" if p.key == best_key else "",
-                p.notation() if p.partition is not None else f"#{len(p.kernels)}k",
+                p.notation(TABLE_PARTS) if p.partition is not None else f"#{len(p.kernels)}k",
                 f"{p.bytes:,}",
                 str(p.launches),
                 str(p.reg_peak),

@@ -93,7 +93,8 @@ def _region_seed(graph: Graph, ex: Extractor, spec: DeviceSpec, rules, limits) -
         return []
     kernels = []
     for r in regions:
-        kernels += [rename_kernel(kk, r.renaming()) for kk in _region_best(r, spec, tuple(rules), limits).kernels]
+        names = r.renaming()
+        kernels += [rename_kernel(kk, names) for kk in _region_best(r, spec, tuple(rules), limits).kernels]
     choice = ex.choice_from_kernels(kernels)
     return [ex.improve(choice)] if choice is not None else []
 

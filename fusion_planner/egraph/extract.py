@@ -16,6 +16,7 @@ recomputed (and costed) in each.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import itertools
 import json
@@ -242,7 +243,7 @@ class Extractor:
     _bytes: dict[str, int] = field(default_factory=dict)
     _counts: dict[str, int] | None = None
     _by_sig: dict[str, Option] | None = None
-    _weights: dict[str, list[int]] | None = None  # per option: the plans below it (sampling)
+    _weights: dict[str, list[int]] | None = None  # per class: running sums of the plans below each option
     _names: dict[str, str] = field(default_factory=dict)
     _kernels: dict[Option, Kernel] = field(default_factory=dict)  # built kernels, by option
     _unfused: dict[str, Option] | None = None
@@ -632,7 +633,8 @@ class Extractor:
             count = self._local_counts()
             shared = self._shared()
             self._weights = {
-                c: [_prod(count[x] for x in o.leaves if x in count and x not in shared) for o in opts]
+                c: list(itertools.accumulate(_prod(count[x] for x in o.leaves if x in count and x not in shared)
+                                             for o in opts))
                 for c, opts in self.options.items()
             }
         weights = self._weights
@@ -729,11 +731,6 @@ def _prod(xs: Iterator[int] | Sequence[int] | Any) -> int:
     return out
 
 
-def _weighted_index(rng: random.Random, weights: list[int]) -> int:
-    total = sum(weights)
-    r = rng.randrange(total)
-    for i, w in enumerate(weights):
-        if r < w:
-            return i
-        r -= w
-    return len(weights) - 1
+def _weighted_index(rng: random.Random, cumulative: list[int]) -> int:
+    """An index drawn with probability proportional to its weight, from the running sums of the weights."""
+    return min(bisect.bisect_right(cumulative, rng.randrange(cumulative[-1])), len(cumulative) - 1)

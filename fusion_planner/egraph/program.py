@@ -129,6 +129,7 @@ class Limits:
     time_limit_s: float = 10.0
     max_region_ops: int = 64  # ops in one fused kernel (enforced by the extractor)
     max_bodies_per_root: int = 512  # kernel bodies considered per stored value
+    max_segment_ops: int = 1024  # ops in one e-graph: a longer graph is planned in segments (core.regions)
 
 
 @dataclass

@@ -297,7 +297,7 @@ class _Run:
             self._reject(entry, reason)
             return
         bound = math.inf if baseline or self.best is None else self.best.meas_us * self.opts.early_stop  # type: ignore[operator]
-        stop_if = _stopper(bound, deadline=self.t0 + self.opts.time_budget_s)
+        stop_if = _Stopper(bound, deadline=self.t0 + self.opts.time_budget_s)
         entry.verified = True
         try:
             timing = compiled.time(self.inputs, warmup=self.opts.warmup, repeats=self.opts.repeats, stop_if=stop_if)
@@ -309,7 +309,7 @@ class _Run:
             raise RuntimeError("backend returned no timing samples")
         entry.samples_us = list(timing.samples_us)
         entry.meas_us = timing.median_us
-        entry.stopped_early = timing.stopped_early
+        entry.stopped_early = timing.stopped_early and stop_if.by_bound
         entry.verdict = Verdict.TIMED
         self._record(entry)
 
@@ -476,7 +476,9 @@ def search(
         for plan in cands.plans:
             if plan.key in run.seen:
                 continue
-            if not run.budget_left():
+            # the cost model's favourite is always compared with the baseline, however short the budget
+            # (a long graph's segments share one budget: the last may find it spent)
+            if run.tried and not run.budget_left():
                 break
             run.consider(plan, cands.choices.get(plan.key), "model order")
         else:
@@ -549,19 +551,21 @@ FINALISTS = 3
 INTERRUPTED = "interrupted (Ctrl-C)"
 
 
-def _stopper(bound: float, deadline: float = math.inf) -> Callable[[float], bool]:
-    """``stop_if`` for CompiledPlan.time: the running median above ``bound`` after enough samples, or
-    the search's time budget spent (so a huge ``--repeats`` still obeys ``--time-budget``)."""
-    calls = 0
+class _Stopper:
+    """``stop_if`` for CompiledPlan.time: after :data:`MIN_SAMPLES_BEFORE_STOP` samples, stop when the
+    running median is above ``bound`` (``by_bound``: the candidate is slower) or the search's time budget
+    is spent (so a huge ``--repeats`` still obeys ``--time-budget``, and a candidate timed at the end of
+    the budget still has a median of its own)."""
 
-    def stop_if(median_us: float) -> bool:
-        nonlocal calls
-        calls += 1
-        if time.perf_counter() > deadline:
-            return True
-        return calls >= MIN_SAMPLES_BEFORE_STOP and median_us > bound
+    def __init__(self, bound: float, deadline: float = math.inf) -> None:
+        self.bound, self.deadline, self.calls, self.by_bound = bound, deadline, 0, False
 
-    return stop_if
+    def __call__(self, median_us: float) -> bool:
+        self.calls += 1
+        if self.calls < MIN_SAMPLES_BEFORE_STOP:
+            return False
+        self.by_bound = median_us > self.bound
+        return self.by_bound or time.perf_counter() > self.deadline
 
 
 def _one_line(exc: BaseException) -> str:

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 
 from fusion_planner.core.plans import Plan
+from fusion_planner.core.report import count_text
 
 _TRUE = ("1", "true", "yes", "on")
 
@@ -61,7 +62,7 @@ class SearchLog:
     # -- events
     def header(self, graph: str, space: int, enumerated: bool, backend: str, device: str) -> None:
         scope = "enumerated" if enumerated else "sampled"
-        self.emit(f"Search {graph} | space {space:,} plans ({scope}) | backend {backend} | device {device}")
+        self.emit(f"Search {graph} | space {count_text(space)} plans ({scope}) | backend {backend} | device {device}")
 
     # ``origin`` names where a candidate came from when it is not the cost-model list
     # (e.g. "mutant: swap-impl mm: ..." or "sample"); it ends the line

@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+from _graphs import long_chain
 from testpaths import ROOT
 
 from fusion_planner.backends.reference import execute_graph, execute_plan, random_inputs
@@ -257,3 +258,42 @@ def test_a_cache_others_may_write_to_is_not_read(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         assert plan_model(g, "h200", cache=PlanCache(root)).cache_hits == 0
     assert "others may write to it" in caplog.text
+
+
+def test_a_graph_past_the_segment_limit_is_planned_in_segments(caplog):
+    g = long_chain(300)
+    mp = plan_model(g, "h200", limits=Limits(max_segment_ops=64))
+    assert len(mp.regions) >= 5 and all(len(r.ops) <= 64 for r in mp.regions)
+    assert mp.notes and "max_segment_ops=64" in mp.notes[0] and "no kernel spans a cut" in mp.notes[0]
+    x = random_inputs(g, 0)
+    np.testing.assert_allclose(execute_plan(mp.plan, x)[0], execute_graph(g, x)[0], rtol=1e-5, atol=1e-6)
+    assert len(mp.plan.kernels) < len(mp.unfused.kernels) == 300
+    assert all(len(k.ops) <= 64 for k in mp.plan.kernels)
+    # --no-dedup searches each segment on its own: none shares another's plan
+    whole = plan_model(g, "h200", limits=Limits(max_segment_ops=64), dedup=False)
+    assert not whole.dedup and len(whole.unique) == len(whole.regions) and whole.notes
+    assert plan_model(g, "h200", limits=Limits(max_segment_ops=300)).notes == []
+
+
+def test_segments_share_the_time_budget(monkeypatch):
+    import fusion_planner.pipeline as pipeline
+    from fusion_planner.backends.reference_backend import ReferenceBackend
+    from fusion_planner.core.cost import load_device
+    from fusion_planner.rules.load import load_rules
+    from fusion_planner.search.engine import SearchOptions
+
+    budgets = []
+    real = pipeline.search
+
+    def spy(cands, backend, inputs=None, *, options, **kw):
+        budgets.append(options.time_budget_s)
+        return real(cands, backend, inputs, options=options, **kw)
+
+    monkeypatch.setattr(pipeline, "search", spy)
+    spec = load_device("h200")
+    opts = pipeline.PlanOptions("reference", spec, load_rules(), Limits(max_segment_ops=64),
+                                search=SearchOptions(time_budget_s=5.0))
+    planned = pipeline.plan_graph(long_chain(300), opts, ReferenceBackend(spec), cache=None)
+    assert planned.model is not None and len(budgets) == len(planned.model.unique) >= 5
+    # the first of five searches gets a fifth; each later one what is left over those still to search
+    assert budgets[0] <= 5.0 / len(budgets) and all(b <= 5.0 for b in budgets)
