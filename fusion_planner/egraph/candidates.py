@@ -8,13 +8,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from fusion_planner.backends.reference import execute_graph, execute_plan, random_inputs
 from fusion_planner.core.cost import DeviceSpec, load_device
+from fusion_planner.core.examples import ew_chain, mlp_epilogue, transformer
 from fusion_planner.core.graph import Graph
 from fusion_planner.core.plans import Plan, rename_kernel
 from fusion_planner.core.regions import Region, split_regions
-from fusion_planner.egraph.extract import Extractor, Option, view_egraph
+from fusion_planner.core.tolerance import check_outputs
+from fusion_planner.egraph.extract import ExtractionError, Extractor, Option, view_egraph
 from fusion_planner.egraph.program import Limits, saturate
-from fusion_planner.rules.files import RuleFile
+from fusion_planner.rules.files import RuleFile, RuleFileError
 from fusion_planner.rules.load import load_rules
 
 log = logging.getLogger(__name__)
@@ -121,6 +124,21 @@ def build_candidates(
     spec = device if isinstance(device, DeviceSpec) else load_device(device)
     limits = limits or Limits()
     rules = load_rules() if rules is None else list(rules)
+    user = [rf.path for rf in rules if not rf.shipped]
+    try:
+        return _build(graph, spec, rules, limits, cap, k, seed, keep_all)
+    except ExtractionError as exc:
+        if not user:
+            raise
+        raise RuleFileError(f"{', '.join(user)}: with these rules {graph.name} has no valid plan: {exc}") from None
+    except BaseException as exc:  # egglog panics raise pyo3's PanicException, a BaseException
+        if not user or type(exc).__name__ != "PanicException":
+            raise
+        raise RuleFileError(f"{', '.join(user)}: egglog failed running these rules on {graph.name}: {exc}") from None
+
+
+def _build(graph: Graph, spec: DeviceSpec, rules: list[RuleFile], limits: Limits, cap: int, k: int, seed: int,
+           keep_all: bool) -> CandidateSet:
     sat = saturate(graph, rules, limits)
     t0 = time.perf_counter()
     ex = Extractor(graph, view_egraph(sat.serialized, graph), spec, limits.max_region_ops, limits.max_bodies_per_root)
@@ -165,3 +183,19 @@ def build_candidates(
         choices={p.key: by_key[p.key] for p in plans if p.key in by_key},
         notes=notes,
     )
+
+
+def planner_problem(rule_file: RuleFile) -> str | None:
+    """Why the planner fails with this (sound) rule file on the small built-in graphs, or None: the rule
+    checker runs every file it passes through the planner, so that what it calls sound cannot crash a plan."""
+    rules = [*load_rules(), rule_file]
+    for graph in (ew_chain(3, 64), mlp_epilogue(16, 16, 16, "fp32"), transformer(1, 32, 8, "fp32")):
+        try:
+            cands = build_candidates(graph, "h200", rules=rules, cap=64, k=2)
+            x = random_inputs(graph, 0)
+            problem, _, _ = check_outputs(cands.best, execute_plan(cands.best, x), execute_graph(graph, x))
+        except Exception as exc:
+            return f"planning {graph.name} with it fails: {type(exc).__name__}: {exc}"
+        if problem:
+            return f"the plan of {graph.name} chosen with it does not match the reference: {problem}"
+    return None

@@ -21,7 +21,7 @@ from egglog import bindings
 from fusion_planner.core.graph import Graph, Node
 from fusion_planner.core.kinds import OpKind
 from fusion_planner.core.ops import OPS
-from fusion_planner.rules.files import RuleFile, RuleFileError
+from fusion_planner.rules.files import RuleFile, RuleFileError, programs
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,8 @@ def saturate(graph: Graph, rules: Sequence[RuleFile], limits: Limits) -> Saturat
     eg.run_program(*eg.parse_program(prelude()))
     for rf in rules:
         try:
-            eg.run_program(*eg.parse_program(rf.text))
+            for text in programs(rf.text, rf.path):
+                eg.run_program(*eg.parse_program(text))
         except Exception as exc:
             raise RuleFileError(f"{rf.path}: egglog rejected the rules: {str(exc).strip()}") from None
     user_sets = _user_rulesets(rules)

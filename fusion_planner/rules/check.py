@@ -48,7 +48,7 @@ from hypothesis.reporting import with_reporter
 from fusion_planner.core.kinds import OpKind
 from fusion_planner.core.ops import CUBLASLT_EPILOGUES, OPS, OpError, epilogue_has_bias, numpy_dtype, round_to
 from fusion_planner.core.tolerance import allclose_report
-from fusion_planner.rules.files import RuleFileError, parse_rule_text, shipped_rules
+from fusion_planner.rules.files import RuleFileError, parse_rule_forms, read_rule_file, shipped_rules
 
 log = logging.getLogger(__name__)
 
@@ -195,22 +195,21 @@ _APPROX_RE = re.compile(r"approx\w*\s*:\s*abs\s*=?\s*([0-9.eE+-]+)(?:[\s,;]+rel\
 
 def rules_of(path: str, text: str, *, shipped: bool) -> list[RuleSpec]:
     """Parse a rule file with egglog's parser (refusing forbidden commands) into rules."""
-    cmds = parse_rule_text(text, path, shipped=shipped)
-    data = text.encode()
     lines = text.splitlines()
     out = []
-    for cmd in cmds:
+    for line, cmd in parse_rule_forms(text, path, shipped=shipped):
         kind = type(cmd).__name__
         if kind not in ("RewriteCommand", "BiRewriteCommand", "RuleCommand"):
             continue
         node = cmd.rule if kind == "RuleCommand" else cmd.rewrite
-        line = data.count(b"\n", 0, node.span.i) + 1
         comment = _comment_above(lines, line)
         m = _APPROX_RE.search(comment)
         approx = Approx(float(m.group(1)), float(m.group(2) or 0.0)) if m else None
         text_1 = re.sub(r"\s+\)", ")", " ".join(str(cmd).split()))
         base: dict[str, Any] = {"path": path, "line": line, "text": text_1, "comment": comment, "approx": approx}
         try:
+            if not shipped:
+                _refuse_removals(cmd, kind)
             if kind == "RuleCommand":
                 out.append(_from_rule(node, base))
             else:
@@ -219,6 +218,22 @@ def rules_of(path: str, text: str, *, shipped: bool) -> list[RuleSpec]:
             short = {"RewriteCommand": "rewrite", "BiRewriteCommand": "birewrite"}.get(kind, "rule")
             out.append(RuleSpec(kind=short, bindings=(), conditions=(), obligations=(), problem=str(exc), **base))
     return out
+
+
+def _refuse_removals(cmd: Any, kind: str) -> None:
+    """What a user rule may not do, however sound: remove a form (``delete``, ``subsume``: it may be the
+    unfused form every plan falls back on, or a graph input), or fire with no query (its terms are not the
+    graph's)."""
+    if kind == "RuleCommand":
+        if not cmd.rule.body:
+            raise _Unsupported("a rule with no query: it adds terms that are not the graph's (a user rule "
+                               "must match something)")
+        if any(type(a).__name__ == "Change" for a in cmd.rule.head):
+            raise _Unsupported("delete or subsume in a user rule: removing a form can remove the unfused "
+                               "form every plan falls back on, or a graph input (user rules may only add)")
+    elif getattr(cmd, "subsume", False):
+        raise _Unsupported(":subsume in a user rewrite: it removes the matched form, which can be the unfused "
+                           "form every plan falls back on (user rules may only add)")
 
 
 def _comment_above(lines: Sequence[str], line: int) -> str:
@@ -916,14 +931,7 @@ def check_files(
         files = [(rf.path if rf.path.startswith("generated:") else f"fusion_planner/rules/shipped/{Path(rf.path).name}", rf.text, True)
                  for rf in shipped_rules()]
     else:
-        files = []
-        for p in paths:
-            try:
-                files.append((str(p), Path(p).read_text(), False))
-            except OSError as exc:
-                raise RuleFileError(f"{p}: cannot read rule file: {exc.strerror}") from None
-            except UnicodeDecodeError as exc:
-                raise RuleFileError(f"{p}: rule file is not UTF-8 text (byte {exc.start})") from None
+        files = [(str(p), read_rule_file(p), False) for p in paths]
     out: list[RuleResult] = []
     for path, text, shipped in files:
         out += check_text(text, path, shipped=shipped, examples=examples, seed=seed)

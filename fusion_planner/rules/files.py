@@ -44,32 +44,103 @@ _USER_ALLOWED = {"RewriteCommand", "BiRewriteCommand", "RuleCommand", "AddRulese
 _SHIPPED_ALLOWED = _USER_ALLOWED | {"Datatype", "Datatypes", "Constructor", "Relation", "Sort", "FunctionCommand"}
 
 
+#: nesting depth of a rule file's terms (egglog's parser recurses: a term 20,000 deep crashed the process)
+MAX_RULE_DEPTH = 64
+#: rules in one user rule file (each is checked sound before use; egglog parses a long program in time
+#: and memory that grow with the square of its length: 2,000 one-line rules took 2.3 GB)
+MAX_USER_RULES = 1000
+#: top-level commands parsed and run together (one egglog program per run keeps both linear)
+FORMS_PER_PROGRAM = 32
+
+_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"|;[^\n]*|[()]|[^\s()";]+')
+
+
+@dataclass(frozen=True)
+class Form:
+    line: int  # where the command opens
+    text: str
+
+
+def split_forms(text: str, path: str) -> list[Form]:
+    """The top-level commands of a rule file, refusing unbalanced parentheses and terms nested deeper than
+    ``MAX_RULE_DEPTH``, before egglog's parser sees them."""
+    forms: list[Form] = []
+    depth, start, line, start_line = 0, -1, 1, 1
+    pos = 0
+    for m in _TOKEN.finditer(text):
+        line += text.count("\n", pos, m.start())
+        pos = m.start()
+        tok = m.group()
+        if tok.startswith(";"):
+            continue
+        if tok == "(":
+            if depth == 0:
+                start, start_line = m.start(), line
+            depth += 1
+            if depth > MAX_RULE_DEPTH:
+                raise RuleFileError(f"{path}:{line}: terms nest deeper than {MAX_RULE_DEPTH} levels, the limit for a rule file")
+        elif tok == ")":
+            depth -= 1
+            if depth < 0:
+                raise RuleFileError(f"{path}:{line}: a ')' closes nothing")
+            if depth == 0:
+                forms.append(Form(start_line, text[start : m.end()]))
+        elif depth == 0:
+            forms.append(Form(line, tok))  # a stray atom: egglog's parser names the problem
+    if depth:
+        raise RuleFileError(f"{path}:{start_line}: a '(' is never closed")
+    return forms
+
+
 def parse_rule_text(text: str, path: str, *, shipped: bool) -> list[Any]:
     """Parse with egglog's own parser; refuse commands a rule file may not hold."""
+    return [cmd for _, cmd in parse_rule_forms(text, path, shipped=shipped)]
 
-    try:
-        cmds = bindings.EGraph().parse_program(text)
-    except Exception as exc:  # egglog raises EggSmolError
-        msg = " ".join(str(exc).split())
-        m = re.search(r"In (\d+):(\d+)", msg)
-        where = f"{path}:{m.group(1)}" if m else path
-        raise RuleFileError(f"{where}: does not parse: {msg}") from None
-    allowed = _SHIPPED_ALLOWED if shipped else _USER_ALLOWED
-    for cmd in cmds:
-        name = type(cmd).__name__
-        if name not in allowed:
-            line, keyword = _where(text, cmd)
-            raise RuleFileError(
-                f"{path}:{line}: a {'shipped' if shipped else 'user'} rule file may hold only "
-                f"rewrite, birewrite, rule and ruleset commands; found ({keyword} …)"
-            )
-        if not shipped and _ruleset_of(cmd) in PLANNER_RULESETS:
-            line, _ = _where(text, cmd)
-            raise RuleFileError(
-                f"{path}:{line}: ruleset {_ruleset_of(cmd)!r} is the planner's own; user rules run in rulesets "
-                f"of their own (or the default one), under the saturation limits (closed: {', '.join(PLANNER_RULESETS)})"
-            )
+
+def parse_rule_forms(text: str, path: str, *, shipped: bool) -> list[tuple[int, Any]]:
+    """(line, egglog command) of each command of a rule file, parsed one program of a few commands at a time
+    (see ``FORMS_PER_PROGRAM``); refuses commands a rule file may not hold, too deep terms and, in a user
+    file, more than ``MAX_USER_RULES`` rules."""
+    forms = split_forms(text, path)
+    if not shipped:
+        n = sum(1 for f in forms if re.match(r"\(\s*(?:rewrite|birewrite|rule)\b", f.text))
+        if n > MAX_USER_RULES:
+            raise RuleFileError(f"{path}: {n:,} rules; a user rule file holds at most {MAX_USER_RULES:,}")
+    cmds: list[tuple[int, Any]] = []
+    parser = bindings.EGraph()
+    for form in forms:
+        try:
+            parsed = parser.parse_program(form.text)
+        except Exception as exc:  # egglog raises EggSmolError
+            msg = " ".join(str(exc).split())
+            m = re.search(r"In (\d+):(\d+)", msg)
+            where = f"{path}:{form.line + int(m.group(1)) - 1}" if m else f"{path}:{form.line}"
+            raise RuleFileError(f"{where}: does not parse: {msg}") from None
+        m = re.match(r"\(\s*([^\s()]+)", form.text)
+        for cmd in parsed:
+            _refuse_forbidden(cmd, form.line, m.group(1) if m else form.text[:20], path, shipped)
+            cmds.append((form.line, cmd))
     return cmds
+
+
+def programs(text: str, path: str) -> list[str]:
+    """A rule file's text as a few programs of ``FORMS_PER_PROGRAM`` commands each, for egglog to run."""
+    forms = [f.text for f in split_forms(text, path)]
+    return ["\n".join(forms[i : i + FORMS_PER_PROGRAM]) for i in range(0, len(forms), FORMS_PER_PROGRAM)]
+
+
+def _refuse_forbidden(cmd: Any, line: int, keyword: str, path: str, shipped: bool) -> None:
+    allowed = _SHIPPED_ALLOWED if shipped else _USER_ALLOWED
+    if type(cmd).__name__ not in allowed:
+        raise RuleFileError(
+            f"{path}:{line}: a {'shipped' if shipped else 'user'} rule file may hold only "
+            f"rewrite, birewrite, rule and ruleset commands; found ({keyword} …)"
+        )
+    if not shipped and _ruleset_of(cmd) in PLANNER_RULESETS:
+        raise RuleFileError(
+            f"{path}:{line}: ruleset {_ruleset_of(cmd)!r} is the planner's own; user rules run in rulesets "
+            f"of their own (or the default one), under the saturation limits (closed: {', '.join(PLANNER_RULESETS)})"
+        )
 
 
 def _ruleset_of(cmd: Any) -> str | None:
@@ -80,22 +151,6 @@ def _ruleset_of(cmd: Any) -> str | None:
     if kind == "RuleCommand":
         return str(cmd.rule.ruleset)
     return None
-
-
-def _where(text: str, cmd: Any) -> tuple[int, str]:
-    """Line and keyword of a parsed command, from egglog's source span where it has one."""
-    span = getattr(cmd, "span", None)
-    for attr in ("schedule", "rule", "rewrite"):
-        span = span or getattr(getattr(cmd, attr, None), "span", None)
-    data = text.encode()
-    if span is not None:
-        m = re.match(rb"\(\s*([^\s()]+)", data[span.i :])
-        return data.count(b"\n", 0, span.i) + 1, m.group(1).decode() if m else str(cmd).split()[0].lstrip("(")
-    head = str(cmd).split()[0].lstrip("(") if str(cmd).split() else str(cmd)
-    for i, line in enumerate(text.splitlines(), 1):  # spanless commands (push): first line opening with it
-        if re.match(rf"\s*\(\s*{re.escape(head)}\b", line):
-            return i, head
-    return 1, head
 
 
 def shipped_rules() -> list[RuleFile]:
