@@ -173,9 +173,15 @@ def saturate(graph: Graph, rules: Sequence[RuleFile], limits: Limits) -> Saturat
         if not rulesets:
             continue
         iters = 0
+        plain = eg.parse_program(" ".join(f"(run-schedule (run {r}))" for r in rulesets))
         while True:
             eg.run_program(*analysis)
-            updated, size, held = budget.iteration(eg, rulesets, size)
+            if stage == "user":
+                updated, size, held = budget.iteration(eg, rulesets, size)
+            else:  # the shipped rules grow the e-graph linearly in the graph: whole iterations, checked between
+                out = eg.run_program(*plain)
+                updated = any(o.report.updated for o in out if isinstance(o, bindings.RunScheduleOutput))
+                size, held = _size(eg), {}
             iters += 1
             if held:
                 limit_hit = (f"node limit ({limits.max_nodes}) in stage {stage}: {len(held)} rule(s) with more "
@@ -214,7 +220,7 @@ MAX_RETRIES = 4
 
 @dataclass
 class _NodeBudget:
-    """Keeps each saturation iteration within about ``NODE_OVERSHOOT`` x ``max_nodes``.
+    """Keeps each iteration of the user rules within about ``NODE_OVERSHOOT`` x ``max_nodes``.
 
     egglog applies an iteration's matches all at once, so the limit is enforced by the match limit of its
     back-off scheduler (a rule with more matches than the limit applies none of them): every rule may apply

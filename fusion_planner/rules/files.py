@@ -7,6 +7,7 @@ commands; :mod:`fusion_planner.rules.load` also checks them sound before use.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,10 +124,11 @@ def parse_rule_forms(text: str, path: str, *, shipped: bool) -> list[tuple[int, 
     return cmds
 
 
-def programs(text: str, path: str) -> list[str]:
+@functools.lru_cache(maxsize=64)
+def programs(text: str, path: str) -> tuple[str, ...]:
     """A rule file's text as a few programs of ``FORMS_PER_PROGRAM`` commands each, for egglog to run."""
     forms = [f.text for f in split_forms(text, path)]
-    return ["\n".join(forms[i : i + FORMS_PER_PROGRAM]) for i in range(0, len(forms), FORMS_PER_PROGRAM)]
+    return tuple("\n".join(forms[i : i + FORMS_PER_PROGRAM]) for i in range(0, len(forms), FORMS_PER_PROGRAM))
 
 
 def _refuse_forbidden(cmd: Any, line: int, keyword: str, path: str, shipped: bool) -> None:
