@@ -8,6 +8,7 @@ is one composite plan over the whole graph.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from fusion_planner.core.cost import DeviceSpec, load_device
 from fusion_planner.core.graph import Graph
 from fusion_planner.core.plans import Kernel, Plan, compose_plan, rename_kernel
-from fusion_planner.core.regions import Region, split_regions
+from fusion_planner.core.regions import Region, boundaries, split_regions
 from fusion_planner.egraph.candidates import CandidateSet, build_candidates
 from fusion_planner.egraph.program import Limits
 from fusion_planner.model.plancache import PlanCache
@@ -74,11 +75,12 @@ class ModelPlan:
     def cache_hits(self) -> int:
         return sum(1 for u in self.unique.values() if u.cached)
 
-    @property
+    @functools.cached_property
     def notes(self) -> list[str]:
-        """What the limits changed: a graph longer than one e-graph may hold is cut into segments."""
+        """What the limits changed: a graph longer than one e-graph may hold is cut into segments (where its
+        forced stores alone leave a piece longer than the limit)."""
         ops, limit = len(self.graph.ops), (self.limits or Limits()).max_segment_ops
-        if ops <= limit:
+        if ops <= limit or (self.dedup and boundaries(self.graph, limit) == boundaries(self.graph)):
             return []
         return [f"{ops:,} ops exceed the segment limit (max_segment_ops={limit:,}, --max-segment-ops): planned in "
                 f"{len(self.regions):,} regions of at most {limit:,} ops where a cut exists; no kernel spans a cut"]
