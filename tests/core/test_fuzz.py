@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -278,3 +280,67 @@ def test_a_body_whose_recorded_shape_its_operands_do_not_give_is_refused():
     doc["sha256"] = content_hash(doc)
     with pytest.raises(PlanFileError, match="sig.json"):
         plan_from_document(doc, "sig.json")
+
+
+CLI_CHILD = r"""
+import contextlib, io, json, os, resource, signal, sys, tempfile
+cap, timeout = int(sys.argv[1]), int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+from fusion_planner.cli import main
+
+class Hang(Exception):
+    pass
+
+def alarm(*_):
+    raise Hang()
+
+signal.signal(signal.SIGALRM, alarm)
+results = []
+folder = tempfile.mkdtemp()
+for i, doc in enumerate(json.load(open(sys.argv[3]))):
+    path = os.path.join(folder, f"case{i}.json")
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    for cmd in (["explain", "--graph", path],
+                ["plan", "--graph", path, "--backend", "reference", "--no-cache", "--max-candidates", "2"]):
+        err = io.StringIO()
+        signal.alarm(timeout)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+                rc = main(cmd)
+        except Hang:
+            rc = "hang"
+        except SystemExit as exc:
+            rc = exc.code
+        except BaseException as exc:
+            rc = f"{type(exc).__name__}: {exc}"[:300]
+        finally:
+            signal.alarm(0)
+        if "Traceback" in err.getvalue():
+            rc = "traceback: " + err.getvalue()[-300:]
+        results.append([i, cmd[0], rc])
+print(json.dumps(results))
+"""
+
+
+def test_mutated_graphs_through_the_cli_end_in_0_1_or_2_without_hang_under_a_memory_cap(tmp_path):
+    """Each case as a user runs it (explain, then plan on the reference backend), in one child process
+    under an address-space cap, with a per-case alarm: exit 0, 1 or 2, never a traceback or a hang."""
+    cases: list[dict] = []
+
+    @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
+              database=None)
+    @given(mutated())
+    def collect(doc):
+        cases.append(doc)
+
+    collect()
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    cap, per_case = 6 * 2**30, 60
+    done = subprocess.run([sys.executable, "-c", CLI_CHILD, str(cap), str(per_case), str(tmp_path / "cases.json")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(results) == 2 * len(cases)
+    bad = [r for r in results if r[2] not in (0, 1, 2)]
+    assert not bad, bad[:5]
