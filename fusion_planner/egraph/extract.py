@@ -538,27 +538,36 @@ class Extractor:
         return dict(self._unfused)
 
     def enumerate(self, cap: int) -> tuple[list[dict[str, Option]], bool]:
-        """All plans if there are at most ``cap``; returns (plans, complete)."""
+        """All plans if there are at most ``cap``; returns (plans, complete).  Depth-first over the stored
+        classes a choice needs, latest first, with an explicit stack (a segment of 1,000 graph outputs is
+        1,000 levels deep)."""
         out: list[dict[str, Option]] = []
-        order = self.view.order
-        start = [r for r in dict.fromkeys(self.view.roots) if r not in self.view.inputs]
+        order, inputs = self.view.order, self.view.inputs
+        chosen: dict[str, Option] = {}
+        frames: list[list[Any]] = []  # [class, classes still pending after it, next option to try]
 
-        def rec(chosen: dict[str, Option], pending: list[str]) -> bool:
+        def descend(pending: list[str]) -> bool:
+            """A plan when nothing is pending (False once there are more than ``cap``), else a new level."""
             if not pending:
                 out.append(dict(chosen))
                 return len(out) <= cap
             pending = sorted(pending, key=order.__getitem__)
-            r = pending.pop()
-            for o in self.options[r]:
-                new = [x for x in o.leaves if x not in self.view.inputs and x not in chosen and x not in pending]
-                chosen[r] = o
-                ok = rec(chosen, pending + new)
-                del chosen[r]
-                if not ok:
-                    return False
+            frames.append([pending.pop(), pending, 0])
             return True
 
-        complete = rec({}, start)
+        complete = descend([r for r in dict.fromkeys(self.view.roots) if r not in inputs])
+        while frames and complete:
+            frame = frames[-1]
+            r, pending, i = frame
+            chosen.pop(r, None)
+            if i == len(self.options[r]):
+                frames.pop()
+                continue
+            o = self.options[r][i]
+            frame[2] = i + 1
+            new = [x for x in o.leaves if x not in inputs and x not in chosen and x not in pending]
+            chosen[r] = o
+            complete = descend(pending + new)
         if not complete:
             out.pop()
         return out, complete

@@ -72,3 +72,16 @@ def test_a_10k_node_chain_of_distinct_segments_plans_in_under_1_gb(tmp_path):
     report, peak_kb = _plan_in_child(str(graph))
     assert report["ops"] == 10_000 and report["unique_regions"] == report["regions"] >= 10
     assert peak_kb < 1024 * 1024, f"peak RSS {peak_kb / 1024:.0f} MiB"
+
+
+def test_a_wide_fan_out_of_distinct_outputs_plans(tmp_path, capsys):
+    """1,000 outputs in one segment: the exact enumeration recursed once per output (RecursionError)."""
+    from fusion_planner.core.graph import GraphBuilder
+
+    b = GraphBuilder("fan")
+    x = b.input("x", (8,), "fp32")
+    outs = [b.op(f"o{i}", "Affine", [x], {"a": 1.0 + i * 1e-3, "b": 0.0}) for i in range(1000)]
+    graph = str(write_graph(b.build(outs), tmp_path / "fan.json"))
+    assert main(["explain", "--graph", graph, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["enumerated"] and len(data["candidates"][0]["kernels"]) == 1000
