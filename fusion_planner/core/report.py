@@ -21,7 +21,8 @@ def count_text(n: int) -> str:
     return f"~{10 ** (log10 - exp):.1f}e{exp}"
 
 
-def _kernels(p: Plan) -> str:
+def kernels_text(p: Plan) -> str:
+    """The kernels column of a ledger row (at most ``TABLE_KERNELS`` kernels of ``TABLE_OPS`` ops named)."""
     return abbreviate([k.describe(TABLE_OPS) for k in p.kernels], " | ", TABLE_KERNELS)
 
 
@@ -43,7 +44,7 @@ def ledger_table(
                 str(p.reg_peak),
                 f"{p.est_us:,.2f}",
                 *(fn(p) for _, fn in extra),
-                _kernels(p),
+                kernels_text(p),
             ]
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
