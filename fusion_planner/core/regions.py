@@ -85,22 +85,19 @@ def boundaries(graph: Graph, max_ops: int | None = None) -> list[int]:
         live -= {x for x in n.inputs if last_use.get(x) == i}
         if live == {n.id} and n.id in forced and i < len(ops) - 1:
             cuts.append(i)
-    return cuts if max_ops is None or len(ops) <= max_ops else _size_cuts(graph, cuts, forced, max_ops)
+    if max_ops is None or len(ops) <= max_ops:
+        return cuts
+    return _size_cuts(graph, cuts, forced, pos, last_use, max_ops)
 
 
-def _size_cuts(graph: Graph, cuts: list[int], forced: set[str], max_ops: int) -> list[int]:
+def _size_cuts(graph: Graph, cuts: list[int], forced: set[str], pos: dict[str, int], last_use: dict[str, int],
+               max_ops: int) -> list[int]:
     """``cuts`` plus cuts that keep every piece within ``max_ops`` ops (the segment limit: one e-graph
     and one extraction stay bounded however long the graph is).  A cut stores every value live across
     it; those stored anyway cost nothing, so each cut goes where the fewest other bytes are live, the
     latest such point of the piece's second half (a chain: anywhere, one value; a fan-out of graph
     outputs: anywhere, nothing).  Kernels do not span a cut."""
     ops = graph.ops
-    pos = {n.id: i for i, n in enumerate(ops)}
-    last_use: dict[str, int] = {}
-    for i, n in enumerate(ops):
-        for x in n.inputs:
-            if x in pos:
-                last_use[x] = i
     extra = [0] * (len(ops) + 1)  # bytes a cut after op i stores that no plan stores otherwise
     for v, u in last_use.items():
         if v not in forced and u > pos[v]:

@@ -244,10 +244,10 @@ class Extractor:
     _counts: dict[str, int] | None = None
     _by_sig: dict[str, Option] | None = None
     _weights: dict[str, list[int]] | None = None  # per class: running sums of the plans below each option
-    _names: dict[str, str] = field(default_factory=dict)
+    _names: dict[str, str] = field(default_factory=dict)  # value class -> the name its signature uses
     _kernels: dict[Option, Kernel] = field(default_factory=dict)  # built kernels, by option
     _unfused: dict[str, Option] | None = None
-    _chain: bool | None = None  # value class -> the name its signature uses
+    _chain: bool | None = None
 
     def __post_init__(self) -> None:
         # each class's bodies are dropped once every e-node reading it has used them: they are the bulk of

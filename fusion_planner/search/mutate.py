@@ -157,18 +157,6 @@ class Mutator:
                 out.append(m)
         return out
 
-    def remove_boundary(self, choice: Choice) -> list[Mutant]:
-        return self._results("remove-boundary", choice)
-
-    def add_boundary(self, choice: Choice) -> list[Mutant]:
-        return self._results("add-boundary", choice)
-
-    def move_boundary(self, choice: Choice) -> list[Mutant]:
-        return self._results("move-boundary", choice)
-
-    def swap_impl(self, choice: Choice) -> list[Mutant]:
-        return self._results("swap-impl", choice)
-
     def mutants(self, choice: Choice) -> list[Mutant]:
         """Every one-step mutant, deduplicated, none equal to the parent."""
         parent = self.ex.key(choice)
