@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from fusion_planner.core import limits
 from fusion_planner.errors import USER_ERRORS, UsageError
 
 #: modules that contribute subcommands, in --help order
@@ -46,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     for mod in COMMAND_MODULES:
         importlib.import_module(mod).register(sub)
+    for command in sub.choices.values():  # every subcommand reads some input file
+        limits.add_flags(command)
     return p
 
 
@@ -78,7 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         _allow_torch_ops(getattr(args, "allow_torch_op", None) or [])
-        return int(args.handler(args) or 0)
+        with limits.input_limits(limits.from_flags(args)):
+            return int(args.handler(args) or 0)
     except USER_ERRORS as exc:
         print(f"fusion-planner {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -8,7 +8,7 @@ import math
 import sys
 from typing import Any
 
-from fusion_planner.core import examples
+from fusion_planner.core import examples, limits
 from fusion_planner.core.errors import UsageError
 from fusion_planner.core.graph import Graph, load_graph
 from fusion_planner.egraph.candidates import DEFAULT_CAP, DEFAULT_K
@@ -84,6 +84,10 @@ def limits_from_args(args: argparse.Namespace) -> Limits:
     for name in ("max_iterations", "max_nodes", "max_region_ops", "max_segment_ops", "cap", "top"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    depth = limits.current().depth
+    if args.max_region_ops >= depth:  # a body of N ops is N + 1 levels deep, its loads included
+        raise UsageError(f"--max-region-ops {args.max_region_ops} needs --max-depth above it (now {depth}): a "
+                         "fused kernel that large could not be read back from its plan file")
     if not (math.isfinite(args.time_limit) and args.time_limit > 0):
         raise UsageError(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
     return Limits(

@@ -9,15 +9,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-#: the largest input file read, in bytes ($FUSION_PLANNER_MAX_FILE_BYTES); a 100,000-node graph is ~20 MB
-MAX_FILE_BYTES = int(os.environ.get("FUSION_PLANNER_MAX_FILE_BYTES", str(256 * 2**20)))
+from fusion_planner.core import limits
 
 
 def read_limited(path: str | Path, error: type[Exception], what: str = "file", limit: int | None = None) -> str:
     """The UTF-8 text of ``path``; ``error`` (naming the file) when it is missing, unreadable, not UTF-8
-    or larger than ``limit`` bytes."""
+    or larger than ``limit`` bytes (default: the input-file limit in force, ``core.limits``)."""
     p = Path(path)
-    cap = MAX_FILE_BYTES if limit is None else limit
+    cap = limits.current().file_bytes if limit is None else limit
     try:
         with p.open("rb") as f:
             data = f.read(cap + 1)
@@ -26,7 +25,8 @@ def read_limited(path: str | Path, error: type[Exception], what: str = "file", l
     except OSError as exc:
         raise error(f"cannot read {what} {p}: {exc.strerror or exc}") from None
     if len(data) > cap:
-        raise error(f"{p}: larger than {cap:,} bytes, the limit for a {what} (FUSION_PLANNER_MAX_FILE_BYTES)")
+        flag = f" ({limits.flag_of('file_bytes')})" if limit is None else ""
+        raise error(f"{p}: larger than {cap:,} bytes, the limit for a {what}{flag}")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

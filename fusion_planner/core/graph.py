@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,16 +18,13 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from fusion_planner.core import limits
 from fusion_planner.core.files import read_limited
 from fusion_planner.core.ops import DTYPE_BYTES, OpError, Shape, op_def
 from fusion_planner.core.torch_allowlist import loading_file
 
 GRAPH_FORMAT = "fusion-planner-graph"
 GRAPH_VERSION = 1
-#: size limits of a graph (docs/security.md); the environment variables override the defaults
-MAX_RANK = 8
-MAX_ELEMENTS = int(os.environ.get("FUSION_PLANNER_MAX_ELEMENTS", str(2**28)))  # per tensor: 1 GiB of fp32
-MAX_NODES = int(os.environ.get("FUSION_PLANNER_MAX_NODES", "200000"))
 _ID_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]{0,127}$")
 
 
@@ -146,6 +142,7 @@ class GraphBuilder:
     def __init__(self, name: str = "graph") -> None:
         self.name = name
         self._nodes: dict[str, Node] = {}
+        self._limits = limits.current()
 
     @property
     def nodes(self) -> Mapping[str, Node]:
@@ -153,11 +150,7 @@ class GraphBuilder:
         return MappingProxyType(self._nodes)
 
     def input(self, node_id: str, shape: Sequence[int], dtype: str) -> str:
-        shape_t = _check_shape(shape, node_id)
-        if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
-            raise GraphError(
-                f"node {node_id!r}: unknown dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}"
-            )
+        shape_t, dtype = tensor_type(shape, dtype, node_id, self._limits)
         self._add(Node(_check_id(node_id), "In", (), (), TensorType(shape_t, dtype)))
         return node_id
 
@@ -198,7 +191,7 @@ class GraphBuilder:
         dtypes = {t.dtype for t in in_types}
         if len(dtypes) > 1:
             raise GraphError(f"node {node_id!r}: mixed input dtypes {sorted(dtypes)}")
-        _check_elements(out_shape, node_id)  # an op may compute a larger tensor than its inputs (a GEMM)
+        _check_size(out_shape, node_id, self._limits)  # an op may compute a larger tensor than its inputs (a GEMM)
         out_dtype = dtype or (in_types[0].dtype if in_types else None)
         if not isinstance(out_dtype, str) or out_dtype not in DTYPE_BYTES:
             raise GraphError(f"node {node_id!r}: cannot determine a valid dtype")
@@ -243,24 +236,35 @@ def _check_id(node_id: Any) -> str:
     return node_id
 
 
-def _check_shape(shape: Any, node_id: str) -> Shape:
+def tensor_type(shape: Any, dtype: Any, node_id: str, lim: limits.InputLimits | None = None) -> tuple[Shape, str]:
+    """A checked (shape, dtype) pair of untrusted data, with the size limits in force."""
+    shape_t = _check_shape(shape, node_id, lim or limits.current())
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+        raise GraphError(f"node {node_id!r}: unknown dtype {str(dtype)[:40]!r}; expected one of {sorted(DTYPE_BYTES)}")
+    return shape_t, dtype
+
+
+def _check_shape(shape: Any, node_id: str, lim: limits.InputLimits) -> Shape:
     if not isinstance(shape, (list, tuple)) or not shape:
         raise GraphError(f"node {node_id!r}: 'shape' must be a non-empty list of positive integers")
-    if len(shape) > MAX_RANK:
-        raise GraphError(f"node {node_id!r}: rank {len(shape)} exceeds the limit of {MAX_RANK} dimensions")
+    if len(shape) > lim.rank:  # before the dims are looked at: a rank-10^6 shape is refused at once
+        _check_size(tuple(shape), node_id, lim)
     for d in shape:
         if isinstance(d, bool) or not isinstance(d, int) or d <= 0:
             raise GraphError(f"node {node_id!r}: bad dimension {str(d)[:40]!r} in shape")
-    _check_elements(tuple(shape), node_id)
+    _check_size(tuple(shape), node_id, lim)
     return tuple(shape)
 
 
-def _check_elements(shape: Shape, node_id: str) -> None:
+def _check_size(shape: Shape, node_id: str, lim: limits.InputLimits) -> None:
+    if len(shape) > lim.rank:
+        raise GraphError(f"node {node_id!r}: rank {len(shape)} exceeds the limit of {lim.rank} dimensions "
+                         f"({limits.flag_of('rank')})")
     elems = math.prod(shape)
-    if elems > MAX_ELEMENTS:
+    if elems > lim.elements:
         raise GraphError(
-            f"node {node_id!r}: a tensor of {elems:.3g} elements exceeds the limit of {MAX_ELEMENTS:,} "
-            "(FUSION_PLANNER_MAX_ELEMENTS; every tensor must fit in memory to be verified)"
+            f"node {node_id!r}: a tensor of {elems:.3g} elements exceeds the limit of {lim.elements:,} "
+            f"({limits.flag_of('elements')}; every tensor must fit in memory to be verified)"
         )
 
 
@@ -288,8 +292,10 @@ def _graph_from_json(data: Any, source: str) -> Graph:
     nodes = data.get("nodes")
     if not isinstance(nodes, list):
         raise GraphError(f"{source}: 'nodes' must be a list")
-    if len(nodes) > MAX_NODES:
-        raise GraphError(f"{source}: {len(nodes):,} nodes exceed the limit of {MAX_NODES:,} (FUSION_PLANNER_MAX_NODES)")
+    max_nodes = limits.current().graph_nodes
+    if len(nodes) > max_nodes:
+        raise GraphError(f"{source}: {len(nodes):,} nodes exceed the limit of {max_nodes:,} "
+                         f"({limits.flag_of('graph_nodes')})")
     b = GraphBuilder(_graph_name(data.get("name", Path(source).stem), source))
     first_at: dict[str, int] = {}
     for i, nd in enumerate(nodes):

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
 from fusion_planner.core.cost import DeviceSpec, DeviceSpecError, KernelCost, device_from_json
 from fusion_planner.core.files import read_limited
-from fusion_planner.core.graph import Graph, GraphError, graph_from_json, torch_names
+from fusion_planner.core.graph import Graph, GraphError, TensorType, graph_from_json, torch_names
 from fusion_planner.core.kinds import KernelKind, OpKind
 from fusion_planner.core.ops import CUBLASLT_EPILOGUES, OPS, OpError, op_def
 from fusion_planner.core.plans import KERNEL_KINDS, Expr, Kernel, Load, Plan, expr_from_json, expr_to_json
@@ -144,7 +145,7 @@ def _kernel(d: Any, i: int, source: str, graph: Graph) -> Kernel:
     if not isinstance(out, str) or not isinstance(reads, list) or not all(isinstance(r, str) for r in reads):
         raise PlanFileError(f"{where}: needs 'out' (a tensor name) and 'reads' (a list of tensor names)")
     try:
-        body = expr_from_json(d.get("body"), f"{where}.body")
+        body = expr_from_json(d.get("body"), "body")
     except (ValueError, OpError) as exc:
         raise PlanFileError(f"{where}: {exc}") from None
     except RecursionError:
@@ -207,37 +208,49 @@ def _cost(d: Any, where: str) -> KernelCost:
 def check_plan(plan: Plan, graph: Graph, source: str = "<plan>") -> None:
     """Structural fit of a plan to its graph: every kernel writes a graph tensor of the
     right type once, reads only tensors already in memory, and the outputs are written."""
-    memory = {n.id for n in graph.inputs}
+    check_plan_tensors(plan, {n.id: n.type for n in graph.nodes}, [n.id for n in graph.inputs],
+                       len(graph.outputs), source, f"graph {graph.name!r}")
+
+
+def check_plan_tensors(plan: Plan, tensors: Mapping[str, TensorType], inputs: Iterable[str], n_outputs: int,
+                       source: str, owner: str = "the graph") -> None:
+    """:func:`check_plan` against a tensor table (a bundle carries one instead of a graph): ``tensors``
+    holds every value of the graph by name, ``inputs`` the names of its inputs."""
+    graph_inputs = set(inputs)
+    memory = set(graph_inputs)
     for i, k in enumerate(plan.kernels):
         where = f"{source}: kernel {i} ({k.out})"
-        if k.out not in graph or graph[k.out].op == "In":
-            raise PlanFileError(f"{where}: writes {k.out!r}, which is not an op of graph {graph.name!r}")
+        if k.out not in tensors or k.out in graph_inputs:
+            raise PlanFileError(f"{where}: writes {k.out!r}, which is not an op of {owner}")
         if k.out in memory:
-            raise PlanFileError(f"{where}: {k.out!r} is written twice or is a graph input")
-        if k.body.type != graph[k.out].type:
-            raise PlanFileError(f"{where}: body type {k.body.type} differs from the graph's {graph[k.out].type}")
+            raise PlanFileError(f"{where}: {k.out!r} is written twice")
+        if k.body.type != tensors[k.out]:
+            raise PlanFileError(f"{where}: body type {k.body.type} differs from {owner}'s {tensors[k.out]}")
         loads = _loads(k.body)
         if loads != set(k.reads):
             raise PlanFileError(f"{where}: body loads {sorted(loads)} but 'reads' lists {sorted(k.reads)}")
+        unknown = loads - set(tensors)
+        if unknown:
+            raise PlanFileError(f"{where}: reads {sorted(unknown)}, which {owner} does not have")
         missing = loads - memory
         if missing:
             raise PlanFileError(f"{where}: reads {sorted(missing)} before any kernel wrote it")
         for e in k.body.walk():
-            if e.node in graph and graph[e.node].type != e.type:
-                raise PlanFileError(f"{where}: value {e.node!r} has type {e.type}, the graph says {graph[e.node].type}")
-            _check_inferred(e, graph, where)
+            if e.node in tensors and tensors[e.node] != e.type:
+                raise PlanFileError(f"{where}: value {e.node!r} has type {e.type}, {owner} says {tensors[e.node]}")
+            _check_inferred(e, tensors, where)
         memory.add(k.out)
-    if len(plan.outputs) != len(graph.outputs):
-        raise PlanFileError(f"{source}: plan has {len(plan.outputs)} outputs, graph {graph.name!r} has {len(graph.outputs)}")
+    if len(plan.outputs) != n_outputs:
+        raise PlanFileError(f"{source}: plan has {len(plan.outputs)} outputs, {owner} has {n_outputs}")
     for o in plan.outputs:
         if o not in memory:
             raise PlanFileError(f"{source}: output {o!r} is never written")
 
 
-def _check_inferred(e: Expr, graph: Graph, where: str) -> None:
+def _check_inferred(e: Expr, tensors: Mapping[str, TensorType], where: str) -> None:
     """The recorded shape of a body node must be what its op's shape rule gives for its operands (a node
     the graph does not name, such as a cuBLASLt body's inner value, is checked this way only)."""
-    shapes = [tuple(graph[a.tensor].type.shape) if isinstance(a, Load) else tuple(a.type.shape) for a in e.args]
+    shapes = [tuple(tensors[a.tensor].shape) if isinstance(a, Load) else tuple(a.type.shape) for a in e.args]
     try:
         want = tuple(op_def(e.op).out_shape(shapes, e.attr_dict))
     except (OpError, ValueError, TypeError, IndexError) as exc:

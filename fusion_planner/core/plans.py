@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from fusion_planner.core import limits
 from fusion_planner.core.cost import KernelCost
 from fusion_planner.core.graph import Graph, TensorType
 from fusion_planner.core.kinds import KernelKind
@@ -195,10 +196,20 @@ def expr_from_json(d: Any, where: str = "body") -> Expr | Load:
     JSON writes a shared value (a row mean that both the centring and the variance read) once per use;
     equal nodes come back as one object, as the extractor built them, so a generator that emits each
     object once computes the value once."""
-    return _expr_from_json(d, where, {})
+    max_depth = limits.current().depth
+    try:
+        return _expr_from_json(d, where, {}, max_depth)
+    except _TooDeep:
+        raise ValueError(f"{where}: nests deeper than {max_depth} levels ({limits.flag_of('depth')})") from None
 
 
-def _expr_from_json(d: Any, where: str, shared: dict[tuple[Any, ...], Expr]) -> Expr | Load:
+class _TooDeep(Exception):
+    pass
+
+
+def _expr_from_json(d: Any, where: str, shared: dict[tuple[Any, ...], Expr], depth_left: int) -> Expr | Load:
+    if depth_left < 1:
+        raise _TooDeep
     if not isinstance(d, dict):
         raise ValueError(f"{where}: expected an object")
     if "load" in d:
@@ -216,7 +227,10 @@ def _expr_from_json(d: Any, where: str, shared: dict[tuple[Any, ...], Expr]) -> 
         attrs = opd.check_attrs(raw_attrs)
     except OpError as exc:
         raise OpError(f"node {d.get('node')!r}: {exc}") from None
-    args = tuple(_expr_from_json(a, f"{where}.{op}", shared) for a in raw_args)
+    parts = []
+    for a in raw_args:  # a loop, not a generator: one Python frame a level
+        parts.append(_expr_from_json(a, f"{where}.{op}", shared, depth_left - 1))
+    args = tuple(parts)
     shape = d.get("shape")
     dtype = d.get("dtype")
     if (not isinstance(shape, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape)

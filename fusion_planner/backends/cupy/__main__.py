@@ -23,6 +23,8 @@ from fusion_planner.backends.cupy import c05, calibrate, facts
 from fusion_planner.backends.cupy.bundle import BundleError, generated_kernels, load_bundle
 from fusion_planner.backends.cupy.codegen import CudaKernel
 from fusion_planner.backends.cupy.runner import best_timed, make_executor, time_bundle, write_measured
+from fusion_planner.core import limits
+from fusion_planner.core.errors import UsageError
 from fusion_planner.core.kinds import Verdict
 
 
@@ -48,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--out", help="write the per-kernel table (markdown) here")
     cal = sub.add_parser("calibrate", help="measure launch overhead, copy bandwidth and GEMM rates on this GPU")
     cal.add_argument("-o", "--output", required=True, help="calibration JSON to write")
+    for command in (t, c, n):  # the same limits as every file the planner reads
+        limits.add_flags(command)
     return p
 
 
@@ -131,10 +135,11 @@ def run_c05(args: argparse.Namespace) -> int:
 
     try:
         data = c05.load_c05(args.bundle)
+        variants = c05.bundle_variants(data)
     except (ValueError, OSError) as exc:
         print(f"python -m fusion_planner.backends.cupy c05: error: {exc}", file=sys.stderr)
         return 2
-    result = c05.run_bundle(c05.bundle_variants(data), data, c05.gpu_executor(), args.warmup, args.repeats)
+    result = c05.run_bundle(variants, data, c05.gpu_executor(), args.warmup, args.repeats)
     c05.print_result(result)
     if args.output:
         with open(args.output, "w") as f:
@@ -145,8 +150,9 @@ def run_c05(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return _run(args)
-    except BackendUnavailable as exc:  # this machine cannot run the command at all: one line, not a traceback
+        with limits.input_limits(limits.from_flags(args)):
+            return _run(args)
+    except (BackendUnavailable, UsageError) as exc:  # this machine cannot run the command at all, or a bad $limit
         print(f"python -m fusion_planner.backends.cupy {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,11 +22,12 @@ import numpy as np
 
 from fusion_planner.backends.cupy.codegen import CodegenError, CudaKernel, cuda_kernel_from_json, generate
 from fusion_planner.core.cost import KernelCost
-from fusion_planner.core.graph import TensorType
+from fusion_planner.core.files import read_limited
+from fusion_planner.core.graph import GraphError, TensorType, tensor_type
 from fusion_planner.core.inputs import RECIPE, input_scales, seeded_inputs
 from fusion_planner.core.kinds import KernelKind, OpKind
 from fusion_planner.core.ops import CUBLASLT_EPILOGUES, epilogue_has_bias, op_def
-from fusion_planner.core.planfile import kind_problem
+from fusion_planner.core.planfile import PlanFileError, check_plan_tensors, kind_problem
 from fusion_planner.core.plans import KERNEL_KINDS, Expr, Kernel, Load, Plan, expr_from_json, expr_to_json
 from fusion_planner.core.torch_allowlist import loading_file
 
@@ -112,13 +113,13 @@ def kernel_to_json(k: Kernel, tensors: Mapping[str, TensorType]) -> dict[str, An
         "cost": dataclasses.asdict(k.cost),
         "facts": dict(k.facts),
     }
-    if k.kind == KernelKind.CUBLASLT:
-        d["cublaslt"] = cublas_call(k, tensors).to_json()
+    made = _device_code(k, tensors)
+    if made.cublas is not None:
+        d["cublaslt"] = made.cublas.to_json()
+    elif made.cuda is not None:
+        d["cuda"] = made.cuda.to_json()
     else:
-        try:
-            d["cuda"] = generate(k, dict(tensors)).to_json()
-        except CodegenError as exc:
-            d["unsupported"] = str(exc)
+        d["unsupported"] = made.unsupported
     return d
 
 
@@ -175,7 +176,9 @@ def _need(d: Mapping[str, Any], key: str, where: str) -> Any:
     return d[key]
 
 
-def _kernel_from_json(d: Mapping[str, Any], where: str) -> BundleKernel:
+def _kernel_from_json(d: Mapping[str, Any], where: str) -> tuple[Kernel, Mapping[str, Any]]:
+    """A kernel and the device code the file gives it (checked against its body later, by
+    :func:`_device_code`)."""
     body = expr_from_json(_need(d, "body", where), f"{where}.body")
     if not isinstance(body, Expr):
         raise BundleError(f"{where}: a kernel body must compute something, not only load")
@@ -198,22 +201,54 @@ def _kernel_from_json(d: Mapping[str, Any], where: str) -> BundleKernel:
         epilogue=d.get("epilogue"),
         facts=dict(d.get("facts") or {}),
     )
-    cuda = cuda_kernel_from_json(d["cuda"]) if d.get("cuda") else None
-    cublas = CublasCall(**d["cublaslt"]) if d.get("cublaslt") else None
-    return BundleKernel(k, cuda, cublas, d.get("unsupported"))
+    return k, d
 
 
-def candidate_from_json(d: Mapping[str, Any], graph: str, tensors: dict[str, TensorType], where: str) -> Candidate:
-    kernels = tuple(_kernel_from_json(k, f"{where}.kernels[{i}]") for i, k in enumerate(_need(d, "kernels", where)))
+def _device_code(k: Kernel, tensors: Mapping[str, TensorType]) -> BundleKernel:
+    """A kernel with the CUDA source or the cuBLASLt call its body gives, made here from the body."""
+    if k.kind == KernelKind.CUBLASLT:
+        return BundleKernel(k, None, cublas_call(k, tensors))
+    try:
+        return BundleKernel(k, generate(k, dict(tensors)), None)
+    except CodegenError as exc:
+        return BundleKernel(k, None, None, str(exc))
+
+
+def _checked_device_code(k: Kernel, d: Mapping[str, Any], tensors: Mapping[str, TensorType], where: str) -> BundleKernel:
+    """The device code of a kernel read from a file: the file's copy must be what the body generates, so
+    the GPU runs only code this project writes (a bundle edited to hold other source is refused)."""
+    made = _device_code(k, tensors)
+    given_cuda = cuda_kernel_from_json(d["cuda"]) if d.get("cuda") else None
+    given_call = CublasCall(**d["cublaslt"]) if d.get("cublaslt") else None
+    if given_cuda != made.cuda or given_call != made.cublas:
+        raise BundleError(f"{where}: its device code is not what its body generates (the file was edited, or "
+                          "written by another version of fusion-planner: export it again)")
+    return made
+
+
+def candidate_from_json(d: Mapping[str, Any], graph: str, tensors: dict[str, TensorType], where: str,
+                        inputs: Sequence[str] | None = None, n_outputs: int | None = None) -> Candidate:
+    """A candidate checked as a plan file is (``core.planfile.check_plan_tensors``) against the tensor
+    table, its graph's ``inputs`` (default: the tensors no kernel writes) and output count."""
+    read = [_kernel_from_json(k, f"{where}.kernels[{i}]") for i, k in enumerate(_need(d, "kernels", where))]
     part = d.get("partition")
     plan = Plan(
         graph,
-        tuple(bk.kernel for bk in kernels),
+        tuple(k for k, _ in read),
         tuple(str(o) for o in _need(d, "outputs", where)),
         tensors,
         str(_need(d, "key", where)),
         tuple(part) if part is not None else None,
     )
+    if not plan.kernels:
+        raise BundleError(f"{where}: no kernels")
+    written = {k.out for k in plan.kernels}
+    given = [t for t in tensors if t not in written] if inputs is None else inputs
+    try:
+        check_plan_tensors(plan, tensors, given, len(plan.outputs) if n_outputs is None else n_outputs, where)
+    except PlanFileError as exc:
+        raise BundleError(str(exc)) from None
+    kernels = tuple(_checked_device_code(k, raw, tensors, f"{where}.kernels[{i}]") for i, (k, raw) in enumerate(read))
     return Candidate(plan, kernels, float(d.get("est_us", math.nan)))
 
 
@@ -224,27 +259,37 @@ def bundle_from_json(data: Any, source: str = "<json>") -> Bundle:
             return _bundle_from_json(data, source)
         except BundleError:
             raise
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, StopIteration) as exc:
             # a field of the wrong type or shape anywhere in the document: refused, naming the file
             raise BundleError(f"{source}: malformed bundle ({type(exc).__name__}: {exc})") from None
+
+
+def tensor_table(raw: Any, where: str) -> dict[str, TensorType]:
+    """Every tensor of a bundle's graph, each shape and dtype checked with a graph file's limits."""
+    if not isinstance(raw, Mapping):
+        raise BundleError(f"{where}: expected an object of tensor name to shape and dtype")
+    try:
+        return {str(name): TensorType(*tensor_type(t.get("shape"), t.get("dtype"), str(name))) for name, t in raw.items()}
+    except (GraphError, AttributeError) as exc:
+        raise BundleError(f"{where}: {exc}") from None
 
 
 def _bundle_from_json(data: Any, source: str) -> Bundle:
     if not isinstance(data, Mapping) or data.get("schema") != SCHEMA:
         raise BundleError(f"{source}: not a candidates bundle (schema {SCHEMA!r} expected)")
-    try:
-        tensors = {
-            str(name): TensorType(tuple(int(x) for x in t["shape"]), str(t["dtype"]))
-            for name, t in _need(data, "tensors", source).items()
-        }
-    except (KeyError, TypeError, ValueError) as exc:
-        raise BundleError(f"{source}.tensors: {exc}") from None
+    tensors = tensor_table(_need(data, "tensors", source), f"{source}.tensors")
     graph = str(_need(data, "graph", source))
     inputs = _need(data, "inputs", source)
+    names = tuple(str(n) for n in _need(inputs, "names", f"{source}.inputs"))
+    outputs = tuple(str(o) for o in _need(data, "outputs", source))
+    unknown = [n for n in (*names, *outputs) if n not in tensors]
+    if unknown:
+        raise BundleError(f"{source}: inputs or outputs {unknown[:5]} are not in 'tensors'")
     try:
-        ref = candidate_from_json(_need(data, "reference", source), graph, tensors, f"{source}.reference").plan
+        ref = candidate_from_json(_need(data, "reference", source), graph, tensors, f"{source}.reference",
+                                  names, len(outputs)).plan
         cands = tuple(
-            candidate_from_json(c, graph, tensors, f"{source}.candidates[{i}]")
+            candidate_from_json(c, graph, tensors, f"{source}.candidates[{i}]", names, len(outputs))
             for i, c in enumerate(_need(data, "candidates", source))
         )
     except (ValueError, TypeError) as exc:
@@ -255,8 +300,8 @@ def _bundle_from_json(data: Any, source: str) -> Bundle:
         graph=graph,
         device=str(data.get("device", "")),
         tensors=tensors,
-        inputs=tuple(str(n) for n in _need(inputs, "names", f"{source}.inputs")),
-        outputs=tuple(str(o) for o in _need(data, "outputs", source)),
+        inputs=names,
+        outputs=outputs,
         seed=int(_need(inputs, "seed", f"{source}.inputs")),
         scales={str(k): float(v) for k, v in (inputs.get("scales") or {}).items()},
         reference=ref,
@@ -265,32 +310,37 @@ def _bundle_from_json(data: Any, source: str) -> Bundle:
     )
 
 
-def load_bundle(path: str | Path) -> Bundle:
-    p = Path(path)
+def read_json(path: str | Path) -> Any:
+    """An exported file's JSON, with the input-file limits of every other file the planner reads."""
     try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise BundleError(f"{p}: not JSON ({exc})") from None
-    return bundle_from_json(data, str(p))
+        return json.loads(read_limited(path, BundleError, "candidates bundle"))
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise BundleError(f"{path}: not JSON ({str(exc)[:200]})") from None
+
+
+def load_bundle(path: str | Path) -> Bundle:
+    return bundle_from_json(read_json(path), str(path))
 
 
 def variant_candidate(v: Any, i: int) -> Candidate:
     """One C-05 variant (a candidate with its graph name and tensors inline)."""
     if not isinstance(v, dict) or not isinstance(v.get("tensors"), dict):
         raise BundleError(f"variants[{i}]: expected an object with 'tensors'")
-    tensors = {t: TensorType(tuple(d["shape"]), d["dtype"]) for t, d in v["tensors"].items()}
-    return candidate_from_json(v, v.get("graph", ""), tensors, f"variants[{i}]")
+    with loading_file():
+        try:
+            return candidate_from_json(v, str(v.get("graph", "")), tensor_table(v["tensors"], f"variants[{i}].tensors"),
+                                       f"variants[{i}]")
+        except BundleError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, StopIteration) as exc:
+            raise BundleError(f"variants[{i}]: malformed ({type(exc).__name__}: {exc})") from None
 
 
 def generated_kernels(path: str | Path) -> list[CudaKernel]:
     """Every generated kernel of an exported file: a candidates bundle, or a C-05 bundle (its ``variants``)."""
-    p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise BundleError(f"{p}: not JSON ({exc})") from None
+    data = read_json(path)
     if isinstance(data, dict) and "variants" in data:
         cands = [variant_candidate(v, i) for i, v in enumerate(data["variants"])]
     else:
-        cands = list(bundle_from_json(data, str(p)).candidates)
+        cands = list(bundle_from_json(data, str(path)).candidates)
     return [bk.cuda for cand in cands for bk in cand.kernels if bk.cuda is not None]

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from fusion_planner.backends.cupy.backend import plan_candidate
-from fusion_planner.backends.cupy.bundle import Candidate, plan_to_json, variant_candidate
+from fusion_planner.backends.cupy.bundle import BundleError, Candidate, plan_to_json, read_json, variant_candidate
 from fusion_planner.backends.cupy.verify import allclose_report
 from fusion_planner.backends.reference import execute_plan
 from fusion_planner.core.cost import DeviceSpec
@@ -65,14 +65,21 @@ def write_json(data: dict[str, Any], path: str | Path) -> None:
 
 
 def load_c05(path: str | Path) -> dict[str, Any]:
-    data = json.loads(Path(path).read_text())
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        raise ValueError(f"{path}: not a C-05 bundle (schema {SCHEMA!r} expected)")
+    data = read_json(path)
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("variants"), list):
+        raise BundleError(f"{path}: not a C-05 bundle (schema {SCHEMA!r} with a list of 'variants' expected)")
     return data
 
 
 def bundle_variants(data: dict[str, Any]) -> list[tuple[str, int, Candidate]]:
-    return [(v["tag"], int(v["k"]), variant_candidate(v, i)) for i, v in enumerate(data["variants"])]
+    out = []
+    for i, v in enumerate(data["variants"]):
+        cand = variant_candidate(v, i)  # checks that v is an object
+        try:
+            out.append((str(v["tag"]), int(v["k"]), cand))
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            raise BundleError(f"variants[{i}]: needs 'tag' and an integer 'k' ({exc})") from None
+    return out
 
 
 def gpu_executor() -> Any | None:

@@ -1,5 +1,7 @@
 """Remote timing on the CPU: export-candidates -> python -m fusion_planner.backends.cupy time --executor numpy -> load_measured."""
 
+import copy
+import dataclasses
 import json
 import os
 import subprocess
@@ -9,11 +11,18 @@ import numpy as np
 import pytest
 from testpaths import ROOT
 
-from fusion_planner.backends.cupy.bundle import BundleError, bundle_from_json, export_bundle, load_bundle
+from fusion_planner.backends.cupy.bundle import (
+    BundleError,
+    bundle_from_json,
+    export_bundle,
+    kernel_to_json,
+    load_bundle,
+)
 from fusion_planner.backends.cupy.runner import MeasuredError, NumpyExecutor, load_measured, time_bundle
 from fusion_planner.backends.reference import execute_graph, execute_plan, random_inputs
 from fusion_planner.cli import main
 from fusion_planner.core.examples import ew_chain, mlp_epilogue, mlp_stack
+from fusion_planner.core.plans import expr_from_json
 from fusion_planner.core.tolerance import check_outputs
 from fusion_planner.egraph.candidates import build_candidates
 
@@ -61,6 +70,11 @@ def test_export_time_merge_end_to_end_without_egglog(bundle_file, tmp_path):
         f"rc = main(['time', {str(bundle_file)!r}, '-o', {str(out)!r}, '--executor', 'numpy', '--repeats', '2'])\n"
         "assert not any(m == 'egglog' or m.startswith(('egglog.', 'fusion_planner.egraph.program', 'fusion_planner.egraph.candidates', "
         "'fusion_planner.egraph.extract')) for m in sys.modules), sorted(sys.modules)\n"
+        # only what the GPU machine's image holds: the standard library, numpy, ml_dtypes, cupy
+        "tops = {m.split('.')[0] for m in sys.modules} - set(sys.stdlib_module_names)\n"
+        "extra = {t for t in tops if not t.startswith('_') and t != 'cython_runtime'} - {'numpy', 'ml_dtypes', 'cupy', "
+        "'fusion_planner'}\n"
+        "assert not extra, extra\n"
         "raise SystemExit(rc)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -76,21 +90,52 @@ def test_export_time_merge_end_to_end_without_egglog(bundle_file, tmp_path):
     assert sum(1 for c in raw["candidates"] if c.get("best_so_far")) >= 1
 
 
-def test_a_wrong_kernel_is_rejected_not_timed(tmp_path):
-    cands = build_candidates(ew_chain(2, 64, "fp32"), "h200")
-    data = export_bundle(cands)
-    # corrupt one candidate's body: a different Affine constant than the graph's
-    body = data["candidates"][0]["kernels"][0]["body"]
+def _first_affine(body):
     node = body
     while node.get("op") != "Affine":
         node = node["args"][0]
-    node["attrs"]["a"] = 3.0
+    return node
+
+
+def test_a_wrong_kernel_is_rejected_not_timed(tmp_path):
+    """A kernel that computes something else (a planner bug, its device code made from the wrong body)
+    is verified, rejected and not timed; the others still are."""
+    cands = build_candidates(ew_chain(2, 64, "fp32"), "h200")
+    bad = cands.plans[0]
+    data = export_bundle(cands)
+    raw = data["candidates"][0]["kernels"][0]
+    _first_affine(raw["body"])["attrs"]["a"] = 3.0  # a different Affine constant than the graph's
+    kernel = dataclasses.replace(bad.kernels[0], body=expr_from_json(raw["body"]))
+    data["candidates"][0]["kernels"][0] = kernel_to_json(kernel, bad.tensors)
     path = tmp_path / "c.json"
     path.write_text(json.dumps(data))
     result = time_bundle(load_bundle(path), NumpyExecutor(), warmup=0, repeats=1)
     first, rest = result["candidates"][0], result["candidates"][1:]
     assert first["verdict"].startswith("rejected: mismatch") and first["meas_us"] is None
     assert all(c["verdict"] == "timed" for c in rest)
+
+
+def test_device_code_that_is_not_its_bodys_is_refused(tmp_path):
+    """The GPU runs only code the body generates: a bundle whose CUDA source, launch shape or cuBLASLt
+    call was edited is refused when it is read, by the runner's command with exit 2."""
+    from fusion_planner.backends.cupy.__main__ import main as runner_main
+
+    data = export_bundle(build_candidates(mlp_epilogue(24, 40, 36, "fp32"), "h200"))
+    edits = {
+        "source": lambda k: k["cuda"].update(source=k["cuda"]["source"] + "\n__device__ int evil;"),
+        "block": lambda k: k["cuda"].update(block=k["cuda"]["block"] * 2),
+        "cuBLASLt call": lambda k: k["cublaslt"].update(k=k["cublaslt"]["k"] + 1),
+    }
+    for what, edit in edits.items():
+        doc = copy.deepcopy(data)
+        field = "cublaslt" if what == "cuBLASLt call" else "cuda"
+        kernel = next(k for c in doc["candidates"] for k in c["kernels"] if k.get(field))
+        edit(kernel)
+        path = tmp_path / f"{field}.json"
+        path.write_text(json.dumps(doc))
+        with pytest.raises(BundleError, match="not what its body generates"):
+            load_bundle(path)
+        assert runner_main(["time", str(path), "-o", str(tmp_path / "m.json"), "--executor", "numpy"]) == 2, what
 
 
 def test_bad_files_name_the_problem(tmp_path):
