@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import time
 from pathlib import Path
 
 from fusion_planner.core.examples import ew_chain, mlp_stack
 from fusion_planner.core.machine import describe
+from fusion_planner.core.report import Count, log10_count
 from fusion_planner.egraph.candidates import build_candidates
 from fusion_planner.egraph.program import Limits
 
@@ -40,8 +42,8 @@ def measure(graph, repeats: int) -> dict:
     return best
 
 
-def fmt_space(n: int) -> str:
-    return f"{n:,}" if n < 10**7 else f"~1e{len(str(n)) - 1}"
+def fmt_space(n: Count) -> str:
+    return f"{n:,}" if n < 10**7 else f"~1e{math.floor(log10_count(n))}"
 
 
 def main() -> None:

@@ -4,21 +4,42 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from decimal import Decimal
 
 from fusion_planner.core.plans import Plan, abbreviate
 
 #: what a table row names at most: kernels of a plan, ops of a kernel, parts of a chain partition
 TABLE_KERNELS, TABLE_OPS, TABLE_PARTS = 24, 32, 24
 
+#: a number of plans: an exact int, or past 10^34 a Decimal to 34 digits (a 12-layer transformer's
+#: space has over ten million digits, too many to make an int of)
+Count = int | Decimal
 
-def count_text(n: int) -> str:
+
+def count_text(n: Count) -> str:
     """A count as a person reads it: ``1,234`` or, past fifteen digits, ``~7.1e44``."""
     if n < 10**15:
         return f"{n:,}"
-    shift = max(0, n.bit_length() - 60)
-    log10 = math.log10(n >> shift) + shift * math.log10(2)
+    log10 = log10_count(n)
     exp = math.floor(log10)
     return f"~{10 ** (log10 - exp):.1f}e{exp}"
+
+
+def count_json(n: Count) -> int | str:
+    """A count in JSON: exact below 10^15 (every JSON reader holds it), else :func:`count_text`'s
+    ``~7.1e44`` (a plan space can have more than the 4,300 digits Python will print)."""
+    return int(n) if n < 10**15 else count_text(n)
+
+
+def log10_count(n: Count) -> float:
+    """log10 of a positive count of any size (0.0 for 0)."""
+    if n <= 0:
+        return 0.0
+    if isinstance(n, Decimal):  # its leading digits and their exponent (no context's exponent limit applies)
+        lead = n.as_tuple().digits[:17]
+        return n.adjusted() + math.log10(int("".join(map(str, lead)))) - (len(lead) - 1)
+    shift = max(0, n.bit_length() - 60)
+    return math.log10(n >> shift) + shift * math.log10(2)
 
 
 def kernels_text(p: Plan) -> str:

@@ -14,6 +14,7 @@ from fusion_planner.core.examples import ew_chain, mlp_epilogue, transformer
 from fusion_planner.core.graph import Graph
 from fusion_planner.core.plans import Plan, rename_kernel
 from fusion_planner.core.regions import Region, split_regions
+from fusion_planner.core.report import Count, count_json, log10_count
 from fusion_planner.core.tolerance import check_outputs
 from fusion_planner.egraph.extract import ExtractionError, Extractor, Option, view_egraph
 from fusion_planner.egraph.program import Limits, saturate
@@ -33,7 +34,7 @@ class CandidateSet:
     graph: Graph
     spec: DeviceSpec
     plans: list[Plan]
-    space: int
+    space: Count
     complete: bool
     enodes: int
     iterations: int
@@ -61,7 +62,8 @@ class CandidateSet:
         return {
             "graph": self.graph.name,
             "device": self.spec.name,
-            "space": self.space,
+            "space": count_json(self.space),
+            "space_log10": round(log10_count(self.space), 4),
             "enumerated": self.complete,
             "enodes": self.enodes,
             "iterations": self.iterations,

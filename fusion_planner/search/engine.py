@@ -40,6 +40,7 @@ from fusion_planner.backends.reference import execute_graph, random_inputs
 from fusion_planner.core.errors import UsageError
 from fusion_planner.core.kinds import Verdict, is_rejected, rejected
 from fusion_planner.core.plans import Plan
+from fusion_planner.core.report import Count, count_json, log10_count
 from fusion_planner.core.tolerance import check_outputs
 from fusion_planner.egraph.candidates import CandidateSet
 from fusion_planner.egraph.extract import Option
@@ -141,7 +142,7 @@ class SearchResult:
     backend: str
     measures: bool
     device: str
-    space: int
+    space: Count
     enumerated: bool
     best: Plan
     unfused: Plan
@@ -191,7 +192,8 @@ class SearchResult:
             "backend": self.backend,
             "measures": self.measures,
             "device": self.device,
-            "space": self.space,
+            "space": count_json(self.space),
+            "space_log10": round(log10_count(self.space), 4),
             "enumerated": self.enumerated,
             "options": {k: _json_float(v) if isinstance(v, float) else v for k, v in vars(self.options).items()},
             "elapsed_s": round(self.elapsed_s, 4),

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 
 from fusion_planner.core.plans import Plan
-from fusion_planner.core.report import count_text
+from fusion_planner.core.report import Count, count_text
 
 _TRUE = ("1", "true", "yes", "on")
 
@@ -60,7 +60,7 @@ class SearchLog:
         return text
 
     # -- events
-    def header(self, graph: str, space: int, enumerated: bool, backend: str, device: str) -> None:
+    def header(self, graph: str, space: Count, enumerated: bool, backend: str, device: str) -> None:
         scope = "enumerated" if enumerated else "sampled"
         self.emit(f"Search {graph} | space {count_text(space)} plans ({scope}) | backend {backend} | device {device}")
 

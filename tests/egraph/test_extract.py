@@ -119,3 +119,36 @@ def test_the_dp_plan_computes_the_graph():
     np.testing.assert_allclose(execute_plan(ex.plan_of(ex.dp_best()), x)[0], execute_graph(g, x)[0],
                                rtol=1e-4, atol=1e-4)
     assert cands.best.est_us <= ex.cost(ex.dp_best()) + 1e-9  # the local search never ends worse than the DP seed
+
+
+def _compositions(n: int, largest: int) -> int:
+    """Ways to cut a chain of n ops into kernels of at most ``largest`` ops."""
+    ways = [1] + [0] * n
+    for i in range(1, n + 1):
+        ways[i] = sum(ways[i - j] for j in range(1, min(i, largest) + 1))
+    return ways[n]
+
+
+def test_plan_counts_are_exact_up_to_10_34_and_rounded_past_it():
+    """A chain's space is its compositions: exact while below 10^34, then to 34 significant digits
+    (counts of millions of digits are never made into integers)."""
+    small_graph, big_graph = ew_chain(50, 64, "fp32"), ew_chain(80, 64, "fp32")
+    small = build_candidates(small_graph, "h200", limits=Limits(max_region_ops=64))
+    assert small.space == _compositions(len(small_graph.ops), 64) and isinstance(small.space, int)
+    big = build_candidates(big_graph, "h200", limits=Limits(max_region_ops=64))
+    exact = _compositions(len(big_graph.ops), 64)
+    assert exact > 10**34 and not isinstance(big.space, int)
+    assert abs(big.space - exact) <= exact // 10**32
+    assert len(big.plans) > 1 and big.plans[0].est_us <= big.unfused.est_us
+
+
+def test_counts_of_any_size_print_and_serialise():
+    from decimal import Decimal
+
+    from fusion_planner.core.report import count_json, count_text, log10_count
+
+    assert count_text(12_345) == "12,345" and count_json(12_345) == 12_345
+    huge = Decimal("2.5E+999999999")  # past Python's 4,300-digit int printing and the default Decimal context
+    assert count_text(huge) == count_json(huge) == "~2.5e999999999"
+    assert abs(log10_count(huge) - 999999999.39794) < 1e-4
+    assert count_text(10**5000).startswith("~1.0e5000") and abs(log10_count(10**5000) - 5000) < 1e-9

@@ -85,3 +85,12 @@ def test_a_wide_fan_out_of_distinct_outputs_plans(tmp_path, capsys):
     assert main(["explain", "--graph", graph, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["enumerated"] and len(data["candidates"][0]["kernels"]) == 1000
+
+
+def test_explain_json_of_a_plan_space_past_4300_digits(capsys):
+    """A 4-layer transformer has ~10^15,285 plans: Python refuses to print an int that long, so the JSON
+    carries the count as ``~9.5e15284`` text and ``space_log10`` (it crashed in json.dumps)."""
+    assert main(["explain", "--example", "transformer", "--layers", "4", "--d-model", "64", "--seq", "8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert isinstance(data["space"], str) and data["space"].startswith("~") and data["space_log10"] > 4300
+    assert data["candidates"] and any(c["best"] for c in data["candidates"])
