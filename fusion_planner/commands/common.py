@@ -14,28 +14,12 @@ from fusion_planner.core.graph import Graph, load_graph
 from fusion_planner.egraph.candidates import DEFAULT_CAP, DEFAULT_K
 from fusion_planner.egraph.program import Limits
 
-
-def seed_arg(text: str) -> int:
-    """argparse type of every --seed: numpy's generators take only non-negative seeds."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
-    return value
-
-
-def threads_arg(text: str) -> int:
-    """argparse type of --threads: a positive integer."""
-    value = seed_arg(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+#: argparse type of every --seed: numpy's generators take only non-negative seeds
+seed_arg = limits.int_arg(0)
 
 
 def add_threads_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    p.add_argument("--threads", type=threads_arg, default=None, metavar="N",
+    p.add_argument("--threads", type=limits.positive_arg, default=None, metavar="N",
                    help="cpu backend: worker threads (default $FUSION_PLANNER_THREADS, else every available core)")
 
 

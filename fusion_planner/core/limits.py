@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field, fields, replace
 
@@ -99,14 +99,24 @@ def flag_of(attribute: str) -> str:
     return f"{flag} or ${env}"
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text[:40]!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+def int_arg(least: int) -> Callable[[str], int]:
+    """argparse type of an integer flag of at least ``least`` (a bad value exits 2 with argparse's usage)."""
+    what = {0: "a non-negative integer", 1: "a positive integer"}.get(least, f"an integer of at least {least}")
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text[:40]!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+        return value
+
+    return parse
+
+
+#: argparse type of each limit's flag and of ``--threads``
+positive_arg = int_arg(1)
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -115,7 +125,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     for f in fields(InputLimits):
         flag = next(flag for name, flag, _ in FLAGS if name == f.name)
         text = next(text for name, _, text in FLAGS if name == f.name)
-        g.add_argument(flag, dest=f"limit_{f.name}", type=_positive, default=None, metavar="N",
+        g.add_argument(flag, dest=f"limit_{f.name}", type=positive_arg, default=None, metavar="N",
                        help=f"{text} (default ${f.metadata['env']}, else {f.metadata['default']:,})")
 
 
