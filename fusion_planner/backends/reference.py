@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from fusion_planner.core.graph import Graph
-from fusion_planner.core.inputs import random_inputs
+from fusion_planner.core.inputs import RecipeInputs, random_inputs
 from fusion_planner.core.ops import op_def, round_to
 from fusion_planner.core.plans import Expr, Kernel, Load, Plan
 
@@ -38,8 +38,10 @@ def _work_dtype(mode: str) -> type[np.floating]:
 def prepare_inputs(
     tensors: Mapping[str, object], inputs: Mapping[str, np.ndarray], names: Sequence[str], mode: str
 ) -> dict[str, np.ndarray]:
-    """Inputs as stored in memory: rounded to their dtype, held in the working float type."""
+    """Inputs as stored in memory: rounded to their dtype (unless the recipe drew them, already rounded),
+    held in the working float type."""
     work = _work_dtype(mode)
+    drawn = isinstance(inputs, RecipeInputs)
     mem: dict[str, np.ndarray] = {}
     for name in names:
         if name not in inputs:
@@ -50,7 +52,9 @@ def prepare_inputs(
             raise ExecutionError(
                 f"input {name!r} has shape {list(arr.shape)}, expected {list(ttype.shape)}"  # type: ignore[attr-defined]
             )
-        if arr.dtype == work == np.float32:  # fp32 holds the value exactly: round once, no float64 detour
+        if drawn and arr.dtype == np.float32:  # the recipe's fp32 arrays hold values of their dtype exactly
+            mem[name] = arr if work == np.float32 else arr.astype(work)
+        elif arr.dtype == work == np.float32:  # fp32 holds the value exactly: round once, no float64 detour
             mem[name] = round_to(arr, ttype.dtype)  # type: ignore[attr-defined]
         else:
             mem[name] = round_to(arr.astype(np.float64), ttype.dtype).astype(work)  # type: ignore[attr-defined]

@@ -252,6 +252,7 @@ class Extractor:
     _kernels: dict[Option, Kernel] = field(default_factory=dict)  # built kernels, by option
     _unfused: dict[str, Option] | None = None
     _chain: bool | None = None
+    _capped: dict[str, None] = field(default_factory=dict)  # values whose bodies the body cap cut, in order
 
     def __post_init__(self) -> None:
         # each class's bodies are dropped once every e-node reading it has used them: they are the bulk of
@@ -265,6 +266,11 @@ class Extractor:
                 raise ExtractionError(f"no kernel computes {self.view.tensor[cls]!r}")
             self.options[cls] = opts
         self._bodies.clear()
+        if self._capped:  # one note: a deep graph reaches the cap at hundreds of values
+            named = list(self._capped)
+            more = f" (+{len(named) - CAPPED_NAMED} more)" if len(named) > CAPPED_NAMED else ""
+            self.notes.append(f"body cap ({self.max_bodies_per_root}) reached at {len(named)} value(s): "
+                              f"{', '.join(named[:CAPPED_NAMED])}{more}")
 
     def _used(self, c: str) -> None:
         self._uses[c] -= 1
@@ -308,9 +314,7 @@ class Extractor:
                     continue
                 out.append(body)
                 if len(out) >= self.max_bodies_per_root:
-                    note = f"body cap ({self.max_bodies_per_root}) reached at {self.view.value_node.get(v, v)}"
-                    if note not in self.notes:
-                        self.notes.append(note)
+                    self._capped.setdefault(self.view.value_node.get(v, v))
                     break
             if len(out) >= self.max_bodies_per_root:
                 break
@@ -739,6 +743,9 @@ def _cheapest_first(options: list[Option], value: Callable[[Option], float]) -> 
         i = j
     return out
 
+
+#: values a body-cap note names
+CAPPED_NAMED = 4
 
 #: plan counts: exact below 10^34, then rounded to 34 digits. A graph of a few hundred ops has 10^1000
 #: plans and more; exact integers of that size made their products the extractor's largest cost
