@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
@@ -73,12 +74,20 @@ FLAGS = (
 )
 
 _current: ContextVar[InputLimits | None] = ContextVar("input_limits", default=None)
+_ENV_NAMES = tuple(f.metadata["env"] for f in fields(InputLimits))
 
 
 def current() -> InputLimits:
-    """The limits in force: those set by :func:`input_limits`, else the defaults (read now, so a
-    changed environment variable counts)."""
-    return _current.get() or InputLimits()
+    """The limits in force: those set by :func:`input_limits`, else the defaults with the environment as
+    it is now (a changed variable counts; each graph node and plan body asks)."""
+    held = _current.get()
+    return held if held is not None else _defaults(tuple(os.environ.get(name) for name in _ENV_NAMES))
+
+
+@functools.lru_cache(maxsize=8)
+def _defaults(environment: tuple[str | None, ...]) -> InputLimits:
+    """The defaults under ``environment`` (the variables' values: the cache key, read by the factories)."""
+    return InputLimits()
 
 
 @contextlib.contextmanager

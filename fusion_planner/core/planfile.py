@@ -146,10 +146,8 @@ def _kernel(d: Any, i: int, source: str, graph: Graph) -> Kernel:
         raise PlanFileError(f"{where}: needs 'out' (a tensor name) and 'reads' (a list of tensor names)")
     try:
         body = expr_from_json(d.get("body"), "body")
-    except (ValueError, OpError) as exc:
+    except (ValueError, OpError) as exc:  # a body past the depth limit included (core.limits)
         raise PlanFileError(f"{where}: {exc}") from None
-    except RecursionError:
-        raise PlanFileError(f"{where}: the body nests too deeply") from None
     if not isinstance(body, Expr):
         raise PlanFileError(f"{where}: the body must compute a value, not just load {body.tensor!r}")
     cost = _cost(d.get("cost"), where)
@@ -229,7 +227,7 @@ def check_plan_tensors(plan: Plan, tensors: Mapping[str, TensorType], inputs: It
         loads = _loads(k.body)
         if loads != set(k.reads):
             raise PlanFileError(f"{where}: body loads {sorted(loads)} but 'reads' lists {sorted(k.reads)}")
-        unknown = loads - set(tensors)
+        unknown = {t for t in loads if t not in tensors}
         if unknown:
             raise PlanFileError(f"{where}: reads {sorted(unknown)}, which {owner} does not have")
         missing = loads - memory

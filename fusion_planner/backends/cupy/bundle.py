@@ -10,10 +10,11 @@ and ``fusion_planner.core.plans``; none of them imports egglog.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -177,8 +178,8 @@ def _need(d: Mapping[str, Any], key: str, where: str) -> Any:
 
 
 def _kernel_from_json(d: Mapping[str, Any], where: str) -> tuple[Kernel, Mapping[str, Any]]:
-    """A kernel and the device code the file gives it (checked against its body later, by
-    :func:`_device_code`)."""
+    """A kernel and its raw entry, whose device code :func:`_checked_device_code` checks against the body
+    once the candidate's plan has passed the plan checks."""
     body = expr_from_json(_need(d, "body", where), f"{where}.body")
     if not isinstance(body, Expr):
         raise BundleError(f"{where}: a kernel body must compute something, not only load")
@@ -254,14 +255,21 @@ def candidate_from_json(d: Mapping[str, Any], graph: str, tensors: dict[str, Ten
 
 def bundle_from_json(data: Any, source: str = "<json>") -> Bundle:
     """Parse a candidates bundle as untrusted data (torch names checked as in docs/security.md)."""
+    with _reading(source):
+        return _bundle_from_json(data, source)
+
+
+@contextlib.contextmanager
+def _reading(where: str) -> Iterator[None]:
+    """Read untrusted data: torch names checked (docs/security.md), and a field of the wrong type or shape
+    anywhere in it refused as a BundleError naming ``where``."""
     with loading_file():
         try:
-            return _bundle_from_json(data, source)
+            yield
         except BundleError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, StopIteration) as exc:
-            # a field of the wrong type or shape anywhere in the document: refused, naming the file
-            raise BundleError(f"{source}: malformed bundle ({type(exc).__name__}: {exc})") from None
+            raise BundleError(f"{where}: malformed bundle ({type(exc).__name__}: {exc})") from None
 
 
 def tensor_table(raw: Any, where: str) -> dict[str, TensorType]:
@@ -326,14 +334,9 @@ def variant_candidate(v: Any, i: int) -> Candidate:
     """One C-05 variant (a candidate with its graph name and tensors inline)."""
     if not isinstance(v, dict) or not isinstance(v.get("tensors"), dict):
         raise BundleError(f"variants[{i}]: expected an object with 'tensors'")
-    with loading_file():
-        try:
-            return candidate_from_json(v, str(v.get("graph", "")), tensor_table(v["tensors"], f"variants[{i}].tensors"),
-                                       f"variants[{i}]")
-        except BundleError:
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, StopIteration) as exc:
-            raise BundleError(f"variants[{i}]: malformed ({type(exc).__name__}: {exc})") from None
+    with _reading(f"variants[{i}]"):
+        return candidate_from_json(v, str(v.get("graph", "")), tensor_table(v["tensors"], f"variants[{i}].tensors"),
+                                   f"variants[{i}]")
 
 
 def generated_kernels(path: str | Path) -> list[CudaKernel]:
