@@ -18,7 +18,7 @@ Mapping (everything else becomes an ``Opaque`` node executed by torch, see
 * exp, tanh, sigmoid, sqrt, rsqrt, square of one tensor -> the op-table op whose ``torch_names`` name
   the call; ``x ** p`` for p = 2, 3, 0.5, -0.5 -> ``Square`` (and ``Mul``), ``Sqrt``, ``Rsqrt``;
 * a tensor with a Python scalar (``x*a``, ``x+b``, ``x-b``, ``b-x``, ``x/a``) -> ``Affine``;
-* in fp32: mean / sum / amax over the last dimension with ``keepdim=True`` -> ``RowMean`` / ``RowSum`` /
+* mean / sum / amax over the last dimension with ``keepdim=True`` -> ``RowMean`` / ``RowSum`` /
   ``RowMax``; a tensor with one value per row (``[..., 1]``) -> ``AddRow`` .. ``DivRow``; a tensor times a
   row vector -> ``BiasMul``; LayerNorm, RMSNorm and softmax over the last dimension -> those primitives;
 * views that keep the flattened shape, eval-mode dropout, contiguous/clone -> no node.
@@ -55,7 +55,7 @@ from fusion_planner.core.graph import Graph, GraphBuilder, GraphError
 from fusion_planner.core.inputs import INDEX_STEP
 from fusion_planner.core.kinds import OpKind
 from fusion_planner.core.opaque import flat_shape, step_flops
-from fusion_planner.core.ops import OPS, OpError
+from fusion_planner.core.ops import OPS, OpError, numpy_dtype
 from fusion_planner.torch.errors import TorchImportError
 from fusion_planner.torch.heads import head_merge, head_split
 from fusion_planner.torch.ops import IMPORTER_TABLE as _CANON
@@ -64,6 +64,8 @@ from fusion_planner.torch.ops import encode_arg, resolve_torch_fn, torch_fn_name
 log = logging.getLogger(__name__)
 
 TORCH_DTYPES: dict[torch.dtype, str] = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+#: the 16-bit dtypes, handed to backends as numpy arrays of their own dtype (float16, ml_dtypes' bfloat16)
+_BITS = frozenset({torch.float16, torch.bfloat16})
 #: integer call inputs (token ids) the importer accepts: bound as fp32 (exact below 2**24), converted back with
 #: ``.long()`` right before the Opaque call that takes them, and never read by an op of the op table
 INDEX_DTYPES = frozenset({torch.int64, torch.int32})
@@ -150,7 +152,8 @@ def _describe(t: torch.Tensor) -> str:
 def graph_inputs_from_module(
     imported: ImportedModule, module: nn.Module | Mapping[str, torch.Tensor] | None, args: Sequence[Any]
 ) -> dict[str, np.ndarray]:
-    """The graph's input arrays (float32, flattened to IR shapes) for one call: call inputs, parameters,
+    """The graph's input arrays (flattened to IR shapes; float32, or the 16-bit dtype's own numpy dtype) for one
+    call: call inputs, parameters,
     buffers (a planned module keeps a :class:`BoundInputs` instead, which converts parameters once)."""
     return BoundInputs(imported, module).feed(args)
 
@@ -223,6 +226,9 @@ def _to_numpy(t: torch.Tensor, transpose: bool = False) -> np.ndarray:
         # a Linear weight (N, K) read as (K, N): its transpose, a view (the GEMM library takes either order)
         return a.T if transpose else a.reshape(flat_shape(a.shape))
     t = t.detach()
+    if t.dtype in _BITS:  # 16-bit: an array of its own dtype over the tensor's bits (a view where contiguous)
+        bits = t.cpu().contiguous().view(torch.int16).numpy().view(numpy_dtype(TORCH_DTYPES[t.dtype]))
+        return bits.T if transpose else bits.reshape(flat_shape(bits.shape))
     if transpose:
         t = t.t()
     a = t.to(torch.float32).cpu().contiguous().numpy()
@@ -415,11 +421,12 @@ def _op_for_torch_call(target: Any, args: Any, kwargs: Any) -> str | None:
     return None
 
 
-def _fp32_rows(x: Any, concrete: Any, dim: Any = -1) -> bool:
-    """Is this a call the row ops can take: an fp32 tensor ``x`` reduced over its last dimension ``dim``
-    to an fp32 result?"""
-    return (isinstance(x, _T) and isinstance(concrete, torch.Tensor) and x.dtype == concrete.dtype == torch.float32
-            and isinstance(dim, int) and not isinstance(dim, bool) and dim in (-1, len(x.shape) - 1))
+def _rows(x: Any, concrete: Any, dim: Any = -1) -> bool:
+    """Is this a call the row ops can take: a float tensor ``x`` reduced over its last dimension ``dim``
+    to a result of its own dtype?"""
+    return (isinstance(x, _T) and isinstance(concrete, torch.Tensor) and x.dtype == concrete.dtype
+            and x.dtype in TORCH_DTYPES and isinstance(dim, int) and not isinstance(dim, bool)
+            and dim in (-1, len(x.shape) - 1))
 
 
 def _is_scalar(v: Any) -> bool:
@@ -720,15 +727,16 @@ class _Importer:
     def map_div(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
         return self.binary(node, args, kwargs, concrete, "div")
 
-    # -- rows: reductions over the last dimension and what is made of them (fp32 only: a 16-bit graph
-    # would store the statistics of the unfused plan in 16 bits, where torch keeps them in fp32)
+    # -- rows: reductions over the last dimension and what is made of them.  In a 16-bit graph an unfused
+    # plan stores the row statistics in 16 bits, where torch keeps them in fp32; a fused row kernel keeps
+    # them in fp32 registers, as torch does.  Both are candidates; the output check judges each.
     def reduction(self, node, args, kwargs, concrete, op):  # noqa: ANN001, ANN201
         """``x.mean(-1, keepdim=True)`` (``sum``, ``amax``): the op-table reduction over the last dimension."""
         x = args[0] if args else kwargs.get("input")
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
         keep = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
         dims = tuple(dim) if isinstance(dim, (list, tuple)) else (dim,)
-        if len(dims) != 1 or not _fp32_rows(x, concrete, dims[0]) or keep is not True or kwargs.get("dtype"):
+        if len(dims) != 1 or not _rows(x, concrete, dims[0]) or keep is not True or kwargs.get("dtype"):
             return None
         return self.emit(node, op, [self.use(x, node.name)], None, concrete.shape, concrete.dtype)
 
@@ -745,7 +753,7 @@ class _Importer:
         """softmax over the last dimension: exp(x - max) / sum, one row kernel once fused."""
         x = args[0] if args else kwargs.get("input")
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-        if (not _fp32_rows(x, concrete, dim) or kwargs.get("dtype") is not None
+        if (not _rows(x, concrete, dim) or kwargs.get("dtype") is not None
                 or (len(args) > 2 and args[2] not in (None, False))):
             return None
         shape, dt, stat = concrete.shape, concrete.dtype, (*concrete.shape[:-1], 1)
@@ -759,7 +767,7 @@ class _Importer:
     def map_sdpa(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
         """``scaled_dot_product_attention(q, k, v, is_causal=..., scale=...)`` of heads taken out of token rows
         (``split``/``view``/``transpose``): ``Heads`` of each, softmax(scale * q@k^T) @ v from ``BatchScores``,
-        ``Affine``, the row ops and ``BatchApply`` (fp32; no mask, no dropout).  The rules fuse it into one
+        ``Affine``, the row ops and ``BatchApply`` (no mask, no dropout).  The rules fuse it into one
         ``Attention`` kernel; the heads are merged back where the result is transposed and reshaped."""
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         bound = dict(zip(names, args, strict=False)) | kwargs
@@ -767,10 +775,10 @@ class _Importer:
                 or bound.get("enable_gqa", False) or not isinstance(bound.get("is_causal", False), bool)):
             return None
         qkv = [bound.get(n) for n in names[:3]]
-        if not all(isinstance(t, _T) and t.program is not None and t.dtype == torch.float32 for t in qkv):
+        if not all(isinstance(t, _T) and t.program is not None and t.dtype == concrete.dtype for t in qkv):
             return None
         splits = [head_split(t.program.steps, t.program.in_shapes) for t in qkv]
-        if any(sp is None for sp in splits) or concrete.dtype != torch.float32:
+        if any(sp is None for sp in splits) or concrete.dtype not in TORCH_DTYPES:
             return None
         scale = bound.get("scale")
         scale = 1.0 / math.sqrt(qkv[0].shape[-1]) if scale is None else scale  # torch's default: 1/sqrt(head dim)
@@ -798,9 +806,9 @@ class _Importer:
     def norm(self, node, x, shape, weight, bias, eps, concrete, rms):  # noqa: ANN001, ANN201
         """LayerNorm (``rms``: RMSNorm) over the last dimension as the ops it is made of: the row
         statistics, ``(x - mean) * rsqrt(var + eps)`` (``x * rsqrt(mean(x*x) + eps)``), weight, bias."""
-        if not _fp32_rows(x, concrete) or tuple(shape or ()) != (x.shape[-1],):
+        if not _rows(x, concrete) or tuple(shape or ()) != (x.shape[-1],):
             return None
-        eps = float(torch.finfo(torch.float32).eps if eps is None else eps)
+        eps = float(torch.finfo(x.dtype).eps if eps is None else eps)  # torch's default: the input dtype's
         full, dt, stat = concrete.shape, concrete.dtype, (*concrete.shape[:-1], 1)
         xi = centred = self.use(x, node.name)
         if not rms:

@@ -665,3 +665,50 @@ def test_a_gemms_right_operand_is_read_in_place_in_either_order():
     x, w = np.eye(8, dtype=np.float32) * 2, np.arange(64, dtype=np.float32).reshape(8, 8)
     (got2,) = cpu_backend().compile(plan2).run({"x": x, "w": np.asfortranarray(w)})
     np.testing.assert_allclose(got2, x @ w + w)
+
+
+# ---------------------------------------------------------------- 16-bit products in torch's own units
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("gelu", ["tanh", "erf"])
+def test_16_bit_gemms_in_torchs_native_product_match_the_widened_ones(dtype, gelu, monkeypatch):
+    """A 16-bit GEMM+epilogue multiplied by torch in the dtype itself (the CPU's AMX/AVX-512 BF16 units where it
+    has them; forced here, so it runs on any CPU) reads its operands and product tile as stored; the widened
+    fp32 product is the other path.  Both match the reference within the dtype's tolerance, and a weight only
+    the GEMM reads is bound in nn.Linear's (N, K) layout without a copy on the native path."""
+    pytest.importorskip("torch")
+    from fusion_planner.backends.cpu.backend import CpuBackend
+
+    g = examples.mlp_epilogue(40, 24, 16, dtype, gelu=gelu)
+    plan = next(p for p in build_candidates(g, SPEC).plans if len(p.kernels) == 1)
+    inputs = random_inputs(g, seed=3)
+    (want,) = execute_plan(plan, inputs)
+    w_t = np.ascontiguousarray(inputs["w"].astype(numpy_dtype(dtype)).T)
+    for mode, impl in (("native", f"torch-{dtype}-gemm+c-epilogue"), ("widen", "torch-gemm+c-epilogue")):
+        monkeypatch.setenv("FUSION_PLANNER_CPU_GEMM_16BIT", mode)
+        compiled = CpuBackend(SPEC, threads=1, gemm_library="torch").compile(plan)
+        assert compiled.kernel_facts[0]["impl"] == impl
+        feed = {n: a.astype(numpy_dtype(dtype)) for n, a in inputs.items()} | {"w": w_t.T}
+        (got,) = compiled.run(feed)
+        assert close(got, want, dtype), mode
+        assert (compiled.memory.arrays["w"].base is w_t.T.base) == (mode == "native")
+    monkeypatch.setenv("FUSION_PLANNER_CPU_GEMM_16BIT", "sometimes")
+    with pytest.raises(BackendError, match="FUSION_PLANNER_CPU_GEMM_16BIT='sometimes'"):
+        CpuBackend(SPEC, threads=1, gemm_library="torch").compile(plan)
+
+
+def test_16_bit_inputs_of_their_own_dtype_are_bound_not_converted():
+    """A bf16 call input handed over as bf16 (what the torch importer passes) is read in place as its bits."""
+    from fusion_planner.backends.cpu.backend import CpuBackend
+
+    g = examples.ew_chain(3, 777, "bf16")
+    plan = build_candidates(g, SPEC).best
+    inputs = random_inputs(g, seed=1)
+    (want,) = execute_plan(plan, inputs)
+    compiled = CpuBackend(SPEC, threads=1).compile(plan)
+    x = inputs["x"].astype(numpy_dtype("bf16"))
+    binds, loads = compiled.binds, compiled.loads
+    (got,) = compiled.run({"x": x})
+    assert compiled.binds == binds + 1 and compiled.loads == loads
+    assert close(got, want, "bf16")

@@ -51,6 +51,7 @@ from fusion_planner.backends.cpu.codegen import (
     Compiler,
     CompilerUnavailable,
     generate,
+    narrow_source,
     rows_cols,
     widen_source,
 )
@@ -208,9 +209,10 @@ def bindable(arr: np.ndarray, storage: np.ndarray, transposed_ok: bool = False) 
     return arr.dtype == storage.dtype and arr.shape == storage.shape and order and arr.flags.aligned
 
 
-def gemm_b_only(plan: Plan) -> frozenset[str]:
-    """fp32 tensors that only GEMM libraries read, as their right operand: the library takes them in either
-    order, so a transposed weight is read in place.  MKL multiplies the GEMMs of transformer layers (M of
+def gemm_b_only(plan: Plan, dtypes: frozenset[str] = frozenset({"fp32"})) -> frozenset[str]:
+    """Tensors of ``dtypes`` that only GEMM libraries read, as their right operand: the library takes them in
+    either order, so a transposed weight is read in place (16-bit ones only where torch's native product
+    reads them: widening for BLAS needs C order).  MKL multiplies the GEMMs of transformer layers (M of
     64 to 256) 3-18% faster from nn.Linear's own (N, K) weight than from its (K, N) copy (measured here,
     1 and 2 threads, 2026-12-01), and the copy per parameter is saved."""
     b_operands: set[str] = set()
@@ -224,7 +226,7 @@ def gemm_b_only(plan: Plan) -> frozenset[str]:
         b_operands.update([b.tensor] if isinstance(b, Load) else [])
         other.update([a.tensor] if isinstance(a, Load) else [])
         other.update(x.tensor for e in k.body.walk() if e is not mm for x in e.args if isinstance(x, Load))
-    return frozenset(n for n in b_operands - other - set(plan.outputs) if plan.tensors[n].dtype == "fp32")
+    return frozenset(n for n in b_operands - other - set(plan.outputs) if plan.tensors[n].dtype in dtypes)
 
 
 class CpuCompiledPlan(CompiledPlan):
@@ -242,7 +244,8 @@ class CpuCompiledPlan(CompiledPlan):
         self.memory = memory
         self.buffers = memory.own
         self.input_names = inputs
-        self._transposed_ok = gemm_b_only(plan)
+        native = {d for d in ("bf16", "fp16") if backend.gemm_library == "torch" and gemm.native_16bit(d)}
+        self._transposed_ok = gemm_b_only(plan, frozenset({"fp32", *native}))
         self.threads = backend.threads
         self.blas_threads = backend.blas_threads
         self.controller = backend.controller
@@ -267,14 +270,19 @@ class CpuCompiledPlan(CompiledPlan):
             if tuple(arr.shape) != tuple(ttype.shape):
                 raise BackendError(f"input {name!r} has shape {list(arr.shape)}, expected {list(ttype.shape)}")
             own = self.memory.own[name]
-            if bindable(arr, own, name in self._transposed_ok):  # stored as the kernels read it: read in place
-                self.memory.bind(name, arr)
+            # a 16-bit array of the tensor's own dtype: its bits are the storage
+            bits = arr.view(np.uint16) if own.dtype == np.uint16 and arr.dtype == numpy_dtype(ttype.dtype) else None
+            if bindable(arr if bits is None else bits, own, name in self._transposed_ok):  # read in place
+                self.memory.bind(name, arr if bits is None else bits)
                 self.binds += 1
                 continue
             self.memory.restore(name)
             if self._loaded.get(name) is arr and not arr.flags.writeable:
                 continue  # the same read-only array as last time (a bound parameter): already in its buffer
-            to_storage(arr, ttype.dtype, own)
+            if bits is None:
+                to_storage(arr, ttype.dtype, own)
+            else:
+                np.copyto(own, bits)
             self.loads += 1
             self._loaded[name] = arr
 
@@ -448,12 +456,18 @@ class CpuBackend(Backend):
             return [generate(k.body, types, stream=self._streams(tensors[k.out])).source]
         if k.kind in (KernelKind.GEMM_EPILOGUE, KernelKind.CUBLASLT):
             mm = find_matmul(k.body)
+            tile_dtype = self._tile_dtype(k, tensors)
             widen = [widen_source(tensors[a.tensor].dtype) for a in mm.args  # type: ignore[union-attr]
-                     if DTYPE_BYTES[tensors[a.tensor].dtype] != 4]  # type: ignore[union-attr]
-            return [generate(k.body, types, tile=mm).source, *widen]
+                     if DTYPE_BYTES[tensors[a.tensor].dtype] != 4 and tile_dtype == "fp32"]  # type: ignore[union-attr]
+            return [generate(k.body, types, tile=mm, tile_dtype=tile_dtype).source, *widen]
         if k.kind == KernelKind.STANDALONE:
             source = standalone.source_of(k.body, {n: t[0] for n, t in types.items()})
-            return [] if source is None else [source]
+            dtype = k.body.type.dtype
+            if source is None or dtype == "fp32":
+                return [] if source is None else [source]
+            if self.gemm_library == "torch" and gemm.native_16bit(dtype):
+                return []  # torch's fused attention
+            return [source, widen_source(dtype), narrow_source(dtype)]
         return []
 
     def _streams(self, out: TensorType) -> bool:
@@ -562,6 +576,22 @@ class CpuBackend(Backend):
 
         return widen, wide.nbytes
 
+    def _tile_dtype(self, k: Kernel, tensors: Mapping[str, TensorType]) -> str:
+        """How a GEMM kernel's product tile is stored: in the operands' 16-bit dtype where torch multiplies it
+        natively (the product rounded to it, as eager torch rounds a Linear's output), else fp32."""
+        mm = find_matmul(k.body)
+        dtypes = {tensors[a.tensor].dtype for a in mm.args if isinstance(a, Load)}
+        (dtype,) = dtypes if len(dtypes) == 1 else ("fp32",)
+        if dtype == "fp32" or self.gemm_library != "torch" or not gemm.native_16bit(dtype):
+            return "fp32"
+        return dtype
+
+    @staticmethod
+    def _stored(memory: Memory, name: str) -> tuple[Callable[[int, int], np.ndarray], int]:
+        """``rows(r0, r1)``: rows r0..r1 of a GEMM operand as stored (no scratch)."""
+        arrays = memory.arrays
+        return (lambda r0, r1: arrays[name][r0:r1]), 0
+
     def _gemm(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory) -> Step:
         mm = find_matmul(k.body)
         a_name, b_name = (a.tensor for a in mm.args)  # type: ignore[union-attr]
@@ -581,21 +611,28 @@ class CpuBackend(Backend):
         blocks = [(0, rows)] if torch_gemm else parallel.split(rows, parallel.gemm_parts(self.threads, rows))
         # the workers share the last-level cache: each block's tiles get its share of the tile budget
         tile_rows = min(gemm_tile_rows(rows, cols, kdim, self.tile_bytes // len(blocks)), blocks[0][1] - blocks[0][0])
-        widen_b, b_scratch = self._widen(memory, b_name, tensors[b_name].dtype, b_buf.shape[0])
-        ck = generate(k.body, self._types(tensors), tile=mm)
+        a_dtype, b_dtype = tensors[a_name].dtype, tensors[b_name].dtype
+        # torch multiplies some 16-bit dtypes natively (AMX): the operands are read as stored, never widened,
+        # and the epilogue reads the product's 16-bit tile
+        tile_dtype = self._tile_dtype(k, tensors)
+        native = tile_dtype != "fp32"
+        widen_b, b_scratch = self._stored(memory, b_name) if native else self._widen(memory, b_name, b_dtype, b_buf.shape[0])
+        ck = generate(k.body, self._types(tensors), tile=mm, tile_dtype=tile_dtype)
         b_rows = b_buf.shape[0]
         scratch = b_scratch
         blockwork: list[tuple[Callable[..., None], list[str | None], np.ndarray, Callable[[int, int], np.ndarray],
                               list[tuple[int, int]]]] = []
         reads: list[np.ndarray] = []
         for r_start, r_end in blocks:
-            tile = np.empty((tile_rows, cols), dtype=np.float32)
-            widen_a, a_scratch = self._widen(memory, a_name, tensors[a_name].dtype, tile_rows)
+            tile = np.empty((tile_rows, cols), dtype=storage_dtype(tile_dtype))
+            widen_a, a_scratch = self._stored(memory, a_name) if native else self._widen(memory, a_name, a_dtype,
+                                                                                          tile_rows)
             fn, params, reads = self._bind(ck, buffers)
             scratch += tile.nbytes + a_scratch
             bounds = [(r, min(r_end, r + tile_rows)) for r in range(r_start, r_end, tile_rows)]
             blockwork.append((fn, params, tile, widen_a, bounds))
-        pool, addr, out_name, product, threads = self.pool, memory.addr, k.out, self.matmul, self.threads
+        pool, addr, out_name, threads = self.pool, memory.addr, k.out, self.threads
+        product = gemm.torch_mm_16bit(a_dtype) if native else self.matmul
 
         def call() -> None:
             b32 = widen_b(0, b_rows)  # B in fp32, widened once and shared by the blocks
@@ -612,7 +649,7 @@ class CpuBackend(Backend):
                       for fn, params, tile, widen_a, bounds in blockwork])
 
         facts = {
-            "impl": f"{self.gemm_library}-gemm+c-epilogue",
+            "impl": f"{self.gemm_library}-{a_dtype}-gemm+c-epilogue" if native else f"{self.gemm_library}-gemm+c-epilogue",
             "tile_rows": tile_rows,
             "tiles": sum(-(-(end - start) // tile_rows) for start, end in blocks),
             "threads": threads if torch_gemm else len(blocks),
@@ -626,34 +663,76 @@ class CpuBackend(Backend):
     def _standalone(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory) -> Step:
         body = k.body
         order = [a.tensor for a in body.args if isinstance(a, Load)]
-        if len(order) != len(body.args) or any(tensors[n].dtype != "fp32" for n in order) or body.type.dtype != "fp32":
-            return self._converted(k, tensors, memory)  # 16-bit storage: the reference's numpy form
+        if len(order) != len(body.args):
+            return self._converted(k, tensors, memory)
         arrays, out_name, reads = memory.arrays, k.out, [memory.own[n] for n in dict.fromkeys(order)]
-        if body.op == "Attention":
-            source = standalone.source_of(body, {n: tuple(t.shape) for n, t in tensors.items()})
-            assert source is not None
-            fn = self.compiler.function(source, 4)
-            addr = memory.addr
-            groups = int(body.type.shape[0])
-            call = standalone.attention_call(fn, self.pool, self.threads, groups,
-                                             lambda: [addr[n] for n in order] + [addr[out_name]])
-            return Step(k, call, reads, memory.own[k.out], {"impl": "c-attention", "threads": min(self.threads, groups),
-                                                            "key_block": standalone.KEY_BLOCK})
-        if body.op in ("Heads", "Merge"):
+        if body.op in ("Heads", "Merge"):  # a copy of the stored bits: any dtype
             copy = standalone.layout_copy(body)
 
             def call_copy() -> None:
                 copy(arrays[order[0]], arrays[out_name])
 
             return Step(k, call_copy, reads, memory.own[k.out], {"impl": "numpy-layout-copy"})
-        write = standalone.scores_writer(body, self.bmm) if body.op == "BatchScores" else self.bmm
+        dtype = body.type.dtype
+        if any(tensors[n].dtype != dtype for n in order):
+            return self._converted(k, tensors, memory)
+        if body.op == "Attention":
+            return self._attention(k, tensors, memory, order, reads)
+        bmm, impl = self.bmm, f"{self.gemm_library}-batched-gemm"
+        if dtype != "fp32":
+            if self.gemm_library != "torch" or not gemm.native_16bit(dtype):
+                return self._converted(k, tensors, memory)  # 16-bit storage: the reference's numpy form
+            bmm, impl = standalone.torch_bmm_16bit(dtype), f"torch-{dtype}-batched-gemm"
+        write = standalone.scores_writer(body, bmm, dtype) if body.op == "BatchScores" else bmm
         threads = self.threads
 
         def call_product() -> None:
             with parallel.torch_threads(threads):
                 write(arrays[order[0]], arrays[order[1]], arrays[out_name])
 
-        return Step(k, call_product, reads, memory.own[k.out], {"impl": f"{self.gemm_library}-batched-gemm"})
+        return Step(k, call_product, reads, memory.own[k.out], {"impl": impl})
+
+    def _attention(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory, order: list[str],
+                   reads: list[np.ndarray]) -> Step:
+        """The generated attention kernel, groups split across the pool.  16-bit q, k, v: torch's fused
+        attention where torch multiplies the dtype natively (AMX: 0.22 ms against the generated kernel's 0.70
+        for GPT-2's 12 heads of 128 tokens, bf16, one core here), else fp32 copies for the generated kernel
+        and the result narrowed into its buffer (each a pass over a [groups, seq, head] tensor)."""
+        body, out_name, addr = k.body, k.out, memory.addr
+        groups, dtype = int(body.type.shape[0]), body.type.dtype
+        facts = {"impl": "c-attention", "threads": min(self.threads, groups), "key_block": standalone.KEY_BLOCK}
+        if dtype != "fp32" and self.gemm_library == "torch" and gemm.native_16bit(dtype):
+            attend, arrays, threads = standalone.torch_attention_16bit(body, dtype), memory.arrays, self.threads
+            q, kk, v = order
+
+            def call_torch() -> None:
+                with parallel.torch_threads(threads):
+                    attend(arrays[q], arrays[kk], arrays[v], arrays[out_name])
+
+            return Step(k, call_torch, reads, memory.own[out_name], {"impl": f"torch-sdpa-{dtype}", "threads": threads})
+        source = standalone.source_of(body, {n: tuple(t.shape) for n, t in tensors.items()})
+        assert source is not None
+        fn = self.compiler.function(source, 4)
+        if dtype == "fp32":
+            call = standalone.attention_call(fn, self.pool, self.threads, groups,
+                                             lambda: [addr[n] for n in order] + [addr[out_name]])
+            return Step(k, call, reads, memory.own[out_name], facts)
+        wide = {n: np.empty(memory.own[n].shape, np.float32) for n in dict.fromkeys(order)}
+        result = np.empty(memory.own[out_name].shape, np.float32)
+        widen = self.compiler.function(widen_source(dtype), 2)
+        narrow = self.compiler.function(narrow_source(dtype), 2)
+        run_kernel = standalone.attention_call(fn, self.pool, self.threads, groups,
+                                               lambda: [wide[n].ctypes.data for n in order] + [result.ctypes.data])
+
+        def call_widened() -> None:
+            for n, w in wide.items():
+                widen(addr[n], w.ctypes.data, 0, *rows_cols(w.shape))
+            run_kernel()
+            narrow(result.ctypes.data, addr[out_name], 0, *rows_cols(result.shape))
+
+        scratch = result.nbytes + sum(w.nbytes for w in wide.values())
+        return Step(k, call_widened, reads, memory.own[out_name], dict(facts, impl=f"c-attention-{dtype}-widened",
+                                                                 scratch_bytes=scratch))
 
     def _opaque(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory) -> Step:
         own, arrays = memory.own, memory.arrays

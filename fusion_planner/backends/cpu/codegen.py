@@ -210,8 +210,10 @@ def generate(
     tensor_types: dict[str, tuple[tuple[int, ...], str]],
     tile: Expr | None = None,
     stream: bool = False,
+    tile_dtype: str = "fp32",
 ) -> CKernel:
-    """C source of one kernel body; ``tile`` (a node of the body) reads the fp32 GEMM tile.
+    """C source of one kernel body; ``tile`` (a node of the body) reads the GEMM tile, stored as
+    ``tile_dtype`` (fp32, or the 16-bit dtype of a product the library computed natively).
 
     ``tensor_types`` maps each loaded tensor to (shape, dtype).  ``stream``: a flat call (one row)
     of a kernel whose operands all have the output's layout and whose output is fp32 stores with
@@ -235,7 +237,7 @@ def generate(
             p = params[-1]
             pname = f"t{param_of[tensor]}"
             load = INDEX[p.index].format(p=pname)
-            conv = "{}" if p.index == "tile" else _STORAGE[p.dtype][1]
+            conv = "{}" if p.dtype == "fp32" else _STORAGE[p.dtype][1]
             stmts.append(f"const float {pname}v = {conv.format(load)};")
         return f"t{param_of[tensor]}v"
 
@@ -247,7 +249,7 @@ def generate(
             per_row = len(shape) > 1 and shape[-1] == 1 and shape != out_shape and math.prod(shape[:-1]) == rows
             return param(e.tensor, dtype, "row" if per_row else broadcast(shape, out_shape, e.tensor))
         if tile is not None and e is tile:
-            return param(None, "fp32", "tile")
+            return param(None, tile_dtype, "tile")
         return var_of[id(e)]
 
     if tile is not None and tile is body:
@@ -385,8 +387,14 @@ def widen_source(dtype: str) -> str:
     return _loop_function([ctype], "float", [], load.format("t0[r * cols + c]"))
 
 
+def narrow_source(dtype: str) -> str:
+    """A kernel storing fp32 values as a ``dtype`` tensor (the result of a kernel computed in fp32)."""
+    ctype, _, store = _STORAGE[dtype]
+    return _loop_function(["float"], ctype, [], store.format("t0[r * cols + c]"))
+
+
 def _ctype(p: Param) -> str:
-    return "float" if p.index == "tile" else _STORAGE[p.dtype][0]
+    return _STORAGE[p.dtype][0]
 
 
 def noop_source() -> str:

@@ -17,6 +17,7 @@ import numpy as np
 from fusion_planner.backends.codegen import CodegenError
 from fusion_planner.backends.cpu import parallel
 from fusion_planner.backends.cpu.codegen import PRELUDE, SYMBOL
+from fusion_planner.core.ops import numpy_dtype
 from fusion_planner.core.plans import Expr, Load
 
 #: keys per block of the attention kernel: a block's scores stay in registers and L1 (a multiple of 16)
@@ -38,6 +39,37 @@ def torch_bmm() -> BatchMatMul:
         torch.bmm(torch.from_numpy(a), torch.from_numpy(b), out=torch.from_numpy(out))
 
     return bmm
+
+
+def torch_bmm_16bit(dtype: str) -> BatchMatMul:
+    """``torch.bmm`` of 16-bit operands held as their bits (``uint16``), in torch's native product (the
+    caller checked :func:`fusion_planner.backends.cpu.gemm.native_16bit`), rounded to ``dtype``."""
+    import torch  # optional dependency
+
+    kind = torch.bfloat16 if dtype == "bf16" else torch.float16
+
+    def bmm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+        torch.bmm(torch.from_numpy(a).view(kind), torch.from_numpy(b).view(kind), out=torch.from_numpy(out).view(kind))
+
+    return bmm
+
+
+def torch_attention_16bit(body: Expr, dtype: str) -> Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]:
+    """``attend(q, k, v, out)`` for a 16-bit Attention kernel (operands as their bits): torch's fused
+    ``scaled_dot_product_attention`` (fp32 accumulation and an online softmax, as the generated kernel;
+    its ``is_causal`` is the op's top-left mask), for dtypes torch multiplies natively."""
+    import torch  # optional dependency
+
+    kind = torch.bfloat16 if dtype == "bf16" else torch.float16
+    scale, causal = float(body.attr_dict["scale"]), bool(body.attr_dict["causal"])
+
+    def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray) -> None:
+        # as one batch of groups: torch's fused CPU kernel takes 4-D operands only (3-D ran its math path, 6x slower)
+        q_t, k_t, v_t = (torch.from_numpy(x).view(kind).unsqueeze(0) for x in (q, k, v))
+        result = torch.nn.functional.scaled_dot_product_attention(q_t, k_t, v_t, is_causal=causal, scale=scale)
+        torch.from_numpy(out).view(kind).copy_(result.squeeze(0))
+
+    return attend
 
 
 def batch_matmul(library: str) -> BatchMatMul:
@@ -192,10 +224,14 @@ def layout_copy(body: Expr) -> Callable[[np.ndarray, np.ndarray], None]:
     return merge_copy
 
 
-def scores_writer(body: Expr, bmm: BatchMatMul) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None]:
-    """``write(q, k, out)`` for BatchScores: the batched product with k transposed, then the causal mask."""
+def scores_writer(body: Expr, bmm: BatchMatMul, dtype: str = "fp32") -> Callable[[np.ndarray, np.ndarray, np.ndarray], None]:
+    """``write(q, k, out)`` for BatchScores: the batched product with k transposed, then the causal mask
+    (``out`` stored as ``dtype``: float32, or the bits of a 16-bit dtype)."""
     causal = bool(body.attr_dict["causal"])
     masks: dict[tuple[int, int], np.ndarray] = {}
+    minus_inf = np.array(-np.inf, numpy_dtype(dtype))
+    if dtype != "fp32":
+        minus_inf = minus_inf.view(np.uint16)
 
     def write(q: np.ndarray, k: np.ndarray, out: np.ndarray) -> None:
         bmm(q, k.transpose(0, 2, 1), out)
@@ -204,7 +240,7 @@ def scores_writer(body: Expr, bmm: BatchMatMul) -> Callable[[np.ndarray, np.ndar
             mask = masks.get((s, t))
             if mask is None:
                 mask = masks[(s, t)] = np.triu(np.ones((s, t), dtype=bool), 1)
-            out[:, mask] = -np.inf
+            out[:, mask] = minus_inf
 
     return write
 
