@@ -21,6 +21,11 @@ Needs ``jax`` in the benchmark's environment (``pip install "jax[cpu]"``; the te
   process before the contender was built.
 
 Every library runs with ``OMP_WAIT_POLICY=PASSIVE`` (what the CLI sets; docs/backends.md).
+
+*block-bf16* is the block in bf16: numpy has no form of it (its bf16 matmul is ml_dtypes' scalar loop),
+jax.jit runs it with bf16 parameters, and every contender must match eager torch within bf16's tolerance
+(5e-2 scaled) instead of 1e-3.  The report says whether this CPU has the bf16 units torch uses (AMX,
+AVX-512 BF16), which decides how the CPU backend multiplies it (docs/backends.md, *16-bit products*).
 """
 
 from __future__ import annotations
