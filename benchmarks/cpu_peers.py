@@ -544,17 +544,22 @@ def kernel_bandwidth(result: Any) -> list[dict[str, Any]]:
 
 
 def resized(graph: Any, n: int) -> Any:
-    """The workload's own graph with its flat inputs (the chain's ``x``) grown to ``n`` elements."""
+    """The workload's own graph with its flat inputs (the chain's ``x``) grown to ``n`` elements (past the
+    default element limit where the last-level cache is large: 4x it is the point)."""
+    import dataclasses
+
+    from fusion_planner.core import limits
     from fusion_planner.core.graph import GraphBuilder
 
-    b = GraphBuilder(f"{graph.name}-{n}")
-    for node in graph.nodes:
-        if node.op == "In":
-            shape = (n,) if len(node.type.shape) == 1 else node.type.shape
-            b.input(node.id, shape, node.type.dtype)
-        else:
-            b.op(node.id, node.op, list(node.inputs), node.attr_dict)
-    return b.build(list(graph.outputs))
+    with limits.input_limits(dataclasses.replace(limits.current(), elements=max(n, limits.current().elements))):
+        b = GraphBuilder(f"{graph.name}-{n}")
+        for node in graph.nodes:
+            if node.op == "In":
+                shape = (n,) if len(node.type.shape) == 1 else node.type.shape
+                b.input(node.id, shape, node.type.dtype)
+            else:
+                b.op(node.id, node.op, list(node.inputs), node.attr_dict)
+        return b.build(list(graph.outputs))
 
 
 def bandwidth_elements() -> int:
@@ -628,12 +633,13 @@ def first_call(workload: str, contender: str) -> dict[str, Any]:
 # ---------------------------------------------------------------- the parent
 
 
-def run_child(args: list[str], env: dict[str, str], cores: set[int] | None) -> dict[str, Any]:
+def run_child(args: list[str], env: dict[str, str], cores: set[int] | None, script: str = __file__) -> dict[str, Any]:
+    """Run ``script`` (this one by default) with ``args`` in a child on ``cores``; its last stdout line, as JSON."""
     def pin() -> None:
         if cores is not None:
             os.sched_setaffinity(0, cores)
 
-    r = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True, preexec_fn=pin,
+    r = subprocess.run([sys.executable, script, *args], env=env, capture_output=True, text=True, preexec_fn=pin,
                        check=False)
     if r.returncode != 0:
         raise SystemExit(f"child {' '.join(args)} failed:\n{r.stderr[-3000:]}")

@@ -1,0 +1,168 @@
+"""Layers of the ``transformers`` package, planned by fusion-planner, against eager torch and torch.compile.
+
+Usage: python benchmarks/transformers_layers.py [--out docs/results/transformers_layers.md] [--rounds 11]
+                                               [--layers gpt2,bert,vit,llama] [--dtypes fp32,bf16] [--modes 1,all]
+
+Needs the ``models`` extra (``transformers``).  Each layer is built from its own config at GPT-2 small's width
+(768 wide, 12 heads, 128 tokens, batch 1; LLaMA with a SwiGLU of 2,048), random weights, ``attn_implementation=
+"sdpa"``, nothing downloaded.  Per thread mode and dtype a child process (``1``: one thread pinned to one core;
+``all``: every core; the same environment as ``cpu_peers.py``) plans the layer with ``fusion_planner.plan(...,
+backend="cpu")``, checks the planned call against eager torch within the dtype's tolerance, then times eager,
+torch.compile (inductor) and the planned call in interleaved rounds (three calls each, the order rotating); a
+figure is the median in µs.  The report lists how many kernels of the plan are Opaque torch calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from cpu_peers import _time_us, bf16_units, child_env, run_child, versions
+
+LAYERS = ("gpt2", "bert", "vit", "llama")
+CONTENDERS = ("torch", "torch.compile", "fp.call")
+D, HEADS, SEQ = 768, 12, 128
+
+
+def build_layer(name: str, dtype: str) -> tuple[Any, Any]:
+    """(module returning the hidden states, its input) for one layer of the transformers package."""
+    import torch
+    import transformers
+    from torch import nn
+
+    torch.manual_seed(0)
+    rope = None
+    if name == "gpt2":
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+        layer = GPT2Block(transformers.GPT2Config(n_embd=D, n_head=HEADS, attn_implementation="sdpa"))
+    elif name == "bert":
+        from transformers.models.bert.modeling_bert import BertLayer
+
+        layer = BertLayer(transformers.BertConfig(hidden_size=D, num_attention_heads=HEADS, intermediate_size=4 * D,
+                                                  attn_implementation="sdpa"))
+    elif name == "vit":
+        from transformers.models.vit.modeling_vit import ViTLayer
+
+        layer = ViTLayer(transformers.ViTConfig(hidden_size=D, num_attention_heads=HEADS, intermediate_size=4 * D,
+                                                attn_implementation="sdpa"))
+    elif name == "llama":
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+        cfg = transformers.LlamaConfig(hidden_size=D, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+                                       intermediate_size=2048, attn_implementation="sdpa")
+        layer, rope = LlamaDecoderLayer(cfg, 0), LlamaRotaryEmbedding(cfg)
+    else:
+        raise SystemExit(f"unknown layer {name!r}; choose from {', '.join(LAYERS)}")
+
+    class Hidden(nn.Module):
+        """The layer's hidden states (a transformers layer returns a tuple or a tensor, by version)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer, self.rope = layer, rope
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.rope is None:
+                out = self.layer(x)
+            else:
+                pos = torch.arange(x.shape[1]).unsqueeze(0)
+                out = self.layer(x, position_embeddings=self.rope(x, pos), position_ids=pos)
+            return out[0] if isinstance(out, tuple) else out
+
+    kind = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    return Hidden().eval().to(kind), torch.randn(1, SEQ, D, dtype=kind)
+
+
+def steady(name: str, dtype: str, rounds: int) -> dict[str, Any]:
+    import torch
+
+    import fusion_planner
+    from fusion_planner.core.tolerance import allclose_report
+
+    module, x = build_layer(name, dtype)
+    result = fusion_planner.plan(module, (x,), backend="cpu")
+    compiled = torch.compile(module)
+    calls = {"torch": lambda: module(x), "torch.compile": lambda: compiled(x), "fp.call": lambda: result(x)}
+    with torch.no_grad():
+        want = module(x).float().numpy()
+        ok, max_abs, _ = allclose_report(result(x).float().numpy(), want, dtype)
+        if not ok:
+            raise SystemExit(f"{name} {dtype}: the planned call differs from eager torch (max abs {max_abs:.3g})")
+        for fn in calls.values():
+            fn(), fn()
+        samples: dict[str, list[float]] = {c: [] for c in calls}
+        order = list(calls)
+        for r in range(rounds):
+            for c in order[r % len(order):] + order[: r % len(order)]:
+                samples[c] += _time_us(calls[c], 3)
+    kinds = [k.kind for k in result.plan.kernels]
+    return {"layer": name, "dtype": dtype, "median_us": {c: statistics.median(v) for c, v in samples.items()},
+            "kernels": len(kinds), "opaque": kinds.count("opaque"), "composition": result.plan.composition()}
+
+
+def report(rows: dict[str, list[dict[str, Any]]], command: str) -> str:
+    from fusion_planner.core.machine import cpu_model
+
+    lines = [
+        "# Layers of the transformers package: fusion-planner against eager torch and torch.compile", "",
+        f"Command: `{command}`  ",
+        f"Machine: {cpu_model()} ({platform.machine()}, CPUs as the modes say), Python {platform.python_version()}  ",
+        f"Date: {datetime.date.today().isoformat()}  ",
+        f"Versions: {versions()}  ",
+        f"bf16 GEMMs and attention: {bf16_units()}", "",
+        "Method: benchmarks/transformers_layers.py's docstring. Medians in µs; a ratio is the peer's time over "
+        "the planned call's (> 1: fusion-planner is faster).", "",
+    ]
+    for mode, per in rows.items():
+        lines += [f"## {'one thread, pinned' if mode == '1' else 'all cores'}", "",
+                  "| layer | dtype | torch | torch.compile | fp call | vs torch | vs torch.compile | Opaque kernels | plan |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for row in per:
+            m = row["median_us"]
+            lines.append(f"| {row['layer']} | {row['dtype']} | {m['torch']:,.0f} | {m['torch.compile']:,.0f} | "
+                         f"{m['fp.call']:,.0f} | {m['torch'] / m['fp.call']:.2f} | {m['torch.compile'] / m['fp.call']:.2f} | "
+                         f"{row['opaque']} of {row['kernels']} | {row['composition']} |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", help="write the markdown report here")
+    p.add_argument("--rounds", type=int, default=11)
+    p.add_argument("--layers", default=",".join(LAYERS))
+    p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument("--modes", default="1,all", help="thread modes: 1 (one pinned thread), all (every core)")
+    p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(steady(args.child[0], args.child[1], args.rounds)))
+        return
+    cores = os.sched_getaffinity(0)
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for mode in args.modes.split(","):
+        rows[mode] = []
+        with tempfile.TemporaryDirectory() as caches:
+            env = child_env(mode, Path(caches))
+            for name in args.layers.split(","):
+                for dtype in args.dtypes.split(","):
+                    print(f"[{mode}] {name} {dtype}", file=sys.stderr)
+                    rows[mode].append(run_child(["--rounds", str(args.rounds), "--child", name, dtype], env,
+                                                {max(cores)} if mode == "1" else None, __file__))
+    text = report(rows, ("python benchmarks/transformers_layers.py " + " ".join(sys.argv[1:])).strip())
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
