@@ -508,9 +508,18 @@ def steady(workload: str, rounds: int) -> dict[str, Any]:
 
 def kernel_bandwidth(result: Any) -> list[dict[str, Any]]:
     """Each fused (multi-op) kernel of an ew-chain plan, rebuilt alone at the bandwidth array size and
-    timed interleaved with memcpy: byte ledger / time as a fraction of memcpy's bandwidth."""
+    timed interleaved with memcpy: byte ledger / time as a fraction of memcpy's bandwidth (past the default
+    element limit where the last-level cache is large: 4x it is the point)."""
+    import dataclasses
+
+    from fusion_planner.core import limits
 
     n = bandwidth_elements()
+    with limits.input_limits(dataclasses.replace(limits.current(), elements=max(n, limits.current().elements))):
+        return _kernel_bandwidth(result, n)
+
+
+def _kernel_bandwidth(result: Any, n: int) -> list[dict[str, Any]]:
     big = resized(result.graph, n)
     small_plan = result.plan
     from fusion_planner.backends.cpu.backend import CpuBackend
@@ -546,20 +555,16 @@ def kernel_bandwidth(result: Any) -> list[dict[str, Any]]:
 def resized(graph: Any, n: int) -> Any:
     """The workload's own graph with its flat inputs (the chain's ``x``) grown to ``n`` elements (past the
     default element limit where the last-level cache is large: 4x it is the point)."""
-    import dataclasses
-
-    from fusion_planner.core import limits
     from fusion_planner.core.graph import GraphBuilder
 
-    with limits.input_limits(dataclasses.replace(limits.current(), elements=max(n, limits.current().elements))):
-        b = GraphBuilder(f"{graph.name}-{n}")
-        for node in graph.nodes:
-            if node.op == "In":
-                shape = (n,) if len(node.type.shape) == 1 else node.type.shape
-                b.input(node.id, shape, node.type.dtype)
-            else:
-                b.op(node.id, node.op, list(node.inputs), node.attr_dict)
-        return b.build(list(graph.outputs))
+    b = GraphBuilder(f"{graph.name}-{n}")
+    for node in graph.nodes:
+        if node.op == "In":
+            shape = (n,) if len(node.type.shape) == 1 else node.type.shape
+            b.input(node.id, shape, node.type.dtype)
+        else:
+            b.op(node.id, node.op, list(node.inputs), node.attr_dict)
+    return b.build(list(graph.outputs))
 
 
 def bandwidth_elements() -> int:
