@@ -259,8 +259,7 @@ class CpuCompiledPlan(CompiledPlan):
         self.memory = memory
         self.buffers = memory.own
         self.input_names = inputs
-        native = {d for d in ("bf16", "fp16") if backend.gemm_library == "torch" and gemm.native_16bit(d)}
-        self._transposed_ok = gemm_b_only(plan, frozenset({"fp32", *native}))
+        self._transposed_ok = gemm_b_only(plan, frozenset({"fp32", *(d for d in ("bf16", "fp16") if backend.native(d))}))
         self.threads = backend.threads
         self.blas_threads = backend.blas_threads
         self.controller = backend.controller
@@ -290,8 +289,9 @@ class CpuCompiledPlan(CompiledPlan):
             own = self.memory.own[name]
             # a 16-bit array of the tensor's own dtype: its bits are the storage
             bits = arr.view(np.uint16) if own.dtype == np.uint16 and arr.dtype == numpy_dtype(ttype.dtype) else None
-            if bindable(arr if bits is None else bits, own, name in self._transposed_ok):  # read in place
-                self.memory.bind(name, arr if bits is None else bits)
+            stored = arr if bits is None else bits
+            if bindable(stored, own, name in self._transposed_ok):  # read in place
+                self.memory.bind(name, stored)
                 self.binds += 1
                 continue
             self.memory.restore(name)
@@ -491,7 +491,7 @@ class CpuBackend(Backend):
             dtype = k.body.type.dtype
             if source is None or dtype == "fp32":
                 return [] if source is None else [source]
-            if self.gemm_library == "torch" and gemm.native_16bit(dtype):
+            if self.native(dtype):
                 return []  # torch's fused attention
             return [source, widen_source(dtype), narrow_source(dtype)]
         return []
@@ -602,15 +602,17 @@ class CpuBackend(Backend):
 
         return widen, wide.nbytes
 
+    def native(self, dtype: str) -> bool:
+        """Does this backend multiply ``dtype`` (16-bit) in torch's native kernels rather than widening it?"""
+        return dtype != "fp32" and self.gemm_library == "torch" and gemm.native_16bit(dtype)
+
     def _tile_dtype(self, k: Kernel, tensors: Mapping[str, TensorType]) -> str:
         """How a GEMM kernel's product tile is stored: in the operands' 16-bit dtype where torch multiplies it
         natively (the product rounded to it, as eager torch rounds a Linear's output), else fp32."""
         mm = find_matmul(k.body)
         dtypes = {tensors[a.tensor].dtype for a in mm.args if isinstance(a, Load)}
         (dtype,) = dtypes if len(dtypes) == 1 else ("fp32",)
-        if dtype == "fp32" or self.gemm_library != "torch" or not gemm.native_16bit(dtype):
-            return "fp32"
-        return dtype
+        return dtype if self.native(dtype) else "fp32"
 
     @staticmethod
     def _stored(memory: Memory, name: str) -> tuple[Callable[[int, int], np.ndarray], int]:
@@ -661,7 +663,7 @@ class CpuBackend(Backend):
         product = gemm.torch_mm_16bit(a_dtype) if native else self.matmul
 
         def call() -> None:
-            b32 = widen_b(0, b_rows)  # B in fp32, widened once and shared by the blocks
+            b32 = widen_b(0, b_rows)  # B as the product reads it (fp32: widened once), shared by the blocks
             out = addr[out_name]
             if torch_gemm:
                 ((fn, params, tile, widen_a, bounds),) = blockwork
@@ -706,7 +708,7 @@ class CpuBackend(Backend):
             return self._attention(k, tensors, memory, order, reads)
         bmm, impl = self.bmm, f"{self.gemm_library}-batched-gemm"
         if dtype != "fp32":
-            if self.gemm_library != "torch" or not gemm.native_16bit(dtype):
+            if not self.native(dtype):
                 return self._converted(k, tensors, memory)  # 16-bit storage: the reference's numpy form
             bmm, impl = standalone.torch_bmm_16bit(dtype), f"torch-{dtype}-batched-gemm"
         write = standalone.scores_writer(body, bmm, dtype) if body.op == "BatchScores" else bmm
@@ -727,7 +729,7 @@ class CpuBackend(Backend):
         body, out_name, addr = k.body, k.out, memory.addr
         groups, dtype = int(body.type.shape[0]), body.type.dtype
         facts = {"impl": "c-attention", "threads": min(self.threads, groups), "key_block": standalone.KEY_BLOCK}
-        if dtype != "fp32" and self.gemm_library == "torch" and gemm.native_16bit(dtype):
+        if self.native(dtype):
             attend, arrays, threads = standalone.torch_attention_16bit(body, dtype), memory.arrays, self.threads
             q, kk, v = order
 
