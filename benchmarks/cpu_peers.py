@@ -43,7 +43,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -510,12 +510,10 @@ def kernel_bandwidth(result: Any) -> list[dict[str, Any]]:
     """Each fused (multi-op) kernel of an ew-chain plan, rebuilt alone at the bandwidth array size and
     timed interleaved with memcpy: byte ledger / time as a fraction of memcpy's bandwidth (past the default
     element limit where the last-level cache is large: 4x it is the point)."""
-    import dataclasses
-
     from fusion_planner.core import limits
 
     n = bandwidth_elements()
-    with limits.input_limits(dataclasses.replace(limits.current(), elements=max(n, limits.current().elements))):
+    with limits.input_limits(replace(limits.current(), elements=max(n, limits.current().elements))):
         return _kernel_bandwidth(result, n)
 
 
