@@ -70,7 +70,7 @@ def build(name: str) -> dict[str, Any]:
 
 def example_graphs() -> list[Any]:
     """Built-in examples in the shapes that exercise each code path of the CUDA generator."""
-    from fusion_planner.core.examples import ew_chain, heavy, layer_norm, mlp_epilogue, mlp_stack, softmax
+    from fusion_planner.core.examples import ew_chain, heavy, layer_norm, mlp_epilogue, mlp_stack, rope, softmax
 
     return [
         mlp_epilogue(4096, 4096, 4096, "fp16"),
@@ -84,6 +84,8 @@ def example_graphs() -> list[Any]:
         layer_norm(64, 768, "fp32"),  # row kernels: a residual add, two means, per-row broadcasts
         layer_norm(32, 5000, "fp16", residual=False),  # a row longer than the row buffer, 16-bit storage
         softmax(48, 128, "bf16"),  # a row max and a row sum
+        rope(1, 128, 768, 12, "bf16"),  # tables read modulo their size, rotated reads in 8-wide vectors
+        rope(2, 64, 256, 4, "fp16", norm=True),  # RoPE inside a row kernel
     ]
 
 
@@ -99,7 +101,7 @@ def example_kernels() -> dict[str, tuple[str, Any, Any]]:
         cands = build_candidates(g, "h200", cap=256, k=8)
         for p in cands.plans:
             for k in p.kernels:
-                if k.kind == "cublaslt":
+                if k.kind in ("cublaslt", "standalone"):  # a library call; Heads has no CUDA form yet
                     continue
                 c = generate(k, p.tensors)
                 out[c.digest] = (g.name, k, c)

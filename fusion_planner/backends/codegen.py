@@ -2,8 +2,10 @@
 
 A kernel body is an :class:`~fusion_planner.core.plans.Expr` tree over :class:`Load` leaves.
 Both generators emit one statement per inner node, in dependency order, from the op table's
-``code`` snippet; they read each loaded tensor either at the output's own index or, for a
-row vector broadcast over the rows (a bias), at the column index; a GEMM kernel holds
+``code`` snippet; they read each loaded tensor at the output's own index, at the column index
+(a row vector broadcast over the rows: a bias), at the row index modulo its rows (a tile of
+trailing dimensions broadcast over the leading ones: RoPE's cos and sin), or, under
+``RotateHalf``, at the other half's column, negated in the first half; a GEMM kernel holds
 exactly one MatMul whose operands come from memory.
 """
 
@@ -19,7 +21,10 @@ from fusion_planner.core.kinds import OpKind
 from fusion_planner.core.ops import op_def
 from fusion_planner.core.plans import Expr, Load
 
-Broadcast = Literal["full", "col"]
+Broadcast = Literal["full", "col", "wrap"]
+
+#: the op whose input is read at the other half of the row (negated in the first half): RoPE's rotate_half
+ROTATE_HALF = "RotateHalf"
 
 
 class CodegenError(BackendError):
@@ -57,12 +62,32 @@ def snippet(e: Expr, args: Sequence[str]) -> str:
 
 
 def broadcast(shape: Sequence[int], out_shape: Sequence[int], tensor: str) -> Broadcast:
-    """How an operand is indexed inside a loop over the output: its own layout, or a row vector."""
+    """How an operand is indexed inside a loop over the output: its own layout, a row vector, or a tile of the
+    output's trailing dimensions (its rows repeated: ``wrap``)."""
     if tuple(shape) == tuple(out_shape):
         return "full"
     if len(shape) == 1 and len(out_shape) >= 1 and shape[0] == out_shape[-1]:
         return "col"
+    if 2 <= len(shape) < len(out_shape) and tuple(out_shape[len(out_shape) - len(shape):]) == tuple(shape):
+        return "wrap"
     raise CodegenError(f"operand {tensor!r} of shape {list(shape)} does not broadcast to {list(out_shape)}")
+
+
+def tile_rows(shape: Sequence[int]) -> int:
+    """The rows of a ``wrap`` operand: the product of all but its last dimension."""
+    rows = 1
+    for d in shape[:-1]:
+        rows *= int(d)
+    return rows
+
+
+def is_rotated(e: Expr) -> bool:
+    """Does ``e`` read its input at the other half of the row (``RotateHalf``)?  Its input is then a load."""
+    if e.op != ROTATE_HALF:
+        return False
+    if not isinstance(e.args[0], Load):
+        raise CodegenError(f"RotateHalf {e.node!r}: its input must be loaded from memory (it is read rotated)")
+    return True
 
 
 def find_matmul(body: Expr) -> Expr:
@@ -92,7 +117,7 @@ REDUCTIONS = {
 #: an fp32 array read at the row's column ``c``: contiguous along the row, so a vector loop can load it
 _ARRAY_AT_C = re.compile(r"\w+\[[^\[\]]*\bc\]")
 
-Level = Literal["full", "row", "col"]
+Level = Literal["full", "row", "col", "wrap", "rot"]
 
 
 def _shapes(body: Expr, load_shapes: Mapping[str, Sequence[int]]) -> list[Sequence[int]]:
@@ -165,6 +190,8 @@ class RowEmitter:
         if isinstance(e, Load):
             level = self.level_of(e.tensor)
             return self.row_value(e) if level == "row" else self.load(e.tensor, level)
+        if is_rotated(e):
+            return self.load(e.args[0].tensor, "rot")  # type: ignore[union-attr]
         if self.per_row(e):
             return self.row_value(e)
         if id(e) in self._buffers:
@@ -235,14 +262,28 @@ class RowEmitter:
 
 
 def row_level(shape: Sequence[int], width: int, rows: int, tensor: str) -> Level:
-    """How a row kernel reads a tensor of ``shape``: one value per row, a row vector, or the full row."""
-    lead = 1
-    for d in shape[:-1]:
-        lead *= d
+    """How a row kernel reads a tensor of ``shape``: one value per row, a row vector, the full row, or a row
+    of a tile whose rows repeat over the kernel's (``wrap``)."""
+    lead = tile_rows(shape)
     if len(shape) == 1 and shape[0] == width and rows != 1:
         return "col"
     if shape and shape[-1] == 1 and lead == rows:
         return "row"
     if shape and shape[-1] == width and lead == rows:
         return "full"
+    if len(shape) >= 2 and shape[-1] == width and rows % lead == 0:
+        return "wrap"
     raise CodegenError(f"operand {tensor!r} of shape {list(shape)} is not read row by row over rows of {width}")
+
+
+def row_read(level: Level, width: int, tile: int, read: Callable[[str], str], suffix: str = "") -> str:
+    """A row kernel's float expression for one operand at column ``c`` of row ``r`` (``read(index)`` loads
+    it); ``tile``: the rows of a ``wrap`` operand; ``suffix``: of integer literals (CUDA's ``LL``).  A rotated
+    read (``rot``) takes the other half's column, negated in the first half, as ``RotateHalf`` defines it."""
+    w = f"{width}{suffix}"
+    if level == "rot":
+        half = f"{width // 2}{suffix}"
+        value = read(f"r * {w} + (c + {half}) % {w}")
+        return f"(c < {half} ? -{value} : {value})"
+    index = {"full": f"r * {w} + c", "row": "r", "col": "c", "wrap": f"(r % {tile}{suffix}) * {w} + c"}[level]
+    return read(index)

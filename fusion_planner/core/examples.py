@@ -111,6 +111,32 @@ def attention(batch: int = 1, seq: int = 128, d_model: int = 768, heads: int = 1
     return b.build([attention_ops(b, "attn", "qkv", batch=batch, seq=seq, heads=heads, width=d_model, causal=causal)])
 
 
+def rope_ops(b: GraphBuilder, name: str, x: str, cos: str, sin: str) -> str:
+    """Rotary position embeddings of head-major ``x`` (batch*heads, seq, d), as LLaMA writes them:
+    ``x*cos + rotate_half(x)*sin`` with (seq, d) tables repeated over batch and heads."""
+    rotated = b.op(f"{name}.rot", "TileMul", [b.op(f"{name}.half", "RotateHalf", [x]), sin])
+    return b.op(name, "Add", [b.op(f"{name}.cos", "TileMul", [x, cos]), rotated])
+
+
+def rope(batch: int = 1, seq: int = 128, d_model: int = 768, heads: int = 12, dtype: str = "fp32",
+         norm: bool = False) -> Graph:
+    """The query heads of token rows (batch*seq, d_model) with RoPE applied (``norm``: then an RMSNorm over
+    each head, as Qwen3 and OLMo2 normalise q and k, so the RoPE runs inside a row kernel)."""
+    if d_model % heads or (d_model // heads) % 2:
+        raise ValueError(f"rope: d_model {d_model} must split into {heads} heads of an even size")
+    hd = d_model // heads
+    b = GraphBuilder(f"rope-b{batch}-s{seq}-d{d_model}-h{heads}-{dtype}" + ("-norm" if norm else ""))
+    b.input("x", (batch * seq, d_model), dtype)
+    b.input("cos", (seq, hd), dtype)
+    b.input("sin", (seq, hd), dtype)
+    q = b.op("q", "Heads", ["x"], {"heads": heads, "seq": seq, "offset": 0, "width": d_model})
+    out = rope_ops(b, "rope", q, "cos", "sin")
+    if norm:
+        mean = b.op("rope.ms", "RowMean", [b.op("rope.sq", "Square", [out])])
+        out = b.op("rope.normed", "MulRow", [out, b.op("rope.rstd", "Rsqrt", [b.op("rope.eps", "Affine", [mean], {"a": 1.0, "b": 1e-6})])])
+    return b.build([out])
+
+
 def mlp_stack(layers: int = 4, d: int = 1024, m: int = 64, dtype: str = "fp16") -> Graph:
     """``layers`` mlp-epilogue blocks; each block's residual is its own input."""
     b = GraphBuilder(f"mlp-stack-L{layers}-d{d}-m{m}-{dtype}")

@@ -122,6 +122,21 @@ def _row_shape(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
     return (*x[:-1], 1)
 
 
+def _tile_shape(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
+    x, t = shapes
+    if len(t) < 2 or len(x) <= len(t) or any(a != b for a, b in zip(x[len(x) - len(t):], t, strict=True)):
+        raise OpError(f"{op}: the second input must be the trailing dimensions (two or more) of the first, "
+                      f"broadcast over its leading ones, got {list(x)} and {list(t)}")
+    return x
+
+
+def _rotate_half_shape(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
+    (x,) = shapes
+    if not x or (isinstance(x[-1], int) and x[-1] % 2):  # symbolic dims (the rule checker's) have no parity
+        raise OpError(f"{op}: rotates the two halves of an even last dimension, got {list(x)}")
+    return x
+
+
 def _per_row_shape(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
     x, r = shapes
     if len(r) != len(x) or len(x) < 1 or r[-1] != 1 or any(a != b for a, b in zip(x[:-1], r[:-1], strict=True)):
@@ -200,6 +215,11 @@ def _heads(x: np.ndarray, attrs: Attrs) -> np.ndarray:
     heads, seq, offset, width = (int(attrs[a]) for a in ("heads", "seq", "offset", "width"))
     cols = x[:, offset:offset + width].reshape(-1, seq, heads, width // heads)
     return np.ascontiguousarray(cols.transpose(0, 2, 1, 3)).reshape(-1, seq, width // heads)
+
+
+def _rotate_half(x: np.ndarray) -> np.ndarray:
+    half = x.shape[-1] // 2
+    return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
 def _merge(y: np.ndarray, attrs: Attrs) -> np.ndarray:
@@ -546,6 +566,28 @@ OPS: dict[str, OpDef] = {
         _binary("DivRow", _divide, "({0} / {1})", "x / r, r one value per row of x (IEEE: x/0 is ±inf, 0/0 NaN).", shape_rule=_per_row_shape, flops=4.0, gemm_epilogue=(0,)),
         _binary("BiasMul", np.multiply, "({0} * {1})", "x * w, w a row vector broadcast over the leading dims (a norm's weight).",
                 shape_rule=_bias_shape, fusable=(0,)),
+        # rotary position embeddings (RoPE), as LLaMA-style model code writes them: x*cos + rotate_half(x)*sin,
+        # cos and sin one (seq, head dim) table repeated over batch and heads
+        _binary("TileMul", np.multiply, "({0} * {1})", "x * t, t's shape the trailing dimensions of x's (two or more), "
+                "repeated over the leading ones (RoPE's cos and sin over batch and heads).",
+                shape_rule=_tile_shape, fusable=(0,), gemm_epilogue=False),
+        _binary("TileAdd", np.add, "({0} + {1})", "x + t, t's shape the trailing dimensions of x's (two or more), "
+                "repeated over the leading ones.", shape_rule=_tile_shape, fusable=(0,), gemm_epilogue=False),
+        # a layout op a kernel reads through index arithmetic: the generators load its input at the other half's
+        # column (negated for the first half), so the snippet is the identity on that value and the input is never
+        # fused (it is read from memory, like a bias)
+        OpDef(
+            name="RotateHalf",
+            kind=OpKind.ELEMENTWISE,
+            arity=1,
+            shape_rule=_rotate_half_shape,
+            numpy_fn=lambda xs, attrs: _rotate_half(xs[0]),
+            flops_per_elem=lambda attrs: 1.0,
+            regs=lambda attrs: 4,
+            code=lambda v, attrs: f"({v[0]})",
+            doc="cat(-x[..., d/2:], x[..., :d/2]) over the last dimension d: RoPE's rotate_half, read by the "
+                "kernel that consumes it (no kernel of its own).",
+        ),
         # attention, as model code writes it: the heads taken out of a packed projection, softmax(scale * q@kT)
         # @ v from batched products and row ops, the heads merged back; rules/shipped/attention.egg fuses it
         OpDef(

@@ -4,7 +4,9 @@ Model code takes q, k and v head-major with ``split(d, dim=-1)[i]`` (or a projec
 h, d // h)`` and ``transpose(1, 2)`` (or ``permute(0, 2, 1, 3)``), and merges the heads back with
 ``transpose(1, 2)`` and ``reshape(b, s, d)``.  The importer records such calls as Opaque steps; these
 functions recognise the two layouts in a recorded step list, so that the importer emits the op table's
-``Heads`` and ``Merge`` instead (``docs/torch.md``).  Anything else is not recognised and stays Opaque.
+``Heads`` and ``Merge`` instead (``docs/torch.md``).  RoPE's ``rotate_half`` (``cat((-x[..., d/2:],
+x[..., :d/2]), dim=-1)``, slices and all) is recognised the same way, as the op table's ``RotateHalf``.
+Anything else is not recognised and stays Opaque.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ _VIEWS = frozenset({"torch.Tensor.view", "torch.Tensor.reshape", "torch.reshape"
                     "torch.Tensor.contiguous"})
 _TRANSPOSES = frozenset({"torch.Tensor.transpose", "torch.transpose", "torch.ops.aten.transpose.int"})
 _PERMUTES = frozenset({"torch.Tensor.permute", "torch.permute", "torch.ops.aten.permute.default"})
+_NEGS = frozenset({"torch.neg", "torch.negative", "torch.Tensor.neg", "torch.operator.neg", "torch.ops.aten.neg.default"})
+_CATS = frozenset({"torch.cat", "torch.concat", "torch.concatenate", "torch.ops.aten.cat.default"})
+_SLICES = frozenset({"torch.ops.aten.slice.Tensor"})
+_GETITEM = "torch.operator.getitem"
 
 
 @dataclass(frozen=True)
@@ -135,3 +141,81 @@ def head_merge(steps: Sequence[dict[str, Any]], in_shapes: Sequence[Shape], out_
         if step.get("impl") not in _VIEWS or not _reads(step, {"$step": i - 1}):
             return None
     return h
+
+
+# ---------------------------------------------------------------- RoPE's rotate_half
+
+
+def takes_columns(step: dict[str, Any]) -> bool:
+    """Might this step take columns of the last dimension (a slice, an index with slices, a split or chunk)?"""
+    return step.get("impl") in _SLICES | _SPLITS | _CHUNKS | {_GETITEM}
+
+
+def _bound(v: Any, cols: int, default: int) -> int | None:
+    if v is None:
+        return default
+    if not isinstance(v, int) or isinstance(v, bool):
+        return None
+    return max(0, min(cols, v + cols if v < 0 else v))
+
+
+def _slice_of_last(step: dict[str, Any], rank: int, cols: int) -> tuple[int, int] | None:
+    """(start, stop) when the step is ``x[..., a:b]`` (or ``aten.slice`` of the last dim) with step 1."""
+    impl, args, kw = step.get("impl"), _args(step), _kwargs(step)
+    if impl in _SLICES:
+        dim, start, end, stride = (kw.get(n, args[i] if len(args) > i else d)
+                                   for i, (n, d) in enumerate((("dim", 0), ("start", None), ("end", None), ("step", 1)), 1))
+    elif impl == _GETITEM and len(args) == 2 and isinstance(args[1], dict) and "$tuple" in args[1]:
+        items = args[1]["$tuple"]
+        full = {"$slice": [None, None, None]}
+        lead, last = items[:-1], items[-1] if items else None
+        if not (isinstance(last, dict) and "$slice" in last):
+            return None
+        if lead != [{"$ellipsis": 0}] and lead != [full] * (rank - 1):
+            return None
+        dim, (start, end, stride) = rank - 1, last["$slice"]
+    else:
+        return None
+    if not isinstance(dim, int) or dim % rank != rank - 1 or stride not in (None, 1):
+        return None
+    a, b = _bound(start, cols, 0), _bound(end, cols, cols)
+    return (a, b) if a is not None and b is not None and a < b else None
+
+
+def _columns(steps: Sequence[dict[str, Any]], ref: Any, in_shape: Shape) -> tuple[int, int, int] | None:
+    """(sign, start, stop): ``ref`` is columns [start, stop) of input 0, negated when sign is -1."""
+    if ref == {"$in": 0}:
+        return 1, 0, in_shape[-1]
+    if not (isinstance(ref, dict) and isinstance(ref.get("$step"), int) and 0 <= ref["$step"] < len(steps)):
+        return None
+    step = steps[ref["$step"]]
+    args = _args(step)
+    if step.get("impl") in _NEGS and len(args) == 1:
+        inner = _columns(steps, args[0], in_shape)
+        return None if inner is None else (-inner[0], inner[1], inner[2])
+    if not _reads(step, {"$in": 0}):
+        return None
+    sliced = _slice_of_last(step, len(in_shape), in_shape[-1])
+    if sliced is None and step.get("impl") in _SPLITS | _CHUNKS:
+        offset_width = _column_slice(step, in_shape)
+        sliced = None if offset_width is None else (offset_width[0], offset_width[0] + offset_width[1])
+    return None if sliced is None else (1, *sliced)
+
+
+def rotate_half(steps: Sequence[dict[str, Any]], in_shapes: Sequence[Shape], out_shape: Shape) -> bool:
+    """Do ``steps`` compute ``cat((-x[..., d/2:], x[..., :d/2]), dim=-1)`` of their one input ``x`` (RoPE's
+    rotate_half, as LLaMA, Mistral, Qwen and GPT-NeoX write it)?"""
+    if len(in_shapes) != 1 or not steps or tuple(in_shapes[0]) != tuple(out_shape) or not out_shape:
+        return False
+    cols, rank = out_shape[-1], len(out_shape)
+    last = steps[-1]
+    args, kw = _args(last), _kwargs(last)
+    if last.get("impl") not in _CATS or not args:
+        return False
+    parts = args[0]["$tuple"] if isinstance(args[0], dict) and "$tuple" in args[0] else args[0]
+    dim = kw.get("dim", args[1] if len(args) > 1 else 0)
+    if not isinstance(parts, list) or len(parts) != 2 or not isinstance(dim, int) or dim % rank != rank - 1:
+        return False
+    half = cols // 2
+    got = [_columns(steps, p, in_shapes[0]) for p in parts]
+    return cols % 2 == 0 and got == [(-1, half, cols), (1, 0, half)]

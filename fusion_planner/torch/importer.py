@@ -57,7 +57,7 @@ from fusion_planner.core.kinds import OpKind
 from fusion_planner.core.opaque import flat_shape, step_flops
 from fusion_planner.core.ops import OPS, OpError, numpy_dtype
 from fusion_planner.torch.errors import TorchImportError
-from fusion_planner.torch.heads import head_merge, head_split
+from fusion_planner.torch.heads import head_merge, head_split, rotate_half, takes_columns
 from fusion_planner.torch.ops import IMPORTER_TABLE as _CANON
 from fusion_planner.torch.ops import encode_arg, resolve_torch_fn, torch_fn_name, trust_traced
 
@@ -696,15 +696,25 @@ class _Importer:
         if not (_is_tensor(a) and _is_tensor(c)) or a.dtype != c.dtype:
             return None
         out = tuple(concrete.shape)
+        a, c = self.settle(a), self.settle(c)
         if tuple(a.shape) == tuple(c.shape) == out:
             op = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "maximum": "Maximum", "minimum": "Minimum"}[kind]
-            return self.emit(node, op, [self.use(a, node.name), self.use(c, f"{node.name}_rhs")], None, out, concrete.dtype)
+            ia, ic = self.use(a, node.name), self.use(c, f"{node.name}_rhs")
+            if self.b.shape_of(ia) != self.b.shape_of(ic):
+                return None  # one head-major, one in token rows: torch computes it (an Opaque takes both)
+            return self.emit(node, op, [ia, ic], None, out, concrete.dtype)
         row_vector = {"add": "BiasAdd", "mul": "BiasMul"}.get(kind)
         if row_vector and len(out) >= 2:
             for x, vec in ((a, c), (c, a)):
                 if tuple(x.shape) == out and tuple(vec.shape) == (out[-1],):
                     return self.emit(node, row_vector, [self.use(x, node.name), self.use(vec, f"{node.name}_rhs")],
                                      None, out, concrete.dtype)
+        tiled = {"add": "TileAdd", "mul": "TileMul"}.get(kind)
+        if tiled and len(out) >= 3:  # RoPE's x * cos: a (1, .., 1, seq, d) table over (batch, heads, seq, d)
+            for x, t in ((a, c), (c, a)):
+                if tuple(x.shape) == out and self.tiles(x, t, out):
+                    return self.emit(node, tiled, [self.use(x, node.name), self.use(t, f"{node.name}_rhs")], None, out,
+                                     concrete.dtype)
         if kind in ("add", "sub", "mul", "div") and len(out) >= 1:  # one value per row, e.g. x - x.mean(-1, keepdim=True)
             per_row = (*out[:-1], 1)
             pairs = ((a, c), (c, a)) if kind in ("add", "mul") else ((a, c),)
@@ -714,6 +724,35 @@ class _Importer:
                     return self.emit(node, op, [self.use(x, node.name), self.use(r, f"{node.name}_row")], None, out,
                                      concrete.dtype)
         return None
+
+    def settle(self, v: Any) -> Any:
+        """``v``, emitted now when it is a pending torch program that is an op-table layout op (``Heads``,
+        ``RotateHalf``, ``Merge``): its consumer then sees the IR value and its layout."""
+        if not (isinstance(v, _T) and v.program is not None and v.dtype in TORCH_DTYPES):
+            return v
+        p = v.program
+        if id(p) not in self.emitted:
+            layout = self.layout_op(p, v)
+            if layout is None:
+                return v
+            self.emitted[id(p)] = layout
+        return _T(v.shape, v.dtype, v.runtime, self.emitted[id(p)])
+
+    def tiles(self, x: Any, t: Any, out: tuple[int, ...]) -> bool:
+        """Does ``t`` broadcast over ``x`` (shape ``out``) as a tile of its trailing dimensions, leading ones 1,
+        with the IR shapes of ``x`` ending in that tile (a head-major value: (batch * heads, seq, d)) and of ``t``
+        being it (a constant, a call input or parameter, or a computed value: RoPE's cos and sin)?"""
+        shape = tuple(t.shape)
+        core = shape[next((i for i, d in enumerate(shape) if d != 1), len(shape)):]
+        if len(core) < 2 or len(core) >= len(out) or out[len(out) - len(core):] != core or t.dtype not in TORCH_DTYPES:
+            return False
+        if any(d != 1 for d in shape[:len(shape) - len(core)]):
+            return False
+        if isinstance(t, _T) and t.program is not None:
+            return False  # a pending torch value: its layout is not known until it is emitted
+        t_ir = self.b.shape_of(t.id) if isinstance(t, _T) and t.id is not None else flat_shape(shape)
+        ir = self.b.shape_of(x.id) if isinstance(x, _T) and x.id is not None else None
+        return ir is not None and len(ir) > len(core) and tuple(ir[len(ir) - len(core):]) == core == tuple(t_ir)
 
     def map_add(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
         return self.binary(node, args, kwargs, concrete, "add")
@@ -775,22 +814,15 @@ class _Importer:
                 or bound.get("enable_gqa", False) or not isinstance(bound.get("is_causal", False), bool)):
             return None
         qkv = [bound.get(n) for n in names[:3]]
-        if not all(isinstance(t, _T) and t.program is not None and t.dtype == concrete.dtype for t in qkv):
+        if not all(isinstance(t, _T) and t.dtype == concrete.dtype and len(t.shape) == 4 for t in qkv):
             return None
-        splits = [head_split(t.program.steps, t.program.in_shapes) for t in qkv]
-        if any(sp is None for sp in splits) or concrete.dtype not in TORCH_DTYPES:
+        if concrete.dtype not in TORCH_DTYPES or not all(self.head_major(t) for t in qkv):
             return None
         scale = bound.get("scale")
         scale = 1.0 / math.sqrt(qkv[0].shape[-1]) if scale is None else scale  # torch's default: 1/sqrt(head dim)
         if not _is_scalar(scale):
             return None
-        heads = []
-        for t, sp, name in zip(qkv, splits, "qkv", strict=True):
-            _, layout = sp
-            src = t.program.inputs[0]
-            attrs = {"heads": layout.heads, "seq": layout.seq, "offset": layout.offset, "width": layout.width}
-            heads.append(self.emit(node, "Heads", [src], attrs, t.shape, t.dtype, f"_{name}").id)
-        q, k, v = heads
+        q, k, v = (self.use(t, f"{node.name}_{name}") for t, name in zip(qkv, "qkv", strict=True))
         scores_shape = (*qkv[0].shape[:-1], qkv[1].shape[-2])
         stat, dt = (*scores_shape[:-1], 1), concrete.dtype
         scores = self.emit(node, "BatchScores", [q, k], {"causal": int(bound.get("is_causal", False))}, scores_shape,
@@ -802,6 +834,15 @@ class _Importer:
         probs = self.emit(node, "DivRow", [e.id, self.emit(node, "RowSum", [e.id], None, stat, dt, "_sum").id], None,
                           scores_shape, dt, "_probs")
         return self.emit(node, "BatchApply", [probs.id, v], None, concrete.shape, dt)
+
+    def head_major(self, t: _T) -> bool:
+        """Is ``t`` (batch, heads, seq, d) in the op table's head-major layout: an IR value of shape
+        (batch * heads, seq, d), or heads taken out of token rows still pending (``Heads`` once used)?"""
+        if t.program is not None:
+            p = t.program
+            return (head_split(p.steps, p.in_shapes) is not None and len(p.inputs) == 1
+                    and self.b.shape_of(p.inputs[0]) == flat_shape(p.in_shapes[0]))
+        return t.id is not None and self.b.shape_of(t.id) == _head_major(t.shape)
 
     def norm(self, node, x, shape, weight, bias, eps, concrete, rms):  # noqa: ANN001, ANN201
         """LayerNorm (``rms``: RMSNorm) over the last dimension as the ops it is made of: the row
@@ -849,7 +890,10 @@ class _Importer:
         return self.binary(node, args, kwargs, concrete, "minimum") if all(_is_tensor(a) for a in args) else None
 
     def map_neg(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
-        return self.unary(node, "Neg", args[0], concrete)
+        x = args[0] if args else None
+        if isinstance(x, _T) and x.program is not None and takes_columns(x.program.steps[-1]):
+            return None  # -x[..., d/2:] of rotate_half: kept with its slice, so the cat is recognised as a whole
+        return self.unary(node, "Neg", x, concrete)
 
     def map_pow(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
         """``x ** p`` with a constant ``p`` of 2, 3, 0.5 or -0.5: Square, Square then Mul, Sqrt, Rsqrt."""
@@ -1016,11 +1060,10 @@ class _Importer:
         """Emit a pending torch-backed value as one Opaque node (once)."""
         p = v.program
         assert p is not None
-        heads = head_merge(p.steps, p.in_shapes, v.shape) if v.dtype in TORCH_DTYPES else None
-        if id(p) not in self.emitted and heads is not None and self.b.shape_of(p.inputs[0]) == _head_major(p.in_shapes[0]):
-            merged = self.emit(p.node, "Merge", [p.inputs[0]], {"heads": heads}, v.shape, v.dtype)
-            assert merged.id is not None
-            self.emitted[id(p)] = merged.id
+        if id(p) not in self.emitted and v.dtype in TORCH_DTYPES:
+            layout = self.layout_op(p, v)
+            if layout is not None:
+                self.emitted[id(p)] = layout
         if id(p) not in self.emitted:
             call = {"steps": list(p.steps), "in": [list(s) for s in p.in_shapes], "out": list(v.shape)}
             # named after its heaviest call (attention rather than the transposes around it)
@@ -1032,6 +1075,23 @@ class _Importer:
             self.opaque_kernels += 1
             self.opaque_names.extend(str(st["impl"]) for st in p.steps)
         return self.emitted[id(p)]
+
+
+    def layout_op(self, p: _Program, v: _T) -> str | None:
+        """The op-table layout op a pending torch program is, emitted: heads merged back (``Merge``), heads taken
+        out of token rows (``Heads``), RoPE's ``RotateHalf``; None when it is none of them."""
+        in_ir = self.b.shape_of(p.inputs[0]) if len(p.inputs) == 1 else None
+        heads = head_merge(p.steps, p.in_shapes, v.shape)
+        if heads is not None and in_ir == _head_major(p.in_shapes[0]):
+            return self.emit(p.node, "Merge", [p.inputs[0]], {"heads": heads}, v.shape, v.dtype).id
+        split = head_split(p.steps, p.in_shapes)
+        if split is not None and in_ir == flat_shape(p.in_shapes[0]):
+            layout = split[1]
+            attrs = {"heads": layout.heads, "seq": layout.seq, "offset": layout.offset, "width": layout.width}
+            return self.emit(p.node, "Heads", [p.inputs[0]], attrs, v.shape, v.dtype).id
+        if rotate_half(p.steps, p.in_shapes, v.shape) and in_ir is not None and in_ir[-1] == v.shape[-1]:
+            return self.emit(p.node, "RotateHalf", [p.inputs[0]], None, v.shape, v.dtype).id
+        return None
 
 
 def _renumber(step: dict[str, Any], inputs: Mapping[int, int], base: int) -> dict[str, Any]:

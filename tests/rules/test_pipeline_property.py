@@ -1,7 +1,7 @@
 """Whole-pipeline property: every plan the planner extracts computes what the unfused plan computes.
 
 Hypothesis builds random op graphs (chains and DAGs with fan-out and residuals,
-every op kind incl. MatMul, BiasAdd and Opaque norms) with small odd shapes and
+every op kind incl. MatMul, BiasAdd, Opaque norms, RoPE's RotateHalf and TileMul) with small odd shapes and
 fp16/bf16/fp32, plans them with the shipped rules and runs every candidate (or
 a bounded sample) on the numpy reference.  A failure prints the graph JSON.
 """
@@ -27,7 +27,7 @@ DIMS = (1, 2, 3, 5, 8, 9)
 MAX_PLANS = 24  # executed per graph (all when there are fewer)
 UNARY = ("Relu", "GeluTanh", "GeluErf", "Silu", "Affine", "Stage")
 # GEMMs and biases twice as often, so that epilogue and cuBLASLt candidates are common
-KINDS = (*UNARY, "Add", "Mul", "BiasAdd", "BiasAdd", "MatMul", "MatMul", "Opaque")
+KINDS = (*UNARY, "Add", "Mul", "BiasAdd", "BiasAdd", "MatMul", "MatMul", "Opaque", "RotateHalf", "TileMul")
 
 
 @st.composite
@@ -58,6 +58,12 @@ def graphs(draw: st.DrawFn) -> dict:
             if other == src and draw(st.booleans(), label=f"fresh{i}"):
                 other = b.input(f"r{i}", shape, dtype)
             b.op(nid, kind, [src, other])
+        elif kind == "RotateHalf":  # its input is read rotated from memory; an odd row has no halves
+            b.op(nid, kind if shape[-1] % 2 == 0 else "Relu", [src])
+        elif kind == "TileMul":  # src as the tile of a 3-D value computed from a fresh input (a sink: 3-D)
+            pre = b.op(f"{nid}.pre", "Affine", [b.input(f"t{i}", (2, *shape), dtype)], {"a": 1.5, "b": 0.25})
+            b.op(nid, kind, [pre, src])
+            continue
         elif kind == "BiasAdd":
             bias = b.input(f"b{i}", (shape[-1],), dtype)
             b.op(nid, kind, [src, bias])

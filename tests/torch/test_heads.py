@@ -12,7 +12,7 @@ from torch import nn  # noqa: E402
 
 import fusion_planner  # noqa: E402
 from fusion_planner.api import allclose_report  # noqa: E402
-from fusion_planner.torch.heads import HeadSplit, head_merge, head_split  # noqa: E402
+from fusion_planner.torch.heads import HeadSplit, head_merge, head_split, rotate_half  # noqa: E402
 from fusion_planner.torch.importer import TORCH_DTYPES, import_module, load_factory  # noqa: E402
 
 ATTENTION_OPS = {"Heads", "BatchScores", "Affine", "RowMax", "SubRow", "Exp", "RowSum", "DivRow", "BatchApply", "Merge"}
@@ -128,3 +128,102 @@ def test_head_split_reads_the_recorded_steps() -> None:
                "out": [2, 5, 8]}
     assert head_merge([merge, reshape], [(2, 4, 5, 2)], (2, 5, 8)) == 4
     assert head_merge([merge], [(2, 4, 5, 2)], (2, 5, 4, 2)) is None  # not merged into token rows
+
+
+# ---------------------------------------------------------------- RoPE
+
+
+class RopeAttention(nn.Module):
+    """LLaMA's attention written by hand: q and k rotated by x*cos + rotate_half(x)*sin before causal SDPA;
+    ``rotate`` is how rotate_half is spelt (slices, chunk, or a wrong one that must stay torch's)."""
+
+    def __init__(self, d: int = 32, heads: int = 2, seq: int = 8, rotate: str = "slices") -> None:
+        super().__init__()
+        self.heads, self.rotate = heads, rotate
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+        hd = d // heads
+        inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
+        angles = torch.outer(torch.arange(seq).float(), inv)
+        emb = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("cos", emb.cos()[None, None])
+        self.register_buffer("sin", emb.sin()[None, None])
+
+    def rotate_half(self, x):
+        if self.rotate == "chunk":
+            x1, x2 = x.chunk(2, dim=-1)
+        else:
+            x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+        return torch.cat((x2, -x1) if self.rotate == "wrong" else (-x2, x1), dim=-1)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (m(x).view(b, s, self.heads, -1).transpose(1, 2) for m in (self.q, self.k, self.v))
+        q = q * self.cos + self.rotate_half(q) * self.sin
+        k = k * self.cos + self.rotate_half(k) * self.sin
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(a.transpose(1, 2).reshape(b, s, d))
+
+
+@pytest.mark.parametrize("rotate", ["slices", "chunk"])
+def test_rope_imports_as_rotate_half_and_tile_products_and_equals_eager(rotate: str) -> None:
+    torch.manual_seed(0)
+    module, x = RopeAttention(rotate=rotate).eval(), torch.randn(2, 8, 32)
+    ops = _ops(module, x)
+    assert "Opaque" not in ops and ops.count("RotateHalf") == 2 and ops.count("TileMul") == 4
+    assert set(ops) >= ATTENTION_OPS
+    with torch.no_grad():
+        _close(fusion_planner.plan(module, (x,), backend="cpu", cache=False, max_candidates=6)(x), module(x))
+
+
+def test_a_rotation_that_is_not_rotate_half_stays_torch_and_equals_eager() -> None:
+    torch.manual_seed(0)
+    module, x = RopeAttention(rotate="wrong").eval(), torch.randn(2, 8, 32)  # cat(x2, -x1): the other sign
+    ops = _ops(module, x)
+    assert "RotateHalf" not in ops and "Opaque" in ops
+    with torch.no_grad():
+        _close(fusion_planner.plan(module, (x,), backend="reference", cache=False)(x), module(x))
+
+
+def test_rotate_half_reads_the_recorded_steps() -> None:
+    def step(impl, *args, **kw):
+        return {"impl": impl, "args": list(args), "kwargs": {"$dict": kw}, "item": -1}
+
+    hi = step("torch.ops.aten.slice.Tensor", {"$in": 0}, 3, 4, 2**63 - 1)
+    neg = step("torch.ops.aten.neg.default", {"$step": 0})
+    lo = step("torch.ops.aten.slice.Tensor", {"$in": 0}, 3, 0, 4)
+    cat = step("torch.ops.aten.cat.default", [{"$step": 1}, {"$step": 2}], -1)
+    shape = [(2, 2, 5, 8)]
+    assert rotate_half([hi, neg, lo, cat], shape, shape[0])
+    assert not rotate_half([hi, neg, lo, step("torch.ops.aten.cat.default", [{"$step": 2}, {"$step": 1}], -1)],
+                           shape, shape[0])  # cat(x1, -x2)
+    assert not rotate_half([hi, neg, lo, step("torch.ops.aten.cat.default", [{"$step": 1}, {"$step": 2}], 2)],
+                           shape, shape[0])  # concatenated along another dim
+    assert not rotate_half([{**hi, "args": [{"$in": 0}, 3, 3, 8]}, neg, lo, cat], shape, shape[0])  # not halves
+    ellipsis = step("torch.operator.getitem", {"$in": 0}, {"$tuple": [{"$ellipsis": 0}, {"$slice": [4, None, None]}]})
+    first = step("torch.operator.getitem", {"$in": 0}, {"$tuple": [{"$ellipsis": 0}, {"$slice": [None, 4, None]}]})
+    torch_form = [ellipsis, step("torch.operator.neg", {"$step": 0}), first,
+                  step("torch.cat", {"$tuple": [{"$step": 1}, {"$step": 2}]}, dim=-1)]
+    assert rotate_half(torch_form, shape, shape[0])
+
+
+def test_rope_under_torch_compile_has_no_opaque_node_and_equals_eager() -> None:
+    """Dynamo hands cos and sin over as graph inputs (module buffers lifted): tiles all the same."""
+    from fusion_planner.torch.importer import import_fx_graph
+
+    torch.manual_seed(0)
+    module, x = RopeAttention().eval(), torch.randn(2, 8, 32)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append([n.op for n in import_fx_graph(gm, example_inputs).graph.ops])
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(module, backend=capture)(x)
+        torch._dynamo.reset()
+        got = torch.compile(module, backend="fusion_planner", options={"backend": "reference"})(x)
+        _close(got, module(x))
+    torch._dynamo.reset()
+    (ops,) = graphs
+    assert "Opaque" not in ops and ops.count("RotateHalf") == 2 and ops.count("TileMul") == 4

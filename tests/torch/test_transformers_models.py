@@ -1,7 +1,7 @@
 """Layers taken from the ``transformers`` package itself (small configs, random weights, nothing downloaded) plan
 from Python and equal eager torch: GPT-2's block (Conv1D, the written-out GELU, causal SDPA), BERT's and ViT's
-layers (LayerNorm, SDPA) with no Opaque node and the fused Attention kernel; LLaMA's decoder layer (hand-written
-RMSNorm, SwiGLU) with its RoPE and attention still torch's."""
+layers (LayerNorm, SDPA) and LLaMA's decoder layer (hand-written RMSNorm, RoPE, SwiGLU, causal SDPA) with no
+Opaque node and the fused Attention kernel."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def _close(got, want) -> None:
     assert ok, (max_abs, max_rel)
 
 
-@pytest.mark.parametrize("factory", [_gpt2, _bert, _vit], ids=["gpt2-block", "bert-layer", "vit-layer"])
+@pytest.mark.parametrize("factory", [_gpt2, _bert, _vit, _llama], ids=["gpt2-block", "bert-layer", "vit-layer", "llama-layer"])
 def test_transformers_layers_plan_with_no_opaque_node_and_fused_attention(factory) -> None:
     torch.manual_seed(0)
     module, x = factory().eval(), torch.randn(2, SEQ, D)
@@ -93,12 +93,15 @@ def test_gpt2_written_out_gelu_becomes_the_op_the_epilogues_know() -> None:
     assert "GeluTanh" in bodies  # algebra.egg: 0.5*x*(1 + tanh(...)) is GeluTanh, so cuBLASLt's GELU_BIAS applies
 
 
-def test_llama_decoder_layer_plans_its_norms_and_mlp_and_keeps_rope_with_attention_in_torch() -> None:
+def test_llama_rope_is_one_elementwise_kernel_over_the_heads() -> None:
     torch.manual_seed(0)
     module, x = _llama().eval(), torch.randn(2, SEQ, D)
     ops = Counter(n.op for n in import_module(module, (x,)).graph.ops)
     assert ops["RowMean"] == 2 and ops["Rsqrt"] == 2 and ops["Silu"] == 1  # RMSNorm x2 and SwiGLU, native
-    assert ops["Opaque"] >= 1 and "BatchScores" not in ops  # RoPE's slices and cat: not mapped yet
-    result = fusion_planner.plan(module, (x,), backend="cpu", cache=False, max_candidates=4)
+    assert ops["RotateHalf"] == 2 and ops["TileMul"] == 4  # q and k: x*cos + rotate_half(x)*sin
+    result = fusion_planner.plan(module, (x,), backend="reference", cache=False, max_candidates=4)
+    rope = [sorted(e.op for e in k.body.walk()) for p in result.candidates.plans for k in p.kernels
+            if any(e.op == "RotateHalf" for e in k.body.walk())]
+    assert ["Add", "RotateHalf", "TileMul", "TileMul"] in rope
     with torch.no_grad():
         _close(result(x), module(x))

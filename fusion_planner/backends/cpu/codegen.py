@@ -39,12 +39,15 @@ from fusion_planner.backends.codegen import (
     CodegenError,
     RowEmitter,
     broadcast,
+    is_rotated,
     is_row_kernel,
     loads,
     nodes_to_emit,
     row_level,
+    row_read,
     row_width,
     snippet,
+    tile_rows,
 )
 from fusion_planner.core.files import untrusted_dir
 from fusion_planner.core.kinds import OpKind
@@ -73,6 +76,10 @@ INDEX = {
     "col": "{p}[c]",
     "row": "{p}[r]",  # one value per row (a row kernel's per-row operand)
     "tile": "{p}[(r - r0) * cols + c]",
+    "wrap": "{p}[(r % {period}) * cols + c]",  # a tile of the output's trailing dims: its rows repeat
+    # RotateHalf's input: the other half's column, negated in the first half; the loop over a row runs in
+    # two halves, each filling in its shift and sign (see _loop_function), so both stay contiguous loads
+    "rot": "{p}[r * cols + c + FP_ROT_SHIFT]",
 }
 
 PRELUDE = r"""#include <math.h>
@@ -175,6 +182,7 @@ class Param:
     tensor: str | None  # None for the GEMM tile
     dtype: str  # storage dtype
     index: str  # key of INDEX
+    period: int = 0  # a wrap operand's rows
 
 
 @dataclass(frozen=True)
@@ -227,27 +235,33 @@ def generate(
     rows, cols = rows_cols(out_shape)
     params: list[Param] = []
     var_of: dict[int, str] = {}
-    param_of: dict[str | None, int] = {}
+    param_of: dict[tuple[str | None, str], int] = {}
     stmts: list[str] = []
 
-    def param(tensor: str | None, dtype: str, index: str) -> str:
-        if tensor not in param_of:
-            param_of[tensor] = len(params)
-            params.append(Param(tensor, dtype, index))
+    def param(tensor: str | None, dtype: str, index: str, period: int = 0) -> str:
+        if (tensor, index) not in param_of:
+            param_of[tensor, index] = len(params)
+            params.append(Param(tensor, dtype, index, period))
             p = params[-1]
-            pname = f"t{param_of[tensor]}"
-            load = INDEX[p.index].format(p=pname)
+            pname = f"t{param_of[tensor, index]}"
+            load = INDEX[p.index].format(p=pname, period=period)
             conv = "{}" if p.dtype == "fp32" else _STORAGE[p.dtype][1]
-            stmts.append(f"const float {pname}v = {conv.format(load)};")
-        return f"t{param_of[tensor]}v"
+            value = f"FP_ROT_SIGN({conv.format(load)})" if index == "rot" else conv.format(load)
+            stmts.append(f"const float {pname}v = {value};")
+        return f"t{param_of[tensor, index]}v"
 
-    def operand(e: Expr | Load) -> str:
+    def operand(e: Expr | Load, rotated: bool = False) -> str:
         if isinstance(e, Load):
             if e.tensor not in tensor_types:
                 raise CodegenError("kernel loads a tensor with no known type")
             shape, dtype = tensor_types[e.tensor]
+            if rotated:
+                if tuple(shape) != out_shape:
+                    raise CodegenError(f"RotateHalf of {e.tensor!r}: shape {list(shape)} is not the output's")
+                return param(e.tensor, dtype, "rot")
             per_row = len(shape) > 1 and shape[-1] == 1 and shape != out_shape and math.prod(shape[:-1]) == rows
-            return param(e.tensor, dtype, "row" if per_row else broadcast(shape, out_shape, e.tensor))
+            index = "row" if per_row else broadcast(shape, out_shape, e.tensor)
+            return param(e.tensor, dtype, index, tile_rows(shape) if index == "wrap" else 0)
         if tile is not None and e is tile:
             return param(None, tile_dtype, "tile")
         return var_of[id(e)]
@@ -255,7 +269,7 @@ def generate(
     if tile is not None and tile is body:
         result = operand(body)
     for e in nodes_to_emit(body, given={id(tile)} if tile is not None else ()):
-        args = [operand(a) for a in e.args]
+        args = [operand(a, is_rotated(e)) for a in e.args]
         name = f"v{len(var_of)}"
         var_of[id(e)] = name
         stmts.append(f"const float {name} = {snippet(e, args)};")
@@ -291,8 +305,8 @@ def _row_kernel(body: Expr, tensor_types: dict[str, tuple[tuple[int, ...], str]]
         if tensor not in [p.tensor for p in params]:
             params.append(Param(tensor, tensor_types[tensor][1], level))
         i = [p.tensor for p in params].index(tensor)
-        index = {"full": f"r * {width} + c", "row": "r", "col": "c"}[level]
-        return _STORAGE[params[i].dtype][1].format(f"t{i}[{index}]")
+        return row_read(level, width, tile_rows(tensor_types[tensor][0]),  # type: ignore[arg-type]
+                        lambda index: _STORAGE[params[i].dtype][1].format(f"t{i}[{index}]"))
 
     emitter = RowEmitter(width, levels.__getitem__, load, ROW_LANES, "-INFINITY", ROW_BUFFER_LIMIT)
     out_dtype = body.type.dtype
@@ -308,15 +322,23 @@ def _row_kernel(body: Expr, tensor_types: dict[str, tuple[tuple[int, ...], str]]
 def _loop_function(in_ctypes: list[str], out_ctype: str, stmts: list[str], store: str) -> str:
     sig = [f"const {t}* restrict t{i}" for i, t in enumerate(in_ctypes)]
     sig += [f"{out_ctype}* restrict out", "int64_t r0", "int64_t r1", "int64_t cols"]
-    inner = "\n".join(f"            {s}" for s in stmts)
+
+    def loop(first: str, end: str, shift: str = "", sign: str = "") -> str:
+        inner = "\n".join(f"            {s}" for s in stmts).replace("FP_ROT_SHIFT", shift).replace("FP_ROT_SIGN", sign)
+        return (f"        for (int64_t c = {first}; c < {end}; ++c) {{\n{inner}\n"
+                f"            out[r * cols + c] = {store};\n        }}\n")
+
+    if any("FP_ROT_SHIFT" in s for s in stmts):  # a rotated read: each half of the row in its own loop
+        half = "    const int64_t fp_half = cols / 2;\n"
+        loops = loop("0", "fp_half", "fp_half", "-") + loop("fp_half", "cols", "(-fp_half)")
+    else:
+        half, loops = "", loop("0", "cols")
     return (
         PRELUDE
-        + f"\nvoid {SYMBOL}({', '.join(sig)}) {{\n"
+        + f"\nvoid {SYMBOL}({', '.join(sig)}) {{\n{half}"
         + "    for (int64_t r = r0; r < r1; ++r) {\n"
-        + "        for (int64_t c = 0; c < cols; ++c) {\n"
-        + f"{inner}\n"
-        + f"            out[r * cols + c] = {store};\n"
-        + "        }\n    }\n}\n"
+        + loops
+        + "    }\n}\n"
     )
 
 

@@ -29,12 +29,15 @@ from fusion_planner.backends.codegen import (
     RowEmitter,
     broadcast,
     find_matmul,
+    is_rotated,
     is_row_kernel,
     loads,
     nodes_to_emit,
     row_level,
+    row_read,
     row_width,
     snippet,
+    tile_rows,
 )
 from fusion_planner.core.graph import TensorType
 from fusion_planner.core.kinds import KernelKind
@@ -133,11 +136,12 @@ def emit_body(
     leaf_var: Callable[[str, int], str],
     fixed: dict[int, Sequence[str]] | None = None,
     indent: str = "    ",
+    rotated_var: Callable[[str, int], str] | None = None,
 ) -> tuple[list[str], list[str]]:
     """Statements computing ``body`` for ``lanes`` independent elements, and the result vars.
 
     ``fixed`` maps ``id(expr)`` to per-lane variables already holding its value
-    (the GEMM accumulator).
+    (the GEMM accumulator); ``rotated_var`` names a tensor's value read rotated (``RotateHalf``'s input).
     """
     fixed = dict(fixed or {})
     vars_of: dict[int, list[str]] = {k: list(v) for k, v in fixed.items()}
@@ -146,8 +150,13 @@ def emit_body(
     for e in nodes_to_emit(body, given=vars_of):
         j = position[id(e)]
         out = [f"t{j}_{lane}" for lane in range(lanes)]
+        leaf = leaf_var
+        if is_rotated(e):
+            if rotated_var is None:
+                raise CodegenError(f"RotateHalf {e.node!r}: this kernel form cannot read a rotated input")
+            leaf = rotated_var
         for lane in range(lanes):
-            args = [leaf_var(a.tensor, lane) if isinstance(a, Load) else vars_of[id(a)][lane] for a in e.args]
+            args = [leaf(a.tensor, lane) if isinstance(a, Load) else vars_of[id(a)][lane] for a in e.args]
             lines.append(f"{indent}float {out[lane]} = {snippet(e, args)};")
         temps = op_def(e.op).probe_temps(e.attr_dict)
         if temps > 0:
@@ -187,9 +196,28 @@ def _probe(values: list[str], temps: int, tag: str, indent: str) -> list[str]:
 # ---------------------------------------------------------------- elementwise
 
 
-def _broadcast_cols(t: TensorType, out: TensorType, tensor: str) -> int:
-    """0 for a full-shape operand; the row length for a bias broadcast over rows."""
-    return int(t.shape[0]) if broadcast(t.shape, out.shape, tensor) == "col" else 0
+def _modulus(t: TensorType, out: TensorType, tensor: str) -> int:
+    """0 for a full-shape operand; else the flat index modulo which it is read: its size (a bias broadcast over
+    rows, a tile of the output's trailing dimensions repeated over the leading ones)."""
+    return 0 if broadcast(t.shape, out.shape, tensor) == "full" else math.prod(t.shape)
+
+
+def _reads(body: Expr) -> tuple[set[str], set[str]]:
+    """The tensors the body reads at their own index, and those it reads rotated (``RotateHalf``'s input)."""
+    plain: set[str] = set()
+    rotated: set[str] = set()
+    for e in body.walk():
+        for a in e.args:
+            if isinstance(a, Load):
+                (rotated if is_rotated(e) else plain).add(a.tensor)
+    return plain, rotated
+
+
+def _rotated_load(p: str, dt: str, at: str, col: str, half: int) -> str:
+    """``RotateHalf``'s input at flat index ``at`` of column ``col``: the other half's value, negated in the
+    first half."""
+    lo, hi = TO_FLOAT[dt].format(f"{p}[{at} + {half}LL]"), TO_FLOAT[dt].format(f"{p}[{at} - {half}LL]")
+    return f"({col} < {half}LL ? -{lo} : {hi})"
 
 
 def elementwise_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
@@ -197,10 +225,15 @@ def elementwise_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
     out_t = tensors.get(k.out, body.type)
     n = math.prod(out_t.shape)
     leaves = loads(body)
-    cols = {t: _broadcast_cols(tensors[t], out_t, t) for t in leaves}
-    widths = [DTYPE_BYTES[tensors[t].dtype] for t in leaves if not cols[t]] + [DTYPE_BYTES[out_t.dtype]]
+    plain, rotated = _reads(body)
+    mod = {t: _modulus(tensors[t], out_t, t) for t in leaves if t in plain}
+    for t in rotated:
+        if tensors[t].shape != out_t.shape:
+            raise CodegenError(f"RotateHalf of {t!r}: shape {list(tensors[t].shape)} is not the output's")
+    half = int(out_t.shape[-1]) // 2
+    widths = [DTYPE_BYTES[tensors[t].dtype] for t, m in mod.items() if not m] + [DTYPE_BYTES[out_t.dtype]]
     vec = 16 // max(widths)
-    if any(c and c % vec for c in cols.values()) or n < vec:
+    if any(m and m % vec for m in mod.values()) or (rotated and half % vec) or n < vec:
         vec = 1
     index = {t: i for i, t in enumerate(leaves)}
     params = [f"const {CTYPE[tensors[t].dtype]}* __restrict__ p{index[t]}" for t in leaves]
@@ -210,16 +243,35 @@ def elementwise_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
     src.append(f"  const long long N = {n}LL;")
     src.append("  const long long stride = (long long)blockDim.x * gridDim.x;")
     src.append("  const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;")
+    reads = _Reads(index, mod, rotated, tensors, int(out_t.shape[-1]), half)
     if vec > 1:
-        src += _vector_loop(body, leaves, index, cols, tensors, out_t, vec)
+        src += _vector_loop(body, reads, out_t, vec)
         src.append(f"  for (long long i = (N / {vec}) * {vec} + tid; i < N; i += stride) {{")
     else:
         src.append("  for (long long i = tid; i < N; i += stride) {")
-    src += _scalar_step(body, leaves, index, cols, tensors, out_t)
+    src += _scalar_step(body, reads, out_t)
     src.append("  }")
     src.append("}")
     work = -(-n // (vec * BLOCK))
     return CudaKernel(name, KernelKind.ELEMENTWISE, "\n".join(src) + "\n", (*leaves, k.out), BLOCK, (work, 1), 8, vec)
+
+
+@dataclass(frozen=True)
+class _Reads:
+    """How an elementwise kernel reads its tensors: parameter index, modulus (plain reads), rotated reads."""
+
+    index: dict[str, int]
+    mod: dict[str, int]
+    rotated: set[str]
+    tensors: dict[str, TensorType]
+    cols: int
+    half: int
+
+    def plain_var(self, t: str, lane: int) -> str:
+        return f"a{self.index[t]}_{lane}"
+
+    def rotated_var(self, t: str, lane: int) -> str:
+        return f"b{self.index[t]}_{lane}"
 
 
 def _shape_salt(k: Kernel, tensors: dict[str, TensorType]) -> str:
@@ -228,13 +280,13 @@ def _shape_salt(k: Kernel, tensors: dict[str, TensorType]) -> str:
     return shapes + json.dumps(expr_to_json(k.body), sort_keys=True)
 
 
-def _vector_loop(body, leaves, index, cols, tensors, out_t, vec) -> list[str]:
+def _vector_loop(body: Expr, reads: _Reads, out_t: TensorType, vec: int) -> list[str]:
     ind = "    "
     lines = [f"  for (long long v = tid; v < N / {vec}; v += stride) {{", f"{ind}const long long i0 = v * {vec};"]
-    for t in leaves:
-        i, dt = index[t], tensors[t].dtype
-        if cols[t]:
-            lines.append(f"{ind}const long long c{i} = i0 % {cols[t]}LL;")
+    for t, m in reads.mod.items():
+        i, dt = reads.index[t], reads.tensors[t].dtype
+        if m:
+            lines.append(f"{ind}const long long c{i} = i0 % {m}LL;")
             for lane in range(vec):
                 lines.append(f"{ind}float a{i}_{lane} = {TO_FLOAT[dt].format(f'p{i}[c{i} + {lane}]')};")
             continue
@@ -243,7 +295,14 @@ def _vector_loop(body, leaves, index, cols, tensors, out_t, vec) -> list[str]:
         lines.append(f"{ind}const {CTYPE[dt]}* e{i} = reinterpret_cast<const {CTYPE[dt]}*>(&r{i});")
         for lane in range(vec):
             lines.append(f"{ind}float a{i}_{lane} = {TO_FLOAT[dt].format(f'e{i}[{lane}]')};")
-    stmts, res = emit_body(body, vec, lambda t, lane: f"a{index[t]}_{lane}", indent=ind)
+    if reads.rotated:  # the vector's lanes lie in one half of the row (half % vec == 0)
+        lines.append(f"{ind}const long long col0 = i0 % {reads.cols}LL;")
+    for t in sorted(reads.rotated, key=reads.index.__getitem__):
+        i, dt = reads.index[t], reads.tensors[t].dtype
+        for lane in range(vec):
+            lines.append(f"{ind}float b{i}_{lane} = "
+                         f"{_rotated_load(f'p{i}', dt, f'i0 + {lane}', 'col0', reads.half)};")
+    stmts, res = emit_body(body, vec, reads.plain_var, indent=ind, rotated_var=reads.rotated_var)
     lines += stmts
     raw = RAW[vec * DTYPE_BYTES[out_t.dtype]]
     ct = CTYPE[out_t.dtype]
@@ -256,14 +315,19 @@ def _vector_loop(body, leaves, index, cols, tensors, out_t, vec) -> list[str]:
     return lines
 
 
-def _scalar_step(body, leaves, index, cols, tensors, out_t) -> list[str]:
+def _scalar_step(body: Expr, reads: _Reads, out_t: TensorType) -> list[str]:
     ind = "    "
     lines = []
-    for t in leaves:
-        i, dt = index[t], tensors[t].dtype
-        at = f"i % {cols[t]}LL" if cols[t] else "i"
+    for t, m in reads.mod.items():
+        i, dt = reads.index[t], reads.tensors[t].dtype
+        at = f"i % {m}LL" if m else "i"
         lines.append(f"{ind}float a{i}_0 = {TO_FLOAT[dt].format(f'p{i}[{at}]')};")
-    stmts, res = emit_body(body, 1, lambda t, lane: f"a{index[t]}_0", indent=ind)
+    if reads.rotated:
+        lines.append(f"{ind}const long long col = i % {reads.cols}LL;")
+    for t in sorted(reads.rotated, key=reads.index.__getitem__):
+        i, dt = reads.index[t], reads.tensors[t].dtype
+        lines.append(f"{ind}float b{i}_0 = {_rotated_load(f'p{i}', dt, 'i', 'col', reads.half)};")
+    stmts, res = emit_body(body, 1, reads.plain_var, indent=ind, rotated_var=reads.rotated_var)
     lines += stmts
     lines.append(f"{ind}out[i] = {FROM_FLOAT[out_t.dtype].format(res[0])};")
     return lines
@@ -357,11 +421,17 @@ def gemm_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
     epi_leaves = [t for t in leaves if t not in (a_name, b_name) or _used_outside(body, mm, t)]
     ind = "          "
     lines = []
+    plain, rotated = _reads(body)
     for t in epi_leaves:
-        cols = _broadcast_cols(tensors[t], out_t, t)
-        at_ = "gc" if cols else "i_out"
-        lines.append(f"{ind}const float a{index[t]}_0 = {TO_FLOAT[tensors[t].dtype].format(f'p{index[t]}[{at_}]')};")
-    stmts, res = emit_body(body, 1, lambda t, lane: f"a{index[t]}_0", fixed={id(mm): ["acc_v"]}, indent=ind)
+        if t in plain or t not in rotated:
+            how = broadcast(tensors[t].shape, out_t.shape, t)
+            at_ = {"full": "i_out", "col": "gc"}.get(how, f"i_out % {math.prod(tensors[t].shape)}LL")
+            lines.append(f"{ind}const float a{index[t]}_0 = {TO_FLOAT[tensors[t].dtype].format(f'p{index[t]}[{at_}]')};")
+        if t in rotated:
+            value = _rotated_load(f"p{index[t]}", tensors[t].dtype, "i_out", "gc", n // 2)
+            lines.append(f"{ind}const float b{index[t]}_0 = {value};")
+    stmts, res = emit_body(body, 1, lambda t, lane: f"a{index[t]}_0", fixed={id(mm): ["acc_v"]}, indent=ind,
+                           rotated_var=lambda t, lane: f"b{index[t]}_0")
     lines += stmts
     params = [f"const {CTYPE[tensors[t].dtype]}* __restrict__ p{index[t]}" for t in leaves]
     params.append(f"{CTYPE[out_t.dtype]}* __restrict__ out")
@@ -411,8 +481,8 @@ def row_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
     index = {t: i for i, t in enumerate(leaves)}
 
     def load(tensor: str, level: str) -> str:
-        at = {"full": f"r * {width}LL + c", "row": "r", "col": "c"}[level]
-        return TO_FLOAT[tensors[tensor].dtype].format(f"p{index[tensor]}[{at}]")
+        return row_read(level, width, tile_rows(shapes[tensor]),  # type: ignore[arg-type]
+                        lambda at: TO_FLOAT[tensors[tensor].dtype].format(f"p{index[tensor]}[{at}]"), "LL")
 
     emitter = RowEmitter(width, levels.__getitem__, load, 1, "fp_neg_inf()")
     lines = emitter.output(body, lambda value, at: f"out[{at}] = {FROM_FLOAT[out_t.dtype].format(value)};")
