@@ -305,3 +305,26 @@ def test_a_failed_or_altered_batch_costs_nothing_but_time(tmp_path, caplog) -> N
     again = Compiler(directory=tmp_path / "second")
     again.function(good[0], 2)  # the seal no longer matches: the kernel is built on its own
     assert again.compiled == 1 and "altered batch" in caplog.text
+
+
+def test_auto_takes_the_gemm_library_measured_faster_here_once_per_machine(monkeypatch, tmp_path) -> None:
+    """With torch loaded, auto times both libraries once and keeps the record; torch keeps it within the margin."""
+    pytest.importorskip("torch")
+    from fusion_planner.backends.cpu import gemm
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(gemm.GEMM_ENV, raising=False)
+    timings = iter([{"numpy": 0.8, "torch": 1.0}, {"numpy": 0.98, "torch": 1.0}])
+    measured = []
+    monkeypatch.setattr(gemm, "_time_libraries", lambda: measured.append(1) or next(timings))
+    gemm.measured_library.cache_clear()
+    try:
+        assert gemm.library_from_env() == "numpy" and len(measured) == 1
+        gemm.measured_library.cache_clear()  # a new process: the record answers
+        assert gemm.library_from_env() == "numpy" and len(measured) == 1
+        record = tmp_path / "fusion-planner" / "cpu" / gemm.PROBE_FILE
+        record.write_text(record.read_text().replace('"numpy"', '"mkl"', 1).replace('"choice": "numpy"', '"choice": "mkl"'))
+        gemm.measured_library.cache_clear()  # a tampered record is measured again: 2% is within the margin
+        assert gemm.library_from_env() == "torch" and len(measured) == 2
+    finally:
+        gemm.measured_library.cache_clear()

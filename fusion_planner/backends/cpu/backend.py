@@ -603,8 +603,9 @@ class CpuBackend(Backend):
         return widen, wide.nbytes
 
     def native(self, dtype: str) -> bool:
-        """Does this backend multiply ``dtype`` (16-bit) in torch's native kernels rather than widening it?"""
-        return dtype != "fp32" and self.gemm_library == "torch" and gemm.native_16bit(dtype)
+        """Does this backend multiply ``dtype`` (16-bit) in torch's native kernels rather than widening it?  Its
+        own choice (``FUSION_PLANNER_CPU_GEMM_16BIT``), whichever library multiplies fp32, where torch is loaded."""
+        return dtype != "fp32" and (self.gemm_library == "torch" or "torch" in sys.modules) and gemm.native_16bit(dtype)
 
     def _tile_dtype(self, k: Kernel, tensors: Mapping[str, TensorType]) -> str:
         """How a GEMM kernel's product tile is stored: in the operands' 16-bit dtype where torch multiplies it
@@ -677,7 +678,7 @@ class CpuBackend(Backend):
                       for fn, params, tile, widen_a, bounds in blockwork])
 
         facts = {
-            "impl": f"{self.gemm_library}-{a_dtype}-gemm+c-epilogue" if native else f"{self.gemm_library}-gemm+c-epilogue",
+            "impl": f"torch-{a_dtype}-gemm+c-epilogue" if native else f"{self.gemm_library}-gemm+c-epilogue",
             "tile_rows": tile_rows,
             "tiles": sum(-(-(end - start) // tile_rows) for start, end in blocks),
             "threads": threads if torch_gemm else len(blocks),

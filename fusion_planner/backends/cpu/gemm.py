@@ -5,8 +5,12 @@ torch's x86 wheels ship MKL, numpy's OpenBLAS: on one core here (fp32, 2026-12-0
 74-80 GFLOP/s on GPT-2's MLP shapes (128x768x3072, 128x3072x768) against OpenBLAS's 52-63, and 51-87
 against 27-55 on the 16-64-row tiles of a split GEMM; 64x2048x2048 was a tie.
 
-``FUSION_PLANNER_CPU_GEMM``: ``auto`` (the default) takes torch when it is already imported (a torch model
-is being planned, so it costs nothing to load), else numpy; ``torch`` and ``numpy`` force one.
+That order is not every machine's: on an AMD EPYC (Zen 4) core (2026-12-02) OpenBLAS beat MKL by 5-20% on
+the same shapes (1024³: 22.4 against 26.7 ms).  So ``FUSION_PLANNER_CPU_GEMM``: ``auto`` (the default)
+takes numpy when torch is not imported (a graph, not a torch model, is being planned: torch is not loaded
+for it), else the library that multiplies :data:`PROBE_SHAPES` faster on one thread here, measured once
+per machine and library versions (about 0.1 s) and kept in the kernel cache (``gemm-library.json``);
+torch keeps it unless numpy is :data:`PROBE_MARGIN` faster.  ``torch`` and ``numpy`` force one.
 
 16-bit operands are widened to fp32 for the product, except where torch multiplies their dtype in the
 CPU's own instructions (bf16 on AMX or AVX-512 BF16, fp16 on AMX-FP16): there torch's product reads the
@@ -20,13 +24,26 @@ tests and comparisons).  The same choice covers 16-bit batched products and atte
 
 from __future__ import annotations
 
+import functools
+import json
+import logging
 import os
 import sys
+import tempfile
+import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import numpy as np
+from threadpoolctl import threadpool_info, threadpool_limits
 
 from fusion_planner.backends.base import BackendError
+from fusion_planner.backends.cpu.codegen import cache_dir
+from fusion_planner.backends.cpu.parallel import torch_threads
+from fusion_planner.core.machine import cpu_model
+
+log = logging.getLogger(__name__)
 
 GEMM_ENV = "FUSION_PLANNER_CPU_GEMM"
 GEMM_16BIT_ENV = "FUSION_PLANNER_CPU_GEMM_16BIT"
@@ -42,7 +59,7 @@ def library_from_env(choice: str | None = None) -> str:
     what = "gemm_library" if choice else GEMM_ENV
     value = (choice or os.environ.get(GEMM_ENV) or "auto").strip().lower()
     if value == "auto":
-        return "torch" if "torch" in sys.modules else "numpy"
+        return measured_library() if "torch" in sys.modules else "numpy"
     if value not in LIBRARIES:
         raise BackendError(f"{what}={value!r}: expected auto, numpy or torch")
     if value == "torch":
@@ -101,3 +118,72 @@ def torch_mm_16bit(dtype: str) -> MatMul:
 
 def matmul(library: str) -> MatMul:
     return torch_mm() if library == "torch" else numpy_mm
+
+
+# ---------------------------------------------------------------- the measured choice
+
+#: the fp32 products ``auto`` times on one thread: a transformer projection at 128 tokens, a wider square one
+PROBE_SHAPES = ((128, 768, 768), (256, 1024, 1024))
+#: numpy must be this much faster (summed over the shapes) to replace torch: the measurement's noise
+PROBE_MARGIN = 0.05
+PROBE_ROUNDS = 5
+PROBE_FILE = "gemm-library.json"
+
+
+def _probe_key() -> dict[str, Any]:
+    """What the measured choice depends on: the CPU and the libraries' versions (the BLAS builds included)."""
+    import torch  # optional dependency (imported: auto measures only then)
+
+    blas = sorted(f"{i.get('internal_api')} {i.get('version')}" for i in threadpool_info() if i.get("user_api") == "blas")
+    return {"cpu": cpu_model(), "numpy": np.__version__, "torch": torch.__version__, "blas": blas}
+
+
+def _time_libraries() -> dict[str, float]:
+    """Seconds per library, the fastest round of each shape summed over :data:`PROBE_SHAPES`; the libraries
+    interleaved round by round."""
+    mms = {"numpy": numpy_mm, "torch": torch_mm()}
+    rng = np.random.default_rng(0)
+    best = dict.fromkeys(mms, 0.0)
+    with threadpool_limits(limits=1, user_api="blas"), torch_threads(1):
+        for m, k, n in PROBE_SHAPES:
+            a, b = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32)
+            out = np.empty((m, n), np.float32)
+            runs: dict[str, list[float]] = {name: [] for name in mms}
+            for _ in range(PROBE_ROUNDS + 1):  # the first round warms both up
+                for name, mm in mms.items():
+                    t0 = time.perf_counter()
+                    mm(a, b, out)
+                    runs[name].append(time.perf_counter() - t0)
+            for name in mms:
+                best[name] += min(runs[name][1:])
+    return best
+
+
+@functools.cache
+def measured_library() -> str:
+    """numpy or torch, whichever multiplies fp32 faster here (torch unless numpy wins by the margin); measured
+    once per machine and library versions, the record kept in the kernel cache."""
+    key = _probe_key()
+    path = cache_dir() / PROBE_FILE
+    try:
+        record = json.loads(path.read_text())
+        if record.get("key") == key and record.get("choice") in LIBRARIES:
+            return str(record["choice"])
+    except (OSError, ValueError, AttributeError):
+        pass  # none yet, or unreadable: measure again
+    seconds = _time_libraries()
+    choice = "numpy" if seconds["numpy"] * (1 + PROBE_MARGIN) < seconds["torch"] else "torch"
+    log.info("CPU GEMM library: %s (fp32 on one thread: numpy %.2f ms, torch %.2f ms)", choice,
+             seconds["numpy"] * 1e3, seconds["torch"] * 1e3)
+    _write_record(path, {"key": key, "choice": choice, "seconds": seconds})
+    return choice
+
+
+def _write_record(path: Path, record: dict[str, Any]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            json.dump(record, f)
+        os.replace(f.name, path)
+    except OSError as exc:  # a read-only cache: measured again next process
+        log.warning("cannot keep the GEMM library choice in %s: %s", path, exc)
