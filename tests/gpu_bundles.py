@@ -70,7 +70,16 @@ def build(name: str) -> dict[str, Any]:
 
 def example_graphs() -> list[Any]:
     """Built-in examples in the shapes that exercise each code path of the CUDA generator."""
-    from fusion_planner.core.examples import ew_chain, heavy, layer_norm, mlp_epilogue, mlp_stack, rope, softmax
+    from fusion_planner.core.examples import (
+        attention,
+        ew_chain,
+        heavy,
+        layer_norm,
+        mlp_epilogue,
+        mlp_stack,
+        rope,
+        softmax,
+    )
 
     return [
         mlp_epilogue(4096, 4096, 4096, "fp16"),
@@ -86,6 +95,7 @@ def example_graphs() -> list[Any]:
         softmax(48, 128, "bf16"),  # a row max and a row sum
         rope(1, 128, 768, 12, "bf16"),  # tables read modulo their size, rotated reads in 8-wide vectors
         rope(2, 64, 256, 4, "fp16", norm=True),  # RoPE inside a row kernel
+        attention(2, 128, 256, 4, "bf16", masked=True),  # a padding mask read one row per group
     ]
 
 

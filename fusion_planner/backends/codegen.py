@@ -21,7 +21,7 @@ from fusion_planner.core.kinds import OpKind
 from fusion_planner.core.ops import op_def
 from fusion_planner.core.plans import Expr, Load
 
-Broadcast = Literal["full", "col", "wrap"]
+Broadcast = Literal["full", "col", "wrap", "group"]
 
 #: the op whose input is read at the other half of the row (negated in the first half): RoPE's rotate_half
 ROTATE_HALF = "RotateHalf"
@@ -70,7 +70,15 @@ def broadcast(shape: Sequence[int], out_shape: Sequence[int], tensor: str) -> Br
         return "col"
     if 2 <= len(shape) < len(out_shape) and tuple(out_shape[len(out_shape) - len(shape):]) == tuple(shape):
         return "wrap"
+    if is_group_row(shape, out_shape):
+        return "group"
     raise CodegenError(f"operand {tensor!r} of shape {list(shape)} does not broadcast to {list(out_shape)}")
+
+
+def is_group_row(shape: Sequence[int], out_shape: Sequence[int]) -> bool:
+    """Is ``shape`` one row per group, (G, 1, T), of an output (G, S, T): an attention mask's ``group`` read?"""
+    return (len(shape) == 3 == len(out_shape) and shape[1] == 1 and out_shape[1] != 1
+            and shape[0] == out_shape[0] and shape[2] == out_shape[2])
 
 
 def tile_rows(shape: Sequence[int]) -> int:
@@ -117,7 +125,7 @@ REDUCTIONS = {
 #: an fp32 array read at the row's column ``c``: contiguous along the row, so a vector loop can load it
 _ARRAY_AT_C = re.compile(r"\w+\[[^\[\]]*\bc\]")
 
-Level = Literal["full", "row", "col", "wrap", "rot"]
+Level = Literal["full", "row", "col", "wrap", "rot", "group"]
 
 
 def _shapes(body: Expr, load_shapes: Mapping[str, Sequence[int]]) -> list[Sequence[int]]:
@@ -261,7 +269,7 @@ class RowEmitter:
                 f"    {store(value, f'r * {self.width} + c')}", "}"]
 
 
-def row_level(shape: Sequence[int], width: int, rows: int, tensor: str) -> Level:
+def row_level(shape: Sequence[int], width: int, rows: int, tensor: str, out_shape: Sequence[int] = ()) -> Level:
     """How a row kernel reads a tensor of ``shape``: one value per row, a row vector, the full row, or a row
     of a tile whose rows repeat over the kernel's (``wrap``)."""
     lead = tile_rows(shape)
@@ -271,6 +279,8 @@ def row_level(shape: Sequence[int], width: int, rows: int, tensor: str) -> Level
         return "row"
     if shape and shape[-1] == width and lead == rows:
         return "full"
+    if out_shape and is_group_row(shape, (*out_shape[:-1], width)):  # the rows' shape: a per-row output's too
+        return "group"
     if len(shape) >= 2 and shape[-1] == width and rows % lead == 0:
         return "wrap"
     raise CodegenError(f"operand {tensor!r} of shape {list(shape)} is not read row by row over rows of {width}")
@@ -278,8 +288,11 @@ def row_level(shape: Sequence[int], width: int, rows: int, tensor: str) -> Level
 
 def row_read(level: Level, width: int, tile: int, read: Callable[[str], str], suffix: str = "") -> str:
     """A row kernel's float expression for one operand at column ``c`` of row ``r`` (``read(index)`` loads
-    it); ``tile``: the rows of a ``wrap`` operand; ``suffix``: of integer literals (CUDA's ``LL``).  A rotated
-    read (``rot``) takes the other half's column, negated in the first half, as ``RotateHalf`` defines it."""
+    it); ``tile``: the rows of a ``wrap`` operand, or the output rows per group of a ``group`` one (its row
+    is ``r / tile``); ``suffix``: of integer literals (CUDA's ``LL``).  A rotated read (``rot``) takes the other
+    half's column, negated in the first half, as ``RotateHalf`` defines it."""
+    if level == "group":
+        return read(f"(r / {tile}{suffix}) * {width}{suffix} + c")
     w = f"{width}{suffix}"
     if level == "rot":
         half = f"{width // 2}{suffix}"

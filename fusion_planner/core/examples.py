@@ -86,17 +86,21 @@ def softmax(rows: int = 128, width: int = 128, dtype: str = "fp32") -> Graph:
 
 
 def attention_ops(b: GraphBuilder, name: str, qkv: tuple[str, str, str] | str, *, batch: int, seq: int,
-                  heads: int, width: int, causal: bool = True) -> str:
+                  heads: int, width: int, causal: bool = True, mask: str | None = None) -> str:
     """Multi-head attention over token rows (batch*seq, .) in the op table's primitives, as the torch importer
     writes ``scaled_dot_product_attention``: each of q, k, v taken head-major (``Heads``; from one packed
     (batch*seq, 3*width) projection when ``qkv`` is one tensor), softmax(q@k^T / sqrt(d)) from
-    ``BatchScores``, ``Affine`` and the row ops, applied to v (``BatchApply``), the heads merged back."""
+    ``BatchScores``, ``Affine`` and the row ops, applied to v (``BatchApply``), the heads merged back.
+    ``mask``: an additive padding mask (batch, T), repeated over the heads and added to the scaled scores."""
     srcs = (qkv,) * 3 if isinstance(qkv, str) else qkv
     offsets = (0, width, 2 * width) if isinstance(qkv, str) else (0, 0, 0)
     q, k, v = (b.op(f"{name}.{t}h", "Heads", [src], {"heads": heads, "seq": seq, "offset": off, "width": width})
                for t, src, off in zip("qkv", srcs, offsets, strict=True))
     s = b.op(f"{name}.scores", "BatchScores", [q, k], {"causal": int(causal)})
     s = b.op(f"{name}.scaled", "Affine", [s], {"a": 1.0 / math.sqrt(width // heads), "b": 0.0})
+    if mask is not None:
+        rows = b.op(f"{name}.mask", "GroupRepeat", [mask], {"heads": heads, "rows": 1})
+        s = b.op(f"{name}.masked", "MaskAdd", [s, rows])
     top = b.op(f"{name}.max", "RowMax", [s])
     e = b.op(f"{name}.exp", "Exp", [b.op(f"{name}.shifted", "SubRow", [s, top])])
     p = b.op(f"{name}.probs", "DivRow", [e, b.op(f"{name}.sum", "RowSum", [e])])
@@ -104,11 +108,16 @@ def attention_ops(b: GraphBuilder, name: str, qkv: tuple[str, str, str] | str, *
 
 
 def attention(batch: int = 1, seq: int = 128, d_model: int = 768, heads: int = 12, dtype: str = "fp32",
-              causal: bool = True) -> Graph:
-    """Causal multi-head attention of a packed qkv projection (batch*seq, 3*d_model), primitives only."""
-    b = GraphBuilder(f"attention-b{batch}-s{seq}-d{d_model}-h{heads}-{dtype}" + ("-causal" if causal else ""))
+              causal: bool = True, masked: bool = False) -> Graph:
+    """Causal multi-head attention of a packed qkv projection (batch*seq, 3*d_model), primitives only
+    (``masked``: not causal, with an additive padding mask input (batch, seq), as BERT's)."""
+    causal = causal and not masked
+    b = GraphBuilder(f"attention-b{batch}-s{seq}-d{d_model}-h{heads}-{dtype}" + ("-causal" if causal else "")
+                     + ("-masked" if masked else ""))
     b.input("qkv", (batch * seq, 3 * d_model), dtype)
-    return b.build([attention_ops(b, "attn", "qkv", batch=batch, seq=seq, heads=heads, width=d_model, causal=causal)])
+    mask = b.input("mask", (batch, seq), dtype) if masked else None
+    return b.build([attention_ops(b, "attn", "qkv", batch=batch, seq=seq, heads=heads, width=d_model, causal=causal,
+                                  mask=mask)])
 
 
 def rope_ops(b: GraphBuilder, name: str, x: str, cos: str, sin: str) -> str:

@@ -172,9 +172,27 @@ def _batch_shape(op: str, shapes: Sequence[Shape], transpose_b: bool) -> Shape:
 
 
 def _attention_op_shape(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
-    q, k, v = shapes
+    q, k, v = shapes[:3]
     scores = _batch_shape(op, [q, k], True)
+    if len(shapes) == 4:
+        _mask_shape(op, [scores, shapes[3]], attrs)
     return _batch_shape(op, [scores, v], False)
+
+
+def _mask_shape(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
+    x, m = shapes
+    if len(x) != 3 or len(m) != 3 or m[0] != x[0] or m[1] != 1 or m[2] != x[2]:
+        raise OpError(f"{op}: the mask must be one row of keys per group, (G, 1, T) for scores (G, S, T), "
+                      f"got {list(m)} for {list(x)}")
+    return x
+
+
+def _group_repeat_shape(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
+    (m,) = shapes
+    heads, rows = int(attrs["heads"]), int(attrs["rows"])
+    if len(m) != 2 or m[0] % rows:
+        raise OpError(f"{op}: takes (batch x {rows} rows, T), got {list(m)}")
+    return (m[0] // rows * heads, rows, m[1])
 
 
 # ---------------------------------------------------------------- semantics
@@ -239,8 +257,17 @@ def _batch_scores(q: np.ndarray, k: np.ndarray, attrs: Attrs) -> np.ndarray:
     return _causal(scores) if attrs["causal"] else scores
 
 
-def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, attrs: Attrs) -> np.ndarray:
+def _group_repeat(m: np.ndarray, attrs: Attrs) -> np.ndarray:
+    heads, rows = int(attrs["heads"]), int(attrs["rows"])
+    b = m.shape[0] // rows
+    return np.ascontiguousarray(np.broadcast_to(m.reshape(b, 1, rows, -1), (b, heads, rows, m.shape[1]))).reshape(
+        b * heads, rows, m.shape[1])
+
+
+def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, attrs: Attrs, mask: np.ndarray | None = None) -> np.ndarray:
     s = _affine(_batch_scores(q, k, attrs), {"a": attrs["scale"], "b": 0.0})
+    if mask is not None:
+        s = s + mask
     with np.errstate(over="ignore", invalid="ignore"):
         e = np.exp(s - np.max(s, axis=-1, keepdims=True))
         return np.matmul(e / np.sum(e, axis=-1, keepdims=True), v)
@@ -626,6 +653,33 @@ OPS: dict[str, OpDef] = {
             regs=lambda attrs: 96,
             doc="softmax(scale * q@k^T, causal-masked) @ v in one kernel with an online softmax: the [S, T] "
                 "scores are never stored.",
+        ),
+        # an attention mask, as torch's attn_mask adds it to the scaled scores: a padding mask (batch, 1, 1, T)
+        # repeated over the heads (GroupRepeat, a copy of one row per group), then added to every query's row
+        OpDef(
+            name="GroupRepeat",
+            kind=OpKind.STANDALONE,
+            arity=1,
+            attrs=(AttrSpec("heads", "i64", minimum=1), AttrSpec("rows", "i64", minimum=1)),
+            shape_rule=_group_repeat_shape,
+            numpy_fn=lambda xs, attrs: _group_repeat(xs[0], attrs),
+            doc="(batch*rows, T) as (batch*heads, rows, T): each batch's rows repeated for its heads (a mask "
+                "broadcast over heads, copied group-major).",
+        ),
+        _binary("MaskAdd", np.add, "({0} + {1})", "x + m, x scores (G, S, T) and m one row of keys per group "
+                "(G, 1, T), added to every query's row (an attention mask).", shape_rule=_mask_shape, fusable=(0,),
+                gemm_epilogue=False),
+        OpDef(
+            name="MaskedAttention",
+            kind=OpKind.STANDALONE,
+            arity=4,
+            attrs=(AttrSpec("scale", "f64"),),
+            shape_rule=_attention_op_shape,
+            numpy_fn=lambda xs, attrs: _attention(xs[0], xs[1], xs[2], {**attrs, "causal": 0}, xs[3]),
+            flops_rule=lambda out, ins, attrs: 2.0 * ins[1][1] * _elems(out[:-1]) * (ins[0][-1] + out[-1]),
+            regs=lambda attrs: 96,
+            doc="softmax(scale * q@k^T + m) @ v in one kernel with an online softmax, m one row of keys per "
+                "group (G, 1, T): the [S, T] scores are never stored.",
         ),
         OpDef(
             name="Stage",

@@ -806,13 +806,18 @@ class _Importer:
     def map_sdpa(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
         """``scaled_dot_product_attention(q, k, v, is_causal=..., scale=...)`` of heads taken out of token rows
         (``split``/``view``/``transpose``): ``Heads`` of each, softmax(scale * q@k^T) @ v from ``BatchScores``,
-        ``Affine``, the row ops and ``BatchApply`` (no mask, no dropout).  The rules fuse it into one
-        ``Attention`` kernel; the heads are merged back where the result is transposed and reshaped."""
+        ``Affine``, the row ops and ``BatchApply`` (no dropout).  An ``attn_mask`` broadcast over the heads
+        ((batch or 1, 1, seq or 1, keys); float, or a constant bool one as 0 / -inf) is repeated over the groups
+        (``GroupRepeat``) and added to the scaled scores (``MaskAdd``; ``Add`` for a mask per query).  The rules
+        fuse it into one ``Attention`` (``MaskedAttention``) kernel; the heads are merged back where the result
+        is transposed and reshaped."""
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         bound = dict(zip(names, args, strict=False)) | kwargs
-        if (set(bound) - set(names) or bound.get("attn_mask") is not None or bound.get("dropout_p", 0.0) != 0.0
+        if (set(bound) - set(names) or bound.get("dropout_p", 0.0) != 0.0
                 or bound.get("enable_gqa", False) or not isinstance(bound.get("is_causal", False), bool)):
             return None
+        if bound.get("attn_mask") is not None and bound.get("is_causal"):
+            return None  # torch refuses both
         qkv = [bound.get(n) for n in names[:3]]
         if not all(isinstance(t, _T) and t.dtype == concrete.dtype and len(t.shape) == 4 for t in qkv):
             return None
@@ -822,18 +827,52 @@ class _Importer:
         scale = 1.0 / math.sqrt(qkv[0].shape[-1]) if scale is None else scale  # torch's default: 1/sqrt(head dim)
         if not _is_scalar(scale):
             return None
-        q, k, v = (self.use(t, f"{node.name}_{name}") for t, name in zip(qkv, "qkv", strict=True))
         scores_shape = (*qkv[0].shape[:-1], qkv[1].shape[-2])
+        mask = bound.get("attn_mask")
+        mask_layout = None if mask is None else self.mask_layout(mask, scores_shape, concrete.dtype)
+        if mask is not None and mask_layout is None:
+            return None
+        q, k, v = (self.use(t, f"{node.name}_{name}") for t, name in zip(qkv, "qkv", strict=True))
         stat, dt = (*scores_shape[:-1], 1), concrete.dtype
         scores = self.emit(node, "BatchScores", [q, k], {"causal": int(bound.get("is_causal", False))}, scores_shape,
                            dt, "_scores")
         scaled = self.emit(node, "Affine", [scores.id], {"a": float(scale), "b": 0.0}, scores_shape, dt, "_scaled")
+        if mask_layout is not None:
+            value, batches, rows = mask_layout
+            b, h = scores_shape[:2]
+            repeated = self.emit(node, "GroupRepeat", [self.use(value, f"{node.name}_mask")],
+                                 {"heads": b * h // batches, "rows": rows}, (b, h, rows, scores_shape[-1]), dt, "_mask")
+            scaled = self.emit(node, "MaskAdd" if rows == 1 else "Add", [scaled.id, repeated.id], None, scores_shape,
+                               dt, "_masked")
         top = self.emit(node, "RowMax", [scaled.id], None, stat, dt, "_max")
         e = self.emit(node, "Exp", [self.emit(node, "SubRow", [scaled.id, top.id], None, scores_shape, dt, "_shift").id],
                       None, scores_shape, dt, "_exp")
         probs = self.emit(node, "DivRow", [e.id, self.emit(node, "RowSum", [e.id], None, stat, dt, "_sum").id], None,
                           scores_shape, dt, "_probs")
         return self.emit(node, "BatchApply", [probs.id, v], None, concrete.shape, dt)
+
+    def mask_layout(self, mask: Any, scores: tuple[int, ...], dtype: torch.dtype) -> tuple[Any, int, int] | None:
+        """(mask value, its batches, its rows) for an ``attn_mask`` the op table can add to ``scores`` (batch,
+        heads, S, T): shape (batches, 1, rows, T) after torch's left padding with 1s, batches 1 or the batch, rows
+        1 or S; float of the scores' dtype, or a constant bool mask, then 0 where kept and -inf elsewhere."""
+        if not isinstance(mask, (_T, torch.Tensor)) or len(mask.shape) > 4:
+            return None
+        if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, -math.inf)  # what torch's bool mask means
+        if mask.dtype != dtype or (isinstance(mask, _T) and mask.program is not None):
+            return None
+        shape = (1,) * (4 - len(mask.shape)) + tuple(mask.shape)
+        b, _, s, t = scores
+        if shape[1] != 1 or shape[3] != t or shape[0] not in (1, b) or shape[2] not in (1, s):
+            return None
+        flat = (shape[0] * shape[2], t)
+        if isinstance(mask, _T) and mask.id is not None and self.b.shape_of(mask.id) != flat:
+            return None
+        if isinstance(mask, torch.Tensor):
+            mask = mask.reshape(flat)  # bound as the (batches * rows, T) the op reads
+        elif flat_shape(mask.shape) != flat:
+            return None
+        return mask, shape[0], shape[2]
 
     def head_major(self, t: _T) -> bool:
         """Is ``t`` (batch, heads, seq, d) in the op table's head-major layout: an IR value of shape

@@ -120,3 +120,45 @@ def test_a_standalone_kernel_in_a_plan_file_must_be_one_op_over_loads() -> None:
     nested = Expr("Exp", (att,), (), "e", t)
     assert "standalone kernel" in kind_problem(KernelKind.STANDALONE, nested, None)
     assert kind_problem(KernelKind.ELEMENTWISE, att, None) is not None
+
+
+def _masked_inputs(graph, seed: int, dtype: str) -> dict[str, np.ndarray]:
+    """A padding mask as BERT's: batch 0 hides its first 70 keys (-inf: a whole key block and more), batch 1
+    hides its last 5 with the dtype's lowest value (finite), the rest 0."""
+    inputs = random_inputs(graph, seed=seed)
+    mask = np.zeros(inputs["mask"].shape, np.float32)
+    mask[0, :70] = -np.inf
+    mask[1, -5:] = float(np.finfo(np.float16).min if dtype == "fp16" else -3.0e38)
+    inputs["mask"] = mask
+    return inputs
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_masked_attention_plan_matches_the_reference(threads) -> None:
+    """A padding mask repeated over the heads and added to the scaled scores: the fused MaskedAttention kernel
+    (key blocks the mask hides entirely included) and every unfused form, where the row kernels read the mask
+    one row per group."""
+    graph = examples.attention(batch=2, seq=80, d_model=32, heads=2, dtype="fp32", masked=True)
+    cands = build_candidates(graph, SPEC, cap=64)
+    assert any(k.body.op == "MaskedAttention" for p in cands.plans for k in p.kernels)
+    inputs = _masked_inputs(graph, 3, "fp32")
+    want = execute_plan(cands.unfused, inputs)[0]
+    assert np.isfinite(want).all()
+    for plan in cands.plans[:12]:
+        got = CpuBackend(SPEC, threads=threads).compile(plan).run(inputs)[0]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=plan.notation())
+
+
+@pytest.mark.parametrize(("dtype", "mode"), [("bf16", "native"), ("bf16", "widen"), ("fp16", "widen")])
+def test_16_bit_masked_attention_matches_the_reference(dtype, mode, monkeypatch) -> None:
+    pytest.importorskip("torch")
+    monkeypatch.setenv("FUSION_PLANNER_CPU_GEMM_16BIT", mode)
+    graph = examples.attention(batch=2, seq=80, d_model=16, heads=2, dtype=dtype, masked=True)
+    cands = build_candidates(graph, SPEC)
+    fused = next(p for p in cands.plans if any(k.body.op == "MaskedAttention" for k in p.kernels))
+    inputs = _masked_inputs(graph, 4, dtype)
+    want = execute_plan(cands.unfused, inputs)[0].astype(np.float32)
+    compiled = CpuBackend(SPEC, threads=1, gemm_library="torch").compile(fused)
+    facts = {k.body.op: f["impl"] for k, f in zip(fused.kernels, compiled.kernel_facts, strict=True)}
+    assert facts["MaskedAttention"] == ("torch-sdpa-bf16" if mode == "native" else f"c-attention-{dtype}-widened")
+    np.testing.assert_allclose(compiled.run(inputs)[0].astype(np.float32), want, rtol=3e-2, atol=3e-2)

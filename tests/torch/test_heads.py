@@ -86,13 +86,52 @@ def test_the_causal_flag_and_the_scale_reach_the_ops() -> None:
     assert scores.attr_dict["causal"] == 1 and scaled.attr_dict["a"] == pytest.approx(1 / 8 ** 0.5)
 
 
-def test_a_masked_sdpa_stays_opaque_and_still_equals_eager() -> None:
+def test_a_constant_bool_mask_is_added_as_0_and_minus_inf_and_equals_eager() -> None:
     torch.manual_seed(0)
-    module, x = SeparateAttention(mask=True).eval(), torch.randn(2, 8, 32)
+    module, x = SeparateAttention(mask=True).eval(), torch.randn(2, 8, 32)  # a (s, s) tril mask, one per query
     ops = _ops(module, x)
-    assert "Opaque" in ops and "BatchScores" not in ops
+    assert "Opaque" not in ops and {"GroupRepeat", "Add", "BatchScores"} <= set(ops) and "MaskAdd" not in ops
     with torch.no_grad():
         _close(fusion_planner.plan(module, (x,), backend="reference", cache=False)(x), module(x))
+
+
+class PaddedAttention(nn.Module):
+    """BERT's form with its padding: an additive mask (batch, 1, 1, keys) given with the input."""
+
+    def __init__(self, d: int = 32, heads: int = 2) -> None:
+        super().__init__()
+        self.inner = SeparateAttention(d, heads)
+
+    def forward(self, x, mask):
+        b, s, d = x.shape
+        q, k, v = (m(x).view(b, s, self.inner.heads, -1).transpose(1, 2) for m in (self.inner.q, self.inner.k, self.inner.v))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, s, d)
+
+
+def test_a_padding_mask_input_fuses_into_masked_attention_and_equals_eager() -> None:
+    torch.manual_seed(0)
+    module, x = PaddedAttention().eval(), torch.randn(2, 8, 32)
+    mask = torch.zeros(2, 1, 1, 8)
+    mask[0, ..., 5:] = torch.finfo(torch.float32).min  # batch 0 has 3 padding tokens
+    graph = import_module(module, (x, mask)).graph
+    ops = [n.op for n in graph.ops]
+    assert "Opaque" not in ops and {"GroupRepeat", "MaskAdd"} <= set(ops)
+    result = fusion_planner.plan(module, (x, mask), backend="cpu", cache=False, max_candidates=6)
+    assert any(k.body.op == "MaskedAttention" for p in result.candidates.plans for k in p.kernels)
+    with torch.no_grad():
+        _close(result(x, mask), module(x, mask))
+        other = torch.zeros(2, 1, 1, 8)
+        other[1, ..., :2] = -torch.inf  # another call's mask: the plan reads it, it is not a constant
+        _close(result(x, other), module(x, other))
+
+
+def test_a_bool_mask_input_is_a_clear_error_naming_it() -> None:
+    from fusion_planner.torch.errors import TorchImportError
+
+    module, x = PaddedAttention().eval(), torch.randn(2, 8, 32)
+    keep = torch.ones(2, 1, 1, 8, dtype=torch.bool)  # no graph input holds bools: pass the additive float mask
+    with pytest.raises(TorchImportError, match="input 1 has dtype bool"):
+        fusion_planner.plan(module, (x, keep), backend="reference", cache=False)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

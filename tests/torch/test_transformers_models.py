@@ -1,7 +1,7 @@
 """Layers taken from the ``transformers`` package itself (small configs, random weights, nothing downloaded) plan
 from Python and equal eager torch: GPT-2's block (Conv1D, the written-out GELU, causal SDPA), BERT's and ViT's
 layers (LayerNorm, SDPA) and LLaMA's decoder layer (hand-written RMSNorm, RoPE, SwiGLU, causal SDPA) with no
-Opaque node and the fused Attention kernel."""
+Opaque node and the fused Attention kernel; BERT with its padding mask too (MaskedAttention)."""
 
 from __future__ import annotations
 
@@ -105,3 +105,28 @@ def test_llama_rope_is_one_elementwise_kernel_over_the_heads() -> None:
     assert ["Add", "RotateHalf", "TileMul", "TileMul"] in rope
     with torch.no_grad():
         _close(result(x), module(x))
+
+
+class WithMask(nn.Module):
+    """A layer called with its additive attention mask (batch, 1, 1, keys), as the model hands it down."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x, mask):
+        out = self.layer(x, attention_mask=mask)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def test_bert_layer_with_a_padding_mask_has_no_opaque_node_and_equals_eager() -> None:
+    torch.manual_seed(0)
+    module, x = WithMask(_bert().layer).eval(), torch.randn(2, SEQ, D)
+    mask = torch.zeros(2, 1, 1, SEQ)
+    mask[1, ..., SEQ - 5:] = torch.finfo(torch.float32).min  # the second sequence is 5 tokens shorter
+    ops = Counter(n.op for n in import_module(module, (x, mask)).graph.ops)
+    assert "Opaque" not in ops and ops["MaskAdd"] == 1 and ops["GroupRepeat"] == 1
+    result = fusion_planner.plan(module, (x, mask), backend="cpu", cache=False, max_candidates=6)
+    assert any(k.body.op == "MaskedAttention" for p in result.candidates.plans for k in p.kernels)
+    with torch.no_grad():
+        _close(result(x, mask), module(x, mask))

@@ -695,7 +695,7 @@ class CpuBackend(Backend):
         if len(order) != len(body.args):
             return self._converted(k, tensors, memory)
         arrays, out_name, reads = memory.arrays, k.out, [memory.own[n] for n in dict.fromkeys(order)]
-        if body.op in ("Heads", "Merge"):  # a copy of the stored bits: any dtype
+        if body.op in ("Heads", "Merge", "GroupRepeat"):  # a copy of the stored bits: any dtype
             copy = standalone.layout_copy(body)
 
             def call_copy() -> None:
@@ -705,7 +705,7 @@ class CpuBackend(Backend):
         dtype = body.type.dtype
         if any(tensors[n].dtype != dtype for n in order):
             return self._converted(k, tensors, memory)
-        if body.op == "Attention":
+        if body.op in standalone.ATTENTION_OPS:
             return self._attention(k, tensors, memory, order, reads)
         bmm, impl = self.bmm, f"{self.gemm_library}-batched-gemm"
         if dtype != "fp32":
@@ -732,16 +732,16 @@ class CpuBackend(Backend):
         facts = {"impl": "c-attention", "threads": min(self.threads, groups), "key_block": standalone.KEY_BLOCK}
         if self.native(dtype):
             attend, arrays, threads = standalone.torch_attention_16bit(body, dtype), memory.arrays, self.threads
-            q, kk, v = order
 
             def call_torch() -> None:
                 with parallel.torch_threads(threads):
-                    attend(arrays[q], arrays[kk], arrays[v], arrays[out_name])
+                    q, kk, v, *mask = (arrays[n] for n in order)
+                    attend(q, kk, v, arrays[out_name], *mask)
 
             return Step(k, call_torch, reads, memory.own[out_name], {"impl": f"torch-sdpa-{dtype}", "threads": threads})
         source = standalone.source_of(body, {n: tuple(t.shape) for n, t in tensors.items()})
         assert source is not None
-        fn = self.compiler.function(source, 4)
+        fn = self.compiler.function(source, len(order) + 1)
         if dtype == "fp32":
             call = standalone.attention_call(fn, self.pool, self.threads, groups,
                                              lambda: [addr[n] for n in order] + [addr[out_name]])

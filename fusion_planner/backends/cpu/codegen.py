@@ -77,6 +77,7 @@ INDEX = {
     "row": "{p}[r]",  # one value per row (a row kernel's per-row operand)
     "tile": "{p}[(r - r0) * cols + c]",
     "wrap": "{p}[(r % {period}) * cols + c]",  # a tile of the output's trailing dims: its rows repeat
+    "group": "{p}[(r / {period}) * cols + c]",  # one row per group of {period} output rows (an attention mask)
     # RotateHalf's input: the other half's column, negated in the first half; the loop over a row runs in
     # two halves, each filling in its shift and sign (see _loop_function), so both stay contiguous loads
     "rot": "{p}[r * cols + c + FP_ROT_SHIFT]",
@@ -261,7 +262,8 @@ def generate(
                 return param(e.tensor, dtype, "rot")
             per_row = len(shape) > 1 and shape[-1] == 1 and shape != out_shape and math.prod(shape[:-1]) == rows
             index = "row" if per_row else broadcast(shape, out_shape, e.tensor)
-            return param(e.tensor, dtype, index, tile_rows(shape) if index == "wrap" else 0)
+            period = {"wrap": tile_rows(shape), "group": int(out_shape[1]) if len(out_shape) == 3 else 0}.get(index, 0)
+            return param(e.tensor, dtype, index, period)
         if tile is not None and e is tile:
             return param(None, tile_dtype, "tile")
         return var_of[id(e)]
@@ -299,13 +301,15 @@ def _row_kernel(body: Expr, tensor_types: dict[str, tuple[tuple[int, ...], str]]
         raise CodegenError(f"kernel loads {missing[0]!r}, a tensor with no known type")
     width = row_width(body, {t: tensor_types[t][0] for t in loads(body)})
     params: list[Param] = []
-    levels = {t: row_level(tensor_types[t][0], width, rows, t) for t in loads(body)}
+    out_shape = tuple(body.type.shape)
+    levels = {t: row_level(tensor_types[t][0], width, rows, t, out_shape) for t in loads(body)}
 
     def load(tensor: str, level: str) -> str:
         if tensor not in [p.tensor for p in params]:
             params.append(Param(tensor, tensor_types[tensor][1], level))
         i = [p.tensor for p in params].index(tensor)
-        return row_read(level, width, tile_rows(tensor_types[tensor][0]),  # type: ignore[arg-type]
+        tile = int(out_shape[1]) if level == "group" else tile_rows(tensor_types[tensor][0])
+        return row_read(level, width, tile,  # type: ignore[arg-type]
                         lambda index: _STORAGE[params[i].dtype][1].format(f"t{i}[{index}]"))
 
     emitter = RowEmitter(width, levels.__getitem__, load, ROW_LANES, "-INFINITY", ROW_BUFFER_LIMIT)

@@ -61,12 +61,14 @@ def torch_attention_16bit(body: Expr, dtype: str) -> Callable[[np.ndarray, np.nd
     import torch  # optional dependency
 
     kind = torch.bfloat16 if dtype == "bf16" else torch.float16
-    scale, causal = float(body.attr_dict["scale"]), bool(body.attr_dict["causal"])
+    scale, causal = float(body.attr_dict["scale"]), bool(body.attr_dict.get("causal", 0))
 
-    def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray) -> None:
+    def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, mask: np.ndarray | None = None) -> None:
         # as one batch of groups: torch's fused CPU kernel takes 4-D operands only (3-D ran its math path, 6x slower)
         q_t, k_t, v_t = (torch.from_numpy(x).view(kind).unsqueeze(0) for x in (q, k, v))
-        result = torch.nn.functional.scaled_dot_product_attention(q_t, k_t, v_t, is_causal=causal, scale=scale)
+        m_t = None if mask is None else torch.from_numpy(mask).view(kind).unsqueeze(0)  # (1, G, 1, T): per group
+        result = torch.nn.functional.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=m_t, is_causal=causal,
+                                                                  scale=scale)
         torch.from_numpy(out).view(kind).copy_(result.squeeze(0))
 
     return attend
@@ -80,7 +82,7 @@ def batch_matmul(library: str) -> BatchMatMul:
 QUERY_BLOCK = 4
 
 
-def attention_source(seq: int, keys: int, dim: int, vdim: int, scale: float, causal: bool) -> str:
+def attention_source(seq: int, keys: int, dim: int, vdim: int, scale: float, causal: bool, masked: bool = False) -> str:
     """C for softmax(scale * q@k^T) @ v over groups [g0, g1): q (S, D), k (T, D), v (T, E), out (S, E) per group.
 
     Per group the keys are transposed once into a zero-padded scratch (D, T rounded up to a key block), so
@@ -88,10 +90,21 @@ def attention_source(seq: int, keys: int, dim: int, vdim: int, scale: float, cau
     registers, built by D rounds of 16 multiply-adds.  The block's max, exponentials and sum use 16-wide
     partials, and each query's running output is rescaled when its max grows (the online softmax): the
     [S, T] scores never exist.  Causal: query i reads keys 0..i, key blocks past a query block are skipped.
-    A NaN score makes its row NaN, as in the unfused form."""
+    ``masked``: a further input, one row of T keys per group added to the scaled scores (an attention mask,
+    copied zero-padded once per group); a key block every key of which the mask hides (-inf) leaves the
+    running max at -inf and adds nothing.  A NaN score makes its row NaN, as in the unfused form; so does a
+    query whose every key is hidden (0/0), as there."""
     if not scale > 0:
         raise CodegenError(f"attention kernel: scale must be positive, got {scale!r}")
     s_, t_, d_, e_ = (int(x) for x in (seq, keys, dim, vdim))
+    mask_param, mask_row, mask_copy, mask_add, shift, base = "", "", "", "", "", "mn"
+    if masked:
+        mask_param = "const float* restrict mask, "
+        mask_row = "\n    float mrow[FP_TP] __attribute__((aligned(64)));"
+        mask_copy = ("        for (int64_t t = 0; t < FP_TP; ++t) mrow[t] = t < FP_T ? mask[g * FP_T + t] : 0.0f;\n")
+        mask_add = " + fp_v16_load(mrow + t0 + 16 * u)"
+        # a block the mask hides entirely leaves the max at -inf: exponentials against 0 then, all of them 0
+        shift, base = "\n                    const float mb = mn == -INFINITY ? 0.0f : mn;", "mb"
     return PRELUDE + f"""
 #include <stdlib.h>
 #define FP_S {s_}
@@ -108,12 +121,12 @@ static inline fp_v16 fp_v16_select(fp_v16i take_b, fp_v16 a, fp_v16 b) {{
     return (fp_v16)(((fp_v16i)a & ~take_b) | ((fp_v16i)b & take_b));
 }}
 
-void {SYMBOL}(const float* restrict q, const float* restrict k, const float* restrict v, float* restrict out,
+void {SYMBOL}(const float* restrict q, const float* restrict k, const float* restrict v, {mask_param}float* restrict out,
                int64_t g0, int64_t g1, int64_t unused) {{
     (void)unused;
     const float scale = {float(scale)!r}f;
     float* kt = (float*)aligned_alloc(64, sizeof(float) * FP_D * FP_TP);
-    if (!kt) return;
+    if (!kt) return;{mask_row}
     float p[FP_QB][FP_TB] __attribute__((aligned(64)));
     float acc[FP_QB][FP_E] __attribute__((aligned(64)));
     fp_v16i lane;
@@ -124,7 +137,7 @@ void {SYMBOL}(const float* restrict q, const float* restrict k, const float* res
         const float* kg = k + g * FP_T * FP_D;
         const float* vg = v + g * FP_T * FP_E;
         float* og = out + g * FP_S * FP_E;
-        for (int64_t d = 0; d < FP_D; ++d) {{
+{mask_copy}        for (int64_t d = 0; d < FP_D; ++d) {{
             float* row = kt + d * FP_TP;
             for (int64_t t = 0; t < FP_T; ++t) row[t] = kg[t * FP_D + d];
             for (int64_t t = FP_T; t < FP_TP; ++t) row[t] = 0.0f;
@@ -158,13 +171,13 @@ void {SYMBOL}(const float* restrict q, const float* restrict k, const float* res
                     fp_v16 mv = ninf;
                     for (int u = 0; u < FP_NV; ++u) {{
                         fp_v16i idx = lane + 16 * u;
-                        sc[r][u] = fp_v16_select(idx >= (int32_t)limit, scale * sc[r][u], ninf);
+                        sc[r][u] = fp_v16_select(idx >= (int32_t)limit, scale * sc[r][u]{mask_add}, ninf);
                         mv = fp_v16_max(mv, sc[r][u]);
                     }}
-                    const float mn = fp_max(fp_v16_hmax(mv), m[r]);
-                    const float alpha = expf(m[r] - mn);
+                    const float mn = fp_max(fp_v16_hmax(mv), m[r]);{shift}
+                    const float alpha = expf(m[r] - {base});
                     for (int u = 0; u < FP_NV; ++u) memcpy(p[r] + 16 * u, &sc[r][u], 64);
-                    for (int j = 0; j < FP_TB; ++j) p[r][j] = expf(p[r][j] - mn);
+                    for (int j = 0; j < FP_TB; ++j) p[r][j] = expf(p[r][j] - {base});
                     fp_v16 sv = fp_v16_load(p[r]);
                     for (int u = 1; u < FP_NV; ++u) sv = fp_v16_add(sv, fp_v16_load(p[r] + 16 * u));
                     l[r] = l[r] * alpha + fp_v16_hadd(sv);
@@ -188,25 +201,37 @@ void {SYMBOL}(const float* restrict q, const float* restrict k, const float* res
 """
 
 
+#: the standalone ops with a generated kernel: attention, without and with a mask
+ATTENTION_OPS = ("Attention", "MaskedAttention")
+
+
 def attention_shapes(body: Expr, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, int, int, int, int]:
-    """(groups, S, T, D, E) of an Attention body over loads."""
-    q, k, v = (shapes[a.tensor] for a in body.args if isinstance(a, Load))
+    """(groups, S, T, D, E) of an Attention (or MaskedAttention) body over loads."""
+    q, k, v = (shapes[a.tensor] for a in body.args[:3] if isinstance(a, Load))
     return q[0], q[1], k[1], q[2], v[2]
 
 
 def source_of(body: Expr, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
-    """The generated C a standalone kernel loads (only Attention has one)."""
-    if body.op != "Attention":
+    """The generated C a standalone kernel loads (only attention has one)."""
+    if body.op not in ATTENTION_OPS:
         return None
     _, s, t, d, e = attention_shapes(body, shapes)
     attrs = body.attr_dict
-    return attention_source(s, t, d, e, float(attrs["scale"]), bool(attrs["causal"]))
+    return attention_source(s, t, d, e, float(attrs["scale"]), bool(attrs.get("causal", 0)),
+                            masked=body.op == "MaskedAttention")
 
 
 def layout_copy(body: Expr) -> Callable[[np.ndarray, np.ndarray], None]:
-    """``copy(x, out)`` for Heads and Merge: one strided numpy copy."""
+    """``copy(x, out)`` for Heads, Merge and GroupRepeat: one strided numpy copy."""
     attrs = body.attr_dict
     heads = int(attrs["heads"])
+    if body.op == "GroupRepeat":
+        rows = int(attrs["rows"])
+
+        def repeat_copy(m: np.ndarray, out: np.ndarray) -> None:
+            np.copyto(out.reshape(-1, heads, rows, m.shape[-1]), m.reshape(-1, 1, rows, m.shape[-1]))
+
+        return repeat_copy
     if body.op == "Heads":
         seq, offset, width = int(attrs["seq"]), int(attrs["offset"]), int(attrs["width"])
         dh = width // heads
@@ -251,7 +276,7 @@ def attention_call(fn: Any, pool: parallel.WorkerPool, threads: int, groups: int
     ranges = parallel.split(groups, threads)
 
     def call() -> None:
-        q, k, v, out = addr()
-        pool.run([functools.partial(fn, q, k, v, out, g0, g1, 0) for g0, g1 in ranges])
+        ptrs = addr()  # q, k, v[, mask], out
+        pool.run([functools.partial(fn, *ptrs, g0, g1, 0) for g0, g1 in ranges])
 
     return call

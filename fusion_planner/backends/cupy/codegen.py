@@ -198,8 +198,19 @@ def _probe(values: list[str], temps: int, tag: str, indent: str) -> list[str]:
 
 def _modulus(t: TensorType, out: TensorType, tensor: str) -> int:
     """0 for a full-shape operand; else the flat index modulo which it is read: its size (a bias broadcast over
-    rows, a tile of the output's trailing dimensions repeated over the leading ones)."""
-    return 0 if broadcast(t.shape, out.shape, tensor) == "full" else math.prod(t.shape)
+    rows, a tile of the output's trailing dimensions repeated over the leading ones); for one row per group
+    (an attention mask, ``group``), the row's length, negated."""
+    how = broadcast(t.shape, out.shape, tensor)
+    if how == "group":
+        return -int(t.shape[-1])
+    return 0 if how == "full" else math.prod(t.shape)
+
+
+def _plain_at(m: int, i: str, group_elems: int) -> str:
+    """Where a plain read of modulus ``m`` (:func:`_modulus`) reads at flat output index ``i``."""
+    if m < 0:  # one row of -m keys per group of group_elems output elements
+        return f"({i} / {group_elems}LL) * {-m}LL + {i} % {-m}LL"
+    return f"{i} % {m}LL" if m else i
 
 
 def _reads(body: Expr) -> tuple[set[str], set[str]]:
@@ -233,7 +244,7 @@ def elementwise_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
     half = int(out_t.shape[-1]) // 2
     widths = [DTYPE_BYTES[tensors[t].dtype] for t, m in mod.items() if not m] + [DTYPE_BYTES[out_t.dtype]]
     vec = 16 // max(widths)
-    if any(m and m % vec for m in mod.values()) or (rotated and half % vec) or n < vec:
+    if any(m and m % vec for m in mod.values()) or (rotated and half % vec) or n < vec:  # lanes in one row
         vec = 1
     index = {t: i for i, t in enumerate(leaves)}
     params = [f"const {CTYPE[tensors[t].dtype]}* __restrict__ p{index[t]}" for t in leaves]
@@ -243,7 +254,8 @@ def elementwise_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
     src.append(f"  const long long N = {n}LL;")
     src.append("  const long long stride = (long long)blockDim.x * gridDim.x;")
     src.append("  const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;")
-    reads = _Reads(index, mod, rotated, tensors, int(out_t.shape[-1]), half)
+    group = math.prod(out_t.shape[1:]) if len(out_t.shape) == 3 else 0
+    reads = _Reads(index, mod, rotated, tensors, int(out_t.shape[-1]), half, group)
     if vec > 1:
         src += _vector_loop(body, reads, out_t, vec)
         src.append(f"  for (long long i = (N / {vec}) * {vec} + tid; i < N; i += stride) {{")
@@ -266,6 +278,7 @@ class _Reads:
     tensors: dict[str, TensorType]
     cols: int
     half: int
+    group: int  # output elements per group (a group read's row is the flat index over it)
 
     def plain_var(self, t: str, lane: int) -> str:
         return f"a{self.index[t]}_{lane}"
@@ -286,7 +299,7 @@ def _vector_loop(body: Expr, reads: _Reads, out_t: TensorType, vec: int) -> list
     for t, m in reads.mod.items():
         i, dt = reads.index[t], reads.tensors[t].dtype
         if m:
-            lines.append(f"{ind}const long long c{i} = i0 % {m}LL;")
+            lines.append(f"{ind}const long long c{i} = {_plain_at(m, 'i0', reads.group)};")
             for lane in range(vec):
                 lines.append(f"{ind}float a{i}_{lane} = {TO_FLOAT[dt].format(f'p{i}[c{i} + {lane}]')};")
             continue
@@ -320,7 +333,7 @@ def _scalar_step(body: Expr, reads: _Reads, out_t: TensorType) -> list[str]:
     lines = []
     for t, m in reads.mod.items():
         i, dt = reads.index[t], reads.tensors[t].dtype
-        at = f"i % {m}LL" if m else "i"
+        at = _plain_at(m, "i", reads.group)
         lines.append(f"{ind}float a{i}_0 = {TO_FLOAT[dt].format(f'p{i}[{at}]')};")
     if reads.rotated:
         lines.append(f"{ind}const long long col = i % {reads.cols}LL;")
@@ -477,11 +490,12 @@ def row_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
     shapes = {t: tensors[t].shape for t in leaves}
     width = row_width(body, shapes)
     rows = math.prod(out_t.shape[:-1])
-    levels = {t: row_level(shapes[t], width, rows, t) for t in leaves}
+    levels = {t: row_level(shapes[t], width, rows, t, out_t.shape) for t in leaves}
     index = {t: i for i, t in enumerate(leaves)}
 
     def load(tensor: str, level: str) -> str:
-        return row_read(level, width, tile_rows(shapes[tensor]),  # type: ignore[arg-type]
+        tile = int(out_t.shape[1]) if level == "group" else tile_rows(shapes[tensor])
+        return row_read(level, width, tile,  # type: ignore[arg-type]
                         lambda at: TO_FLOAT[tensors[tensor].dtype].format(f"p{index[tensor]}[{at}]"), "LL")
 
     emitter = RowEmitter(width, levels.__getitem__, load, 1, "fp_neg_inf()")

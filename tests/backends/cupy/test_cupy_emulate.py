@@ -82,6 +82,18 @@ def _run_host(plan, inputs, tmp_path):
     return [mem[o] for o in plan.outputs]
 
 
+def _masked_softmax(groups: int, seq: int, keys: int, dtype: str):
+    """softmax(x + m) over scores x (G, S, T) and a mask m of one row of keys per group (G, 1, T)."""
+    from fusion_planner.core.graph import GraphBuilder
+
+    b = GraphBuilder(f"masked-softmax-{groups}x{seq}x{keys}-{dtype}")
+    b.input("x", (groups, seq, keys), dtype)
+    b.input("m", (groups, 1, keys), dtype)
+    s = b.op("s", "MaskAdd", ["x", "m"])
+    e = b.op("e", "Exp", [b.op("shift", "SubRow", [s, b.op("top", "RowMax", [s])])])
+    return b.build([b.op("p", "DivRow", [e, b.op("sum", "RowSum", [e])])])
+
+
 def _plan(graph, pred):
     return next(p for p in build_candidates(graph, "h200").plans if pred(p))
 
@@ -107,6 +119,11 @@ def _plan(graph, pred):
         (rope(2, 6, 48, 3, "bf16"), lambda p: len(p.kernels) == 2),
         (rope(1, 5, 12, 2, "fp32"), lambda p: len(p.kernels) == 2),
         (rope(2, 6, 48, 3, "fp16", norm=True), lambda p: len(p.kernels) == 2),
+        # an attention mask read one row per group: inside the softmax's row kernel, and alone (vector lanes in
+        # one row: 4-wide over rows of 40; scalar over rows of 13)
+        (_masked_softmax(4, 6, 40, "fp32"), lambda p: len(p.kernels) == 1),
+        (_masked_softmax(4, 6, 40, "fp32"), lambda p: p.kernels[0].ops == ("MaskAdd",)),
+        (_masked_softmax(3, 5, 13, "bf16"), lambda p: p.kernels[0].ops == ("MaskAdd",)),
     ],
 )
 def test_generated_elementwise_code_matches_the_reference(graph, pred, tmp_path):
