@@ -21,7 +21,7 @@ _SPLITS = frozenset({"torch.Tensor.split", "torch.split", "torch.ops.aten.split.
 _CHUNKS = frozenset({"torch.Tensor.chunk", "torch.chunk", "torch.ops.aten.chunk.default"})
 _VIEWS = frozenset({"torch.Tensor.view", "torch.Tensor.reshape", "torch.reshape", "torch.ops.aten.view.default",
                     "torch.ops.aten.reshape.default", "torch.ops.aten._unsafe_view.default",
-                    "torch.Tensor.contiguous"})
+                    "torch.Tensor.contiguous", "torch.ops.aten.contiguous.default"})
 _TRANSPOSES = frozenset({"torch.Tensor.transpose", "torch.transpose", "torch.ops.aten.transpose.int"})
 _PERMUTES = frozenset({"torch.Tensor.permute", "torch.permute", "torch.ops.aten.permute.default"})
 _NEGS = frozenset({"torch.neg", "torch.negative", "torch.Tensor.neg", "torch.operator.neg", "torch.ops.aten.neg.default"})

@@ -651,10 +651,50 @@ class _Importer:
         return self.emit(node, "BiasAdd", [mm.id, self.use(bias, bname)], None, concrete.shape, concrete.dtype)
 
     def map_matmul(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
-        """``x @ w`` with ``w`` 2-D (a weight, or any stored matrix): one MatMul on ``x``'s rows."""
+        """``x @ w`` with ``w`` 2-D (a weight, or any stored matrix): one MatMul on ``x``'s rows.  Eager
+        attention's 4-D products of head-major values: ``q @ k.transpose(-1, -2)`` is ``BatchScores``,
+        ``p @ v`` is ``BatchApply``."""
         if len(args) != 2 or kwargs:
             return None
+        if isinstance(concrete, torch.Tensor) and concrete.dim() == 4:
+            return self.batched(node, args[0], args[1], concrete)
         return self.gemm(node, args[0], args[1], None, concrete)
+
+    def batched(self, node: fx.Node, a: Any, b: Any, concrete: torch.Tensor) -> _T | None:
+        if not (isinstance(a, _T) and isinstance(b, _T) and a.dtype == b.dtype == concrete.dtype in TORCH_DTYPES):
+            return None
+        a = self.settle(a)
+        if a.id is None or self.b.shape_of(a.id) != _head_major(a.shape):
+            return None
+        keys = self.transposed_heads(node, b)
+        if keys is not None:  # q @ k^T
+            return self.emit(node, "BatchScores", [a.id, keys], {"causal": 0}, concrete.shape, concrete.dtype)
+        b = self.settle(b)
+        if b.id is not None and self.b.shape_of(b.id) == _head_major(b.shape):  # p @ v
+            return self.emit(node, "BatchApply", [a.id, b.id], None, concrete.shape, concrete.dtype)
+        return None
+
+    def transposed_heads(self, node: fx.Node, t: _T) -> str | None:
+        """The IR id of head-major keys when ``t`` is their ``transpose(-1, -2)`` still pending: of a head-major
+        value, or of heads taken out of token rows in the same pending steps (then emitted as ``Heads``)."""
+        p = t.program
+        if p is None or len(p.inputs) != 1:
+            return None
+        step, n = p.steps[-1], len(p.steps)
+        args = step.get("args")
+        if (step.get("impl") not in ("torch.Tensor.transpose", "torch.transpose", "torch.ops.aten.transpose.int")
+                or not isinstance(args, list) or len(args) != 3 or args[0] != ({"$in": 0} if n == 1 else {"$step": n - 2})
+                or sorted(d % 4 for d in args[1:] if isinstance(d, int)) != [2, 3]):
+            return None
+        if n == 1:
+            return p.inputs[0] if len(p.in_shapes[0]) == 4 and self.b.shape_of(p.inputs[0]) == _head_major(p.in_shapes[0]) else None
+        split = head_split(p.steps[:-1], p.in_shapes)
+        if split is None or self.b.shape_of(p.inputs[0]) != flat_shape(p.in_shapes[0]):
+            return None
+        layout = split[1]
+        attrs = {"heads": layout.heads, "seq": layout.seq, "offset": layout.offset, "width": layout.width}
+        shape = (t.shape[0], t.shape[1], t.shape[3], t.shape[2])  # the keys before their transpose
+        return self.emit(node, "Heads", [p.inputs[0]], attrs, shape, t.dtype, "_keys").id
 
     def map_addmm(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
         """``torch.addmm(b, x, w)`` (GPT-2's Conv1D) with a row-vector ``b``: MatMul + BiasAdd."""
@@ -715,6 +755,11 @@ class _Importer:
                 if tuple(x.shape) == out and self.tiles(x, t, out):
                     return self.emit(node, tiled, [self.use(x, node.name), self.use(t, f"{node.name}_rhs")], None, out,
                                      concrete.dtype)
+        if kind == "add" and len(out) == 4:  # eager attention's scores + attention_mask
+            for x, m in ((a, c), (c, a)):
+                masked = self.masked_scores(node, x, m, out, concrete.dtype)
+                if masked is not None:
+                    return masked
         if kind in ("add", "sub", "mul", "div") and len(out) >= 1:  # one value per row, e.g. x - x.mean(-1, keepdim=True)
             per_row = (*out[:-1], 1)
             pairs = ((a, c), (c, a)) if kind in ("add", "mul") else ((a, c),)
@@ -792,8 +837,10 @@ class _Importer:
         """softmax over the last dimension: exp(x - max) / sum, one row kernel once fused."""
         x = args[0] if args else kwargs.get("input")
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-        if (not _rows(x, concrete, dim) or kwargs.get("dtype") is not None
-                or (len(args) > 2 and args[2] not in (None, False))):
+        extra = args[2] if len(args) > 2 else None  # aten.softmax.int's dtype, or aten._softmax's half_to_float
+        want = extra if isinstance(extra, torch.dtype) else kwargs.get("dtype")
+        if (not _rows(x, concrete, dim) or (want is not None and want != x.dtype)  # eager attention's dtype=float32
+                or (extra not in (None, False) and not isinstance(extra, torch.dtype))):
             return None
         shape, dt, stat = concrete.shape, concrete.dtype, (*concrete.shape[:-1], 1)
         xi = self.use(x, node.name)
@@ -837,19 +884,33 @@ class _Importer:
         scores = self.emit(node, "BatchScores", [q, k], {"causal": int(bound.get("is_causal", False))}, scores_shape,
                            dt, "_scores")
         scaled = self.emit(node, "Affine", [scores.id], {"a": float(scale), "b": 0.0}, scores_shape, dt, "_scaled")
-        if mask_layout is not None:
-            value, batches, rows = mask_layout
-            b, h = scores_shape[:2]
-            repeated = self.emit(node, "GroupRepeat", [self.use(value, f"{node.name}_mask")],
-                                 {"heads": b * h // batches, "rows": rows}, (b, h, rows, scores_shape[-1]), dt, "_mask")
-            scaled = self.emit(node, "MaskAdd" if rows == 1 else "Add", [scaled.id, repeated.id], None, scores_shape,
-                               dt, "_masked")
+        if mask is not None:
+            masked = self.masked_scores(node, scaled, mask, scores_shape, dt)
+            assert masked is not None  # its layout was checked above
+            scaled = masked
         top = self.emit(node, "RowMax", [scaled.id], None, stat, dt, "_max")
         e = self.emit(node, "Exp", [self.emit(node, "SubRow", [scaled.id, top.id], None, scores_shape, dt, "_shift").id],
                       None, scores_shape, dt, "_exp")
         probs = self.emit(node, "DivRow", [e.id, self.emit(node, "RowSum", [e.id], None, stat, dt, "_sum").id], None,
                           scores_shape, dt, "_probs")
         return self.emit(node, "BatchApply", [probs.id, v], None, concrete.shape, dt)
+
+    def masked_scores(self, node: fx.Node, x: Any, mask: Any, out: tuple[int, ...], dtype: torch.dtype) -> _T | None:
+        """``x + mask`` for head-major scores ``x`` (batch, heads, S, T) and an attention mask broadcast over the
+        heads: the mask repeated over the groups (``GroupRepeat``), then ``MaskAdd`` (``Add`` for one row per
+        query).  None where ``x`` is no such value or the mask no such mask."""
+        if not (isinstance(x, _T) and x.id is not None and tuple(x.shape) == out
+                and self.b.shape_of(x.id) == _head_major(out)):
+            return None
+        layout = self.mask_layout(mask, out, dtype)
+        if layout is None:
+            return None
+        value, batches, rows = layout
+        b, h = out[:2]
+        repeated = self.emit(node, "GroupRepeat", [self.use(value, f"{node.name}_mask")],
+                             {"heads": b * h // batches, "rows": rows}, (b, h, rows, out[-1]), dtype, "_mask")
+        assert repeated.id is not None
+        return self.emit(node, "MaskAdd" if rows == 1 else "Add", [x.id, repeated.id], None, out, dtype)
 
     def mask_layout(self, mask: Any, scores: tuple[int, ...], dtype: torch.dtype) -> tuple[Any, int, int] | None:
         """(mask value, its batches, its rows) for an ``attn_mask`` the op table can add to ``scores`` (batch,

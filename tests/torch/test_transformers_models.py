@@ -130,3 +130,39 @@ def test_bert_layer_with_a_padding_mask_has_no_opaque_node_and_equals_eager() ->
     assert any(k.body.op == "MaskedAttention" for p in result.candidates.plans for k in p.kernels)
     with torch.no_grad():
         _close(result(x, mask), module(x, mask))
+
+
+def _eager(name: str) -> tuple[nn.Module, tuple]:
+    """The same layers with ``attn_implementation="eager"``: 4-D ``matmul``, ``softmax`` (LLaMA's with
+    ``dtype=torch.float32``), the mask added to the scores."""
+    from transformers import BertConfig, GPT2Config, LlamaConfig
+    from transformers.models.bert.modeling_bert import BertLayer
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    x = torch.randn(2, SEQ, D)
+    if name == "gpt2":
+        return FirstOutput(GPT2Block(GPT2Config(n_embd=D, n_head=HEADS, attn_implementation="eager"))), (x,)
+    if name == "llama":
+        cfg = LlamaConfig(hidden_size=D, num_attention_heads=HEADS, num_key_value_heads=HEADS, intermediate_size=2 * D,
+                          attn_implementation="eager")
+        return FirstOutput(LlamaDecoderLayer(cfg, 0), LlamaRotaryEmbedding(cfg)), (x,)
+    mask = torch.zeros(2, 1, 1, SEQ)
+    mask[0, ..., SEQ - 3:] = torch.finfo(torch.float32).min
+    layer = BertLayer(BertConfig(hidden_size=D, num_attention_heads=HEADS, intermediate_size=4 * D,
+                                 attn_implementation="eager"))
+    return WithMask(layer), (x, mask)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert-masked"])
+def test_eager_attention_layers_have_no_opaque_node_and_equal_eager(name: str) -> None:
+    torch.manual_seed(0)
+    module, args = _eager(name)
+    module.eval()
+    ops = Counter(n.op for n in import_module(module, args).graph.ops)
+    assert "Opaque" not in ops and ops["BatchScores"] == 1 and ops["BatchApply"] == 1 and ops["Merge"] == 1
+    result = fusion_planner.plan(module, args, backend="cpu", cache=False, max_candidates=4)
+    fused = {"gpt2": "Attention", "llama": "Attention", "bert-masked": "MaskedAttention"}[name]
+    assert any(k.body.op == fused for p in result.candidates.plans for k in p.kernels)
+    with torch.no_grad():
+        _close(result(*args), module(*args))
