@@ -190,8 +190,10 @@ def _mask_shape(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
 def _group_repeat_shape(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
     (m,) = shapes
     heads, rows = int(attrs["heads"]), int(attrs["rows"])
+    if len(m) == 3 and m[1] == rows:  # groups already: (kv heads, T, d) keys repeated for their query heads
+        return (m[0] * heads, rows, m[2])
     if len(m) != 2 or m[0] % rows:
-        raise OpError(f"{op}: takes (batch x {rows} rows, T), got {list(m)}")
+        raise OpError(f"{op}: takes (batch x {rows} rows, T) or (groups, {rows}, T), got {list(m)}")
     return (m[0] // rows * heads, rows, m[1])
 
 
@@ -259,9 +261,10 @@ def _batch_scores(q: np.ndarray, k: np.ndarray, attrs: Attrs) -> np.ndarray:
 
 def _group_repeat(m: np.ndarray, attrs: Attrs) -> np.ndarray:
     heads, rows = int(attrs["heads"]), int(attrs["rows"])
-    b = m.shape[0] // rows
-    return np.ascontiguousarray(np.broadcast_to(m.reshape(b, 1, rows, -1), (b, heads, rows, m.shape[1]))).reshape(
-        b * heads, rows, m.shape[1])
+    cols = m.shape[-1]
+    b = m.size // (rows * cols)
+    return np.ascontiguousarray(np.broadcast_to(m.reshape(b, 1, rows, cols), (b, heads, rows, cols))).reshape(
+        b * heads, rows, cols)
 
 
 def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, attrs: Attrs, mask: np.ndarray | None = None) -> np.ndarray:
@@ -664,7 +667,8 @@ OPS: dict[str, OpDef] = {
             shape_rule=_group_repeat_shape,
             numpy_fn=lambda xs, attrs: _group_repeat(xs[0], attrs),
             doc="(batch*rows, T) as (batch*heads, rows, T): each batch's rows repeated for its heads (a mask "
-                "broadcast over heads, copied group-major).",
+                "broadcast over heads, copied group-major); or groups (G, rows, T) as (G*heads, rows, T), each "
+                "repeated (grouped-query attention's keys and values for their query heads).",
         ),
         _binary("MaskAdd", np.add, "({0} + {1})", "x + m, x scores (G, S, T) and m one row of keys per group "
                 "(G, 1, T), added to every query's row (an attention mask).", shape_rule=_mask_shape, fusable=(0,),

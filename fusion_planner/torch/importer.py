@@ -861,7 +861,8 @@ class _Importer:
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         bound = dict(zip(names, args, strict=False)) | kwargs
         if (set(bound) - set(names) or bound.get("dropout_p", 0.0) != 0.0
-                or bound.get("enable_gqa", False) or not isinstance(bound.get("is_causal", False), bool)):
+                or not isinstance(bound.get("enable_gqa", False), bool)
+                or not isinstance(bound.get("is_causal", False), bool)):
             return None
         if bound.get("attn_mask") is not None and bound.get("is_causal"):
             return None  # torch refuses both
@@ -880,6 +881,13 @@ class _Importer:
         if mask is not None and mask_layout is None:
             return None
         q, k, v = (self.use(t, f"{node.name}_{name}") for t, name in zip(qkv, "qkv", strict=True))
+        heads, kv_heads = qkv[0].shape[1], qkv[1].shape[1]
+        if kv_heads != heads:  # grouped-query attention: each key and value head repeated for its query heads
+            if not bound.get("enable_gqa") or qkv[2].shape[1] != kv_heads or heads % kv_heads:
+                return None
+            k, v = (self.emit(node, "GroupRepeat", [t_id], {"heads": heads // kv_heads, "rows": t.shape[2]},
+                              (t.shape[0], heads, *t.shape[2:]), t.dtype, f"_{name}_repeated").id
+                    for t_id, t, name in ((k, qkv[1], "k"), (v, qkv[2], "v")))
         stat, dt = (*scores_shape[:-1], 1), concrete.dtype
         scores = self.emit(node, "BatchScores", [q, k], {"causal": int(bound.get("is_causal", False))}, scores_shape,
                            dt, "_scores")
@@ -1043,6 +1051,18 @@ class _Importer:
 
     def map_to(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
         return self.alias(args[0], concrete)
+
+    def map_expand(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
+        """``repeat_kv``'s ``x[:, :, None].expand(b, kv, n, t, d)`` of head-major keys or values (grouped-query
+        attention): ``GroupRepeat``, each head repeated for its n query heads (the reshape after it is free)."""
+        x = self.settle(args[0]) if args else None
+        if not (isinstance(x, _T) and x.id is not None and isinstance(concrete, torch.Tensor) and len(x.shape) == 5):
+            return None
+        b, kv, one, t, d = x.shape
+        out = tuple(concrete.shape)
+        if one != 1 or out[:2] != (b, kv) or out[3:] != (t, d) or self.b.shape_of(x.id) != (b * kv, t, d):
+            return None
+        return self.emit(node, "GroupRepeat", [x.id], {"heads": out[2], "rows": t}, out, x.dtype)
 
     def map_dropout(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
         train = kwargs.get("training", kwargs.get("train", args[2] if len(args) > 2 else True))

@@ -98,6 +98,7 @@ _canon("same", ("method", "contiguous"), ("method", "clone"), ("method", "detach
        _aten.alias.default, _aten.detach.default, torch.clone)
 _canon("to", ("method", "to"), ("method", "float"), ("method", "type_as"), ("method", "type"), _aten.to.dtype,
        _aten._to_copy.default)
+_canon("expand", ("method", "expand"), _aten.expand.default)
 _canon("view", ("method", "view"), ("method", "reshape"), ("method", "flatten"), ("method", "unsqueeze"),
        ("method", "squeeze"), ("method", "view_as"), ("method", "reshape_as"), torch.reshape, torch.flatten,
        torch.unsqueeze, torch.squeeze, _aten.view.default, _aten.reshape.default, _aten._unsafe_view.default,

@@ -166,3 +166,20 @@ def test_eager_attention_layers_have_no_opaque_node_and_equal_eager(name: str) -
     assert any(k.body.op == fused for p in result.candidates.plans for k in p.kernels)
     with torch.no_grad():
         _close(result(*args), module(*args))
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_grouped_query_attention_repeats_its_key_and_value_heads_with_no_opaque_node(impl: str) -> None:
+    """LLaMA with half as many key/value heads: SDPA's enable_gqa, or eager's repeat_kv (expand, reshape)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=D, num_attention_heads=HEADS, num_key_value_heads=HEADS // 2,
+                      intermediate_size=2 * D, attn_implementation=impl)
+    module, x = FirstOutput(LlamaDecoderLayer(cfg, 0), LlamaRotaryEmbedding(cfg)).eval(), torch.randn(2, SEQ, D)
+    ops = Counter(n.op for n in import_module(module, (x,)).graph.ops)
+    assert "Opaque" not in ops and ops["GroupRepeat"] == 2 and ops["BatchScores"] == 1
+    result = fusion_planner.plan(module, (x,), backend="cpu", cache=False, max_candidates=4)
+    with torch.no_grad():
+        _close(result(x), module(x))

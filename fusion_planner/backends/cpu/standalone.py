@@ -228,7 +228,7 @@ def layout_copy(body: Expr) -> Callable[[np.ndarray, np.ndarray], None]:
     if body.op == "GroupRepeat":
         rows = int(attrs["rows"])
 
-        def repeat_copy(m: np.ndarray, out: np.ndarray) -> None:
+        def repeat_copy(m: np.ndarray, out: np.ndarray) -> None:  # m: (batch * rows, T) or (groups, rows, T)
             np.copyto(out.reshape(-1, heads, rows, m.shape[-1]), m.reshape(-1, 1, rows, m.shape[-1]))
 
         return repeat_copy
