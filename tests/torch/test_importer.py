@@ -150,7 +150,7 @@ def test_erf_gelu_never_gets_a_cublaslt_gelu_epilogue() -> None:
 
 
 class MaskedAttention(nn.Module):
-    """Attention with a boolean mask (which the importer keeps as one torch call) after a LayerNorm."""
+    """Attention with a mask per head (which the importer keeps as one torch call) after a LayerNorm."""
 
     def __init__(self, d: int = 16) -> None:
         super().__init__()
@@ -159,7 +159,7 @@ class MaskedAttention(nn.Module):
     def forward(self, x):
         b, s, d = x.shape
         q = self.ln(x).view(b, s, 2, d // 2).transpose(1, 2)
-        mask = torch.ones(s, s, dtype=torch.bool).tril()
+        mask = torch.arange(2.0).view(1, 2, 1, 1) * torch.ones(s, s).tril()  # one mask per head: not mapped
         return F.scaled_dot_product_attention(q, q, q, attn_mask=mask).transpose(1, 2).reshape(b, s, d)
 
 
