@@ -1,11 +1,13 @@
 """Layers of the ``transformers`` package, planned by fusion-planner, against eager torch and torch.compile.
 
 Usage: python benchmarks/transformers_layers.py [--out docs/results/transformers_layers.md] [--rounds 11]
-                                               [--layers gpt2,bert,vit,llama] [--dtypes fp32,bf16] [--modes 1,all]
+                                               [--layers gpt2,bert,vit,llama,bert-masked,llama-gqa] [--dtypes fp32,bf16] [--modes 1,all]
 
 Needs the ``models`` extra (``transformers``).  Each layer is built from its own config at GPT-2 small's width
 (768 wide, 12 heads, 128 tokens, batch 1; LLaMA with a SwiGLU of 2,048), random weights, ``attn_implementation=
-"sdpa"``, nothing downloaded.  Per thread mode and dtype a child process (``1``: one thread pinned to one core;
+"sdpa"``, nothing downloaded; ``bert-masked`` is BERT's layer with a padding mask (the last 16 tokens hidden,
+BERT's additive ``finfo.min`` mask of shape (1, 1, 1, 128), a buffer of the wrapper), ``llama-gqa`` LLaMA's with
+4 key/value heads for its 12 query heads (grouped-query attention).  Per thread mode and dtype a child process (``1``: one thread pinned to one core;
 ``all``: every core; the same environment as ``cpu_peers.py``) plans the layer with ``fusion_planner.plan(...,
 backend="cpu")``, checks the planned call against eager torch within the dtype's tolerance, then times eager,
 torch.compile (inductor) and the planned call in interleaved rounds (three calls each, the order rotating); a
@@ -27,7 +29,7 @@ from typing import Any
 
 from cpu_peers import _time_us, bf16_units, child_env, run_child, versions
 
-LAYERS = ("gpt2", "bert", "vit", "llama")
+LAYERS = ("gpt2", "bert", "vit", "llama", "bert-masked", "llama-gqa")
 CONTENDERS = ("torch", "torch.compile", "fp.call")
 D, HEADS, SEQ = 768, 12, 128
 
@@ -39,7 +41,13 @@ def build_layer(name: str, dtype: str) -> tuple[Any, Any]:
     from torch import nn
 
     torch.manual_seed(0)
-    rope = None
+    rope, mask = None, None
+    if name == "bert-masked":
+        mask = torch.zeros(1, 1, 1, SEQ)
+        mask[..., SEQ - 16:] = torch.finfo(torch.float32).min
+        name = "bert"
+    kv_heads = 4 if name == "llama-gqa" else HEADS
+    name = "llama" if name == "llama-gqa" else name
     if name == "gpt2":
         from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
@@ -57,7 +65,7 @@ def build_layer(name: str, dtype: str) -> tuple[Any, Any]:
     elif name == "llama":
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-        cfg = transformers.LlamaConfig(hidden_size=D, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+        cfg = transformers.LlamaConfig(hidden_size=D, num_attention_heads=HEADS, num_key_value_heads=kv_heads,
                                        intermediate_size=2048, attn_implementation="sdpa")
         layer, rope = LlamaDecoderLayer(cfg, 0), LlamaRotaryEmbedding(cfg)
     else:
@@ -69,9 +77,12 @@ def build_layer(name: str, dtype: str) -> tuple[Any, Any]:
         def __init__(self) -> None:
             super().__init__()
             self.layer, self.rope = layer, rope
+            self.register_buffer("mask", mask)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if self.rope is None:
+            if self.mask is not None:
+                out = self.layer(x, attention_mask=self.mask.to(x.dtype))
+            elif self.rope is None:
                 out = self.layer(x)
             else:
                 pos = torch.arange(x.shape[1]).unsqueeze(0)
