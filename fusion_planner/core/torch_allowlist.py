@@ -50,7 +50,7 @@ TORCH_CALLABLES: frozenset[str] = frozenset({
     "torch.Tensor.softmax", "torch.Tensor.split", "torch.Tensor.sqrt", "torch.Tensor.square", "torch.Tensor.squeeze",
     "torch.Tensor.std", "torch.Tensor.sub", "torch.Tensor.sum", "torch.Tensor.swapaxes", "torch.Tensor.t",
     "torch.Tensor.tanh", "torch.Tensor.to", "torch.Tensor.transpose", "torch.Tensor.tril", "torch.Tensor.triu",
-    "torch.Tensor.type_as", "torch.Tensor.unbind", "torch.Tensor.unflatten", "torch.Tensor.unsqueeze",
+    "torch.Tensor.type", "torch.Tensor.type_as", "torch.Tensor.unbind", "torch.Tensor.unflatten", "torch.Tensor.unsqueeze",
     "torch.Tensor.var", "torch.Tensor.view", "torch.Tensor.view_as", "torch.Tensor.where",
     "torch.abs", "torch.add", "torch.addmm", "torch.amax", "torch.amin", "torch.baddbmm", "torch.bmm", "torch.cat",
     "torch.chunk", "torch.clamp", "torch.conv1d", "torch.conv2d", "torch.clone", "torch.concat", "torch.cos", "torch.cumsum", "torch.div",
