@@ -749,3 +749,60 @@ def test_a_rotated_read_in_a_gemm_epilogue_matches_the_reference():
     want = execute_graph(g, x)[0]
     for plan in plans:
         assert close(cpu_backend().compile(plan).run(x)[0], want, "fp32"), plan.notation()
+
+
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_held_weight_is_copied_once_into_padded_rows(library, threads, monkeypatch):
+    """With padded weights, a read-only right operand (a bound parameter) is copied into the padded buffer on the
+    first call and read from there after (no copy per call); a writable one is still read in place; a product
+    with no epilogue writes the output directly.  Every way agrees with the reference."""
+    if library == "torch":
+        pytest.importorskip("torch")
+    from fusion_planner.backends.cpu import gemm
+    from fusion_planner.backends.cpu.backend import CpuBackend
+    from fusion_planner.backends.cpu.buffers import ALIGN
+
+    g = examples.mlp_epilogue(48, 40, 32, "fp32")
+    plan = next(p for p in build_candidates(g, "h200").plans if len(p.kernels) == 2)
+    inputs = random_inputs(g)
+    (want,) = execute_graph(g, inputs, "device")
+    monkeypatch.setenv(gemm.WEIGHTS_ENV, "padded")
+    compiled = CpuBackend(SPEC, threads=threads, gemm_library=library).compile(plan)
+    own = compiled.memory.own["w"]
+    assert compiled.padded == {"w"} and own.strides[0] // ALIGN % 2 == 1 and own.ctypes.data % ALIGN == 0
+    held = np.ascontiguousarray(inputs["w"].T).T  # nn.Linear's layout, read-only as BoundInputs hands it over
+    held.setflags(write=False)
+    loads = compiled.loads
+    for _ in range(3):
+        (got,) = compiled.run(dict(inputs, w=held))
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    assert compiled.loads == loads + 1 and compiled.memory.arrays["w"] is own
+    writable = inputs["w"].copy()
+    (got,) = compiled.run(dict(inputs, w=writable))
+    assert compiled.memory.arrays["w"] is writable  # a call input: read in place
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    monkeypatch.setenv(gemm.WEIGHTS_ENV, "given")
+    assert CpuBackend(SPEC, threads=threads, gemm_library=library).compile(plan).padded == frozenset()
+
+
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_product_alone_is_written_by_the_library_into_the_output(library, threads):
+    """A GEMM kernel that is only its MatMul has no tile and no epilogue: the library writes the output rows."""
+    if library == "torch":
+        pytest.importorskip("torch")
+    from fusion_planner.backends.cpu.backend import CpuBackend
+
+    b = GraphBuilder("product")
+    b.input("x", (80, 24), "fp32")
+    b.input("w", (24, 40), "fp32")
+    g = b.build([b.op("y", "MatMul", ["x", "w"])])
+    plan = build_candidates(g, "h200").plans[0]  # one kernel, a gemm_epilogue or cublaslt one
+    assert [k.body.op for k in plan.kernels] == ["MatMul"]
+    compiled = CpuBackend(SPEC, threads=threads, gemm_library=library).compile(plan)
+    assert compiled.kernel_facts[0]["impl"] == f"{library}-gemm" and "scratch_bytes" not in compiled.kernel_facts[0]
+    inputs = random_inputs(g, seed=2)
+    first = compiled.run(inputs)[0]
+    np.testing.assert_allclose(first, inputs["x"] @ inputs["w"], rtol=2e-5, atol=2e-5)
+    assert compiled.run(inputs)[0] is not first  # each call's output is its own array

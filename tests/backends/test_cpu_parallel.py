@@ -328,3 +328,46 @@ def test_auto_takes_the_gemm_library_measured_faster_here_once_per_machine(monke
         assert gemm.library_from_env() == "torch" and len(measured) == 2
     finally:
         gemm.measured_library.cache_clear()
+
+
+def test_auto_pads_weights_only_where_it_measured_faster_once_per_library(monkeypatch, tmp_path) -> None:
+    """auto times both weight layouts once per library and keeps the record; padded must win on the sum by the
+    margin and lose on no shape; a bad value names the variable; the layout is in the plan-cache key."""
+    from fusion_planner.backends.cpu import gemm
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(gemm.WEIGHTS_ENV, raising=False)
+    timings = iter([{"padded": [0.7, 0.7, 0.7], "given": [1.0, 1.0, 1.0]},
+                    {"padded": [0.5, 0.5, 1.2], "given": [1.0, 1.0, 1.0]}])  # faster on the sum, slower on one shape
+    measured = []
+    monkeypatch.setattr(gemm, "time_layouts", lambda mm: measured.append(mm) or next(timings))
+    gemm.measured_weight_layout.cache_clear()
+    try:
+        assert gemm.weight_layout("numpy") == "padded" and len(measured) == 1
+        gemm.measured_weight_layout.cache_clear()  # a new process: the record answers
+        assert gemm.weight_layout("numpy") == "padded" and len(measured) == 1
+        record = tmp_path / "fusion-planner" / "cpu" / gemm.LAYOUT_FILE
+        record.write_text(record.read_text().replace('"choice": "padded"', '"choice": "diagonal"'))
+        gemm.measured_weight_layout.cache_clear()  # a tampered record is measured again
+        assert gemm.weight_layout("numpy") == "given" and len(measured) == 2
+    finally:
+        gemm.measured_weight_layout.cache_clear()
+    monkeypatch.setenv(gemm.WEIGHTS_ENV, "diagonal")
+    with pytest.raises(BackendError, match="FUSION_PLANNER_CPU_WEIGHTS='diagonal'"):
+        cpu(1)
+    region = whole_graph_region(examples.ew_chain(2, 1000))
+    keys = set()
+    for layout in gemm.WEIGHT_LAYOUTS:
+        monkeypatch.setenv(gemm.WEIGHTS_ENV, layout)
+        assert cpu(1).weights == layout
+        keys.add(PlanOptions("cpu", SPEC, ()).cache_key(region, cpu(1)))
+    assert len(keys) == 2
+
+
+def test_the_layout_probe_times_both_layouts_of_each_shape() -> None:
+    """The probe itself (no stand-in): one time per layout and shape, each a positive number of seconds."""
+    from fusion_planner.backends.cpu import gemm
+
+    seconds = gemm.time_layouts(gemm.numpy_mm)
+    assert set(seconds) == set(gemm.WEIGHT_LAYOUTS)
+    assert all(len(v) == len(gemm.LAYOUT_SHAPES) and min(v) > 0 for v in seconds.values())

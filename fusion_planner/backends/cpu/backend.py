@@ -45,6 +45,7 @@ from fusion_planner.backends.base import (
 )
 from fusion_planner.backends.codegen import find_matmul
 from fusion_planner.backends.cpu import gemm, parallel, standalone
+from fusion_planner.backends.cpu.buffers import aligned_empty, padded_matrix
 from fusion_planner.backends.cpu.codegen import (
     CKernel,
     CodegenError,
@@ -101,21 +102,6 @@ def limit_blas_threads(n: int | None, controller: Any = None) -> contextlib.Abst
 def storage_dtype(dtype: str) -> np.dtype:
     """How a tensor of ``dtype`` lies in memory: fp32 as float32, 16-bit types as uint16 bits."""
     return np.dtype(np.float32) if DTYPE_BYTES[dtype] == 4 else np.dtype(np.uint16)
-
-
-#: bytes every buffer of a plan is aligned to: a cache line, and the row loads of AMX tiles and AVX-512 vectors.
-#: numpy aligns to 16 bytes only; oneDNN's bf16 product read its operand 1.5x slower from such a buffer than
-#: from a torch-allocated (64-byte aligned) copy of it (128x3072x768 on one core here, 2026-12-02).
-ALIGN = 64
-
-
-def aligned_empty(shape: Sequence[int], dtype: Any, zero: bool = False) -> np.ndarray:
-    """An uninitialised (``zero``: zeroed) C-ordered array whose data start on an :data:`ALIGN`-byte boundary."""
-    dt = np.dtype(dtype)
-    nbytes = math.prod(shape) * dt.itemsize
-    raw = (np.zeros if zero else np.empty)(nbytes + ALIGN, np.uint8)
-    start = -raw.ctypes.data % ALIGN
-    return raw[start:start + nbytes].view(dt).reshape(tuple(shape))
 
 
 def to_storage(x: np.ndarray, dtype: str, out: np.ndarray) -> None:
@@ -253,12 +239,15 @@ class CpuCompiledPlan(CompiledPlan):
         inputs: list[str],
         compile_s: float,
         backend: CpuBackend,
+        padded: frozenset[str] = frozenset(),
     ):
         super().__init__(plan, [dict(s.facts, bytes_moved=s.bytes_moved) for s in steps], compile_s)
         self.steps = steps
         self.memory = memory
         self.buffers = memory.own
         self.input_names = inputs
+        #: weights stored with padded rows: a read-only array bound to one (a parameter) is copied in once
+        self.padded = padded
         self._transposed_ok = gemm_b_only(plan, frozenset({"fp32", *(d for d in ("bf16", "fp16") if backend.native(d))}))
         self.threads = backend.threads
         self.blas_threads = backend.blas_threads
@@ -290,7 +279,8 @@ class CpuCompiledPlan(CompiledPlan):
             # a 16-bit array of the tensor's own dtype: its bits are the storage
             bits = arr.view(np.uint16) if own.dtype == np.uint16 and arr.dtype == numpy_dtype(ttype.dtype) else None
             stored = arr if bits is None else bits
-            if bindable(stored, own, name in self._transposed_ok):  # read in place
+            held = name in self.padded and not arr.flags.writeable  # a parameter: multiplied from its padded copy
+            if not held and bindable(stored, own, name in self._transposed_ok):  # read in place
                 self.memory.bind(name, stored)
                 self.binds += 1
                 continue
@@ -420,6 +410,8 @@ class CpuBackend(Backend):
         self.blas_threads: int | None = (
             blas_threads_from_env() if isinstance(blas_threads, str) else blas_threads
         )
+        #: how fp32 weights held between calls are stored: "padded" rows or "given" (gemm.weight_layout)
+        self.weights = gemm.weight_layout(self.gemm_library)
 
         self.controller = ThreadpoolController()  # numpy's BLAS is loaded by now
         try:
@@ -443,12 +435,17 @@ class CpuBackend(Backend):
             raise BackendError("plan writes one tensor from two kernels")
         read = {r for k in plan.kernels for r in k.reads}
         inputs = sorted((read | set(plan.outputs)) - set(written))
+        padded = gemm_b_only(plan) & set(inputs) if self.weights == "padded" else frozenset()
         buffers: dict[str, np.ndarray] = {}
         for name in inputs + written:
             ttype = plan.tensors.get(name)
             if ttype is None:
                 raise BackendError(f"plan has no type for tensor {name!r}")
-            buffers[name] = aligned_empty(ttype.shape, storage_dtype(ttype.dtype), zero=True)
+            if name in padded:
+                k_rows, n_cols = ttype.shape  # a GEMM's right operand is 2-D
+                buffers[name] = padded_matrix(k_rows, n_cols, np.float32, zero=True)
+            else:
+                buffers[name] = aligned_empty(ttype.shape, storage_dtype(ttype.dtype), zero=True)
         memory = Memory(buffers)
         steps = []
         for i, k in enumerate(plan.kernels):
@@ -456,7 +453,7 @@ class CpuBackend(Backend):
                 steps.append(self._step(k, plan.tensors, memory))
             except (CodegenError, BackendError) as exc:
                 raise BackendError(f"kernel {i} ({k.describe()}): {exc}") from exc
-        return CpuCompiledPlan(plan, steps, memory, inputs, time.perf_counter() - t0, self)
+        return CpuCompiledPlan(plan, steps, memory, inputs, time.perf_counter() - t0, self, padded)
 
     def prepare(self, plans: Sequence[Plan]) -> None:
         """Compile every kernel of ``plans`` that is not in the kernel cache, in one batched compiler run
@@ -503,7 +500,7 @@ class CpuBackend(Backend):
     @property
     def identity(self) -> str:
         """What the plan cache keys on besides the device: a choice timed on 1 thread may not be best on 8."""
-        return f"cpu threads={self.threads} gemm={self.gemm_library}"
+        return f"cpu threads={self.threads} gemm={self.gemm_library} weights={self.weights}"
 
     def _step(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory) -> Step:
         # generated loops trust these shapes: a mismatch would write out of bounds
@@ -645,6 +642,8 @@ class CpuBackend(Backend):
         # and the epilogue reads the product's 16-bit tile
         tile_dtype = self._tile_dtype(k, tensors)
         native = tile_dtype != "fp32"
+        if k.body is mm and (native or a_dtype == b_dtype == k.body.type.dtype == "fp32"):
+            return self._product(k, memory, a_name, b_name, gemm.torch_mm_16bit(a_dtype) if native else self.matmul)
         widen_b, b_scratch = self._stored(memory, b_name) if native else self._widen(memory, b_name, b_dtype, b_buf.shape[0])
         ck = generate(k.body, self._types(tensors), tile=mm, tile_dtype=tile_dtype)
         b_rows = b_buf.shape[0]
@@ -684,10 +683,35 @@ class CpuBackend(Backend):
             "threads": threads if torch_gemm else len(blocks),
             "scratch_bytes": scratch,
             "blas_threads": self.blas_threads or "default",
+            "weights": "padded" if b_buf.strides[0] != b_buf.shape[1] * b_buf.itemsize else "as stored",
             "source_sha256": ck.digest[:16],
         }
         return Step(k, call, [a_buf, b_buf] + [b for b in reads if b is not a_buf and b is not b_buf],
                     buffers[k.out], facts)
+
+    def _product(self, k: Kernel, memory: Memory, a_name: str, b_name: str, product: gemm.MatMul) -> Step:
+        """A GEMM kernel that is its product alone: the library writes the output's rows, no tile, no epilogue
+        (which would only copy the tile).  Row blocks as in :meth:`_gemm`."""
+        arrays, out_name, threads, pool = memory.arrays, k.out, self.threads, self.pool
+        a_buf, b_buf = memory.own[a_name], memory.own[b_name]
+        rows = a_buf.shape[0]
+        torch_gemm = self.gemm_library == "torch"
+        blocks = [(0, rows)] if torch_gemm else parallel.split(rows, parallel.gemm_parts(threads, rows))
+
+        def call() -> None:
+            a, b, out = arrays[a_name], arrays[b_name], arrays[out_name]
+            if torch_gemm:
+                with parallel.torch_threads(threads):
+                    product(a, b, out)
+                return
+            pool.run([functools.partial(product, a[r0:r1], b, out[r0:r1]) for r0, r1 in blocks])
+
+        facts = {"impl": f"{self.gemm_library}-gemm", "threads": threads if torch_gemm else len(blocks),
+                 "blas_threads": self.blas_threads or "default",
+                 "weights": "padded" if b_buf.strides[0] != b_buf.shape[1] * b_buf.itemsize else "as stored"}
+        if product is not self.matmul:
+            facts["impl"] = f"torch-{k.body.type.dtype}-gemm"
+        return Step(k, call, [a_buf, b_buf], memory.own[out_name], facts)
 
     def _standalone(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory) -> Step:
         body = k.body

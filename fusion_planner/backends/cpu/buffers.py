@@ -1,0 +1,47 @@
+"""How the CPU backend lays out its buffers: 64-byte aligned, and GEMM weights with padded rows.
+
+numpy aligns its arrays to 16 bytes only; every buffer of a plan is aligned to a cache line instead
+(:func:`aligned_empty`).  A matrix whose row stride is a multiple of 4 KiB (or of a large power of two of
+cache lines) maps the rows a GEMM library packs together onto a few L1 sets, which evict each other:
+:func:`padded_matrix` gives a matrix rows an odd number of cache lines apart, so consecutive rows fall
+into every set.  With GPT-2's and a 2048-wide MLP's weights stored so, MKL and OpenBLAS multiplied
+1.1-1.6x faster than from nn.Linear's own layout or a C-ordered copy (one core, Sapphire Rapids,
+2026-12-03; ``docs/backends.md``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+#: bytes every buffer of a plan is aligned to: a cache line, and the row loads of AMX tiles and AVX-512 vectors.
+#: numpy aligns to 16 bytes only; oneDNN's bf16 product read its operand 1.5x slower from such a buffer than
+#: from a torch-allocated (64-byte aligned) copy of it (128x3072x768 on one core here, 2026-12-02).
+ALIGN = 64
+
+
+def aligned_empty(shape: Sequence[int], dtype: Any, zero: bool = False) -> np.ndarray:
+    """An uninitialised (``zero``: zeroed) C-ordered array whose data start on an :data:`ALIGN`-byte boundary."""
+    dt = np.dtype(dtype)
+    nbytes = math.prod(shape) * dt.itemsize
+    raw = (np.zeros if zero else np.empty)(nbytes + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start:start + nbytes].view(dt).reshape(tuple(shape))
+
+
+def padded_row_elements(cols: int, itemsize: int) -> int:
+    """Elements from one row's start to the next in a :func:`padded_matrix`: the row rounded up to whole
+    cache lines, plus one line where their count is even."""
+    lines = -(-cols * itemsize // ALIGN)
+    lines += 1 - lines % 2
+    return lines * ALIGN // itemsize
+
+
+def padded_matrix(rows: int, cols: int, dtype: Any, zero: bool = False) -> np.ndarray:
+    """A (rows, cols) view, rows :func:`padded_row_elements` apart, of an aligned (zeroed) buffer."""
+    dt = np.dtype(dtype)
+    stride = padded_row_elements(cols, dt.itemsize)
+    return aligned_empty((rows, stride), dt, zero)[:, :cols]
