@@ -213,9 +213,8 @@ def bindable(arr: np.ndarray, storage: np.ndarray, transposed_ok: bool = False) 
 def gemm_b_only(plan: Plan, dtypes: frozenset[str] = frozenset({"fp32"})) -> frozenset[str]:
     """Tensors of ``dtypes`` that only GEMM libraries read, as their right operand: the library takes them in
     either order, so a transposed weight is read in place (16-bit ones only where torch's native product
-    reads them: widening for BLAS needs C order).  MKL multiplies the GEMMs of transformer layers (M of
-    64 to 256) 3-18% faster from nn.Linear's own (N, K) weight than from its (K, N) copy (measured here,
-    1 and 2 threads, 2026-12-01), and the copy per parameter is saved."""
+    reads them: widening for BLAS needs C order).  Those of them that are inputs are the weights the backend
+    may store with padded rows (``gemm.weight_layout``; docs/backends.md)."""
     b_operands: set[str] = set()
     other: set[str] = set()  # read by a generated loop (an epilogue included) or as a left operand
     for k in plan.kernels:
