@@ -346,3 +346,15 @@ def test_a_user_rule_that_leaves_no_plan_is_a_named_error(tmp_path, monkeypatch)
         build_candidates(ew_chain(2, 64), "h200", rules=shipped_rules() + user)
     with pytest.raises(ExtractionError):  # the shipped rules alone: a planner bug, not the user's
         build_candidates(ew_chain(2, 64), "h200", rules=shipped_rules())
+
+
+def test_a_norm_over_each_heads_slice_is_refused_not_passed(tmp_path):
+    """A norm's statistic taken per head instead of over the whole row cannot be checked (Heads' shape rule does
+    arithmetic on dimensions): the verdict is unsupported, and the file is refused like an unsound one."""
+    path = tmp_path / "per_head_norm.egg"
+    path.write_text("; WRONG: the statistic over the whole row taken over each head's slice\n"
+                    "(rewrite (SubRow x (RowMean x)) (Merge (SubRow (Heads x 2 1 0 16) (RowMean (Heads x 2 1 0 16))) 2))\n")
+    (res,) = check_text(path.read_text(), str(path), examples=20, seed=0, shrink=False)
+    assert res.verdict == "unsupported"
+    with pytest.raises(UnsoundRuleError, match="is unsupported"):
+        user_rules([path])
