@@ -10,7 +10,11 @@ Needs ``jax`` in the benchmark's environment (``pip install "jax[cpu]"``; the te
   its own settings before it starts: all contenders of a workload are built, checked against
   eager torch, warmed, then timed in interleaved rounds (each round times every contender
   three times, in turn, the order rotating from round to round), so they see the same machine
-  load and each follows every other as often; a figure is the median over all rounds' samples.  fusion-planner is timed twice: the bare kernels (the compiled plan on
+  load and each follows every other as often; a figure is the median over all rounds' samples.  On every
+  core, each contender's turn first calls it untimed for :data:`SETTLE_S`: OpenBLAS's workers spin for up to
+  2^28 cycles (about 0.1 s) after a call and took the second core from whoever ran next (torch.mm on two
+  threads measured 5.7 ms right after numpy's product, 2.0 ms alone), and on this 2-vCPU VM a pool whose
+  workers slept (a pause, or another library's turn) ran a 2 ms plan in 2.5-6 ms for several calls.  fusion-planner is timed twice: the bare kernels (the compiled plan on
   inputs already in its buffers) and the end-to-end call (torch tensors in, torch tensors out).
 * **Bandwidth**: memcpy and triad on the same thread count, on arrays of at least 4x the
   last-level cache, and each memory-bound fused kernel (the ew-chain ones) on that array size:
@@ -59,6 +63,9 @@ ATTENTION_WORKLOADS = ("block", "block-bf16", "attention")
 CONTENDERS = ("numpy", "torch", "torch.compile", "jax.jit", "fp.bare", "fp.call")
 PEERS = ("numpy", "torch", "torch.compile", "jax.jit")
 EW_N = 4_000_000
+#: seconds each contender's turn on every core first runs it untimed: another library's spinning workers stop,
+#: its own pool's workers are awake
+SETTLE_S = 0.15
 
 
 def child_env(mode: str, caches: Path | None = None) -> dict[str, str]:
@@ -471,8 +478,9 @@ def _time_us(fn: Callable[[], Any], repeats: int) -> list[float]:
     return out
 
 
-def steady(workload: str, rounds: int) -> dict[str, Any]:
-    """Every contender of one workload, checked against eager torch, then timed in interleaved rounds."""
+def steady(workload: str, rounds: int, mode: str) -> dict[str, Any]:
+    """Every contender of one workload, checked against eager torch, then timed in interleaved rounds (on every
+    core, each turn after :data:`SETTLE_S` of untimed calls)."""
     import numpy as np
 
     w = build_workload(workload)
@@ -495,6 +503,7 @@ def steady(workload: str, rounds: int) -> dict[str, Any]:
     order = list(calls)
     for r in range(rounds):  # the order rotates: each contender follows each other one as often (a library's
         for c in order[r % len(order):] + order[: r % len(order)]:  # spinning pool slows whoever runs next)
+            settle(mode, calls[c])
             samples[c] += _time_us(calls[c], 3)
     result = plans["fp.call"]
     med = {c: statistics.median(v) for c, v in samples.items()}
@@ -504,6 +513,16 @@ def steady(workload: str, rounds: int) -> dict[str, Any]:
     if w.memory_bound:
         out["bandwidth"] = kernel_bandwidth(result)
     return out
+
+
+def settle(mode: str, call: Callable[[], Any]) -> None:
+    """On every core, run ``call`` untimed for :data:`SETTLE_S` (at least once) before its timed calls."""
+    if mode == "1":
+        return
+    end = time.perf_counter() + SETTLE_S
+    call()
+    while time.perf_counter() < end:
+        call()
 
 
 def kernel_bandwidth(result: Any) -> list[dict[str, Any]]:
@@ -788,7 +807,7 @@ def main() -> None:
     if args.child:
         kind, *rest = args.child
         if kind == "steady":
-            print(json.dumps(steady(rest[0], args.rounds)))
+            print(json.dumps(steady(rest[0], args.rounds, rest[1])))
         elif kind == "stream":
             print(json.dumps(stream(args.rounds)))
         else:
@@ -806,7 +825,7 @@ def main() -> None:
             steady_rows[mode] = []
             for wl in workloads:
                 print(f"[{mode}] {wl}", file=sys.stderr)
-                steady_rows[mode].append(run_child(["--rounds", str(args.rounds), "--child", "steady", wl], env, pinned))
+                steady_rows[mode].append(run_child(["--rounds", str(args.rounds), "--child", "steady", wl, mode], env, pinned))
     firsts: dict[str, dict[str, dict[str, Any]]] = {}
     if not args.no_first_call:
         for wl in workloads:

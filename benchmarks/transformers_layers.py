@@ -11,7 +11,8 @@ BERT's additive ``finfo.min`` mask of shape (1, 1, 1, 128), a buffer of the wrap
 ``all``: every core; the same environment as ``cpu_peers.py``) plans the layer with ``fusion_planner.plan(...,
 backend="cpu")``, checks the planned call against eager torch within the dtype's tolerance, then times eager,
 torch.compile (inductor) and the planned call in interleaved rounds (three calls each, the order rotating); a
-figure is the median in µs.  The report lists how many kernels of the plan are Opaque torch calls.
+figure is the median in µs.  On every core each turn first runs its contender untimed for ``cpu_peers.SETTLE_S``
+(another library's spinning workers, or this one's sleeping ones, would slow its first calls).  The report lists how many kernels of the plan are Opaque torch calls.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from cpu_peers import _time_us, bf16_units, child_env, run_child, versions
+from cpu_peers import _time_us, bf16_units, child_env, run_child, settle, versions
 
 LAYERS = ("gpt2", "bert", "vit", "llama", "bert-masked", "llama-gqa")
 CONTENDERS = ("torch", "torch.compile", "fp.call")
@@ -93,7 +94,7 @@ def build_layer(name: str, dtype: str) -> tuple[Any, Any]:
     return Hidden().eval().to(kind), torch.randn(1, SEQ, D, dtype=kind)
 
 
-def steady(name: str, dtype: str, rounds: int) -> dict[str, Any]:
+def steady(name: str, dtype: str, rounds: int, mode: str) -> dict[str, Any]:
     import torch
 
     import fusion_planner
@@ -114,6 +115,7 @@ def steady(name: str, dtype: str, rounds: int) -> dict[str, Any]:
         order = list(calls)
         for r in range(rounds):
             for c in order[r % len(order):] + order[: r % len(order)]:
+                settle(mode, calls[c])
                 samples[c] += _time_us(calls[c], 3)
     kinds = [k.kind for k in result.plan.kernels]
     return {"layer": name, "dtype": dtype, "median_us": {c: statistics.median(v) for c, v in samples.items()},
@@ -153,10 +155,10 @@ def main() -> None:
     p.add_argument("--layers", default=",".join(LAYERS))
     p.add_argument("--dtypes", default="fp32,bf16")
     p.add_argument("--modes", default="1,all", help="thread modes: 1 (one pinned thread), all (every core)")
-    p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(steady(args.child[0], args.child[1], args.rounds)))
+        print(json.dumps(steady(args.child[0], args.child[1], args.rounds, args.child[2])))
         return
     cores = os.sched_getaffinity(0)
     rows: dict[str, list[dict[str, Any]]] = {}
@@ -167,7 +169,7 @@ def main() -> None:
             for name in args.layers.split(","):
                 for dtype in args.dtypes.split(","):
                     print(f"[{mode}] {name} {dtype}", file=sys.stderr)
-                    rows[mode].append(run_child(["--rounds", str(args.rounds), "--child", name, dtype], env,
+                    rows[mode].append(run_child(["--rounds", str(args.rounds), "--child", name, dtype, mode], env,
                                                 {max(cores)} if mode == "1" else None, __file__))
     text = report(rows, ("python benchmarks/transformers_layers.py " + " ".join(sys.argv[1:])).strip())
     if args.out:
