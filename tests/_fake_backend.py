@@ -92,6 +92,29 @@ class EstimateBackend(Backend):
         return EstimateTimed(plan)
 
 
+class KernelEstimateTimed(EstimateTimed):
+    """Like EstimateTimed, and each kernel's 'time' its own estimate, as a backend that times kernels reports."""
+
+    def time(self, inputs, *, warmup=2, repeats=7, stop_if=None) -> Timing:  # type: ignore[no-untyped-def]
+        timing = super().time(inputs, warmup=warmup, repeats=repeats, stop_if=stop_if)
+        timing.kernel_min_us = [k.cost.est_us for k in self.plan.kernels]
+        return timing
+
+
+class KernelEstimateBackend(Backend):
+    """Deterministic plan and kernel times (the cost model's estimates); counts the plans it compiles."""
+
+    name = "kernel-estimate"
+
+    def __init__(self, spec) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(spec)
+        self.compiled: list[str] = []
+
+    def compile(self, plan: Plan) -> CompiledPlan:
+        self.compiled.append(plan.key)
+        return KernelEstimateTimed(plan)
+
+
 class VerifyOnlyBackend(Backend):
     """Like the reference backend: runs plans, cannot time them."""
 

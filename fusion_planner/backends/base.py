@@ -33,6 +33,9 @@ class Timing:
     samples_us: list[float]
     warmup: int
     stopped_early: bool = False
+    #: each kernel's fastest time (µs) over the timed runs, in plan order, where the backend times its kernels
+    #: one by one inside them (the search bounds other plans with the same kernels by it); None otherwise
+    kernel_min_us: list[float] | None = None
 
     @property
     def median_us(self) -> float:

@@ -43,6 +43,8 @@ class Verdict(StrEnum):
     BEST = "best"
     TIMED = "timed"
     NOT_TIMED = "not timed"
+    #: not run: kernels it shares with plans timed before take longer than the best allows (the search's bound)
+    BOUNDED = "slower by its kernels"
     REJECTED = "rejected"
 
 

@@ -18,7 +18,11 @@ against the numpy reference of the unfused graph (``execute_graph`` in device
 mode) with :mod:`fusion_planner.core.tolerance`; a tolerance breach, NaN/Inf or any
 exception rejects it with the reason logged.  A verified candidate is timed
 (warm-ups, repeats, median) and stopped early once its running median exceeds
-best x ``early_stop`` (checked from the third sample on).  Duplicates (same plan key) are skipped.  The search
+best x ``early_stop`` (checked from the third sample on).  Duplicates (same plan key) are skipped.  A
+backend that times kernels one by one inside a plan's runs (the CPU's) bounds the plans after it: a
+candidate whose kernels timed in earlier plans already take longer, summed, than the best x ``early_stop``
+is not compiled, verified or run (verdict "slower by its kernels"; each kernel's fastest time counts, so the
+sum is a lower bound of the plan's, up to noise).  The search
 ends at ``max_candidates`` candidates besides the baseline, after
 ``time_budget_s`` seconds of wall time, or when no new candidate turns up.
 """
@@ -43,7 +47,7 @@ from fusion_planner.core.plans import Plan
 from fusion_planner.core.report import Count, count_json, log10_count
 from fusion_planner.core.tolerance import check_outputs
 from fusion_planner.egraph.candidates import CandidateSet
-from fusion_planner.egraph.extract import Option
+from fusion_planner.egraph.extract import Option, kernel_sig
 from fusion_planner.search.mutate import Mutator
 from fusion_planner.search.searchlog import SearchLog
 
@@ -107,6 +111,8 @@ class Entry:
     choice: dict[str, Option] | None = field(default=None, repr=False)
     #: the median of the final interleaved re-measurement (the unfused plan and the finalists only)
     confirm_us: float | None = None
+    #: a plan not run for its kernels' times: their sum (µs), from the plans timed before it
+    bound_us: float | None = None
 
     @property
     def est_us(self) -> float:
@@ -133,6 +139,8 @@ class Entry:
         )
         if self.confirm_us is not None:
             d["confirm_us"] = round(self.confirm_us, 4)
+        if self.bound_us is not None:
+            d["bound_us"] = round(self.bound_us, 4)
         return d
 
 
@@ -200,6 +208,7 @@ class SearchResult:
             "stop": self.stop,
             "timed": len(self.timed),
             "rejected": len(self.rejected),
+            "bounded": sum(e.verdict == Verdict.BOUNDED for e in self.entries),
             "speedup_vs_unfused": None if self.speedup_vs_unfused is None else round(self.speedup_vs_unfused, 4),
             "spearman": None if self.spearman is None else round(self.spearman, 4),
             "best": self.best_entry.to_json(),
@@ -251,6 +260,7 @@ class _Run:
         self.entries: list[Entry] = []
         self.seen: set[str] = set()
         self.best: Entry | None = None
+        self.kernel_min: dict[str, float] = {}  # kernel signature -> its fastest time in any plan timed (µs)
         self.tried = 0  # candidates besides the baseline
         self.t0 = time.perf_counter()
         self.on_candidate = on_candidate
@@ -276,6 +286,8 @@ class _Run:
             self.tried += 1
         entry = Entry(plan, source, choice=choice)
         self.entries.append(entry)
+        if not baseline and self._bounded(entry):
+            return True
         try:
             self._evaluate(entry, baseline)
         except BackendUnavailable:  # the machine cannot run this backend at all: not the candidate's fault
@@ -313,7 +325,24 @@ class _Run:
         entry.meas_us = timing.median_us
         entry.stopped_early = timing.stopped_early and stop_if.by_bound
         entry.verdict = Verdict.TIMED
+        for kernel, us in zip(entry.plan.kernels, timing.kernel_min_us or (), strict=False):
+            sig = kernel_sig(kernel)
+            self.kernel_min[sig] = min(us, self.kernel_min.get(sig, math.inf))
         self._record(entry)
+
+    def _bounded(self, entry: Entry) -> bool:
+        """Record a candidate as slower, unrun, when the kernels it shares with plans timed before take longer
+        than the best allows (the sum of their fastest times; its other kernels count as free)."""
+        best = self.best
+        if best is None or best.meas_us is None or not self.kernel_min:
+            return False
+        bound = sum(self.kernel_min.get(kernel_sig(k), 0.0) for k in entry.plan.kernels)
+        if bound <= best.meas_us * self.opts.early_stop:
+            return False
+        entry.bound_us = bound
+        entry.verdict = Verdict.BOUNDED
+        self.slog.bounded(entry.plan, bound / best.meas_us, entry.est_us, bound, _origin(entry))
+        return True
 
     def _cannot_win(self, entry: Entry, compiled: CompiledPlan, baseline: bool) -> bool:
         """On a backend whose timings are given, not measured (the cost model): record a candidate whose time
@@ -512,7 +541,8 @@ def search(
     timed = [e for e in run.entries if e.timed]
     rho = spearman([e.est_us for e in timed], [e.meas_us for e in timed])  # type: ignore[misc]
     n_rejected = sum(is_rejected(e.verdict) for e in run.entries)
-    slog.footer(elapsed, run.best.plan, speedup, len(timed), n_rejected, rho, run.stop or "done")
+    n_bounded = sum(e.verdict == Verdict.BOUNDED for e in run.entries)
+    slog.footer(elapsed, run.best.plan, speedup, len(timed), n_rejected, rho, run.stop or "done", n_bounded)
     return SearchResult(
         graph=cands.graph.name,
         backend=backend.name,

@@ -82,6 +82,10 @@ class SearchLog:
             f"Slower x{ratio:.2f} {self.label(plan)} | est {fmt_us(est_us)} | meas {fmt_us(meas_us)}{tail}{_origin(origin)}"
         )
 
+    def bounded(self, plan: Plan, ratio: float, est_us: float, bound_us: float, origin: str = "") -> None:
+        self.emit(f"Bounded x{ratio:.2f} {self.label(plan)} | est {fmt_us(est_us)} | its timed kernels "
+                  f"{fmt_us(bound_us)} | not run{_origin(origin)}")
+
     def rejected(self, reason: str, plan: Plan, origin: str = "") -> None:
         self.emit(f"Rejected {reason} {self.label(plan)}{_origin(origin)}")
 
@@ -98,10 +102,12 @@ class SearchLog:
         rejected: int,
         spearman: float | None,
         stop: str,
+        bounded: int = 0,
     ) -> None:
         sp = f"{speedup:.2f}x vs unfused (interleaved re-measurement)" if speedup is not None else "no speedup measured"
         rho = f"{spearman:.2f}" if spearman is not None else "n/a"
+        skipped = f", {bounded} slower by their kernels" if bounded else ""
         self.emit(
             f"Searched in {fmt_duration(seconds)}: best {self.label(best)} | {sp} | "
-            f"{timed} timed, {rejected} rejected | spearman rho {rho} | stopped: {stop}"
+            f"{timed} timed, {rejected} rejected{skipped} | spearman rho {rho} | stopped: {stop}"
         )

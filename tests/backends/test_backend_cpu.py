@@ -754,9 +754,9 @@ def test_a_rotated_read_in_a_gemm_epilogue_matches_the_reference():
 @pytest.mark.parametrize("library", ["numpy", "torch"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_held_weight_is_copied_once_into_padded_rows(library, threads, monkeypatch):
-    """With padded weights, a read-only right operand (a bound parameter) is copied into the padded buffer on the
-    first call and read from there after (no copy per call); a writable one is still read in place; a product
-    with no epilogue writes the output directly.  Every way agrees with the reference."""
+    """With padded weights, a read-only right operand (a bound parameter) is copied into padded rows on the first
+    call and read from there after, by this plan and by every other plan of the same backend (a search's
+    candidates); a writable one is still read in place.  Every way agrees with the reference."""
     if library == "torch":
         pytest.importorskip("torch")
     from fusion_planner.backends.cpu import gemm
@@ -768,16 +768,21 @@ def test_a_held_weight_is_copied_once_into_padded_rows(library, threads, monkeyp
     inputs = random_inputs(g)
     (want,) = execute_graph(g, inputs, "device")
     monkeypatch.setenv(gemm.WEIGHTS_ENV, "padded")
-    compiled = CpuBackend(SPEC, threads=threads, gemm_library=library).compile(plan)
-    own = compiled.memory.own["w"]
-    assert compiled.padded == {"w"} and own.strides[0] // ALIGN % 2 == 1 and own.ctypes.data % ALIGN == 0
+    backend = CpuBackend(SPEC, threads=threads, gemm_library=library)
+    compiled = backend.compile(plan)
+    assert compiled.padded == {"w"}
     held = np.ascontiguousarray(inputs["w"].T).T  # nn.Linear's layout, read-only as BoundInputs hands it over
     held.setflags(write=False)
     loads = compiled.loads
     for _ in range(3):
         (got,) = compiled.run(dict(inputs, w=held))
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
-    assert compiled.loads == loads + 1 and compiled.memory.arrays["w"] is own
+    stored = compiled.memory.arrays["w"]
+    assert compiled.loads == loads + 1 and stored.strides[0] // ALIGN % 2 == 1 and stored.ctypes.data % ALIGN == 0
+    other = backend.compile(plan)  # another candidate of the same search: the same padded copy, no new one
+    (got,) = other.run(dict(inputs, w=held))
+    assert other.memory.arrays["w"] is stored and other.loads == 0 and backend.held.copies == 1
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     writable = inputs["w"].copy()
     (got,) = compiled.run(dict(inputs, w=writable))
     assert compiled.memory.arrays["w"] is writable  # a call input: read in place

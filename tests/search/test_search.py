@@ -6,7 +6,13 @@ import json
 
 import numpy as np
 import pytest
-from _fake_backend import CorruptingBackend, EstimateBackend, TimedReferenceBackend, VerifyOnlyBackend
+from _fake_backend import (
+    CorruptingBackend,
+    EstimateBackend,
+    KernelEstimateBackend,
+    TimedReferenceBackend,
+    VerifyOnlyBackend,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -370,3 +376,24 @@ def test_the_model_backend_executes_only_the_baseline_and_each_new_best(chain, m
     assert all(not e.verified for e in res.entries if e.plan.key not in executed)
     verify_only = search(chain, VerifyOnlyBackend(chain.spec), options=SearchOptions(max_candidates=4, **FAST))
     assert sum(e.verified for e in verify_only.entries) == 1 + 4  # no time to compare: every one tried is executed
+
+
+def test_plans_whose_timed_kernels_already_lose_are_not_run(chain):
+    """With kernel times from the plans timed before, a candidate whose known kernels alone take longer than
+    the best x early_stop is recorded as slower without being compiled; under deterministic times the bound
+    never drops a plan that could have won, so the best is the one an exhaustive search finds."""
+    from fusion_planner.core.kinds import Verdict
+
+    opts = SearchOptions(max_candidates=40, early_stop=1.2, **FAST)
+    backend = KernelEstimateBackend(chain.spec)
+    res = search(chain, backend, options=opts)
+    bounded = [e for e in res.entries if e.verdict == Verdict.BOUNDED]
+    assert bounded and not {e.plan.key for e in bounded} & set(backend.compiled)
+    best_us = min(e.meas_us for e in res.entries if e.meas_us is not None)
+    assert all(e.bound_us > best_us * 1.2 and e.plan.est_us >= e.bound_us for e in bounded)
+    assert any(line.startswith("Bounded x") for line in res.log_lines)
+    assert f"{len(bounded)} slower by their kernels" in res.log_lines[-1]
+    assert json.loads(json.dumps(res.to_json()))["bounded"] == len(bounded)
+    exhaustive = search(chain, EstimateBackend(chain.spec), options=opts)  # no kernel times: every plan runs
+    assert not any(e.verdict == Verdict.BOUNDED for e in exhaustive.entries)
+    assert res.best.key == exhaustive.best.key

@@ -12,6 +12,7 @@ into every set.  With GPT-2's and a 2048-wide MLP's weights stored so, MKL and O
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,3 +46,32 @@ def padded_matrix(rows: int, cols: int, dtype: Any, zero: bool = False) -> np.nd
     dt = np.dtype(dtype)
     stride = padded_row_elements(cols, dt.itemsize)
     return aligned_empty((rows, stride), dt, zero)[:, :cols]
+
+
+class HeldWeights:
+    """Padded copies of read-only fp32 matrices (a module's bound parameters), made once per array and shared by
+    every plan one backend compiles: a search's candidates all read the same weights, and copying them per
+    candidate cost more than timing it.  A copy lives as long as the array it was made from."""
+
+    def __init__(self) -> None:
+        self._copies: dict[int, tuple[weakref.ref[np.ndarray], np.ndarray]] = {}
+        self.copies = 0  # copies made so far (tests count them)
+
+    def padded(self, arr: np.ndarray) -> tuple[np.ndarray, bool]:
+        """(the padded copy of ``arr``, whether it was made by this call)."""
+        key = id(arr)
+        hit = self._copies.get(key)
+        if hit is not None and hit[0]() is arr:
+            return hit[1], False
+        rows, cols = arr.shape
+        copy = padded_matrix(rows, cols, np.float32)
+        np.copyto(copy, arr)
+        self._copies[key] = (weakref.ref(arr, self._forget), copy)
+        self.copies += 1
+        return copy, True
+
+    def _forget(self, ref: weakref.ref[np.ndarray]) -> None:
+        """The array a copy was made from is gone: drop the copy."""
+        for key, (r, _) in list(self._copies.items()):
+            if r is ref:
+                del self._copies[key]
