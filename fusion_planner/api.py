@@ -207,11 +207,13 @@ def _backend(name: str, spec: DeviceSpec, threads: int | None) -> Backend:
         ) from exc
 
 
-def _runner(name: str, plan: Plan, backend: Backend) -> tuple[Runner, CompiledPlan | None]:
+def _runner(name: str, plan: Plan, backend: Backend, stored: bool) -> tuple[Runner, CompiledPlan | None]:
+    """How the plan runs for the caller; ``stored``: outputs as the backend stores them (a torch module's call,
+    whose 16-bit outputs are handed out as their bits), else float32 arrays (a graph's numpy outputs)."""
     if name == "reference":  # the numpy executor in device mode, without timing machinery
         return (lambda feed: execute_plan(plan, feed, mode="device")), None
     compiled = backend.compile(plan)
-    return compiled.run, compiled
+    return (compiled.run_stored if stored else compiled.run), compiled
 
 
 def _omp_quiet() -> bool:
@@ -293,7 +295,7 @@ def plan(
     be = _backend(backend, spec, threads)
     planned = plan_graph(graph, options, be, cache=PlanCache() if cache else None, inputs=feed)
     best = planned.plan
-    runner, compiled = _runner(backend, best, be)
+    runner, compiled = _runner(backend, best, be, stored=imported is not None)
     result = PlanResult(graph, best, planned.candidates, backend, spec, planned.log_lines, imported, module,
                         planned.search, runner, model_plan=planned.model, planned=planned, _bound=bound,
                         compiled=compiled)

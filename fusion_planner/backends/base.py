@@ -72,6 +72,11 @@ class CompiledPlan(ABC):
     def run(self, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         """Execute once; returns the graph outputs as float32 (or float64) arrays."""
 
+    def run_stored(self, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """Execute once; each output as it is stored where the backend can hand it out so (a 16-bit output as a
+        ``uint16`` array of its bits, which a torch face views as the dtype), else as :meth:`run` returns it."""
+        return self.run(inputs)
+
     def time(
         self,
         inputs: Mapping[str, np.ndarray],

@@ -132,7 +132,9 @@ class ImportedModule:
         for o in self.outputs:
             arr = arrays[o.index]
             t = torch.from_numpy(arr if arr.flags.c_contiguous else np.ascontiguousarray(arr))
-            if t.dtype != o.dtype:
+            if t.dtype == torch.uint16 and o.dtype in _BITS:  # a 16-bit output handed out as its bits
+                t = t.view(o.dtype)
+            elif t.dtype != o.dtype:
                 t = t.to(o.dtype)
             leaves.append(t if t.shape == o.shape else t.reshape(o.shape))
         if len(leaves) == 1 and self.out_tree.is_leaf():  # one tensor returned: no pytree rebuild

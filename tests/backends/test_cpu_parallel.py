@@ -207,6 +207,13 @@ def test_inputs_in_the_stored_layout_are_read_in_place_and_outputs_are_fresh() -
     assert first is not second and not np.shares_memory(first, second) and np.array_equal(first, second)
     strided = np.repeat(x, 2)[::2]  # not contiguous: copied into the plan's own buffer
     assert np.array_equal(compiled.run({"x": strided})[0], first) and compiled.loads == 1
+    strided[:] = -strided  # the same writable array, changed: copied again, never taken as it was
+    assert np.array_equal(compiled.run({"x": strided})[0], compiled.run({"x": -x})[0]) and compiled.loads == 2
+    frozen = np.repeat(x, 2)[::2]
+    frozen.setflags(write=False)  # read-only (a bound parameter): copied once, then kept
+    for _ in range(3):
+        compiled.run({"x": frozen})
+    assert compiled.loads == 3
     compiled.execute()  # the bare kernels write the plan's own output buffer, not the last returned array
     assert np.array_equal(second, first)
     with pytest.raises(BackendError, match="has shape"):

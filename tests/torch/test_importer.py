@@ -805,3 +805,29 @@ def test_a_16_bit_block_imports_with_no_opaque_node_and_matches_eager(dtype: str
     rms = RMS().to(x.dtype)
     eps = [n.attr_dict for n in import_module(rms, (x[..., :16],)).graph.ops if n.op == "Affine"]
     assert eps == [{"a": 1.0, "b": torch.finfo(x.dtype).eps}]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_output_is_handed_out_as_the_bits_the_last_kernel_wrote(dtype):
+    """A planned 16-bit module returns a tensor of its dtype over a fresh array the last kernel wrote (no fp32
+    widening and narrowing on the way), with the same values the widening path gives."""
+    import fusion_planner
+
+    class Mlp(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(32, 48)
+
+        def forward(self, x):
+            return F.gelu(self.fc(x), approximate="tanh") * 2.0
+
+    m, x = Mlp().eval().to(dtype), torch.randn(8, 32, dtype=dtype)
+    result = fusion_planner.plan(m, (x,), backend="cpu", max_candidates=4)
+    first, second = result(x), result(x)
+    assert first.dtype == dtype and first.shape == (8, 48)
+    assert first.data_ptr() != second.data_ptr() and torch.equal(first, second)
+    (widened,) = result.compiled.run(result.bound.feed((x,)))
+    assert widened.dtype == np.float32 and torch.equal(first.float(), torch.from_numpy(widened).reshape(8, 48))
+    with torch.no_grad():
+        ok, max_abs, _ = allclose_report(first.float().numpy(), m(x).float().numpy(), TORCH_DTYPES[dtype])
+    assert ok, max_abs

@@ -262,21 +262,30 @@ class CpuCompiledPlan(CompiledPlan):
         self.uses_blas = any(s.kernel.kind != KernelKind.ELEMENTWISE for s in steps)
         written = {k.out for k in plan.kernels}
         self._fresh_outputs = [o for o in dict.fromkeys(plan.outputs) if o in written and plan.tensors[o].dtype == "fp32"]
+        self._fresh_stored = [o for o in dict.fromkeys(plan.outputs) if o in written]  # 16-bit ones too (run_stored)
         # 16-bit outputs are handed out widened to fp32 by a generated loop (ml_dtypes' conversion is ~10x slower)
         self._widen_out = {d: backend.compiler.function(widen_source(d), 2)
                            for d in {plan.tensors[o].dtype for o in plan.outputs} if d != "fp32"}
-        self._loaded: dict[str, np.ndarray] = {}  # the array last copied into each input buffer
+        #: per input, the array of the last call that needs nothing on the next: read in place, or read-only
+        #: and already copied (a writable array that was copied may have changed, so it is copied again)
+        self._kept: dict[str, Any] = {}
         self.loads = 0  # inputs copied into buffers so far (tests count them)
         self.binds = 0  # inputs the kernels read in place, without a copy
         self._handed_out: dict[str, np.ndarray] = {}  # the fp32 output array each output got last
         self.reused = 0  # output arrays reused because their caller had dropped them
 
     def _load_inputs(self, inputs: Mapping[str, np.ndarray]) -> None:
+        kept = self._kept
         for name in self.input_names:
             if name not in inputs:
                 raise BackendError(f"missing input {name!r}")
+            given = inputs[name]
+            if kept.get(name) is given:  # the array of the last call, read in place or held unchanged: as it was
+                self.binds += 1
+                continue
+            kept.pop(name, None)
             ttype = self.plan.tensors[name]
-            arr = np.asarray(inputs[name])
+            arr = np.asarray(given)
             if tuple(arr.shape) != tuple(ttype.shape):
                 raise BackendError(f"input {name!r} has shape {list(arr.shape)}, expected {list(ttype.shape)}")
             own = self.memory.own[name]
@@ -287,20 +296,21 @@ class CpuCompiledPlan(CompiledPlan):
                 copy, made = self.held.padded(arr)
                 self.memory.bind(name, copy)
                 self.loads += made
+                kept[name] = given
                 continue
             if bindable(stored, own, name in self._transposed_ok):  # read in place
                 self.memory.bind(name, stored)
                 self.binds += 1
+                kept[name] = given
                 continue
             self.memory.restore(name)
-            if self._loaded.get(name) is arr and not arr.flags.writeable:
-                continue  # the same read-only array as last time (a bound parameter): already in its buffer
             if bits is None:
                 to_storage(arr, ttype.dtype, own)
             else:
                 np.copyto(own, bits)
             self.loads += 1
-            self._loaded[name] = arr
+            if not arr.flags.writeable:  # read-only (a bound parameter): its copy stays valid
+                kept[name] = given
 
     def _output_array(self, name: str) -> np.ndarray:
         """An array for output ``name`` no one else can see: the one handed out last time if the caller has
@@ -324,7 +334,7 @@ class CpuCompiledPlan(CompiledPlan):
         return out
 
     def _own_outputs(self) -> None:
-        for name in self._fresh_outputs:
+        for name in self._fresh_stored:
             self.memory.restore(name)
 
     def _execute(self) -> None:
@@ -349,10 +359,19 @@ class CpuCompiledPlan(CompiledPlan):
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         """Execute once.  fp32 outputs are fresh arrays the last kernel wrote (never shared with another
-        call); inputs stored as the kernels read them are read in place, never written."""
+        call), 16-bit ones fresh fp32 arrays widened from them; inputs stored as the kernels read them are read
+        in place, never written."""
+        return self._run(inputs, self._fresh_outputs, widen=True)
+
+    def run_stored(self, inputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """Execute once; every output a fresh array the last kernel wrote as it is stored (fp32, or a 16-bit
+        dtype's bits as ``uint16``): no widening pass, for a caller that hands out 16-bit tensors."""
+        return self._run(inputs, self._fresh_stored, widen=False)
+
+    def _run(self, inputs: Mapping[str, np.ndarray], fresh_names: list[str], widen: bool) -> list[np.ndarray]:
         self._load_inputs(inputs)
         fresh = {}
-        for name in self._fresh_outputs:
+        for name in fresh_names:
             fresh[name] = self._output_array(name)
             self.memory.bind(name, fresh[name])
         try:
@@ -366,7 +385,7 @@ class CpuCompiledPlan(CompiledPlan):
             if arr is None:
                 written = next((a for name, a in zip(self.plan.outputs, outs, strict=False) if name == o),
                                self.memory.arrays[o])
-                arr = self._widened(written, self.plan.tensors[o].dtype)
+                arr = self._widened(written, self.plan.tensors[o].dtype) if widen else np.array(written)
             outs.append(arr)
         return outs
 
