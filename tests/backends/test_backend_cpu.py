@@ -811,3 +811,27 @@ def test_a_product_alone_is_written_by_the_library_into_the_output(library, thre
     first = compiled.run(inputs)[0]
     np.testing.assert_allclose(first, inputs["x"] @ inputs["w"], rtol=2e-5, atol=2e-5)
     assert compiled.run(inputs)[0] is not first  # each call's output is its own array
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("epilogue", [False, True], ids=["product", "one-tile"])
+def test_a_torch_gemm_keeps_operand_views_only_while_the_arrays_stay(threads, epilogue):
+    """torch's product keeps the views of its operands between calls; a call that binds other arrays (another
+    input read in place, another weight) is multiplied from those, never from a kept view of the old ones."""
+    pytest.importorskip("torch")
+    from fusion_planner.backends.cpu.backend import CpuBackend
+
+    b = GraphBuilder("kept")
+    b.input("x", (40, 24), "fp32")
+    b.input("w", (24, 32), "fp32")
+    b.input("bias", (32,), "fp32")
+    mm = b.op("mm", "MatMul", ["x", "w"])
+    g = b.build([b.op("y", "BiasAdd", [mm, "bias"]) if epilogue else mm])
+    plan = min(build_candidates(g, "h200").plans, key=lambda p: len(p.kernels))
+    compiled = CpuBackend(SPEC, threads=threads, gemm_library="torch").compile(plan)
+    assert compiled.kernel_facts[0]["impl"] == ("torch-gemm+c-epilogue" if epilogue else "torch-gemm")
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        x, w, bias = (rng.standard_normal(s, dtype=np.float32) for s in ((40, 24), (24, 32), (32,)))
+        (got,) = compiled.run({"x": x, "w": w, "bias": bias})
+        np.testing.assert_allclose(got, x @ w + (bias if epilogue else 0), rtol=2e-5, atol=2e-5)

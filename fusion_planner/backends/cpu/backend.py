@@ -178,10 +178,11 @@ class Memory:
     in its place (a caller's input that already has the stored layout, a fresh output array).
     Kernels look their arrays up here when they run, never at compile time."""
 
-    def __init__(self, own: dict[str, np.ndarray]) -> None:
+    def __init__(self, own: dict[str, np.ndarray], outputs: frozenset[str] = frozenset()) -> None:
         self.own = own
         self.arrays = dict(own)
         self.addr = {n: a.ctypes.data for n, a in own.items()}
+        self.outputs = outputs  # tensors handed out to the caller (a fresh array each call)
 
     def bind(self, name: str, array: np.ndarray) -> None:
         self.arrays[name] = array
@@ -256,7 +257,10 @@ class CpuCompiledPlan(CompiledPlan):
         self.threads = backend.threads
         self.blas_threads = backend.blas_threads
         self.controller = backend.controller
-        self.uses_torch = any(s.kernel.kind == KernelKind.OPAQUE for s in steps)
+        # torch's pool at the plan's thread count for the whole run (one switch, not one per kernel) where any
+        # kernel calls torch: an Opaque one, or a product, attention or batched product of torch's
+        self.uses_torch = any(s.kernel.kind == KernelKind.OPAQUE or str(s.facts.get("impl", "")).startswith("torch")
+                              for s in steps)
         # numpy's BLAS runs in GEMM steps and in numpy Opaque implementations; generated loops never call
         # it, and threadpoolctl's limit costs tens of µs a call (it walks the loaded libraries)
         self.uses_blas = any(s.kernel.kind != KernelKind.ELEMENTWISE for s in steps)
@@ -482,7 +486,7 @@ class CpuBackend(Backend):
                 buffers[name] = padded_matrix(k_rows, n_cols, np.float32, zero=True)
             else:
                 buffers[name] = aligned_empty(ttype.shape, storage_dtype(ttype.dtype), zero=True)
-        memory = Memory(buffers)
+        memory = Memory(buffers, frozenset(plan.outputs))
         steps = []
         for i, k in enumerate(plan.kernels):
             try:
@@ -678,8 +682,12 @@ class CpuBackend(Backend):
         # and the epilogue reads the product's 16-bit tile
         tile_dtype = self._tile_dtype(k, tensors)
         native = tile_dtype != "fp32"
-        if k.body is mm and (native or a_dtype == b_dtype == k.body.type.dtype == "fp32"):
-            return self._product(k, memory, a_name, b_name, gemm.torch_mm_16bit(a_dtype) if native else self.matmul)
+        stored = native or a_dtype == b_dtype == "fp32"  # the library reads both operands as stored
+        # a torch product keeps its operands' views while they stay the same arrays (not one handed out)
+        keep = (a_name not in memory.outputs, b_name not in memory.outputs)
+        if k.body is mm and stored and k.body.type.dtype == tile_dtype:
+            product = gemm.torch_mm(tile_dtype, (*keep, False)) if native or torch_gemm else self.matmul
+            return self._product(k, memory, a_name, b_name, product)
         widen_b, b_scratch = self._stored(memory, b_name) if native else self._widen(memory, b_name, b_dtype, b_buf.shape[0])
         ck = generate(k.body, self._types(tensors), tile=mm, tile_dtype=tile_dtype)
         b_rows = b_buf.shape[0]
@@ -696,22 +704,6 @@ class CpuBackend(Backend):
             bounds = [(r, min(r_end, r + tile_rows)) for r in range(r_start, r_end, tile_rows)]
             blockwork.append((fn, params, tile, widen_a, bounds))
         pool, addr, out_name, threads = self.pool, memory.addr, k.out, self.threads
-        product = gemm.torch_mm_16bit(a_dtype) if native else self.matmul
-
-        def call() -> None:
-            b32 = widen_b(0, b_rows)  # B as the product reads it (fp32: widened once), shared by the blocks
-            out = addr[out_name]
-            if torch_gemm:
-                ((fn, params, tile, widen_a, bounds),) = blockwork
-                epilogue = _split_epilogue(pool, threads, fn, [None if n is None else addr[n] for n in params],
-                                           tile, out, cols)
-                with parallel.torch_threads(threads):
-                    _gemm_block(product, epilogue, tile, widen_a, b32, bounds)
-                return
-            pool.run([functools.partial(_gemm_block, product, functools.partial(
-                          fn, *[tile.ctypes.data if n is None else addr[n] for n in params], out), tile, widen_a, b32, bounds)
-                      for fn, params, tile, widen_a, bounds in blockwork])
-
         facts = {
             "impl": f"torch-{a_dtype}-gemm+c-epilogue" if native else f"{self.gemm_library}-gemm+c-epilogue",
             "tile_rows": tile_rows,
@@ -722,8 +714,47 @@ class CpuBackend(Backend):
             "weights": "padded" if b_buf.strides[0] != b_buf.shape[1] * b_buf.itemsize else "as stored",
             "source_sha256": ck.digest[:16],
         }
-        return Step(k, call, [a_buf, b_buf] + [b for b in reads if b is not a_buf and b is not b_buf],
-                    buffers[k.out], facts)
+        step_reads = [a_buf, b_buf] + [b for b in reads if b is not a_buf and b is not b_buf]
+        if torch_gemm and stored and tile_rows >= rows:  # one tile, operands as stored: the short route
+            (fn, params, tile, _, _), = blockwork
+            call_one = self._one_tile(memory, (a_name, b_name, out_name), gemm.torch_mm(tile_dtype, (*keep, True)),
+                                      fn, params, tile)
+            return Step(k, call_one, step_reads, buffers[k.out], facts)
+        product = gemm.torch_mm(a_dtype) if native else self.matmul
+
+        def call() -> None:
+            b32 = widen_b(0, b_rows)  # B as the product reads it (fp32: widened once), shared by the blocks
+            out = addr[out_name]
+            if torch_gemm:
+                ((fn, params, tile, widen_a, bounds),) = blockwork
+                epilogue = _split_epilogue(pool, threads, fn, [None if n is None else addr[n] for n in params],
+                                           tile, out, cols)
+                _gemm_block(product, epilogue, tile, widen_a, b32, bounds)  # torch's threads: the plan's (_pools)
+                return
+            pool.run([functools.partial(_gemm_block, product, functools.partial(
+                          fn, *[tile.ctypes.data if n is None else addr[n] for n in params], out), tile, widen_a, b32, bounds)
+                      for fn, params, tile, widen_a, bounds in blockwork])
+
+        return Step(k, call, step_reads, buffers[k.out], facts)
+
+    def _one_tile(self, memory: Memory, names: tuple[str, str, str], product: gemm.MatMul, fn: Callable[..., None],
+                  params: list[str | None], tile: np.ndarray) -> Callable[[], None]:
+        """A torch GEMM + epilogue whose product is one tile, operands read as stored: the product of the
+        operands as bound, then the epilogue over every row (on the calling thread, or split across the pool)."""
+        a_name, b_name, out_name = names
+        arrays, addr, pool, threads = memory.arrays, memory.addr, self.pool, self.threads
+        rows, cols = tile.shape
+        tile_ptr = tile.ctypes.data
+
+        def call() -> None:
+            product(arrays[a_name], arrays[b_name], tile)  # on the plan's torch threads (CpuCompiledPlan._pools)
+            if threads == 1:
+                fn(*[tile_ptr if n is None else addr[n] for n in params], addr[out_name], 0, rows, cols)
+                return
+            _split_epilogue(pool, threads, fn, [None if n is None else addr[n] for n in params], tile,
+                            addr[out_name], cols)(0, rows, cols)
+
+        return call
 
     def _product(self, k: Kernel, memory: Memory, a_name: str, b_name: str, product: gemm.MatMul) -> Step:
         """A GEMM kernel that is its product alone: the library writes the output's rows, no tile, no epilogue
@@ -736,16 +767,15 @@ class CpuBackend(Backend):
 
         def call() -> None:
             a, b, out = arrays[a_name], arrays[b_name], arrays[out_name]
-            if torch_gemm:
-                with parallel.torch_threads(threads):
-                    product(a, b, out)
+            if torch_gemm:  # on the plan's torch threads (CpuCompiledPlan._pools)
+                product(a, b, out)
                 return
             pool.run([functools.partial(product, a[r0:r1], b, out[r0:r1]) for r0, r1 in blocks])
 
         facts = {"impl": f"{self.gemm_library}-gemm", "threads": threads if torch_gemm else len(blocks),
                  "blas_threads": self.blas_threads or "default",
                  "weights": "padded" if b_buf.strides[0] != b_buf.shape[1] * b_buf.itemsize else "as stored"}
-        if product is not self.matmul:
+        if k.body.type.dtype != "fp32":  # a 16-bit product torch multiplies natively
             facts["impl"] = f"torch-{k.body.type.dtype}-gemm"
         return Step(k, call, [a_buf, b_buf], memory.own[out_name], facts)
 
@@ -773,11 +803,9 @@ class CpuBackend(Backend):
                 return self._converted(k, tensors, memory)  # 16-bit storage: the reference's numpy form
             bmm, impl = standalone.torch_bmm_16bit(dtype), f"torch-{dtype}-batched-gemm"
         write = standalone.scores_writer(body, bmm, dtype) if body.op == "BatchScores" else bmm
-        threads = self.threads
 
-        def call_product() -> None:
-            with parallel.torch_threads(threads):
-                write(arrays[order[0]], arrays[order[1]], arrays[out_name])
+        def call_product() -> None:  # a torch product runs on the plan's torch threads (CpuCompiledPlan._pools)
+            write(arrays[order[0]], arrays[order[1]], arrays[out_name])
 
         return Step(k, call_product, reads, memory.own[k.out], {"impl": impl})
 
@@ -793,10 +821,9 @@ class CpuBackend(Backend):
         if self.native(dtype):
             attend, arrays, threads = standalone.torch_attention_16bit(body, dtype), memory.arrays, self.threads
 
-            def call_torch() -> None:
-                with parallel.torch_threads(threads):
-                    q, kk, v, *mask = (arrays[n] for n in order)
-                    attend(q, kk, v, arrays[out_name], *mask)
+            def call_torch() -> None:  # on the plan's torch threads (CpuCompiledPlan._pools)
+                q, kk, v, *mask = (arrays[n] for n in order)
+                attend(q, kk, v, arrays[out_name], *mask)
 
             return Step(k, call_torch, reads, memory.own[out_name], {"impl": f"torch-sdpa-{dtype}", "threads": threads})
         source = standalone.source_of(body, {n: tuple(t.shape) for n, t in tensors.items()})

@@ -87,14 +87,31 @@ def numpy_mm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     np.matmul(a, b, out=out)
 
 
-def torch_mm() -> MatMul:
-    """``torch.mm`` on zero-copy views of the arrays (torch is imported: :func:`library_from_env` checked)."""
+def torch_mm(dtype: str = "fp32", keep: tuple[bool, bool, bool] = (False, False, False)) -> MatMul:
+    """``torch.mm`` on zero-copy views of the arrays (torch is imported: :func:`library_from_env` checked); the
+    operands of a 16-bit ``dtype`` are its bits (``uint16``), multiplied in torch's native product and rounded to
+    it.  ``keep[i]``: operand i (a, b, out) is usually the same array call after call (a weight, a plan's own
+    buffer), so its tensor view is kept while it is; a view cost ~3 µs to make, several times that right after a
+    large kernel evicted the interpreter's own data, on each of a plan's kernels.  Never keep an array the plan
+    hands out (a kept view would keep a caller's output alive)."""
     import torch  # optional dependency
 
     from fusion_planner.torch.ops import numpy_view
 
+    kind = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
+    kept: list[tuple[np.ndarray, Any] | None] = [None, None, None]
+
+    def view(i: int, x: np.ndarray) -> Any:
+        hit = kept[i]
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        t = numpy_view(x) if kind is None else numpy_view(x).view(kind)
+        if keep[i]:
+            kept[i] = (x, t)
+        return t
+
     def mm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
-        torch.mm(numpy_view(a), numpy_view(b), out=torch.from_numpy(out))
+        torch.mm(view(0, a), view(1, b), out=view(2, out))
 
     return mm
 
@@ -112,21 +129,6 @@ def native_16bit(dtype: str) -> bool:
     import torch  # optional dependency
 
     return any(getattr(torch.cpu, check, lambda: False)() for check in _NATIVE_16BIT[dtype])
-
-
-def torch_mm_16bit(dtype: str) -> MatMul:
-    """``mm(a, b, out)`` for operands and product held as 16-bit bit patterns (``uint16`` arrays of ``dtype``):
-    torch's native product, rounded to ``dtype``."""
-    import torch  # optional dependency
-
-    from fusion_planner.torch.ops import numpy_view
-
-    kind = torch.bfloat16 if dtype == "bf16" else torch.float16
-
-    def mm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
-        torch.mm(numpy_view(a).view(kind), numpy_view(b).view(kind), out=torch.from_numpy(out).view(kind))
-
-    return mm
 
 
 def matmul(library: str) -> MatMul:
