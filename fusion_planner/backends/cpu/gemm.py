@@ -149,8 +149,38 @@ def _probe_key() -> dict[str, Any]:
     """What the measured choice depends on: the CPU and the libraries' versions (the BLAS builds included)."""
     import torch  # optional dependency (imported: auto measures only then)
 
-    blas = sorted(f"{i.get('internal_api')} {i.get('version')}" for i in threadpool_info() if i.get("user_api") == "blas")
-    return {"cpu": cpu_model(), "numpy": np.__version__, "torch": torch.__version__, "blas": blas}
+    return {"cpu": cpu_model(), "numpy": np.__version__, "torch": torch.__version__, "blas": _blas_builds()}
+
+
+def _blas_builds() -> list[str]:
+    return sorted(f"{i.get('internal_api')} {i.get('version')}" for i in threadpool_info() if i.get("user_api") == "blas")
+
+
+def _fastest(calls: dict[str, Callable[[], None]]) -> dict[str, float]:
+    """Each call's fastest of :data:`PROBE_ROUNDS` rounds (seconds), the calls interleaved round by round after
+    a first round that warms them up."""
+    runs: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(PROBE_ROUNDS + 1):
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            runs[name].append(time.perf_counter() - t0)
+    return {name: min(r[1:]) for name, r in runs.items()}
+
+
+def _recorded(file: str, key: dict[str, Any], choices: tuple[str, ...], measure: Callable[[], tuple[str, Any]]) -> str:
+    """The choice recorded in the kernel cache's ``file`` for ``key``; else ``measure()``'s (choice, figures),
+    recorded there."""
+    path = cache_dir() / file
+    try:
+        record = json.loads(path.read_text())
+        if record.get("key") == key and record.get("choice") in choices:
+            return str(record["choice"])
+    except (OSError, ValueError, AttributeError):
+        pass  # none yet, or unreadable: measure again
+    choice, seconds = measure()
+    _write_record(path, {"key": key, "choice": choice, "seconds": seconds})
+    return choice
 
 
 def _time_libraries() -> dict[str, float]:
@@ -163,14 +193,9 @@ def _time_libraries() -> dict[str, float]:
         for m, k, n in PROBE_SHAPES:
             a, b = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32)
             out = np.empty((m, n), np.float32)
-            runs: dict[str, list[float]] = {name: [] for name in mms}
-            for _ in range(PROBE_ROUNDS + 1):  # the first round warms both up
-                for name, mm in mms.items():
-                    t0 = time.perf_counter()
-                    mm(a, b, out)
-                    runs[name].append(time.perf_counter() - t0)
+            fastest = _fastest({name: functools.partial(mm, a, b, out) for name, mm in mms.items()})
             for name in mms:
-                best[name] += min(runs[name][1:])
+                best[name] += fastest[name]
     return best
 
 
@@ -178,20 +203,14 @@ def _time_libraries() -> dict[str, float]:
 def measured_library() -> str:
     """numpy or torch, whichever multiplies fp32 faster here (torch unless numpy wins by the margin); measured
     once per machine and library versions, the record kept in the kernel cache."""
-    key = _probe_key()
-    path = cache_dir() / PROBE_FILE
-    try:
-        record = json.loads(path.read_text())
-        if record.get("key") == key and record.get("choice") in LIBRARIES:
-            return str(record["choice"])
-    except (OSError, ValueError, AttributeError):
-        pass  # none yet, or unreadable: measure again
-    seconds = _time_libraries()
-    choice = "numpy" if seconds["numpy"] * (1 + PROBE_MARGIN) < seconds["torch"] else "torch"
-    log.info("CPU GEMM library: %s (fp32 on one thread: numpy %.2f ms, torch %.2f ms)", choice,
-             seconds["numpy"] * 1e3, seconds["torch"] * 1e3)
-    _write_record(path, {"key": key, "choice": choice, "seconds": seconds})
-    return choice
+    def measure() -> tuple[str, dict[str, float]]:
+        seconds = _time_libraries()
+        choice = "numpy" if seconds["numpy"] * (1 + PROBE_MARGIN) < seconds["torch"] else "torch"
+        log.info("CPU GEMM library: %s (fp32 on one thread: numpy %.2f ms, torch %.2f ms)", choice,
+                 seconds["numpy"] * 1e3, seconds["torch"] * 1e3)
+        return choice, seconds
+
+    return _recorded(PROBE_FILE, _probe_key(), LIBRARIES, measure)
 
 
 def _write_record(path: Path, record: dict[str, Any]) -> None:
@@ -223,8 +242,7 @@ def weight_layout(library: str) -> str:
 
 
 def _layout_key(library: str) -> dict[str, Any]:
-    blas = sorted(f"{i.get('internal_api')} {i.get('version')}" for i in threadpool_info() if i.get("user_api") == "blas")
-    key = {"cpu": cpu_model(), "numpy": np.__version__, "blas": blas, "library": library}
+    key = {"cpu": cpu_model(), "numpy": np.__version__, "blas": _blas_builds(), "library": library}
     torch = sys.modules.get("torch")
     if library == "torch" and torch is not None:
         key["torch"] = torch.__version__
@@ -245,14 +263,9 @@ def time_layouts(mm: MatMul) -> dict[str, list[float]]:
             padded[...] = linear.T
             weights = {"padded": padded, "given": linear.T}
             out = aligned_empty((m, n), np.float32)
-            runs: dict[str, list[float]] = {layout: [] for layout in weights}
-            for _ in range(PROBE_ROUNDS + 1):  # the first round warms both up
-                for layout, w in weights.items():
-                    t0 = time.perf_counter()
-                    mm(a, w, out)
-                    runs[layout].append(time.perf_counter() - t0)
+            fastest = _fastest({layout: functools.partial(mm, a, w, out) for layout, w in weights.items()})
             for layout in weights:
-                best[layout].append(min(runs[layout][1:]))
+                best[layout].append(fastest[layout])
     return best
 
 
@@ -260,19 +273,14 @@ def time_layouts(mm: MatMul) -> dict[str, list[float]]:
 def measured_weight_layout(library: str) -> str:
     """``padded`` where it multiplies faster than ``given`` here (on the sum, by the margin, and slower on no
     shape), else ``given``; measured once per machine, library and versions, the record kept in the kernel cache."""
-    key = _layout_key(library)
-    path = cache_dir() / LAYOUT_FILE
-    try:
-        record = json.loads(path.read_text())
-        if record.get("key") == key and record.get("choice") in WEIGHT_LAYOUTS:
-            return str(record["choice"])
-    except (OSError, ValueError, AttributeError):
-        pass  # none yet, or unreadable: measure again
-    seconds = time_layouts(matmul(library))
-    padded, given = seconds["padded"], seconds["given"]
-    wins = sum(padded) * (1 + PROBE_MARGIN) < sum(given) and all(p <= g * (1 + PROBE_MARGIN) for p, g in zip(padded, given, strict=True))
-    choice = "padded" if wins else "given"
-    log.info("CPU GEMM weights (%s): %s (fp32 on one thread: padded %.2f ms, given %.2f ms)", library, choice,
-             sum(padded) * 1e3, sum(given) * 1e3)
-    _write_record(path, {"key": key, "choice": choice, "seconds": seconds})
-    return choice
+    def measure() -> tuple[str, dict[str, list[float]]]:
+        seconds = time_layouts(matmul(library))
+        padded, given = seconds["padded"], seconds["given"]
+        wins = sum(padded) * (1 + PROBE_MARGIN) < sum(given) and all(
+            p <= g * (1 + PROBE_MARGIN) for p, g in zip(padded, given, strict=True))
+        choice = "padded" if wins else "given"
+        log.info("CPU GEMM weights (%s): %s (fp32 on one thread: padded %.2f ms, given %.2f ms)", library, choice,
+                 sum(padded) * 1e3, sum(given) * 1e3)
+        return choice, seconds
+
+    return _recorded(LAYOUT_FILE, _layout_key(library), WEIGHT_LAYOUTS, measure)
