@@ -36,7 +36,7 @@ def epilogue_graph(epilogue: str, dtype: str, m: int = 64, n: int = 96, k: int =
 
 
 def _specs() -> dict[str, tuple[Callable[[], Any], Callable[[Any], bool] | None]]:
-    from fusion_planner.core.examples import ew_chain, layer_norm, mlp_epilogue, softmax
+    from fusion_planner.core.examples import attention, ew_chain, layer_norm, mlp_epilogue, softmax
 
     one = lambda p: len(p.kernels) == 1  # noqa: E731
     specs: dict[str, tuple[Callable[[], Any], Callable[[Any], bool] | None]] = {
@@ -52,6 +52,9 @@ def _specs() -> dict[str, tuple[Callable[[], Any], Callable[[Any], bool] | None]
         "rows_ln_fp32": (lambda: layer_norm(96, 768, "fp32"), lambda p: len(p.kernels) <= 3),
         "rows_ln_fp16": (lambda: layer_norm(40, 5000, "fp16", residual=False), lambda p: len(p.kernels) <= 2),
         "rows_softmax_bf16": (lambda: softmax(70, 128, "bf16"), lambda p: len(p.kernels) <= 3),
+        # attention's standalone kernels: the head layouts, the batched products, the fused online softmax
+        "attn_fp32": (lambda: attention(2, 128, 256, 4, "fp32"), lambda p: len(p.kernels) <= 7),
+        "attn_masked_bf16": (lambda: attention(2, 96, 192, 3, "bf16", masked=True), lambda p: len(p.kernels) <= 8),
     }
     for epi in LT_EPILOGUES:
         specs[f"lt_{epi}"] = (lambda e=epi: epilogue_graph(e, "fp16"), one)
@@ -96,6 +99,7 @@ def example_graphs() -> list[Any]:
         rope(1, 128, 768, 12, "bf16"),  # tables read modulo their size, rotated reads in 8-wide vectors
         rope(2, 64, 256, 4, "fp16", norm=True),  # RoPE inside a row kernel
         attention(2, 128, 256, 4, "bf16", masked=True),  # a padding mask read one row per group
+        attention(1, 128, 256, 4, "fp32"),  # causal: the layouts, the batched products, the fused kernel
     ]
 
 
@@ -111,7 +115,7 @@ def example_kernels() -> dict[str, tuple[str, Any, Any]]:
         cands = build_candidates(g, "h200", cap=256, k=8)
         for p in cands.plans:
             for k in p.kernels:
-                if k.kind in ("cublaslt", "standalone"):  # a library call; Heads has no CUDA form yet
+                if k.kind == "cublaslt":  # a library call
                     continue
                 c = generate(k, p.tensors)
                 out[c.digest] = (g.name, k, c)

@@ -44,7 +44,7 @@ def resources(generated):
 def test_every_example_kernel_compiles_for_sm90(generated, resources):
     assert len(generated) >= 20
     kinds = {c.kind for _, _, c in generated.values()}
-    assert kinds == {"elementwise", "gemm_epilogue"}
+    assert kinds == {"elementwise", "gemm_epilogue", "standalone"}
     for digest, (gname, k, _) in generated.items():
         res = resources[digest]
         assert 0 < res.regs <= 255, (gname, k.describe())

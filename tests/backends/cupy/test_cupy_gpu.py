@@ -60,6 +60,16 @@ def test_row_kernels_match_the_reference(name):
     assert all(c["verdict"] == "timed" for c in result["candidates"]), result["candidates"]
 
 
+@pytest.mark.parametrize("name", ["attn_fp32", "attn_masked_bf16"])
+def test_attention_kernels_match_the_reference(name):
+    """Heads, Merge, GroupRepeat, BatchScores, BatchApply and the fused (masked) attention kernel, in every
+    candidate of a causal fp32 and a padding-masked bf16 attention."""
+    result = time_bundle(_bundle(name), _executor(), warmup=0, repeats=1)
+    assert all(c["verdict"] == "timed" for c in result["candidates"]), result["candidates"]
+    plans = [c["plan"] for c in result["candidates"]]  # e.g. {standalone[Heads] ; ... ; standalone[Attention] ; ...}
+    assert any("Attention]" in p for p in plans) and any("BatchScores]" in p for p in plans), plans
+
+
 def _lt_plan(name, epilogue):
     b = _bundle(name)
     cand = next(c for c in b.candidates if c.plan.kernels[0].epilogue == epilogue)
