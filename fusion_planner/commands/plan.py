@@ -170,7 +170,9 @@ def print_result(result: SearchResult) -> None:
     scope = "enumerated" if result.enumerated else "sampled"
     print(
         f"{result.graph} on {result.device}, backend {result.backend}: {count_text(result.space)} candidate plans ({scope}); "
-        f"{len(result.timed)} timed, {len(result.rejected)} rejected in {result.elapsed_s:.2f}s ({result.stop})"
+        f"{len(result.timed)} timed, {len(result.rejected)} rejected"
+        + (f", {len(result.bounded)} slower by their kernels" if result.bounded else "")
+        + f" in {result.elapsed_s:.2f}s ({result.stop})"
     )
     meas = {e.plan.key: e for e in result.entries}
 

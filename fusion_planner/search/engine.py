@@ -179,6 +179,11 @@ class SearchResult:
     def rejected(self) -> list[Entry]:
         return [e for e in self.entries if is_rejected(e.verdict)]
 
+    @property
+    def bounded(self) -> list[Entry]:
+        """Candidates not run: their kernels timed in earlier plans already lose (see the module docstring)."""
+        return [e for e in self.entries if e.verdict == Verdict.BOUNDED]
+
     def best_so_far(self) -> list[float]:
         """Best fully-timed median after each timed candidate (for the plot)."""
         out: list[float] = []
@@ -208,7 +213,7 @@ class SearchResult:
             "stop": self.stop,
             "timed": len(self.timed),
             "rejected": len(self.rejected),
-            "bounded": sum(e.verdict == Verdict.BOUNDED for e in self.entries),
+            "bounded": len(self.bounded),
             "speedup_vs_unfused": None if self.speedup_vs_unfused is None else round(self.speedup_vs_unfused, 4),
             "spearman": None if self.spearman is None else round(self.spearman, 4),
             "best": self.best_entry.to_json(),
