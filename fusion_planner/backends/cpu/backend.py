@@ -233,6 +233,10 @@ def gemm_b_only(plan: Plan, dtypes: frozenset[str] = frozenset({"fp32"})) -> fro
     return frozenset(n for n in b_operands - other - set(plan.outputs) if plan.tensors[n].dtype in dtypes)
 
 
+#: the step implementations that call numpy's BLAS
+_BLAS_IMPLS = ("numpy-gemm", "numpy-batched-gemm", "numpy-reference")
+
+
 class CpuCompiledPlan(CompiledPlan):
     def __init__(
         self,
@@ -261,9 +265,11 @@ class CpuCompiledPlan(CompiledPlan):
         # kernel calls torch: an Opaque one, or a product, attention or batched product of torch's
         self.uses_torch = any(s.kernel.kind == KernelKind.OPAQUE or str(s.facts.get("impl", "")).startswith("torch")
                               for s in steps)
-        # numpy's BLAS runs in GEMM steps and in numpy Opaque implementations; generated loops never call
-        # it, and threadpoolctl's limit costs tens of µs a call (it walks the loaded libraries)
-        self.uses_blas = any(s.kernel.kind != KernelKind.ELEMENTWISE for s in steps)
+        # numpy's BLAS runs in numpy's GEMMs and batched products, in the reference's numpy form of a kernel and
+        # in numpy Opaque implementations; generated loops and torch's products never call it, and threadpoolctl's
+        # limit costs 15 µs a call, 70 with cold caches after a plan's kernels (it walks the loaded libraries)
+        self.uses_blas = any(s.kernel.kind == KernelKind.OPAQUE or str(s.facts.get("impl", "")).startswith(_BLAS_IMPLS)
+                             for s in steps)
         written = {k.out for k in plan.kernels}
         self._fresh_outputs = [o for o in dict.fromkeys(plan.outputs) if o in written and plan.tensors[o].dtype == "fp32"]
         self._fresh_stored = [o for o in dict.fromkeys(plan.outputs) if o in written]  # 16-bit ones too (run_stored)
