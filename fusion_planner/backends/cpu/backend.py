@@ -233,6 +233,11 @@ def gemm_b_only(plan: Plan, dtypes: frozenset[str] = frozenset({"fp32"})) -> fro
     return frozenset(n for n in b_operands - other - set(plan.outputs) if plan.tensors[n].dtype in dtypes)
 
 
+def weights_fact(b_buf: np.ndarray) -> str:
+    """A GEMM kernel's ``weights`` fact: "padded" where its right operand's buffer has padded rows."""
+    return "padded" if b_buf.strides[0] != b_buf.shape[1] * b_buf.itemsize else "as stored"
+
+
 #: the step implementations that call numpy's BLAS
 _BLAS_IMPLS = ("numpy-gemm", "numpy-batched-gemm", "numpy-reference")
 
@@ -717,7 +722,7 @@ class CpuBackend(Backend):
             "threads": threads if torch_gemm else len(blocks),
             "scratch_bytes": scratch,
             "blas_threads": self.blas_threads or "default",
-            "weights": "padded" if b_buf.strides[0] != b_buf.shape[1] * b_buf.itemsize else "as stored",
+            "weights": weights_fact(b_buf),
             "source_sha256": ck.digest[:16],
         }
         step_reads = [a_buf, b_buf] + [b for b in reads if b is not a_buf and b is not b_buf]
@@ -780,7 +785,7 @@ class CpuBackend(Backend):
 
         facts = {"impl": f"{self.gemm_library}-gemm", "threads": threads if torch_gemm else len(blocks),
                  "blas_threads": self.blas_threads or "default",
-                 "weights": "padded" if b_buf.strides[0] != b_buf.shape[1] * b_buf.itemsize else "as stored"}
+                 "weights": weights_fact(b_buf)}
         if k.body.type.dtype != "fp32":  # a 16-bit product torch multiplies natively
             facts["impl"] = f"torch-{k.body.type.dtype}-gemm"
         return Step(k, call, [a_buf, b_buf], memory.own[out_name], facts)
