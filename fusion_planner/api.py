@@ -28,7 +28,7 @@ from fusion_planner.core.kinds import Verdict
 from fusion_planner.core.planfile import save_plan
 from fusion_planner.core.plans import Plan
 from fusion_planner.core.report import ledger_table
-from fusion_planner.core.tolerance import allclose_report, tolerance
+from fusion_planner.core.tolerance import allclose_report, tolerance, working_dtype
 from fusion_planner.egraph.candidates import DEFAULT_CAP, DEFAULT_K, CandidateSet
 from fusion_planner.egraph.program import Limits
 from fusion_planner.model.plancache import PlanCache
@@ -111,7 +111,7 @@ class PlanResult:
         want = [t for t in pytree.tree_leaves(expected) if isinstance(t, torch.Tensor)]
         errors = []
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
-            dtype = TORCH_DTYPES[w.dtype]
+            dtype = self._output_dtype(i, TORCH_DTYPES[w.dtype])
             ok, max_abs, max_rel = allclose_report(g.float().numpy(), w.detach().float().numpy(), dtype)
             log.info("output %d vs eager torch (%s): max abs %.3g, max rel %.3g", i, dtype, max_abs, max_rel)
             if not ok:
@@ -121,6 +121,13 @@ class PlanResult:
                 )
             errors.append((max_abs, max_rel))
         return errors
+
+    def _output_dtype(self, i: int, dtype: str) -> str:
+        """The dtype whose tolerance judges output ``i``: the least precise one its value was computed through."""
+        if self.imported is None or len(self.imported.outputs) <= i:
+            return dtype
+        worked = working_dtype(self.plan, self.plan.outputs[self.imported.outputs[i].index])
+        return max(sorted({dtype, worked}), key=lambda d: tolerance(d)[0])
 
     def table(self) -> str:
         """Ledger table, the chosen plan starred: the tried candidates with measured times after a search,

@@ -36,7 +36,7 @@ def epilogue_graph(epilogue: str, dtype: str, m: int = 64, n: int = 96, k: int =
 
 
 def _specs() -> dict[str, tuple[Callable[[], Any], Callable[[Any], bool] | None]]:
-    from fusion_planner.core.examples import attention, ew_chain, layer_norm, mlp_epilogue, softmax
+    from fusion_planner.core.examples import attention, ew_chain, layer_norm, mlp_epilogue, rms_norm, softmax
 
     one = lambda p: len(p.kernels) == 1  # noqa: E731
     specs: dict[str, tuple[Callable[[], Any], Callable[[Any], bool] | None]] = {
@@ -52,6 +52,7 @@ def _specs() -> dict[str, tuple[Callable[[], Any], Callable[[Any], bool] | None]
         "rows_ln_fp32": (lambda: layer_norm(96, 768, "fp32"), lambda p: len(p.kernels) <= 3),
         "rows_ln_fp16": (lambda: layer_norm(40, 5000, "fp16", residual=False), lambda p: len(p.kernels) <= 2),
         "rows_softmax_bf16": (lambda: softmax(70, 128, "bf16"), lambda p: len(p.kernels) <= 3),
+        "rows_rms_bf16": (lambda: rms_norm(50, 1024, "bf16"), lambda p: len(p.kernels) <= 3),  # fp32 between Casts
         # attention's standalone kernels: the head layouts, the batched products, the fused online softmax
         "attn_fp32": (lambda: attention(2, 128, 256, 4, "fp32"), lambda p: len(p.kernels) <= 7),
         "attn_masked_bf16": (lambda: attention(2, 96, 192, 3, "bf16", masked=True), lambda p: len(p.kernels) <= 8),
@@ -80,6 +81,7 @@ def example_graphs() -> list[Any]:
         layer_norm,
         mlp_epilogue,
         mlp_stack,
+        rms_norm,
         rope,
         softmax,
     )
@@ -96,6 +98,7 @@ def example_graphs() -> list[Any]:
         layer_norm(64, 768, "fp32"),  # row kernels: a residual add, two means, per-row broadcasts
         layer_norm(32, 5000, "fp16", residual=False),  # a row longer than the row buffer, 16-bit storage
         softmax(48, 128, "bf16"),  # a row max and a row sum
+        rms_norm(32, 768, "bf16"),  # LLaMA's RMSNorm: Casts to fp32 and back, rounding in registers
         rope(1, 128, 768, 12, "bf16"),  # tables read modulo their size, rotated reads in 8-wide vectors
         rope(2, 64, 256, 4, "fp16", norm=True),  # RoPE inside a row kernel
         attention(2, 128, 256, 4, "bf16", masked=True),  # a padding mask read one row per group

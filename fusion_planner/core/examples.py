@@ -74,6 +74,22 @@ def layer_norm(rows: int = 128, width: int = 768, dtype: str = "fp32", residual:
     return b.build([layer_norm_ops(b, x, width, dtype)])
 
 
+def rms_norm(rows: int = 128, width: int = 768, dtype: str = "bf16", residual: bool = True) -> Graph:
+    """``RMSNorm(x + r)`` as LLaMA writes it: the statistics in fp32 (``x.to(float32)``, ``pow(2).mean(-1)``,
+    ``rsqrt``), the normalised rows cast back to ``dtype``, then times the weight."""
+    b = GraphBuilder(f"rms-norm-{rows}x{width}-{dtype}")
+    x = b.input("x", (rows, width), dtype)
+    b.input("w", (width,), dtype)
+    if residual:
+        b.input("r", (rows, width), dtype)
+        x = b.op("res", "Add", ["x", "r"])
+    wide = b.op("wide", "Cast", [x], {"dtype": "fp32"}) if dtype != "fp32" else x
+    mean = b.op("ms", "RowMean", [b.op("square", "Square", [wide])])
+    normed = b.op("normed", "MulRow", [wide, b.op("rstd", "Rsqrt", [b.op("eps", "Affine", [mean], {"a": 1.0, "b": 1e-6})])])
+    narrow = b.op("narrow", "Cast", [normed], {"dtype": dtype}) if dtype != "fp32" else normed
+    return b.build([b.op("out", "BiasMul", [narrow, "w"])])
+
+
 def softmax(rows: int = 128, width: int = 128, dtype: str = "fp32") -> Graph:
     """Softmax over the last dimension: exp(x - max) / sum."""
     b = GraphBuilder(f"softmax-{rows}x{width}-{dtype}")

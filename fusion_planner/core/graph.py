@@ -186,17 +186,15 @@ class GraphBuilder:
         try:
             clean = d.check_attrs(dict(attrs or {}))
             out_shape = d.out_shape([t.shape for t in in_types], clean)
+            inferred = d.out_dtype([t.dtype for t in in_types], clean)
         except OpError as exc:
             raise GraphError(f"node {node_id!r}: {exc}") from None
-        dtypes = {t.dtype for t in in_types}
-        if len(dtypes) > 1:
-            raise GraphError(f"node {node_id!r}: mixed input dtypes {sorted(dtypes)}")
         _check_size(out_shape, node_id, self._limits)  # an op may compute a larger tensor than its inputs (a GEMM)
-        out_dtype = dtype or (in_types[0].dtype if in_types else None)
+        out_dtype = dtype or inferred
         if not isinstance(out_dtype, str) or out_dtype not in DTYPE_BYTES:
             raise GraphError(f"node {node_id!r}: cannot determine a valid dtype")
-        if dtypes and out_dtype not in dtypes:
-            raise GraphError(f"node {node_id!r}: dtype {out_dtype} differs from its inputs'")
+        if inferred is not None and out_dtype != inferred:
+            raise GraphError(f"node {node_id!r}: dtype {out_dtype} differs from the {inferred} {op} gives")
         if shape is not None and (not isinstance(shape, (list, tuple)) or tuple(shape) != out_shape):
             raise GraphError(
                 f"node {node_id!r}: declared shape {str(shape)[:60]} but {op} gives {list(out_shape)}"

@@ -58,6 +58,7 @@ class AttrSpec:
     sort: str  # "f64" | "i64" | "String"
     default: Any = None
     minimum: float | None = None  # smallest valid value of a numeric attribute
+    choices: tuple[str, ...] = ()  # the valid values of a String attribute (any string when empty)
 
     def coerce(self, value: Any, op: str) -> Any:
         if value is None:
@@ -74,6 +75,8 @@ class AttrSpec:
                 if isinstance(value, bool) or int(value) != value or not -(2**63) <= int(value) < 2**63:
                     raise OpError(f"{op}: attribute {self.name!r} must be a 64-bit integer, got {value!r}")
                 return self._at_least(int(value), op)
+            if self.choices and str(value) not in self.choices:
+                raise OpError(f"{op}: attribute {self.name!r} must be one of {list(self.choices)}, got {str(value)[:40]!r}")
             return str(value)
         except (TypeError, ValueError, OverflowError) as exc:
             if isinstance(exc, OpError):
@@ -310,6 +313,8 @@ class OpDef:
     arity: int | None  # tensor inputs; None for variadic (Opaque)
     attrs: tuple[AttrSpec, ...] = ()
     shape_rule: Callable[[str, Sequence[Shape], Attrs], Shape] | None = None
+    #: the result's dtype, for an op whose result is not of its inputs' dtype (Cast); None: the inputs' one dtype
+    dtype_rule: Callable[[Attrs], str] | None = None
     numpy_fn: Callable[[Sequence[np.ndarray], Attrs], np.ndarray] | None = None
     flops_per_elem: Callable[[Attrs], float] | None = None  # elementwise ops
     regs: Callable[[Attrs], int] = field(default=lambda attrs: 0)
@@ -356,6 +361,14 @@ class OpDef:
             raise OpError(f"{self.name}: expects {self.arity} input(s), got {len(in_shapes)}")
         assert self.shape_rule is not None
         return self.shape_rule(self.name, in_shapes, attrs)
+
+    def out_dtype(self, in_dtypes: Sequence[str], attrs: Attrs) -> str | None:
+        """The result's dtype: the ``dtype_rule``'s, else the inputs' (which must agree); None with no input."""
+        if self.dtype_rule is not None:
+            return self.dtype_rule(attrs)
+        if len(set(in_dtypes)) > 1:
+            raise OpError(f"{self.name}: mixed input dtypes {sorted(set(in_dtypes))}")
+        return in_dtypes[0] if in_dtypes else None
 
     def evaluate(self, inputs: Sequence[np.ndarray], attrs: Attrs) -> np.ndarray:
         assert self.numpy_fn is not None, self.name
@@ -484,6 +497,9 @@ def _quiet(fn: Callable[[np.ndarray], np.ndarray]) -> Callable[[np.ndarray], np.
     return call
 
 
+#: Cast's snippet by target dtype: each backend's prelude defines the rounding functions
+_ROUND_C = {"fp32": "({})", "bf16": "fp_round_bf16({})", "fp16": "fp_round_f16({})"}
+assert set(_ROUND_C) == set(DTYPE_BYTES)
 _GELU_TANH_C = "0.5f*{0}*(1.0f+tanhf(0.7978845608028654f*({0}+0.044715f*{0}*{0}*{0})))"
 
 OPS: dict[str, OpDef] = {
@@ -584,6 +600,22 @@ OPS: dict[str, OpDef] = {
                _torch_names("rsqrt"), gemm_epilogue=False),
         _unary("Square", lambda x: x * x, 1.0, 4, lambda v, attrs: f"({v[0]}*{v[0]})", "x * x.",
                _torch_names("square")),
+        # torch's .to(dtype) between float dtypes: the value rounded to the dtype, in registers too (a narrowing
+        # cast is the rounding its author asked for); to fp32 it is exact, so it costs nothing once fused
+        OpDef(
+            name="Cast",
+            kind=OpKind.ELEMENTWISE,
+            arity=1,
+            attrs=(AttrSpec("dtype", "String", choices=tuple(DTYPE_BYTES)),),
+            shape_rule=same_shape,
+            dtype_rule=lambda attrs: str(attrs["dtype"]),
+            numpy_fn=lambda xs, attrs: xs[0] if attrs["dtype"] == "fp32" else round_to(xs[0], str(attrs["dtype"])),
+            flops_per_elem=lambda attrs: 0.0 if attrs["dtype"] == "fp32" else 1.0,
+            regs=lambda attrs: 0,
+            code=lambda v, attrs: _ROUND_C[str(attrs["dtype"])].format(v[0]),
+            fusable_inputs=(0,),
+            doc="x as another float dtype (torch's x.to(dtype)): rounded to it (to nearest even), exact to fp32.",
+        ),
         _reduction("RowSum", lambda x: np.sum(x, axis=-1, keepdims=True), "Sum over the last dimension, kept as 1."),
         _reduction("RowMean", _row_mean, "Mean over the last dimension (the sum divided by its size), kept as 1."),
         _reduction("RowMax", _quiet(lambda x: np.max(x, axis=-1, keepdims=True)),

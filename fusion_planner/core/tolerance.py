@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fusion_planner.core.plans import Plan
+from fusion_planner.core.plans import Load, Plan
 
 #: (rtol, atol) per dtype; "fp64" is the oracle's exact-arithmetic check
 TOLERANCES: dict[str, tuple[float, float]] = {
@@ -101,6 +101,23 @@ _CHUNK = 1 << 15
 # pipeline property test.
 
 
+def working_dtype(plan: Plan, name: str) -> str:
+    """The least precise dtype the value of tensor ``name`` was computed through: its own, or that of any op
+    before it (an fp16 sum cast to fp32 carries the fp16 rounding, which fused and unfused plans do at
+    different places). Its tolerance is the one the tensor is judged by."""
+    writers = {k.out: k for k in plan.kernels}
+    dtypes, seen, todo = {plan.tensors[name].dtype}, set(), [name]
+    while todo:
+        t = todo.pop()
+        if t in seen or t not in writers:
+            continue
+        seen.add(t)
+        for e in writers[t].body.walk():
+            dtypes.add(e.type.dtype)
+            todo += [a.tensor for a in e.args if isinstance(a, Load)]
+    return max(sorted(dtypes), key=lambda d: tolerance(d)[0])
+
+
 def check_outputs(
     plan: Plan,
     outs: Sequence[np.ndarray],
@@ -138,7 +155,7 @@ def check_outputs(
             n_got, n_want = int((~np.isfinite(got)).sum()), int((~np.isfinite(want)).sum())
             reason = f"NaN/Inf: output {name} has {n_got} non-finite values, the reference {n_want}"
             return reason, float("inf"), float("inf")
-        dtype = plan.tensors[name].dtype
+        dtype = working_dtype(plan, name)
         ok, max_abs, max_rel = allclose_with(got, want, dtype, rtol, atol)
         if not ok and oracle is not None and rtol is None and atol is None:
             ref_err = float(np.nanmax(np.abs(want.astype(np.float64) - oracle[i]), initial=0.0))

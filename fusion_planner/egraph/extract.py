@@ -203,7 +203,9 @@ def _infer_types(classes: dict[str, list[ENode]], types: dict[str, TensorType]) 
                     continue
                 attrs = {a.name: lit for a, lit in zip(opd.attrs, n.lits, strict=False)}
                 shape = opd.out_shape([types[c].shape for c in n.children], attrs)
-                types[cls] = TensorType(shape, types[n.children[0]].dtype)
+                dtype = opd.out_dtype([types[c].dtype for c in n.children], attrs)
+                assert dtype is not None  # an op with children
+                types[cls] = TensorType(shape, dtype)
                 changed = True
                 break
 

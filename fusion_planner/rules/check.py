@@ -346,6 +346,7 @@ class _Prepared:
     schemes: list[dict[Term, tuple[int, ...]]] = field(default_factory=list)
     n_dims: list[int] = field(default_factory=list)
     fixed: list[dict[int, int]] = field(default_factory=list)  # per scheme: dimension index -> its fixed size
+    choices: dict[str, tuple[str, ...]] = field(default_factory=dict)  # String variable -> the values it takes
 
 
 def _substitute(t: Term, binds: Mapping[str, Term], depth: int = 0) -> Term:
@@ -400,6 +401,19 @@ def _infer_sorts(t: Term, sorts: dict[str, str], want: str) -> None:
         _infer_sorts(a, sorts, s)
 
 
+def _string_choices(t: Term, out: dict[str, tuple[str, ...]]) -> None:
+    """The values each String variable may take: those of the op-table attribute it stands for (Cast's dtype)."""
+    if not isinstance(t, Call):
+        return
+    op = OPS.get(t.name)
+    if op is not None and op.kind not in (OpKind.INPUT, OpKind.OPAQUE):
+        for spec, a in zip(op.attrs, t.args[op.arity or 0:], strict=False):
+            if isinstance(a, Var) and spec.sort == "String" and spec.choices:
+                out[a.name] = spec.choices
+    for a in t.args:
+        _string_choices(a, out)
+
+
 def _leaves(t: Term, sorts: Mapping[str, str], out: dict[Term, None]) -> None:
     if isinstance(t, Var) and sorts.get(t.name) == "Op":
         out[t] = None
@@ -436,6 +450,11 @@ def prepare(rule: RuleSpec) -> _Prepared:
     stored: set[Term] = {lf for lf in leaves if isinstance(lf, Call)}
     stored |= {c.args[0] for c in conds if isinstance(c, Call) and c.name == "Mem"}
     prep = _Prepared(obs, conds, creates, sorts, list(leaves), stored)
+    for t in [*(x for o in obs for x in (o.lhs, o.rhs) if x is not None), *creates]:
+        _string_choices(t, prep.choices)
+    unknown = sorted(v for v, sort in sorts.items() if sort == "String" and v not in prep.choices)
+    if unknown:
+        raise _Unsupported(f"String variable {unknown[0]} of no attribute with listed values")
     _solve_shapes(prep)
     return prep
 
@@ -701,6 +720,8 @@ def _draw_case(data: Any, prep: _Prepared) -> Case:
             )
         elif sort == "i64":
             scalars[name] = data.draw(st.integers(0, 256), label=name)
+        elif sort == "String":
+            scalars[name] = data.draw(st.sampled_from(prep.choices[name]), label=name)
     rng = np.random.default_rng(seed)
     values = {}
     for lf, shape in shapes.items():

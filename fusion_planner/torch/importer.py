@@ -751,8 +751,12 @@ class _Importer:
         if isinstance(c, _T) and _is_scalar(a):
             coef = {"add": (1.0, a), "sub": (-1.0, a), "mul": (a, 0.0), "div": (None, 0.0)}[kind]
             return None if coef[0] is None else self.affine(node, c, coef[0], coef[1], concrete)
-        if not (_is_tensor(a) and _is_tensor(c)) or a.dtype != c.dtype:
+        if not (_is_tensor(a) and _is_tensor(c)):
             return None
+        if a.dtype != c.dtype:  # torch computes in the promoted dtype (bf16 * fp32 is fp32)
+            a, c = self.promoted(node, a, concrete.dtype), self.promoted(node, c, concrete.dtype)
+            if a.dtype != c.dtype:
+                return None
         out = tuple(concrete.shape)
         a, c = self.settle(a), self.settle(c)
         if tuple(a.shape) == tuple(c.shape) == out:
@@ -1068,7 +1072,24 @@ class _Importer:
         return self.alias(args[0], concrete)
 
     def map_to(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
-        return self.alias(args[0], concrete)
+        x = args[0] if args else None
+        if isinstance(x, _T) and isinstance(concrete, torch.Tensor) and concrete.dtype != x.dtype:
+            return self.cast(node, x, concrete) if concrete.shape == x.shape else None
+        return self.alias(x, concrete)
+
+    def cast(self, node: fx.Node, x: _T, concrete: torch.Tensor) -> _T | None:
+        """``x.to(dtype)`` between float dtypes: the op-table Cast (integer indices stay torch's)."""
+        if x.dtype not in TORCH_DTYPES or concrete.dtype not in TORCH_DTYPES:
+            return None
+        return self.emit(node, "Cast", [self.use(x, node.name)], {"dtype": TORCH_DTYPES[concrete.dtype]},
+                         concrete.shape, concrete.dtype, "_cast")
+
+    def promoted(self, node: fx.Node, v: Any, dtype: torch.dtype) -> Any:
+        """An operand of a binary op as torch promotes it: a float tensor of another dtype cast to ``dtype``."""
+        if not isinstance(v, _T) or v.dtype == dtype or v.dtype not in TORCH_DTYPES or dtype not in TORCH_DTYPES:
+            return v
+        return self.emit(node, "Cast", [self.use(v, node.name)], {"dtype": TORCH_DTYPES[dtype]}, v.shape, dtype,
+                         "_promoted")
 
     def map_expand(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
         """``repeat_kv``'s ``x[:, :, None].expand(b, kv, n, t, d)`` of head-major keys or values (grouped-query

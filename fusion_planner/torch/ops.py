@@ -96,8 +96,8 @@ _canon("sdpa", F.scaled_dot_product_attention, _aten.scaled_dot_product_attentio
 _canon("dropout", F.dropout, _aten.dropout.default, torch.dropout)
 _canon("same", ("method", "contiguous"), ("method", "clone"), ("method", "detach"), _aten.clone.default,
        _aten.alias.default, _aten.detach.default, torch.clone)
-_canon("to", ("method", "to"), ("method", "float"), ("method", "type_as"), ("method", "type"), _aten.to.dtype,
-       _aten._to_copy.default)
+_canon("to", ("method", "to"), ("method", "float"), ("method", "half"), ("method", "bfloat16"), ("method", "type_as"),
+       ("method", "type"), _aten.to.dtype, _aten._to_copy.default)
 _canon("expand", ("method", "expand"), _aten.expand.default)
 _canon("view", ("method", "view"), ("method", "reshape"), ("method", "flatten"), ("method", "unsqueeze"),
        ("method", "squeeze"), ("method", "view_as"), ("method", "reshape_as"), torch.reshape, torch.flatten,

@@ -388,6 +388,8 @@ def _fused_kernels():
     graphs += [examples.mlp_epilogue(64, 256, 128, "fp32", gelu) for gelu in ("tanh", "erf")]
     graphs += [examples.heavy(4096, "fp16"), examples.transformer(1, 64, 8, "fp32", "swiglu")]
     graphs += [examples.rope(2, 16, 128, 2, dtype) for dtype in ("fp32", "bf16")]  # RotateHalf's two half loops
+    graphs += [examples.rms_norm(16, 768, dtype, residual=False) for dtype in ("bf16", "fp16")]  # Casts, fp32 rows
+    graphs += [examples.rms_norm(16, 768, dtype, residual=False) for dtype in ("bf16", "fp16")]  # Casts in a row kernel
     for g in graphs:
         cands = build_candidates(g, "h200", cap=64, k=8)
         tensors = {n.id: (n.type.shape, n.type.dtype) for n in g.nodes}
@@ -586,6 +588,36 @@ def test_every_norm_and_softmax_plan_matches_the_reference(width, dtype):
         for plan, threads in [(p, 1) for p in plans[:10]] + [(one, 1), (one, 2)]:
             got = cpu_backend(threads=threads).compile(plan).run(x)[0]
             assert close(got, want, dtype), (g.name, plan.notation(), threads)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_a_norm_computed_in_fp32_between_casts_matches_the_reference_in_every_plan(dtype):
+    """LLaMA's RMSNorm of a 16-bit residual stream: statistics in fp32 between two Casts. The one-kernel plan
+    reads and writes 16 bits (no fp32 copy of the rows); every plan, on 1 and 2 threads, equals the reference."""
+    g = examples.rms_norm(9, 40, dtype)
+    plans = build_candidates(g, "seed-k4", cap=64).plans
+    one = min(plans, key=lambda p: len(p.kernels))
+    (k,) = one.kernels
+    assert k.ops.count("Cast") == 2 and k.cost.bytes == 2 * (3 * 9 * 40 + 40)
+    x = random_inputs(g, seed=3)
+    want = execute_graph(g, x)[0]
+    for plan, threads in [(p, 1) for p in plans[:12]] + [(one, 2)]:
+        got = cpu_backend(threads=threads).compile(plan).run(x)[0]
+        assert close(got, want, dtype), (plan.notation(), threads)
+
+
+def test_a_cast_kernel_widens_and_narrows_exactly(compiler):
+    """A Cast alone is a conversion kernel: bf16 -> fp32 exact, fp32 -> fp16 rounded to nearest even as numpy."""
+    b = GraphBuilder("casts")
+    b.input("x", (3, 50), "bf16")
+    wide = b.op("wide", "Cast", ["x"], {"dtype": "fp32"})
+    g = b.build([wide, b.op("half", "Cast", [b.op("y", "Affine", [wide], {"a": 1.001, "b": 0.0})], {"dtype": "fp16"})])
+    x = random_inputs(g, seed=1)
+    unfused = build_candidates(g, "seed-k4").unfused
+    got = cpu_backend().compile(unfused).run(x)
+    want = execute_graph(g, x)
+    assert np.array_equal(got[0], want[0]) and got[0].dtype == np.float32
+    assert np.array_equal(np.asarray(got[1], np.float32), np.asarray(want[1], np.float32))
 
 
 def test_row_kernel_is_one_kernel_reading_each_tensor_once():

@@ -1,8 +1,8 @@
 """Whole-pipeline property: every plan the planner extracts computes what the unfused plan computes.
 
 Hypothesis builds random op graphs (chains and DAGs with fan-out and residuals,
-every op kind incl. MatMul, BiasAdd, Opaque norms, RoPE's RotateHalf and TileMul) with small odd shapes and
-fp16/bf16/fp32, plans them with the shipped rules and runs every candidate (or
+every op kind incl. MatMul, BiasAdd, Opaque norms, RoPE's RotateHalf and TileMul, and Casts between dtypes) with
+small odd shapes and fp16/bf16/fp32, plans them with the shipped rules and runs every candidate (or
 a bounded sample) on the numpy reference.  A failure prints the graph JSON.
 """
 
@@ -27,13 +27,14 @@ DIMS = (1, 2, 3, 5, 8, 9)
 MAX_PLANS = 24  # executed per graph (all when there are fewer)
 UNARY = ("Relu", "GeluTanh", "GeluErf", "Silu", "Affine", "Stage")
 # GEMMs and biases twice as often, so that epilogue and cuBLASLt candidates are common
-KINDS = (*UNARY, "Add", "Mul", "BiasAdd", "BiasAdd", "MatMul", "MatMul", "Opaque", "RotateHalf", "TileMul")
+KINDS = (*UNARY, "Add", "Mul", "BiasAdd", "BiasAdd", "MatMul", "MatMul", "Opaque", "RotateHalf", "TileMul", "Cast")
+DTYPES = ("fp16", "bf16", "fp32")
 
 
 @st.composite
 def graphs(draw: st.DrawFn) -> dict:
     """A random graph as its JSON object (so hypothesis prints a shrunk example readably)."""
-    dtype = draw(st.sampled_from(("fp16", "bf16", "fp32")), label="dtype")
+    dtype = draw(st.sampled_from(DTYPES), label="dtype")
     m = draw(st.sampled_from(DIMS), label="rows")
     b = GraphBuilder("random")
     pool: dict[str, tuple[int, ...]] = {}
@@ -45,7 +46,7 @@ def graphs(draw: st.DrawFn) -> dict:
         # mostly extend the newest value (chains); sometimes reach back (fan-out, residuals)
         names = list(pool)
         src = names[-1] if draw(st.booleans(), label=f"chain{i}") else draw(st.sampled_from(names), label=f"src{i}")
-        shape = pool[src]
+        shape, dtype = pool[src], b.nodes[src].type.dtype
         nid = f"n{i}"
         if kind in UNARY:
             attrs = {}
@@ -53,7 +54,7 @@ def graphs(draw: st.DrawFn) -> dict:
                 attrs = {"a": draw(st.sampled_from((0.5, 1.5, -2.0)), label="a"), "b": draw(st.sampled_from((0.0, 0.25)), label="b")}
             b.op(nid, kind, [src], attrs)
         elif kind in ("Add", "Mul"):
-            same = [n for n, s in pool.items() if s == shape]
+            same = [n for n, s in pool.items() if s == shape and b.nodes[n].type.dtype == dtype]
             other = draw(st.sampled_from(same), label=f"other{i}")
             if other == src and draw(st.booleans(), label=f"fresh{i}"):
                 other = b.input(f"r{i}", shape, dtype)
@@ -64,6 +65,8 @@ def graphs(draw: st.DrawFn) -> dict:
             pre = b.op(f"{nid}.pre", "Affine", [b.input(f"t{i}", (2, *shape), dtype)], {"a": 1.5, "b": 0.25})
             b.op(nid, kind, [pre, src])
             continue
+        elif kind == "Cast":  # what follows computes in the other dtype (an RMSNorm's fp32 section of a bf16 model)
+            b.op(nid, kind, [src], {"dtype": draw(st.sampled_from([d for d in DTYPES if d != dtype]), label=f"to{i}")})
         elif kind == "BiasAdd":
             bias = b.input(f"b{i}", (shape[-1],), dtype)
             b.op(nid, kind, [src, bias])

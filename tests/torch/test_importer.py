@@ -467,6 +467,30 @@ def test_exported_dtype_assertions_are_dropped() -> None:
     _assert_close(result(x), Norm()(x))
 
 
+def test_dtype_conversions_and_promotions_are_casts_in_the_graph() -> None:
+    """``.to(dtype)``, ``.float()``, ``.half()`` and torch's promotion of a bf16 tensor times an fp32 one are the
+    op table's Cast (no Opaque node); through torch.export too (its ``_to_copy``). Each value keeps torch's dtype."""
+
+    class Mixed(nn.Module):
+        def forward(self, x, y):
+            h = x.float().softmax(-1)  # softmax computed in fp32
+            z = (x * y).half()  # bf16 * fp32 is fp32 in torch, then fp16
+            return h.to(x.dtype) + x, z.float() * 2.0
+
+    x, y = torch.randn(6, 40).bfloat16(), torch.randn(6, 40)
+    for traced in (Mixed().eval(), torch.export.export(Mixed().eval(), (x, y))):
+        result = fusion_planner.plan(traced, (x, y), backend="cpu", cache=False, max_candidates=4)
+        graph = result.graph
+        assert "Opaque" not in {n.op for n in graph.ops}
+        assert sorted(dict(n.attrs)["dtype"] for n in graph.ops if n.op == "Cast") == ["bf16", "fp16", "fp32", "fp32",
+                                                                                      "fp32"]
+        assert {n.type.dtype for n in graph.ops if n.op in ("RowMax", "RowSum", "Mul")} == {"fp32"}
+        got, want = result(x, y), Mixed()(x, y)
+        assert [t.dtype for t in got] == [torch.bfloat16, torch.float32]
+        for g, w in zip(got, want, strict=True):
+            _assert_close(g, w)
+
+
 def test_torch_compile_plans_a_graph_with_integer_inputs_and_runs_a_boolean_one_eagerly(
         caplog: pytest.LogCaptureFixture) -> None:
     torch._dynamo.reset()

@@ -107,6 +107,22 @@ def test_llama_rope_is_one_elementwise_kernel_over_the_heads() -> None:
         _close(result(x), module(x))
 
 
+def test_llama_bf16_rmsnorm_computes_in_fp32_through_casts_in_one_row_kernel() -> None:
+    # LLaMA's RMSNorm: x.to(float32), pow/mean/rsqrt in fp32, .to(bfloat16), then the bf16 weight
+    torch.manual_seed(0)
+    module, x = _llama().eval().to(torch.bfloat16), torch.randn(2, SEQ, D, dtype=torch.bfloat16)
+    graph = import_module(module, (x,)).graph
+    ops = Counter(n.op for n in graph.ops)
+    assert "Opaque" not in ops and ops["Cast"] == 4
+    assert {n.type.dtype for n in graph.ops if n.op in ("RowMean", "Rsqrt", "MulRow")} == {"fp32"}
+    result = fusion_planner.plan(module, (x,), backend="cpu", cache=False, max_candidates=6)
+    norms = [sorted(e.op for e in k.body.walk()) for k in result.candidates.best.kernels
+             if any(e.op == "RowMean" for e in k.body.walk())]
+    assert sorted(["BiasMul", "Cast", "Cast", "MulRow", "Rsqrt", "RowMean", "Square", "Affine"]) in norms
+    with torch.no_grad():
+        _close(result(x), module(x))
+
+
 class WithMask(nn.Module):
     """A layer called with its additive attention mask (batch, 1, 1, keys), as the model hands it down."""
 

@@ -165,6 +165,10 @@ static inline uint16_t fp_f32_to_f16(float f) {
     uint32_t nonsign = ((bits >> 13) & 0x7c00u) + (bits & 0x0fffu);
     return (uint16_t)((sign >> 16) | (shl1_w > 0xff000000u ? 0x7e00u : nonsign));
 }
+
+/* Cast's rounding in registers: the value a store of that dtype would keep */
+static inline float fp_round_bf16(float x) { return fp_bf16_to_f32(fp_f32_to_bf16(x)); }
+static inline float fp_round_f16(float x) { return fp_f16_to_f32(fp_f32_to_f16(x)); }
 """
 
 #: per storage dtype: C element type, load conversion, store conversion

@@ -17,7 +17,7 @@ import pytest
 
 from fusion_planner.backends.cupy.codegen import CTYPE, generate
 from fusion_planner.backends.reference import execute_plan, random_inputs
-from fusion_planner.core.examples import ew_chain, layer_norm, mlp_epilogue, rope, softmax
+from fusion_planner.core.examples import ew_chain, layer_norm, mlp_epilogue, rms_norm, rope, softmax
 from fusion_planner.core.ops import numpy_dtype
 from fusion_planner.egraph.candidates import build_candidates
 
@@ -113,6 +113,9 @@ def _plan(graph, pred):
         (layer_norm(9, 40, "fp16"), lambda p: len(p.kernels) == 1),
         (layer_norm(5, 24, "fp32"), lambda p: len(p.kernels) == 10),
         (softmax(6, 33, "bf16"), lambda p: len(p.kernels) == 1),
+        # LLaMA's RMSNorm: bf16 rows, fp32 statistics between two Casts, in one row kernel and as a lone Cast
+        (rms_norm(7, 40, "bf16"), lambda p: len(p.kernels) == 1),
+        (rms_norm(5, 24, "fp16"), lambda p: ("Cast",) in [k.ops for k in p.kernels]),
         # RoPE after Heads: tables read modulo their size, the rotated input per half (vector lanes stay in one
         # half: 4-wide fp32 and 8-wide bf16 over halves of 8; scalar over halves of 3), then inside a row kernel
         (rope(2, 6, 48, 3, "fp32"), lambda p: len(p.kernels) == 2),
