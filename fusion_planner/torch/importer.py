@@ -178,9 +178,10 @@ class BoundInputs:
 
     Each call converts only the call inputs. A parameter or buffer that changed since it was
     converted, in place (torch's version counter moved) or replaced by another tensor, is
-    converted again. Bound arrays are private, read-only copies, so a backend may keep them in
-    its buffers between calls. An update that bypasses the version counter (``param.data``
-    written in place) is not seen: call :meth:`rebind` after one.
+    converted again. Bound arrays are read-only: views of the tensor's own memory where it is
+    stored as the kernels read it (eager torch and the plan then share one copy of the weights
+    in memory and in cache), converted copies otherwise. An update that bypasses the version
+    counter (``param.data`` written in place) is not seen in a copy: call :meth:`rebind` after one.
     """
 
     def __init__(self, imported: ImportedModule, module: nn.Module | Mapping[str, torch.Tensor] | None) -> None:
@@ -228,7 +229,7 @@ class BoundInputs:
         bound = self._bound.get(b.name)
         if bound is not None and bound[0] is t and bound[1] == t._version:
             return bound[2]
-        arr = np.array(_to_numpy(t, b.transpose), copy=True)
+        arr = _to_numpy(t, b.transpose)  # a view where the tensor's memory has the stored layout
         arr.setflags(write=False)
         self._bound[b.name] = (t, t._version, arr)
         self.conversions += 1

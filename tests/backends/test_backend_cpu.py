@@ -142,11 +142,13 @@ def test_unfused_plan_materialises_every_intermediate() -> None:
     cands = build_candidates(graph, SPEC)
     inputs = random_inputs(graph, seed=1)
     compiled = cpu_backend(fma=False).compile(cands.unfused)  # without contraction: bit-identical to numpy
-    (out,) = compiled.run(inputs)
+    compiled.run(inputs)  # binds the inputs; then each kernel's value is read right after it runs
     ops = [n.id for n in graph.ops]
     assert [k.out for k in cands.unfused.kernels] == ops
-    assert len({id(compiled.buffers[o]) for o in ops}) == len(ops)  # type: ignore[attr-defined]
-    buffers = {**compiled.buffers, ops[-1]: out}  # type: ignore[attr-defined]  # the output: a fresh array
+    buffers = {}
+    for step in compiled.steps:  # type: ignore[attr-defined]
+        step.call()
+        buffers[step.kernel.out] = np.array(step.writes)
     for node in ops:
         sub = GraphBuilder("prefix")
         for n in graph.nodes:
@@ -158,6 +160,26 @@ def test_unfused_plan_materialises_every_intermediate() -> None:
                 break
         (want,) = execute_graph(sub.build([node]), inputs)
         assert np.array_equal(buffers[node], want.astype(np.float32)), node
+
+
+def test_intermediates_share_buffers_when_their_lifetimes_do_not_overlap() -> None:
+    """A chain's intermediates alternate between two buffers (a kernel never writes what it reads); a value read
+    later (a residual) keeps its own until then; outputs never share."""
+    b = GraphBuilder("lifetimes")
+    b.input("x", (64, 33), "fp32")
+    y = "x"
+    for i in range(6):
+        y = b.op(f"a{i}", "Affine", [y], {"a": 1.5, "b": 0.25})
+    res = b.op("res", "Add", [y, "a1"])  # a1 stays live until here
+    g = b.build([res, "a3"])  # a3: an output too
+    plan = build_candidates(g, SPEC).unfused
+    compiled = cpu_backend(fma=False).compile(plan)
+    addr = {n: compiled.buffers[n].ctypes.data for n in ("a0", "a1", "a2", "a3", "a4", "a5")}  # type: ignore[attr-defined]
+    assert addr["a0"] == addr["a2"] and addr["a1"] not in {addr[n] for n in ("a0", "a2", "a4", "a5")}
+    assert addr["a4"] == addr["a0"] != addr["a5"] and list(addr.values()).count(addr["a3"]) == 1
+    x = random_inputs(g, seed=2)
+    for got, want in zip(compiled.run(x), execute_graph(g, x), strict=True):
+        assert np.array_equal(got, want)
 
 
 def test_fp16_and_bf16_conversions_match_numpy(compiler: Compiler) -> None:

@@ -43,9 +43,9 @@ from fusion_planner.backends.base import (
     Timing,
     collect_samples,
 )
-from fusion_planner.backends.codegen import find_matmul
+from fusion_planner.backends.codegen import find_matmul, loads
 from fusion_planner.backends.cpu import gemm, parallel, standalone
-from fusion_planner.backends.cpu.buffers import HeldWeights, aligned_empty, padded_matrix
+from fusion_planner.backends.cpu.buffers import HeldWeights, aligned_empty, padded_matrix, shared_buffers
 from fusion_planner.backends.cpu.codegen import (
     CKernel,
     CodegenError,
@@ -487,16 +487,24 @@ class CpuBackend(Backend):
         read = {r for k in plan.kernels for r in k.reads}
         inputs = sorted((read | set(plan.outputs)) - set(written))
         padded = gemm_b_only(plan) & set(inputs) if self.weights == "padded" else frozenset()
+        missing = [n for n in inputs + written if n not in plan.tensors]
+        if missing:
+            raise BackendError(f"plan has no type for tensor {missing[0]!r}")
+        intermediates = set(written) - set(plan.outputs)
+        shared = shared_buffers(
+            [(k.out, [*k.reads, *loads(k.body)]) for k in plan.kernels],
+            {n: math.prod(plan.tensors[n].shape) * storage_dtype(plan.tensors[n].dtype).itemsize for n in intermediates})
         buffers: dict[str, np.ndarray] = {}
         for name in inputs + written:
-            ttype = plan.tensors.get(name)
-            if ttype is None:
-                raise BackendError(f"plan has no type for tensor {name!r}")
+            ttype = plan.tensors[name]
+            dtype = storage_dtype(ttype.dtype)
             if name in padded:  # a writable call input is copied in; a parameter is read from self.held
                 k_rows, n_cols = ttype.shape  # a GEMM's right operand is 2-D
                 buffers[name] = padded_matrix(k_rows, n_cols, np.float32, zero=True)
+            elif name in shared:
+                buffers[name] = shared[name][:math.prod(ttype.shape) * dtype.itemsize].view(dtype).reshape(ttype.shape)
             else:
-                buffers[name] = aligned_empty(ttype.shape, storage_dtype(ttype.dtype), zero=True)
+                buffers[name] = aligned_empty(ttype.shape, dtype, zero=True)
         memory = Memory(buffers, frozenset(plan.outputs))
         steps = []
         for i, k in enumerate(plan.kernels):

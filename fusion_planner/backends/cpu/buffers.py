@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,6 +31,30 @@ def aligned_empty(shape: Sequence[int], dtype: Any, zero: bool = False) -> np.nd
     raw = (np.zeros if zero else np.empty)(nbytes + ALIGN, np.uint8)
     start = -raw.ctypes.data % ALIGN
     return raw[start:start + nbytes].view(dt).reshape(tuple(shape))
+
+
+def shared_buffers(steps: Sequence[tuple[str, Sequence[str]]], nbytes: Mapping[str, int]) -> dict[str, np.ndarray]:
+    """One aligned byte buffer per tensor of ``nbytes`` (the intermediates), tensors whose lifetimes do not
+    overlap sharing one: ``steps`` are the kernels in order, (tensor written, tensors read). A tensor is live
+    from its writer to its last reader; a kernel's output never shares with what that kernel reads. Each
+    buffer is taken best fit from those freed so far, else allocated: a transformer layer's intermediates then
+    touch a few buffers that stay in cache between its kernels, instead of one cold buffer per tensor."""
+    last_read = {t: i for i, (_, reads) in enumerate(steps) for t in reads if t in nbytes}
+    free: list[np.ndarray] = []
+    out: dict[str, np.ndarray] = {}
+    for i, (written, reads) in enumerate(steps):
+        if written in nbytes:
+            need = nbytes[written]
+            fits = [j for j, b in enumerate(free) if b.nbytes >= need]
+            best = min(fits, key=lambda j: free[j].nbytes) if fits else None
+            buf = free.pop(best) if best is not None else aligned_empty((need,), np.uint8, zero=True)
+            out[written] = buf
+            if written not in last_read:  # never read: free once written
+                free.append(buf)
+        for t in dict.fromkeys(reads):
+            if last_read.get(t) == i:
+                free.append(out[t])
+    return out
 
 
 def padded_row_elements(cols: int, itemsize: int) -> int:
