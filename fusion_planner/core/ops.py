@@ -568,7 +568,7 @@ OPS: dict[str, OpDef] = {
             _gelu_erf,
             8.0,
             16,
-            lambda v, attrs: f"0.5f*{v[0]}*(1.0f+erff({v[0]}*0.7071067811865476f))",
+            lambda v, attrs: f"0.5f*{v[0]}*(1.0f+fp_erf({v[0]}*0.7071067811865476f))",  # fp_erf: each prelude's
             "GELU, exact erf form. Never rewritten into the tanh form.",
         ),
         _unary(

@@ -478,6 +478,25 @@ def test_relu_keeps_nan_like_torch_and_the_reference(compiler):
     assert np.isnan(got[0, 0]) and got[0, 1] == 1.0 and got[0, 4] == np.inf and got[0, 5] == 1.0
 
 
+def test_exact_gelu_uses_an_inline_erf_within_a_few_ulp(compiler):
+    """GeluErf's C form (fp_erf, a rational function, no libm call) against fp64 erf over the whole range, the
+    clamp at +-4, infinities and NaN."""
+    from scipy.special import erf
+
+    x = np.concatenate([np.linspace(-9, 9, 40001), [np.inf, -np.inf, np.nan, 0.0, -0.0, 1e-30]]).astype(np.float32)
+    b = GraphBuilder("gelu-erf")
+    b.input("x", (1, x.size), "fp32")
+    g = b.build([b.op("y", "GeluErf", ["x"])])
+    got = cpu_backend().compile(build_candidates(g, "h200").unfused).run({"x": x[None]})[0][0]
+    finite = np.isfinite(x)
+    x64 = x[finite].astype(np.float64)
+    want = 0.5 * x64 * (1 + erf(x64 / np.sqrt(2)))
+    assert np.abs(got[finite] - want).max() <= 4e-6 * np.maximum(1, np.abs(want)).max()
+    assert got[-6] == np.inf and np.isnan(got[-5]) and np.isnan(got[-4])  # -inf: -inf * 0; NaN stays NaN
+    ref = execute_graph(g, {"x": x[None]})[0][0]
+    assert np.array_equal(np.isnan(got), np.isnan(ref)) and np.array_equal(got[~finite], ref[~finite], equal_nan=True)
+
+
 def test_affine_identity_terms_are_not_computed(compiler):
     """``x*a`` (b = 0) and ``x + b`` (a = 1) compute no ``+ 0`` or ``1*``: a zero product keeps its sign,
     as torch's scalar multiply does, in the reference and the C kernel alike; and the C snippet leaves

@@ -183,6 +183,18 @@ class Memory:
         self.arrays = dict(own)
         self.addr = {n: a.ctypes.data for n, a in own.items()}
         self.outputs = outputs  # tensors handed out to the caller (a fresh array each call)
+        self._arenas: dict[int, np.ndarray] = {}
+
+    def scratch(self, slot: int, shape: Sequence[int], dtype: Any) -> np.ndarray:
+        """A work array of one kernel while it runs (a GEMM's product tile), for worker ``slot``: kernels run one
+        at a time, so one arena per slot serves every kernel's and stays in cache from one to the next (a tile
+        per kernel was a cold megabyte at each)."""
+        dt = np.dtype(dtype)
+        need = math.prod(shape) * dt.itemsize
+        arena = self._arenas.get(slot)
+        if arena is None or arena.nbytes < need:  # kernels compiled before keep the smaller arena they view
+            arena = self._arenas[slot] = aligned_empty((need,), np.uint8)
+        return arena[:need].view(dt).reshape(tuple(shape))
 
     def bind(self, name: str, array: np.ndarray) -> None:
         self.arrays[name] = array
@@ -714,8 +726,8 @@ class CpuBackend(Backend):
         blockwork: list[tuple[Callable[..., None], list[str | None], np.ndarray, Callable[[int, int], np.ndarray],
                               list[tuple[int, int]]]] = []
         reads: list[np.ndarray] = []
-        for r_start, r_end in blocks:
-            tile = aligned_empty((tile_rows, cols), storage_dtype(tile_dtype))
+        for slot, (r_start, r_end) in enumerate(blocks):
+            tile = memory.scratch(slot, (tile_rows, cols), storage_dtype(tile_dtype))
             widen_a, a_scratch = self._stored(memory, a_name) if native else self._widen(memory, a_name, a_dtype,
                                                                                           tile_rows)
             fn, params, reads = self._bind(ck, buffers)

@@ -166,6 +166,26 @@ static inline uint16_t fp_f32_to_f16(float f) {
     return (uint16_t)((sign >> 16) | (shl1_w > 0xff000000u ? 0x7e00u : nonsign));
 }
 
+/* erf as a rational function (the coefficients of Eigen's and XLA's float erf), x clamped to [-4, 4] where
+   erf is +-1 in fp32: inline arithmetic, so a loop of it vectorises with no vector-math call (libmvec's erff
+   ran GELU over a 128x3072 tile 2.5x slower than a ReLU); max error 4.4e-7 against fp64 erf, NaN stays NaN. */
+static inline float fp_erf(float x) {
+    const float c = x > 4.0f ? 4.0f : (x < -4.0f ? -4.0f : x), c2 = c * c;
+    float p = -2.72614225801306e-10f;
+    p = p * c2 + 2.77068142495902e-08f;
+    p = p * c2 - 2.10102402082508e-06f;
+    p = p * c2 - 5.69250639462346e-05f;
+    p = p * c2 - 7.34990630326855e-04f;
+    p = p * c2 - 2.95459980854025e-03f;
+    p = p * c2 - 1.60960333262415e-02f;
+    float q = -1.45660718464996e-05f;
+    q = q * c2 - 2.13374055278905e-04f;
+    q = q * c2 - 1.68282697438203e-03f;
+    q = q * c2 - 7.37332916720468e-03f;
+    q = q * c2 - 1.42647390514189e-02f;
+    return c * p / q;
+}
+
 /* Cast's rounding in registers: the value a store of that dtype would keep */
 static inline float fp_round_bf16(float x) { return fp_bf16_to_f32(fp_f32_to_bf16(x)); }
 static inline float fp_round_f16(float x) { return fp_f16_to_f32(fp_f32_to_f16(x)); }
