@@ -258,12 +258,62 @@ def _to_numpy(t: torch.Tensor, transpose: bool = False) -> np.ndarray:
 
 
 class _Tracer(fx.Tracer):
-    """Keeps only the modules the importer maps as leaves; traces into all others."""
+    """Keeps only the modules the importer maps as leaves; traces into all others. With the example inputs, a
+    loop over a traced value of fixed length (``for t in x.split(d, -1)``, which fx cannot iterate) runs over
+    its items, the length taken from the graph traced so far run on those inputs."""
 
     LEAVES = (nn.Linear, nn.GELU, nn.ReLU, nn.SiLU, nn.LayerNorm, nn.Dropout, nn.Identity)
 
+    def __init__(self, example_args: tuple[Any, ...] | None = None) -> None:
+        super().__init__()
+        self.example_args = example_args
+
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return type(m) in self.LEAVES
+
+    def iter(self, obj: fx.Proxy) -> Any:
+        try:
+            value = self._concrete(obj.node) if self.example_args is not None else None
+        except Exception as exc:  # the model's own error on these inputs: torch.export reports it better
+            log.debug("no concrete value to iterate over (%s)", _first_line(exc))
+            value = None
+        if not isinstance(value, (tuple, list)):
+            return super().iter(obj)
+        return iter([obj[i] for i in range(len(value))])
+
+    def _concrete(self, target: fx.Node) -> Any:
+        """The value of ``target`` on the example inputs (None when the graph so far cannot say: an in-place
+        op, which must not touch the caller's tensors, or more placeholders than inputs)."""
+        assert self.example_args is not None
+        values: dict[fx.Node, Any] = {}
+        inputs = iter(self.example_args)
+        with torch.no_grad():
+            for n in self.graph.nodes:
+                if n.op in ("call_method", "call_function") and (
+                        str(getattr(n.target, "__name__", n.target)).endswith("_") or n.kwargs.get("inplace")
+                        or n.target in _INPLACE_OPERATORS):
+                    return None
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), values.__getitem__)
+                if n.op == "placeholder":
+                    values[n] = next(inputs, None)
+                elif n.op == "get_attr":
+                    values[n] = _attr(self.root, str(n.target))
+                elif n.op == "call_function":
+                    values[n] = n.target(*args, **kwargs)
+                elif n.op == "call_method":
+                    values[n] = getattr(args[0], str(n.target))(*args[1:], **kwargs)
+                elif n.op == "call_module":
+                    values[n] = self.root.get_submodule(str(n.target))(*args, **kwargs)
+                if n is target:
+                    return values[n]
+        return None
+
+
+def _attr(root: nn.Module, path: str) -> Any:
+    obj: Any = root
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def _mutated_input(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
@@ -322,7 +372,7 @@ def _trace(module: nn.Module | torch.export.ExportedProgram, args: tuple[Any, ..
     fx_error: BaseException | None = None
     if strategy in ("auto", "fx"):
         try:
-            tracer = _Tracer()
+            tracer = _Tracer(args)
             graph = tracer.trace(module)
             gm = fx.GraphModule(tracer.root, graph)
             n_ph = sum(1 for n in gm.graph.nodes if n.op == "placeholder")

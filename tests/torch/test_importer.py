@@ -569,6 +569,34 @@ def test_shape_dependent_control_flow_falls_back_to_export() -> None:
     _assert_close(result(x), m(x))
 
 
+def test_a_loop_over_a_split_is_traced_by_fx_with_its_concrete_length() -> None:
+    """GPT-2-style attention iterating over ``qkv.split(d, -1)`` in a generator: fx alone cannot iterate a traced
+    value; the tracer takes the length from the example inputs, so no torch.export (1.2 s) is needed. A loop over
+    a value computed after an in-place op is not evaluated (it would write the caller's tensor): torch.export."""
+
+    class Att(nn.Module):
+        def forward(self, qkv):
+            b, s, _ = qkv.shape
+            q, k, v = (t.view(b, s, 2, 8).transpose(1, 2) for t in qkv.split(16, dim=-1))
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return a.transpose(1, 2).reshape(b, s, 16)
+
+    class InPlace(nn.Module):
+        def forward(self, x):
+            x.mul_(2.0)
+            return sum(t.relu() for t in x.split(4, dim=-1))
+
+    x = torch.randn(2, 8, 48)
+    imported = import_module(Att().eval(), (x,))
+    assert imported.tracer == "fx" and "Opaque" not in {n.op for n in imported.graph.ops}
+    result = fusion_planner.plan(Att().eval(), (x,), backend="reference")
+    _assert_close(result(x), Att()(x))
+    y = torch.randn(3, 8)
+    before = y.clone()
+    assert import_module(InPlace(), (y.clone(),)).tracer == "export"
+    assert torch.equal(y, before)
+
+
 def test_data_dependent_control_flow_is_a_clear_error() -> None:
     class Branchy(nn.Module):
         def forward(self, x):
