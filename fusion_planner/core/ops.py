@@ -500,7 +500,8 @@ def _quiet(fn: Callable[[np.ndarray], np.ndarray]) -> Callable[[np.ndarray], np.
 #: Cast's snippet by target dtype: each backend's prelude defines the rounding functions
 _ROUND_C = {"fp32": "({})", "bf16": "fp_round_bf16({})", "fp16": "fp_round_f16({})"}
 assert set(_ROUND_C) == set(DTYPE_BYTES)
-_GELU_TANH_C = "0.5f*{0}*(1.0f+tanhf(0.7978845608028654f*({0}+0.044715f*{0}*{0}*{0})))"
+#: fp_tanh, fp_erf: each backend's prelude (the C one inline rational functions, CUDA's tanhf and erff)
+_GELU_TANH_C = "0.5f*{0}*(1.0f+fp_tanh(0.7978845608028654f*({0}+0.044715f*{0}*{0}*{0})))"
 
 OPS: dict[str, OpDef] = {
     op.name: op
@@ -581,7 +582,7 @@ OPS: dict[str, OpDef] = {
         ),
         _unary("Neg", lambda x: -x, 1.0, 4, lambda v, attrs: f"(-{v[0]})", "-x (the sign bit flipped, NaN included)."),
         _unary("Exp", _quiet(np.exp), 4.0, 8, lambda v, attrs: f"expf({v[0]})", "e**x.", _torch_names("exp")),
-        _unary("Tanh", np.tanh, 4.0, 8, lambda v, attrs: f"tanhf({v[0]})", "tanh(x).", _torch_names("tanh", True)),
+        _unary("Tanh", np.tanh, 4.0, 8, lambda v, attrs: f"fp_tanh({v[0]})", "tanh(x).", _torch_names("tanh", True)),
         _unary(
             "Sigmoid",
             _quiet(lambda x: 1 / (1 + np.exp(-x))),

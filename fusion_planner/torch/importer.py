@@ -279,7 +279,7 @@ class _Tracer(fx.Tracer):
             value = None
         if not isinstance(value, (tuple, list)):
             return super().iter(obj)
-        return iter([obj[i] for i in range(len(value))])
+        return iter([obj[i] for i in range(len(value))])  # type: ignore[index]  # Proxy.__getitem__ is dynamic
 
     def _concrete(self, target: fx.Node) -> Any:
         """The value of ``target`` on the example inputs (None when the graph so far cannot say: an in-place

@@ -75,6 +75,11 @@ def graphs(draw: st.DrawFn) -> dict:
             b.op(nid, kind, [src, w])
         else:
             impl = draw(st.sampled_from(("layer_norm", "rms_norm", "softmax")), label=f"impl{i}")
+            if shape[-1] < 3 and impl == "layer_norm":
+                # a LayerNorm of two values is +-1 unless they differ by less than sqrt(eps), where it jumps
+                # across 0 within one 16-bit rounding step: any plan's rounding picks a side (it failed 1 run in
+                # 20 on the oracle allowance); LayerNorm of 3+ values and the other two stay well-conditioned
+                impl = "rms_norm"
             ins = [src]
             if impl != "softmax" and draw(st.booleans(), label=f"weight{i}"):
                 ins.append(b.input(f"g{i}", (shape[-1],), dtype))

@@ -186,6 +186,26 @@ static inline float fp_erf(float x) {
     return c * p / q;
 }
 
+/* tanh as a rational function too (Eigen's float tanh, x clamped to +-7.905 where tanh is +-1 in fp32; near 0
+   the ratio's leading terms give x within 1.3e-7 relative): the tanh GELU of a 128x3072 tile, fp32, one core,
+   171 -> 142 us against libmvec's tanhf; max error 3.9e-7 against fp64 tanh, NaN stays NaN. */
+static inline float fp_tanh(float x) {
+    const float c = x > 7.90531110763549805f ? 7.90531110763549805f : (x < -7.90531110763549805f ? -7.90531110763549805f : x);
+    const float c2 = c * c;
+    float p = -2.76076847742355e-16f;
+    p = p * c2 + 2.00018790482477e-13f;
+    p = p * c2 - 8.60467152213735e-11f;
+    p = p * c2 + 5.12229709037114e-08f;
+    p = p * c2 + 1.48572235717979e-05f;
+    p = p * c2 + 6.37261928875436e-04f;
+    p = p * c2 + 4.89352455891786e-03f;
+    float q = 1.19825839466702e-06f;
+    q = q * c2 + 1.18534705686654e-04f;
+    q = q * c2 + 2.26843463243900e-03f;
+    q = q * c2 + 4.89352518554385e-03f;
+    return c * p / q;
+}
+
 /* Cast's rounding in registers: the value a store of that dtype would keep */
 static inline float fp_round_bf16(float x) { return fp_bf16_to_f32(fp_f32_to_bf16(x)); }
 static inline float fp_round_f16(float x) { return fp_f16_to_f32(fp_f32_to_f16(x)); }

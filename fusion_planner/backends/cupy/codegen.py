@@ -61,6 +61,7 @@ __host__ __device__ __forceinline__ float fp_relu(float x) { return x < 0.0f ? 0
 __host__ __device__ __forceinline__ float fp_max(float a, float b) { return (a > b || a != a) ? a : b; }
 __host__ __device__ __forceinline__ float fp_min(float a, float b) { return (a < b || a != a) ? a : b; }
 __host__ __device__ __forceinline__ float fp_erf(float x) { return erff(x); }
+__host__ __device__ __forceinline__ float fp_tanh(float x) { return tanhf(x); }
 __host__ __device__ __forceinline__ float fp_round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 __host__ __device__ __forceinline__ float fp_round_f16(float x) { return __half2float(__float2half_rn(x)); }
 __host__ __device__ __forceinline__ float fp_neg_inf() { union { unsigned int u; float f; } v = {0xff800000u}; return v.f; }
