@@ -60,6 +60,7 @@ from fusion_planner.torch.errors import TorchImportError
 from fusion_planner.torch.heads import head_merge, head_split, rotate_half, takes_columns
 from fusion_planner.torch.ops import IMPORTER_TABLE as _CANON
 from fusion_planner.torch.ops import encode_arg, resolve_torch_fn, torch_fn_name, trust_traced
+from fusion_planner.torch.projections import pack_projections
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +92,10 @@ class Binding:
     """Where the value of one graph input comes from at call time."""
 
     name: str  # IR input id
-    source: str  # "arg" (flattened call inputs) | "state" (module parameter/buffer) | "const"
-    key: int | str
+    #: "arg" (flattened call inputs) | "state" (module parameter/buffer) | "const" | "packed" (parameters side by
+    #: side, ``key`` their names: attention's q, k and v weights as one, torch.projections)
+    source: str
+    key: int | str | tuple[str, ...]
     transpose: bool = False  # a Linear weight bound as (K, N)
     shape: tuple[int, ...] = ()  # torch shape of the source tensor
 
@@ -188,12 +191,14 @@ class BoundInputs:
         self.imported = imported
         self.module = module
         self._bound: dict[str, tuple[torch.Tensor, int, np.ndarray]] = {}
+        self._packed: dict[str, tuple[list[torch.Tensor], list[int], np.ndarray]] = {}
         self._owners: dict[str, tuple[Any, str]] = {}  # key -> (the submodule holding it, its attribute name)
         self.conversions = 0  # parameters and buffers converted so far (tests count them)
 
     def rebind(self) -> None:
         """Forget every bound parameter: the next call converts them all again."""
         self._bound.clear()
+        self._packed.clear()
 
     def feed(self, args: Sequence[Any]) -> dict[str, np.ndarray]:
         flat = self.imported.check_args(args)
@@ -202,7 +207,9 @@ class BoundInputs:
             if b.source == "const":
                 out[b.name] = self.imported.constants[b.name]
             elif b.source == "arg":
-                out[b.name] = _to_numpy(flat[int(b.key)], b.transpose)
+                out[b.name] = _to_numpy(flat[int(b.key)], b.transpose)  # type: ignore[arg-type]
+            elif b.source == "packed":
+                out[b.name] = self._packed_input(b)
             else:
                 out[b.name] = self._state_input(b)
         return out
@@ -232,6 +239,27 @@ class BoundInputs:
         arr = _to_numpy(t, b.transpose)  # a view where the tensor's memory has the stored layout
         arr.setflags(write=False)
         self._bound[b.name] = (t, t._version, arr)
+        self.conversions += 1
+        return arr
+
+
+    def _packed_input(self, b: Binding) -> np.ndarray:
+        """Parameters side by side (weights by columns, biases end to end), made again when one changed."""
+        keys = [str(k) for k in b.key]  # type: ignore[union-attr]
+        tensors = [self._state_tensor(k) for k in keys]
+        if any(t is None for t in tensors):
+            missing = keys[[t is None for t in tensors].index(True)]
+            raise TorchImportError(f"module has no parameter or buffer {missing!r} (packed graph input {b.name!r})")
+        ts: list[torch.Tensor] = tensors  # type: ignore[assignment]
+        versions = [t._version for t in ts]
+        held = self._packed.get(b.name)
+        if held is not None and held[1] == versions and all(x is y for x, y in zip(held[0], ts, strict=True)):
+            return held[2]
+        with torch.no_grad():
+            packed = torch.cat([t.detach() for t in ts], 0)  # (sum N_i, K): nn.Linear's layout, read transposed
+        arr = _to_numpy(packed, b.transpose)
+        arr.setflags(write=False)
+        self._packed[b.name] = (ts, versions, arr)
         self.conversions += 1
         return arr
 
@@ -1400,6 +1428,7 @@ def _import_graph(gm: fx.GraphModule, ph_values: Sequence[Any], sources: list[tu
         graph = imp.b.build(outs)
     except GraphError as exc:
         raise TorchImportError(f"{name}: {exc}") from None
+    graph, bindings = _packed_projections(graph, imp)
     arg_specs = tuple((tuple(v.shape), v.dtype) for v, s in zip(ph_values, sources, strict=False) if s[0] == "arg")
     if imp.opaque_names:
         counts: dict[str, int] = {}
@@ -1409,7 +1438,7 @@ def _import_graph(gm: fx.GraphModule, ph_values: Sequence[Any], sources: list[tu
                  len(imp.opaque_names), imp.opaque_kernels, ", ".join(f"{k} x{v}" for k, v in counts.items()))
     return ImportedModule(
         graph=graph,
-        bindings=tuple(imp.bindings.values()),
+        bindings=bindings,
         constants=dict(imp.constants),
         arg_specs=arg_specs,
         outputs=tuple(specs),
@@ -1417,6 +1446,27 @@ def _import_graph(gm: fx.GraphModule, ph_values: Sequence[Any], sources: list[tu
         opaque_ops=tuple(imp.opaque_names),
         tracer=tracer,
     )
+
+
+def _packed_projections(graph: Graph, imp: _Importer) -> tuple[Graph, tuple[Binding, ...]]:
+    """The graph with projections of one input packed into one GEMM (torch.projections), and its bindings."""
+    state = {b.name: b for b in imp.bindings.values() if b.source == "state"}
+
+    def packable(name: str) -> bool:  # a Linear weight read as (K, N), or a bias
+        b = state.get(name)
+        return b is not None and (b.transpose or len(b.shape) == 1)
+
+    graph, packs = pack_projections(graph, packable, imp.fresh)
+    parts = {p for pack in packs for p in pack.parts}
+    bindings = [b for b in imp.bindings.values() if b.name not in parts]
+    for pack in packs:
+        first = state[pack.parts[0]]
+        bindings.append(Binding(pack.name, "packed", tuple(str(state[p].key) for p in pack.parts), first.transpose,
+                                tuple(graph[pack.name].type.shape)))
+    gemms = sum(1 for pack in packs if state[pack.parts[0]].transpose)
+    if gemms:
+        log.info("%s: %d set(s) of projections of one input packed into one GEMM each", imp.name, gemms)
+    return graph, tuple(bindings)
 
 
 def import_fx_graph(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], name: str = "dynamo") -> ImportedModule:
