@@ -28,7 +28,7 @@ from fusion_planner.core.kinds import Verdict
 from fusion_planner.core.planfile import save_plan
 from fusion_planner.core.plans import Plan
 from fusion_planner.core.report import ledger_table
-from fusion_planner.core.tolerance import allclose_report, tolerance, working_dtype
+from fusion_planner.core.tolerance import allclose_report, least_precise, tolerance, working_dtype
 from fusion_planner.egraph.candidates import DEFAULT_CAP, DEFAULT_K, CandidateSet
 from fusion_planner.egraph.program import Limits
 from fusion_planner.model.plancache import PlanCache
@@ -126,8 +126,7 @@ class PlanResult:
         """The dtype whose tolerance judges output ``i``: the least precise one its value was computed through."""
         if self.imported is None or len(self.imported.outputs) <= i:
             return dtype
-        worked = working_dtype(self.plan, self.plan.outputs[self.imported.outputs[i].index])
-        return max(sorted({dtype, worked}), key=lambda d: tolerance(d)[0])
+        return least_precise([dtype, working_dtype(self.plan, self.plan.outputs[self.imported.outputs[i].index])])
 
     def table(self) -> str:
         """Ledger table, the chosen plan starred: the tried candidates with measured times after a search,

@@ -16,7 +16,7 @@ the same infinity where an infinity).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -115,6 +115,11 @@ def working_dtype(plan: Plan, name: str) -> str:
         for e in writers[t].body.walk():
             dtypes.add(e.type.dtype)
             todo += [a.tensor for a in e.args if isinstance(a, Load)]
+    return least_precise(dtypes)
+
+
+def least_precise(dtypes: Iterable[str]) -> str:
+    """Of ``dtypes``, the one with the loosest tolerance (bf16 over fp16 over fp32)."""
     return max(sorted(dtypes), key=lambda d: tolerance(d)[0])
 
 

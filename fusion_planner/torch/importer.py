@@ -317,9 +317,7 @@ class _Tracer(fx.Tracer):
         inputs = iter(self.example_args)
         with torch.no_grad():
             for n in self.graph.nodes:
-                if n.op in ("call_method", "call_function") and (
-                        str(getattr(n.target, "__name__", n.target)).endswith("_") or n.kwargs.get("inplace")
-                        or n.target in _INPLACE_OPERATORS):
+                if _mutated_input(self.root, n) is not None:
                     return None
                 args, kwargs = fx.node.map_arg((n.args, n.kwargs), values.__getitem__)
                 if n.op == "placeholder":
@@ -344,7 +342,7 @@ def _attr(root: nn.Module, path: str) -> Any:
     return obj
 
 
-def _mutated_input(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
+def _mutated_input(gm: nn.Module, node: fx.Node) -> fx.Node | None:
     """The node whose tensor an in-place call (``x.add_(y)``, ``x += y``, ``inplace=True``) overwrites."""
     first = node.args[0] if node.args else None
     if not isinstance(first, fx.Node):
@@ -833,7 +831,7 @@ class _Importer:
         if not (_is_tensor(a) and _is_tensor(c)):
             return None
         if a.dtype != c.dtype:  # torch computes in the promoted dtype (bf16 * fp32 is fp32)
-            a, c = self.promoted(node, a, concrete.dtype), self.promoted(node, c, concrete.dtype)
+            a, c = self.cast(node, a, concrete.dtype) or a, self.cast(node, c, concrete.dtype) or c
             if a.dtype != c.dtype:
                 return None
         out = tuple(concrete.shape)
@@ -1153,22 +1151,18 @@ class _Importer:
     def map_to(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
         x = args[0] if args else None
         if isinstance(x, _T) and isinstance(concrete, torch.Tensor) and concrete.dtype != x.dtype:
-            return self.cast(node, x, concrete) if concrete.shape == x.shape else None
+            return self.cast(node, x, concrete.dtype) if concrete.shape == x.shape else None
         return self.alias(x, concrete)
 
-    def cast(self, node: fx.Node, x: _T, concrete: torch.Tensor) -> _T | None:
-        """``x.to(dtype)`` between float dtypes: the op-table Cast (integer indices stay torch's)."""
-        if x.dtype not in TORCH_DTYPES or concrete.dtype not in TORCH_DTYPES:
+    def cast(self, node: fx.Node, v: Any, dtype: torch.dtype) -> _T | None:
+        """Tensor value ``v`` as ``dtype``: itself, or the op-table Cast between float dtypes (``x.to(dtype)``, a
+        binary op's operand as torch promotes it); None for anything else (integer indices stay torch's)."""
+        if not isinstance(v, _T) or v.dtype not in TORCH_DTYPES or dtype not in TORCH_DTYPES:
             return None
-        return self.emit(node, "Cast", [self.use(x, node.name)], {"dtype": TORCH_DTYPES[concrete.dtype]},
-                         concrete.shape, concrete.dtype, "_cast")
-
-    def promoted(self, node: fx.Node, v: Any, dtype: torch.dtype) -> Any:
-        """An operand of a binary op as torch promotes it: a float tensor of another dtype cast to ``dtype``."""
-        if not isinstance(v, _T) or v.dtype == dtype or v.dtype not in TORCH_DTYPES or dtype not in TORCH_DTYPES:
+        if v.dtype == dtype:
             return v
         return self.emit(node, "Cast", [self.use(v, node.name)], {"dtype": TORCH_DTYPES[dtype]}, v.shape, dtype,
-                         "_promoted")
+                         "_cast")
 
     def map_expand(self, node, args, kwargs, concrete):  # noqa: ANN001, ANN201
         """``repeat_kv``'s ``x[:, :, None].expand(b, kv, n, t, d)`` of head-major keys or values (grouped-query

@@ -45,7 +45,13 @@ from fusion_planner.backends.base import (
 )
 from fusion_planner.backends.codegen import find_matmul, loads
 from fusion_planner.backends.cpu import gemm, parallel, standalone
-from fusion_planner.backends.cpu.buffers import HeldWeights, aligned_empty, padded_matrix, shared_buffers
+from fusion_planner.backends.cpu.buffers import (
+    HeldWeights,
+    aligned_empty,
+    padded_matrix,
+    shared_buffers,
+    typed_view,
+)
 from fusion_planner.backends.cpu.codegen import (
     CKernel,
     CodegenError,
@@ -189,12 +195,11 @@ class Memory:
         """A work array of one kernel while it runs (a GEMM's product tile), for worker ``slot``: kernels run one
         at a time, so one arena per slot serves every kernel's and stays in cache from one to the next (a tile
         per kernel was a cold megabyte at each)."""
-        dt = np.dtype(dtype)
-        need = math.prod(shape) * dt.itemsize
+        need = math.prod(shape) * np.dtype(dtype).itemsize
         arena = self._arenas.get(slot)
         if arena is None or arena.nbytes < need:  # kernels compiled before keep the smaller arena they view
             arena = self._arenas[slot] = aligned_empty((need,), np.uint8)
-        return arena[:need].view(dt).reshape(tuple(shape))
+        return typed_view(arena, shape, dtype)
 
     def bind(self, name: str, array: np.ndarray) -> None:
         self.arrays[name] = array
@@ -514,7 +519,7 @@ class CpuBackend(Backend):
                 k_rows, n_cols = ttype.shape  # a GEMM's right operand is 2-D
                 buffers[name] = padded_matrix(k_rows, n_cols, np.float32, zero=True)
             elif name in shared:
-                buffers[name] = shared[name][:math.prod(ttype.shape) * dtype.itemsize].view(dtype).reshape(ttype.shape)
+                buffers[name] = typed_view(shared[name], ttype.shape, dtype)
             else:
                 buffers[name] = aligned_empty(ttype.shape, dtype, zero=True)
         memory = Memory(buffers, frozenset(plan.outputs))

@@ -33,6 +33,12 @@ def aligned_empty(shape: Sequence[int], dtype: Any, zero: bool = False) -> np.nd
     return raw[start:start + nbytes].view(dt).reshape(tuple(shape))
 
 
+def typed_view(raw: np.ndarray, shape: Sequence[int], dtype: Any) -> np.ndarray:
+    """The first bytes of byte buffer ``raw`` as a C-ordered ``shape`` array of ``dtype``."""
+    dt = np.dtype(dtype)
+    return raw[:math.prod(shape) * dt.itemsize].view(dt).reshape(tuple(shape))
+
+
 def shared_buffers(steps: Sequence[tuple[str, Sequence[str]]], nbytes: Mapping[str, int]) -> dict[str, np.ndarray]:
     """One aligned byte buffer per tensor of ``nbytes`` (the intermediates), tensors whose lifetimes do not
     overlap sharing one: ``steps`` are the kernels in order, (tensor written, tensors read). A tensor is live
