@@ -44,7 +44,7 @@ from fusion_planner.backends.base import (
     collect_samples,
 )
 from fusion_planner.backends.codegen import find_matmul, loads
-from fusion_planner.backends.cpu import gemm, parallel, standalone
+from fusion_planner.backends.cpu import gemm, native_pool, parallel, standalone
 from fusion_planner.backends.cpu.buffers import (
     HeldWeights,
     aligned_empty,
@@ -486,6 +486,8 @@ class CpuBackend(Backend):
             self.compiler = compiler or Compiler()
         except CompilerUnavailable as exc:
             raise BackendUnavailable(str(exc)) from None
+        if self.threads > 1:  # the generated kernels' parts run on the process's pthreads
+            self.pool.native = native_pool.shared_pool(self.compiler, self.threads)
         if tile_bytes is None:
             size, origin = cache_bytes()
             tile_bytes = size // 4
@@ -638,8 +640,8 @@ class CpuBackend(Backend):
             def call() -> None:
                 ptrs = [addr[n] for n in names]
                 out = addr[out_name]
-                pool.run([functools.partial(fn, *(p + e0 * z for p, z in zip(ptrs, sizes, strict=True)),
-                                            out + e0 * out_size, 0, 1, e1 - e0) for e0, e1 in ranges])
+                pool.run_kernel(fn, len(ptrs) + 1, [[*(p + e0 * z for p, z in zip(ptrs, sizes, strict=True)),
+                                                     out + e0 * out_size, 0, 1, e1 - e0] for e0, e1 in ranges])
         else:  # a row vector read by column: split the rows
             row_ranges = parallel.split(rows, parts)
             threads = len(row_ranges)
@@ -647,7 +649,7 @@ class CpuBackend(Backend):
             def call() -> None:
                 ptrs = [addr[n] for n in names]
                 out = addr[out_name]
-                pool.run([functools.partial(fn, *ptrs, out, r0, r1, cols) for r0, r1 in row_ranges])
+                pool.run_kernel(fn, len(ptrs) + 1, [[*ptrs, out, r0, r1, cols] for r0, r1 in row_ranges])
 
         return Step(k, call, reads, memory.own[k.out], {"impl": "c-loop", "threads": threads,
                                                         "streaming_stores": "fp_stream" in ck.source,
@@ -943,11 +945,11 @@ def _gemm_block(mm: gemm.MatMul, epilogue: Callable[[int, int, int], None], tile
 def _split_epilogue(pool: parallel.WorkerPool, threads: int, fn: Callable[..., None], ptrs: list[int | None],
                     tile: np.ndarray, out: int, cols: int) -> Callable[[int, int, int], None]:
     """A tile's epilogue with its rows split across the pool (the tile pointer offset to each part's rows)."""
-    row_bytes = cols * tile.itemsize
+    row_bytes, tile_ptr = cols * tile.itemsize, tile.ctypes.data
 
     def run(r0: int, r1: int, cols: int) -> None:
         parts = parallel.split(r1 - r0, parallel.loop_parts(threads, (r1 - r0) * cols))
-        pool.run([functools.partial(fn, *[tile.ctypes.data + s * row_bytes if p is None else p for p in ptrs],
-                                    out, r0 + s, r0 + e, cols) for s, e in parts])
+        pool.run_kernel(fn, len(ptrs) + 1, [[*[tile_ptr + s * row_bytes if p is None else p for p in ptrs],
+                                             out, r0 + s, r0 + e, cols] for s, e in parts])
 
     return run

@@ -642,17 +642,17 @@ class Compiler:
         self._batches: dict[str, ctypes.CDLL] = {}
         self.compiled = 0  # sources compiled (not found in the cache) by this object
 
-    def key(self, source: str) -> str:
+    def key(self, source: str, extra: Sequence[str] = ()) -> str:
         h = hashlib.sha256()
-        for part in (self.version, " ".join(self.flags + self.libs), source):
+        for part in (self.version, " ".join((*self.flags, *extra) + self.libs), source):
             h.update(part.encode())
             h.update(b"\0")
         return h.hexdigest()
 
-    def build(self, source: str) -> Path:
-        """The shared object of ``source``, compiling it unless cached."""
+    def build(self, source: str, extra: Sequence[str] = ()) -> Path:
+        """The shared object of ``source``, compiling it (with the ``extra`` flags too) unless cached."""
         assert self.directory is not None
-        key = self.key(source)
+        key = self.key(source, extra)
         so = self.directory / f"k{key[:32]}.so"
         if so.exists():
             if _sealed(so):
@@ -664,7 +664,7 @@ class Compiler:
             src = Path(d) / "kernel.c"
             src.write_text(source)
             tmp = Path(d) / "kernel.so"
-            r = _run([shutil.which(self.cc) or self.cc, *self.flags, "-o", str(tmp), str(src), *self.libs, "-lm"],
+            r = _run([shutil.which(self.cc) or self.cc, *self.flags, *extra, "-o", str(tmp), str(src), *self.libs, "-lm"],
                      BUILD_TIMEOUT_S, f"{self.cc} on a generated kernel", CodegenError)
             if r.returncode != 0:
                 raise CodegenError(f"{self.cc} failed on a generated kernel: {r.stderr.strip()[:2000]}")

@@ -1,9 +1,10 @@
 """The CPU backend's worker threads: how many, how work is split, and how the other pools are held.
 
-A plan's generated loops and its GEMM row blocks run on one pool of ``threads - 1`` worker
-threads plus the calling thread.  The generated kernels are called through ctypes and BLAS
-through numpy, both of which release the GIL, so the workers run truly in parallel.  Idle
-workers block on a queue: they never spin, so they cost nothing while BLAS or torch runs.
+A plan's GEMM row blocks run on a pool of ``threads - 1`` Python worker threads plus the calling
+thread (BLAS through numpy releases the GIL, so they run truly in parallel); idle workers block on a
+queue.  Its generated C kernels run on the process's native pool of as many pthreads
+(:mod:`fusion_planner.backends.cpu.native_pool`), handed every part in one call, without GIL
+hand-offs; its idle workers spin briefly, then sleep.  Neither spins while BLAS or torch runs a step.
 
 The other pools are held through their APIs, never through environment variables (those are
 read only when a pool starts, and the process has usually started them by now):
@@ -17,10 +18,13 @@ read only when a pool starts, and the process has usually started them by now):
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 from fusion_planner.backends.base import BackendError
 
@@ -68,13 +72,39 @@ def check_threads(threads: int | None) -> int:
     return threads
 
 
+def kernel_address(fn: Callable[..., None]) -> int:
+    """The entry point of a kernel loaded through ctypes."""
+    return ctypes.cast(fn, ctypes.c_void_p).value or 0  # type: ignore[arg-type]
+
+
+class KernelPool(Protocol):
+    """Runs a loaded C kernel's parts in parallel (``native_pool.NativePool``)."""
+
+    max_pointers: int
+
+    def run(self, address: int, n_pointers: int, parts: Sequence[Sequence[int]]) -> None: ...
+
+
 class WorkerPool:
-    """``threads - 1`` blocking worker threads; :meth:`run` also uses the calling thread."""
+    """``threads - 1`` blocking worker threads; :meth:`run` also uses the calling thread.  :meth:`run_kernel`
+    runs a C kernel's parts on :attr:`native` where the backend attached one."""
 
     def __init__(self, threads: int) -> None:
         self.threads = threads
         self._executor = ThreadPoolExecutor(threads - 1, thread_name_prefix="fusion-planner") if threads > 1 else None
         self.parallel_runs = 0  # calls that used more than one thread (tests count them)
+        self.native: KernelPool | None = None
+        self.native_runs = 0  # of those, the ones the native pool ran
+
+    def run_kernel(self, fn: Callable[..., None], n_pointers: int, parts: Sequence[Sequence[int]]) -> None:
+        """Call the loaded C kernel ``fn`` (``n_pointers`` pointers, then three integers) with each part's
+        arguments, in parallel: on the native pool where there is one and the kernel fits it, else as tasks."""
+        if self.native is not None and len(parts) > 1 and n_pointers <= self.native.max_pointers:
+            self.parallel_runs += 1
+            self.native_runs += 1
+            self.native.run(kernel_address(fn), n_pointers, parts)
+            return
+        self.run([functools.partial(fn, *part) for part in parts])
 
     def run(self, tasks: Sequence[Callable[[], None]]) -> None:
         """Run every task, the first on the calling thread; re-raises the first failure after all ended."""

@@ -8,7 +8,6 @@ at a time with an online softmax, groups split across the worker pool.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -277,6 +276,6 @@ def attention_call(fn: Any, pool: parallel.WorkerPool, threads: int, groups: int
 
     def call() -> None:
         ptrs = addr()  # q, k, v[, mask], out
-        pool.run([functools.partial(fn, *ptrs, g0, g1, 0) for g0, g1 in ranges])
+        pool.run_kernel(fn, len(ptrs), [[*ptrs, g0, g1, 0] for g0, g1 in ranges])
 
     return call

@@ -1,0 +1,126 @@
+"""The native worker pool: every part of a kernel runs exactly once, whoever claims it, from any caller."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from fusion_planner.backends.base import BackendUnavailable
+from fusion_planner.backends.cpu import native_pool, parallel
+from fusion_planner.backends.cpu.codegen import Compiler, CompilerUnavailable
+from fusion_planner.backends.reference import random_inputs
+from fusion_planner.core import examples
+from fusion_planner.core.cost import load_device
+from fusion_planner.egraph.candidates import build_candidates
+
+#: part r0..r1 of this kernel adds one to counts[r0..r1] and writes its thread's id into owner[r0..r1]
+COUNT_SOURCE = r"""
+#include <pthread.h>
+#include <stdint.h>
+void fp_kernel(int64_t* restrict counts, int64_t* restrict owner, int64_t r0, int64_t r1, int64_t cols) {
+    for (int64_t r = r0; r < r1; ++r) {
+        for (volatile int64_t spin = 0; spin < cols; ++spin) {}
+        counts[r] += 1;
+        owner[r] = (int64_t)pthread_self();
+    }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def compiler() -> Compiler:
+    try:
+        return Compiler()
+    except CompilerUnavailable as exc:
+        pytest.skip(f"no C compiler: {exc}")
+
+
+def _count_kernel(compiler: Compiler):  # noqa: ANN202
+    return compiler.function(COUNT_SOURCE, 2)
+
+
+def test_every_part_runs_once_with_more_parts_than_threads(compiler: Compiler) -> None:
+    pool = native_pool.NativePool(compiler, 3, spin_us=0)
+    fn = _count_kernel(compiler)
+    counts, owner = np.zeros(700, np.int64), np.zeros(700, np.int64)
+    parts = [[counts.ctypes.data, owner.ctypes.data, r0, r1, 20_000] for r0, r1 in parallel.split(700, 7)]
+    for _ in range(20):
+        pool.run(parallel.kernel_address(fn), 2, parts)
+    assert np.array_equal(counts, np.full(700, 20))
+    assert pool.threads == 3
+
+
+def test_the_workers_take_parts_from_the_caller(compiler: Compiler) -> None:
+    """Parts slow enough that the caller cannot run them all before a worker wakes: more than one thread ran."""
+    pool = native_pool.NativePool(compiler, 2, spin_us=0)
+    fn = _count_kernel(compiler)
+    counts, owner = np.zeros(64, np.int64), np.zeros(64, np.int64)
+    pool.run(parallel.kernel_address(fn), 2, [[counts.ctypes.data, owner.ctypes.data, r, r + 1, 2_000_000]
+                                          for r in range(64)])
+    assert np.array_equal(counts, np.ones(64)) and len(set(owner.tolist())) == 2
+
+
+def test_concurrent_callers_each_get_every_part(compiler: Compiler) -> None:
+    """A caller that finds the pool busy runs its parts itself: nothing is lost or run twice."""
+    pool = native_pool.NativePool(compiler, 3, spin_us=30)
+    fn = _count_kernel(compiler)
+    arrays = [(np.zeros(90, np.int64), np.zeros(90, np.int64)) for _ in range(4)]
+    failures: list[BaseException] = []
+
+    def caller(counts: np.ndarray, owner: np.ndarray) -> None:
+        try:
+            for _ in range(50):
+                pool.run(parallel.kernel_address(fn), 2, [[counts.ctypes.data, owner.ctypes.data, r0, r1, 200]
+                                                      for r0, r1 in parallel.split(90, 5)])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=caller, args=a) for a in arrays]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
+    assert all(np.array_equal(counts, np.full(90, 50)) for counts, _ in arrays)
+
+
+def test_plans_on_several_threads_run_their_loops_on_the_shared_native_pool() -> None:
+    from fusion_planner.backends.cpu.backend import CpuBackend
+
+    spec = load_device("seed-k4")
+    try:
+        one, three = CpuBackend(spec, threads=1), CpuBackend(spec, threads=3)
+    except BackendUnavailable as exc:
+        pytest.skip(f"no C compiler: {exc}")
+    assert one.pool.native is None and three.pool.native is native_pool.shared_pool(three.compiler, 3)
+    graph = examples.layer_norm(3 * parallel.MIN_ELEMENTS_PER_THREAD // 768 + 7, 768)
+    inputs = random_inputs(graph, seed=2)
+    for plan in build_candidates(graph, spec).plans[:4]:
+        before = three.pool.native_runs
+        want, got = one.compile(plan).run(inputs), three.compile(plan).run(inputs)
+        assert all(np.array_equal(a, b) for a, b in zip(want, got, strict=True))
+        assert three.pool.native_runs > before
+
+
+def test_a_kernel_with_more_pointers_than_the_pool_calls_runs_on_python_threads() -> None:
+    pool = parallel.WorkerPool(2)
+
+    class Refusing:
+        max_pointers = 1
+
+        def run(self, address: int, n_pointers: int, parts: object) -> None:
+            raise AssertionError("a kernel of too many pointers reached the native pool")
+
+    pool.native = Refusing()
+    seen: list[tuple[int, ...]] = []
+    pool.run_kernel(lambda *a: seen.append(a), 2, [[1, 2, 0, 1, 5], [1, 2, 1, 2, 5]])
+    assert sorted(seen) == [(1, 2, 0, 1, 5), (1, 2, 1, 2, 5)] and pool.native_runs == 0
+
+
+def test_the_spin_time_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FUSION_PLANNER_SPIN_US", "0")
+    assert native_pool.spin_us_from_env() == 0
+    monkeypatch.delenv("FUSION_PLANNER_SPIN_US")
+    assert native_pool.spin_us_from_env() == native_pool.SPIN_US
