@@ -695,10 +695,24 @@ def test_row_kernel_loops_are_vectorised(compiler):
     one = min(build_candidates(g, "seed-k4").plans, key=lambda p: len(p.kernels))
     ck = generate(one.kernels[0].body, {n.id: (n.type.shape, n.type.dtype) for n in g.nodes})
     report = compiler.vectorisation_report(ck.source)
-    lines = [i for i, line in enumerate(ck.source.splitlines(), 1) if "for (long long c = 0; c < 768" in line]
-    assert len(lines) == 3  # the two statistics' row buffers (x + r, then its centred square) and the output
-    assert all(re.search(rf":{line}:\d+: optimized: loop vectorized", report) for line in lines), report
-    assert ck.source.split("row kernel")[1].count("fp_v16_add(") == 2  # each statistic summed as one vector of 16 partial sums
+    src = ck.source.splitlines()
+    lines = [i for i, line in enumerate(src, 1) if "for (long long c = 0; c < 768" in line]
+    partials = [i for i, line in enumerate(src, 1) if "for (long long c0 = 0; c0 < 768; c0 += 16) {" in line]
+    assert len(lines) == 2  # x + r into its row buffer (the later loops read it again), and the output
+    assert len(partials) == 1  # the centred square, read by the variance alone, computed in its partials' loop
+    assert all(re.search(rf":{line}:\d+: optimized: loop vectorized", report) for line in lines + partials), report
+    row = ck.source.split("row kernel")[1]
+    assert row.count("fp_v16_add(") == 1 and row.count("float row") == 1  # the mean summed from the buffer
+
+
+def test_a_reduction_input_nothing_else_reads_gets_no_row_buffer():
+    """RMSNorm's ``x * x`` feeds its mean alone: computed in the partials' loop, not stored and read back."""
+    g = examples.rms_norm(5, 256, "fp32")
+    one = min(build_candidates(g, "seed-k4").plans, key=lambda p: len(p.kernels))
+    ck = generate(one.kernels[0].body, {n.id: (n.type.shape, n.type.dtype) for n in g.nodes})
+    assert ck.row_width == 256 and "float row" not in ck.source.split("row kernel")[1]
+    x = random_inputs(g, seed=3)
+    assert close(cpu_backend().compile(one).run(x)[0], execute_graph(g, x)[0], "fp32")
 
 
 def test_rows_longer_than_the_buffer_limit_reduce_in_the_loop():
