@@ -128,7 +128,10 @@ fp_pool* fp_pool_new(int workers, int64_t spin_ns) {
     atomic_init(&p->gen, 0);
     p->spin_ns = spin_ns;
     p->tids = calloc((size_t)(workers > 0 ? workers : 1), sizeof(pthread_t));
-    if (!p->tids) return NULL;
+    if (!p->tids) {
+        free(p);
+        return NULL;
+    }
     for (int i = 0; i < workers; ++i) {
         if (pthread_create(&p->tids[i], NULL, fp_worker, p) != 0) break;
         p->workers++;
