@@ -267,6 +267,30 @@ def test_streaming_stores_give_the_same_bits_at_any_offset_and_length(dtype: str
     assert np.array_equal(plain.run(inputs)[0], streamed.run(inputs)[0])
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("workload", ["layer_norm", "rms_norm", "softmax"])
+def test_streaming_row_kernels_give_the_same_bits(workload: str, threads: int) -> None:
+    """A row kernel past the streaming threshold stages each row and stores it with non-temporal stores
+    (or copies it, where the row does not start on a line): the same bits as plain stores, into fresh
+    outputs (any alignment) and into the plan's own buffers."""
+    rows = 3 * parallel.MIN_ELEMENTS_PER_THREAD // 256 + 5
+    graph = {"layer_norm": lambda: examples.layer_norm(rows, 256),
+             "rms_norm": lambda: examples.rms_norm(rows, 256, "fp32"),
+             "softmax": lambda: examples.softmax(rows, 256)}[workload]()
+    plan = min(build_candidates(graph, SPEC).plans, key=lambda p: len(p.kernels))
+    assert len(plan.kernels) == 1 and plan.kernels[0].kind == "elementwise"
+    inputs = random_inputs(graph, seed=7)
+    plain = cpu(threads).compile(plan)
+    backend = cpu(threads)
+    backend.stream_bytes = 0  # every output streams
+    streamed = backend.compile(plan)
+    assert streamed.kernel_facts[0]["streaming_stores"] and not plain.kernel_facts[0]["streaming_stores"]
+    want = plain.run(inputs)[0]
+    assert np.array_equal(want, streamed.run(inputs)[0])
+    streamed.execute()  # into the plan's own (aligned) buffer
+    assert np.array_equal(want, streamed.buffers[plan.outputs[0]])
+
+
 def _kernel_sources(graph) -> list[str]:  # noqa: ANN001
     from fusion_planner.backends.cpu.codegen import generate
 

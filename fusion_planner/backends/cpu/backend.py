@@ -224,6 +224,11 @@ class Step:
         return sum(b.nbytes for b in self.reads) + self.writes.nbytes
 
 
+def streams(source: str) -> bool:
+    """Does a generated elementwise or row kernel write its output with streaming stores?"""
+    return "fp_stream(" in source or "fp_row_store(" in source
+
+
 def bindable(arr: np.ndarray, storage: np.ndarray, transposed_ok: bool = False) -> bool:
     """Can the kernels read ``arr`` in place of ``storage``: same dtype and shape, aligned, C order (or, with
     ``transposed_ok``, the transpose of a C-ordered matrix: an nn.Linear weight read as (K, N))?"""
@@ -652,7 +657,7 @@ class CpuBackend(Backend):
                 pool.run_kernel(fn, len(ptrs) + 1, [[*ptrs, out, r0, r1, cols] for r0, r1 in row_ranges])
 
         return Step(k, call, reads, memory.own[k.out], {"impl": "c-loop", "threads": threads,
-                                                        "streaming_stores": "fp_stream" in ck.source,
+                                                        "streaming_stores": streams(ck.source),
                                                         "source_sha256": ck.digest[:16]})
 
     def _widen(self, memory: Memory, name: str, dtype: str, max_rows: int) -> tuple[Callable[[int, int], np.ndarray], int]:
