@@ -36,14 +36,6 @@ SPEC = load_device("seed-k4")
 TOL = {"fp32": (1e-4, 1e-5), "fp16": (1e-2, 2e-3), "bf16": (5e-2, 2e-2)}
 
 
-@pytest.fixture(scope="module")
-def compiler() -> Compiler:
-    try:
-        return Compiler()
-    except CompilerUnavailable as exc:
-        pytest.skip(f"no C compiler: {exc}")
-
-
 def cpu_backend(tile_bytes: int | None = None, fma: bool | None = None, threads: int = 1):
     from fusion_planner.backends.cpu.backend import CpuBackend
 

@@ -9,7 +9,7 @@ import pytest
 
 from fusion_planner.backends.base import BackendUnavailable
 from fusion_planner.backends.cpu import native_pool, parallel
-from fusion_planner.backends.cpu.codegen import Compiler, CompilerUnavailable
+from fusion_planner.backends.cpu.codegen import Compiler
 from fusion_planner.backends.reference import random_inputs
 from fusion_planner.core import examples
 from fusion_planner.core.cost import load_device
@@ -27,14 +27,6 @@ void fp_kernel(int64_t* restrict counts, int64_t* restrict owner, int64_t r0, in
     }
 }
 """
-
-
-@pytest.fixture(scope="module")
-def compiler() -> Compiler:
-    try:
-        return Compiler()
-    except CompilerUnavailable as exc:
-        pytest.skip(f"no C compiler: {exc}")
 
 
 def _count_kernel(compiler: Compiler):  # noqa: ANN202
