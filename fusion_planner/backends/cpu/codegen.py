@@ -434,12 +434,6 @@ STREAM_STEP = 64
 STREAM_PAGE_FLOATS = 1024
 STREAM_PREFETCH = STREAM_PAGES * STREAM_PAGE_FLOATS
 
-#: A flat call's loop in steps: the vectorised loop writes each step into an aligned buffer that
-#: stays in L1, and non-temporal stores move it to memory without first reading the destination's
-#: lines (a plain store reads each line before writing it: 3 bytes of traffic for 2 of copy).  Each
-#: store fills a whole 64-byte line where the target has 512-bit vectors: gcc interleaves the halves
-#: of different lines otherwise, and the write-combining buffers flushed half lines (50% of memcpy).
-#: gcc does not emit streaming stores by itself.  Other calls, and other targets, run the loop as is.
 #: ``fp_flush(out, tmp, n)``: n floats (a multiple of 16) of a 64-byte-aligned buffer stored to 64-byte-aligned
 #: ``out`` with non-temporal stores, a whole line per store where the target has 512-bit vectors
 FLUSH_SOURCE = r"""
@@ -453,6 +447,12 @@ static inline void fp_flush(float* restrict out, const float* restrict tmp, int6
 }
 """
 
+#: A flat call's loop in steps: the vectorised loop writes each step into an aligned buffer that
+#: stays in L1, and non-temporal stores move it to memory without first reading the destination's
+#: lines (a plain store reads each line before writing it: 3 bytes of traffic for 2 of copy).  Each
+#: store fills a whole 64-byte line where the target has 512-bit vectors: gcc interleaves the halves
+#: of different lines otherwise, and the write-combining buffers flushed half lines (50% of memcpy).
+#: gcc does not emit streaming stores by itself.  Other calls, and other targets, run the loop as is.
 STREAM_SOURCE = r"""
 #if defined(__AVX__)
 {flush}

@@ -8,8 +8,8 @@ the parts are claimed from an atomic counter, so a late worker leaves its part t
 
 Idle workers spin for :data:`SPIN_US` after a kernel (the next kernel of a plan usually follows
 within it), then sleep on a condition variable: they never spin while BLAS or torch runs a longer
-step.  One pool per process and thread count is shared by every plan; a second caller that finds
-it busy runs its parts on its own thread rather than wait.
+step.  One pool per process and thread count is shared by every plan and lives as long as the
+process; a second caller that finds it busy runs its parts on its own thread rather than wait.
 
 Every kernel :meth:`Compiler.function` loads takes ``n`` pointers and three ``int64_t``; the pool
 calls it through a function pointer of that arity with ``void*`` pointers, exactly as ctypes does.
@@ -59,7 +59,7 @@ typedef struct fp_pool {
     pthread_cond_t cv;
     atomic_llong gen;
     fp_job* job;
-    int sleepers, stop, workers;
+    int sleepers, workers;
     int64_t spin_ns;
     pthread_t* tids;
 } fp_pool;
@@ -99,14 +99,10 @@ static void* fp_worker(void* arg) {
             if (k % 64 == 0 && fp_now_ns() > until) break;
         }
         pthread_mutex_lock(&p->mu);
-        while (atomic_load(&p->gen) == seen && !p->stop) {
+        while (atomic_load(&p->gen) == seen) {
             p->sleepers++;
             pthread_cond_wait(&p->cv, &p->mu);
             p->sleepers--;
-        }
-        if (p->stop) {
-            pthread_mutex_unlock(&p->mu);
-            return NULL;
         }
         seen = atomic_load(&p->gen);
         fp_job* job = p->job;  /* NULL when the caller has already finished it */
@@ -166,16 +162,6 @@ void fp_pool_run(fp_pool* p, void* fn, int n_ptr, const int64_t* args, int64_t p
         if (k % 4096 == 0) sched_yield();  /* a worker was preempted: let it run */
     }
     pthread_mutex_unlock(&p->run_mu);
-}
-
-void fp_pool_free(fp_pool* p) {
-    pthread_mutex_lock(&p->mu);
-    p->stop = 1;
-    pthread_cond_broadcast(&p->cv);
-    pthread_mutex_unlock(&p->mu);
-    for (int i = 0; i < p->workers; ++i) pthread_join(p->tids[i], NULL);
-    free(p->tids);
-    free(p);
 }
 """
 
