@@ -785,6 +785,89 @@ def test_16_bit_gemms_in_torchs_native_product_match_the_widened_ones(dtype, gel
         CpuBackend(SPEC, threads=1, gemm_library="torch").compile(plan)
 
 
+def _packing_backend(monkeypatch, threads: int, tile_bytes: int | None = None):
+    """A CPU backend multiplying bf16 natively from packed weights; skips where this torch cannot pack bf16."""
+    pytest.importorskip("torch")
+    from fusion_planner.backends.cpu import gemm
+    from fusion_planner.backends.cpu.backend import CpuBackend
+
+    monkeypatch.setenv(gemm.GEMM_16BIT_ENV, "native")
+    if gemm.packing_error("bf16") is not None:
+        pytest.skip(f"torch cannot multiply bf16 from packed weights here: {gemm.packing_error('bf16')}")
+    monkeypatch.setenv(gemm.WEIGHTS_16BIT_ENV, "packed")
+    return CpuBackend(SPEC, threads=threads, gemm_library="torch", tile_bytes=tile_bytes)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("tiles", ["one", "several"])
+def test_a_held_16_bit_weight_is_packed_once_and_shared_by_every_plan(threads, tiles, monkeypatch):
+    """A read-only bf16 weight (a bound parameter) is packed by oneDNN on the first call, read packed after, by
+    this plan and by another of the same backend (a search's candidates); a writable one is read as bound.
+    The GEMM with an epilogue (one tile, or several), and the product alone, match the reference either way."""
+    tile_bytes = None if tiles == "one" else 10 * 16 * 2  # ten rows of the 16-wide bf16 product per tile
+    backend = _packing_backend(monkeypatch, threads, tile_bytes)
+    g = examples.mlp_epilogue(40, 24, 16, "bf16")
+    plans = build_candidates(g, SPEC).plans
+    fused = next(p for p in plans if len(p.kernels) == 1)
+    alone = next(p for p in plans if p.kernels[0].body.op == "MatMul")  # the product, then the epilogue's loop
+    inputs = {n: a.astype(numpy_dtype("bf16")) for n, a in random_inputs(g, seed=5).items()}
+    held = np.ascontiguousarray(inputs["w"].T).T  # nn.Linear's (N, K) layout, read-only as BoundInputs hands it
+    held.setflags(write=False)
+    for plan in (fused, alone):
+        (want,) = execute_plan(plan, inputs)
+        compiled = backend.compile(plan)
+        assert compiled.memory.packable == {"w"}
+        assert compiled.kernel_facts[0]["weights"] == "packed if read-only"
+        for _ in range(2):
+            (got,) = compiled.run(dict(inputs, w=held))
+            assert close(got, want, "bf16"), plan.notation()
+        assert set(compiled.memory.packed) == {"w"}
+        (got,) = compiled.run(dict(inputs, w=inputs["w"].copy()))  # writable: may change, so never packed
+        assert not compiled.memory.packed and close(got, want, "bf16")
+    assert backend.held.copies == 1  # one packed form, shared by both plans
+
+
+def test_packed_16_bit_weights_are_chosen_by_measurement_and_refused_where_torch_cannot_pack(monkeypatch, tmp_path):
+    """auto packs only where packing measured faster (the padded rule: the sum by the margin, no shape slower),
+    recorded once; ``packed`` where torch cannot pack names the variable and the reason; a bad value is refused."""
+    pytest.importorskip("torch")
+    from fusion_planner.backends.cpu import gemm
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(gemm.WEIGHTS_16BIT_ENV, raising=False)
+    monkeypatch.setattr(gemm, "packing_error", lambda dtype: None)
+    timings = iter([{"packed": [0.7, 0.7, 0.7], "given": [1.0, 1.0, 1.0]},
+                    {"packed": [0.5, 0.5, 1.2], "given": [1.0, 1.0, 1.0]}])
+    measured = []
+    monkeypatch.setattr(gemm, "time_16bit_layouts", lambda dtype: measured.append(dtype) or next(timings))
+    gemm.measured_16bit_layout.cache_clear()
+    try:
+        assert gemm.weight_layout_16bit("bf16") == "packed" and measured == ["bf16"]
+        gemm.measured_16bit_layout.cache_clear()  # a new process: the record answers
+        assert gemm.weight_layout_16bit("bf16") == "packed" and measured == ["bf16"]
+        assert gemm.weight_layout_16bit("fp16") == "given" and measured == ["bf16", "fp16"]  # slower on one shape
+    finally:
+        gemm.measured_16bit_layout.cache_clear()
+    monkeypatch.setattr(gemm, "packing_error", lambda dtype: "RuntimeError: no bf16 units")
+    assert gemm.weight_layout_16bit("bf16") == "given"  # auto: nothing to measure
+    monkeypatch.setenv(gemm.WEIGHTS_16BIT_ENV, "packed")
+    with pytest.raises(BackendError, match="FUSION_PLANNER_CPU_WEIGHTS_16BIT=packed, but .*no bf16 units"):
+        gemm.weight_layout_16bit("bf16")
+    monkeypatch.setenv(gemm.WEIGHTS_16BIT_ENV, "folded")
+    with pytest.raises(BackendError, match="FUSION_PLANNER_CPU_WEIGHTS_16BIT='folded'"):
+        gemm.weight_layout_16bit("bf16")
+
+
+def test_the_16_bit_layout_probe_times_both_layouts_of_each_shape(monkeypatch):
+    """The probe itself (no stand-in), where torch packs bf16: a positive time per layout and shape."""
+    _packing_backend(monkeypatch, 1)
+    from fusion_planner.backends.cpu import gemm
+
+    seconds = gemm.time_16bit_layouts("bf16")
+    assert set(seconds) == set(gemm.WEIGHT_LAYOUTS_16BIT)
+    assert all(len(v) == len(gemm.LAYOUT_SHAPES) and min(v) > 0 for v in seconds.values())
+
+
 def test_16_bit_inputs_of_their_own_dtype_are_bound_not_converted():
     """A bf16 call input handed over as bf16 (what the torch importer passes) is read in place as its bits."""
     from fusion_planner.backends.cpu.backend import CpuBackend

@@ -184,11 +184,15 @@ class Memory:
     in its place (a caller's input that already has the stored layout, a fresh output array).
     Kernels look their arrays up here when they run, never at compile time."""
 
-    def __init__(self, own: dict[str, np.ndarray], outputs: frozenset[str] = frozenset()) -> None:
+    def __init__(self, own: dict[str, np.ndarray], outputs: frozenset[str] = frozenset(),
+                 packable: frozenset[str] = frozenset()) -> None:
         self.own = own
         self.arrays = dict(own)
         self.addr = {n: a.ctypes.data for n, a in own.items()}
         self.outputs = outputs  # tensors handed out to the caller (a fresh array each call)
+        #: 16-bit weights a GEMM may multiply from oneDNN's packed form: those bound read-only have it in ``packed``
+        self.packable = packable
+        self.packed: dict[str, Any] = {}
         self._arenas: dict[int, np.ndarray] = {}
 
     def scratch(self, slot: int, shape: Sequence[int], dtype: Any) -> np.ndarray:
@@ -307,6 +311,7 @@ class CpuCompiledPlan(CompiledPlan):
         #: and already copied (a writable array that was copied may have changed, so it is copied again)
         self._kept: dict[str, Any] = {}
         self.loads = 0  # inputs copied into buffers so far (tests count them)
+        self.packs = 0  # weights packed by oneDNN for this plan's calls (tests count them)
         self.binds = 0  # inputs the kernels read in place, without a copy
         self._handed_out: dict[str, np.ndarray] = {}  # the fp32 output array each output got last
         self.reused = 0  # output arrays reused because their caller had dropped them
@@ -321,33 +326,52 @@ class CpuCompiledPlan(CompiledPlan):
                 self.binds += 1
                 continue
             kept.pop(name, None)
-            ttype = self.plan.tensors[name]
-            arr = np.asarray(given)
-            if tuple(arr.shape) != tuple(ttype.shape):
-                raise BackendError(f"input {name!r} has shape {list(arr.shape)}, expected {list(ttype.shape)}")
-            own = self.memory.own[name]
-            # a 16-bit array of the tensor's own dtype: its bits are the storage
-            bits = arr.view(np.uint16) if own.dtype == np.uint16 and arr.dtype == numpy_dtype(ttype.dtype) else None
-            stored = arr if bits is None else bits
-            if name in self.padded and not arr.flags.writeable:  # a parameter: multiplied from its padded copy
-                copy, made = self.held.padded(arr)
-                self.memory.bind(name, copy)
-                self.loads += made
-                kept[name] = given
-                continue
-            if bindable(stored, own, name in self._transposed_ok):  # read in place
-                self.memory.bind(name, stored)
-                self.binds += 1
-                kept[name] = given
-                continue
-            self.memory.restore(name)
-            if bits is None:
-                to_storage(arr, ttype.dtype, own)
-            else:
-                np.copyto(own, bits)
-            self.loads += 1
-            if not arr.flags.writeable:  # read-only (a bound parameter): its copy stays valid
-                kept[name] = given
+            arr = self._load(name, given)
+            if name in self.memory.packable:
+                self._pack(name, arr)
+
+    def _load(self, name: str, given: Any) -> np.ndarray:
+        """Bind input ``name`` to ``given`` (read in place, or its held copy) or copy it into its buffer."""
+        kept = self._kept
+        ttype = self.plan.tensors[name]
+        arr = np.asarray(given)
+        if tuple(arr.shape) != tuple(ttype.shape):
+            raise BackendError(f"input {name!r} has shape {list(arr.shape)}, expected {list(ttype.shape)}")
+        own = self.memory.own[name]
+        # a 16-bit array of the tensor's own dtype: its bits are the storage
+        bits = arr.view(np.uint16) if own.dtype == np.uint16 and arr.dtype == numpy_dtype(ttype.dtype) else None
+        stored = arr if bits is None else bits
+        if name in self.padded and not arr.flags.writeable:  # a parameter: multiplied from its padded copy
+            copy, made = self.held.padded(arr)
+            self.memory.bind(name, copy)
+            self.loads += made
+            kept[name] = given
+            return arr
+        if bindable(stored, own, name in self._transposed_ok):  # read in place
+            self.memory.bind(name, stored)
+            self.binds += 1
+            kept[name] = given
+            return arr
+        self.memory.restore(name)
+        if bits is None:
+            to_storage(arr, ttype.dtype, own)
+        else:
+            np.copyto(own, bits)
+        self.loads += 1
+        if not arr.flags.writeable:  # read-only (a bound parameter): its copy stays valid
+            kept[name] = given
+        return arr
+
+    def _pack(self, name: str, arr: np.ndarray) -> None:
+        """A read-only 16-bit weight (a bound parameter) is multiplied from oneDNN's packed form of it, made once
+        for every plan of the backend; a writable one may change before the next call and is read as bound."""
+        packed = self.memory.packed
+        if arr.flags.writeable:
+            packed.pop(name, None)
+            return
+        stored, dtype = self.memory.arrays[name], self.plan.tensors[name].dtype
+        packed[name], made = self.held.form(arr, f"packed-{dtype}", lambda: gemm.pack_weight(stored, dtype))
+        self.packs += made
 
     def _output_array(self, name: str) -> np.ndarray:
         """An array for output ``name`` no one else can see: the one handed out last time if the caller has
@@ -511,6 +535,8 @@ class CpuBackend(Backend):
         read = {r for k in plan.kernels for r in k.reads}
         inputs = sorted((read | set(plan.outputs)) - set(written))
         padded = gemm_b_only(plan) & set(inputs) if self.weights == "padded" else frozenset()
+        packed_dtypes = self.packed_dtypes()
+        packable = gemm_b_only(plan, packed_dtypes) & set(inputs) if packed_dtypes else frozenset()
         missing = [n for n in inputs + written if n not in plan.tensors]
         if missing:
             raise BackendError(f"plan has no type for tensor {missing[0]!r}")
@@ -529,7 +555,7 @@ class CpuBackend(Backend):
                 buffers[name] = typed_view(shared[name], ttype.shape, dtype)
             else:
                 buffers[name] = aligned_empty(ttype.shape, dtype, zero=True)
-        memory = Memory(buffers, frozenset(plan.outputs))
+        memory = Memory(buffers, frozenset(plan.outputs), packable)
         steps = []
         for i, k in enumerate(plan.kernels):
             try:
@@ -583,7 +609,13 @@ class CpuBackend(Backend):
     @property
     def identity(self) -> str:
         """What the plan cache keys on besides the device: a choice timed on 1 thread may not be best on 8."""
-        return f"cpu threads={self.threads} gemm={self.gemm_library} weights={self.weights}"
+        packed = ",".join(sorted(self.packed_dtypes())) or "none"
+        return f"cpu threads={self.threads} gemm={self.gemm_library} weights={self.weights} packed={packed}"
+
+    def packed_dtypes(self) -> frozenset[str]:
+        """The 16-bit dtypes whose weights this backend multiplies from oneDNN's packed form
+        (``gemm.weight_layout_16bit``): those torch multiplies natively here, where packing is chosen."""
+        return frozenset(d for d in ("bf16", "fp16") if self.native(d) and gemm.weight_layout_16bit(d) == "packed")
 
     def _step(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory) -> Step:
         # generated loops trust these shapes: a mismatch would write out of bounds
@@ -728,9 +760,12 @@ class CpuBackend(Backend):
         stored = native or a_dtype == b_dtype == "fp32"  # the library reads both operands as stored
         # a torch product keeps its operands' views while they stay the same arrays (not one handed out)
         keep = (a_name not in memory.outputs, b_name not in memory.outputs)
+        linear = gemm.packed_linear(tile_dtype) if native and b_name in memory.packable else None
         if k.body is mm and stored and k.body.type.dtype == tile_dtype:
             product = gemm.torch_mm(tile_dtype, (*keep, False)) if native or torch_gemm else self.matmul
-            return self._product(k, memory, a_name, b_name, product)
+            step = self._product(k, memory, a_name, b_name, self._packing(memory, b_name, product, linear))
+            step.facts["weights"] = "packed if read-only" if linear else step.facts["weights"]
+            return step
         widen_b, b_scratch = self._stored(memory, b_name) if native else self._widen(memory, b_name, b_dtype, b_buf.shape[0])
         ck = generate(k.body, self._types(tensors), tile=mm, tile_dtype=tile_dtype)
         b_rows = b_buf.shape[0]
@@ -754,16 +789,16 @@ class CpuBackend(Backend):
             "threads": threads if torch_gemm else len(blocks),
             "scratch_bytes": scratch,
             "blas_threads": self.blas_threads or "default",
-            "weights": weights_fact(b_buf),
+            "weights": "packed if read-only" if linear else weights_fact(b_buf),
             "source_sha256": ck.digest[:16],
         }
         step_reads = [a_buf, b_buf] + [b for b in reads if b is not a_buf and b is not b_buf]
         if torch_gemm and stored and tile_rows >= rows:  # one tile, operands as stored: the short route
             (fn, params, tile, _, _), = blockwork
             call_one = self._one_tile(memory, (a_name, b_name, out_name), gemm.torch_mm(tile_dtype, (*keep, True)),
-                                      fn, params, tile)
+                                      fn, params, tile, linear)
             return Step(k, call_one, step_reads, buffers[k.out], facts)
-        product = gemm.torch_mm(a_dtype) if native else self.matmul
+        product = self._packing(memory, b_name, gemm.torch_mm(a_dtype) if native else self.matmul, linear)
 
         def call() -> None:
             b32 = widen_b(0, b_rows)  # B as the product reads it (fp32: widened once), shared by the blocks
@@ -771,7 +806,7 @@ class CpuBackend(Backend):
             if torch_gemm:
                 ((fn, params, tile, widen_a, bounds),) = blockwork
                 epilogue = _split_epilogue(pool, threads, fn, [None if n is None else addr[n] for n in params],
-                                           tile, out, cols)
+                                           tile.ctypes.data, out, cols, tile.itemsize)
                 _gemm_block(product, epilogue, tile, widen_a, b32, bounds)  # torch's threads: the plan's (_pools)
                 return
             pool.run([functools.partial(_gemm_block, product, functools.partial(
@@ -781,23 +816,38 @@ class CpuBackend(Backend):
         return Step(k, call, step_reads, buffers[k.out], facts)
 
     def _one_tile(self, memory: Memory, names: tuple[str, str, str], product: gemm.MatMul, fn: Callable[..., None],
-                  params: list[str | None], tile: np.ndarray) -> Callable[[], None]:
+                  params: list[str | None], tile: np.ndarray, linear: gemm.PackedLinear | None) -> Callable[[], None]:
         """A torch GEMM + epilogue whose product is one tile, operands read as stored: the product of the
-        operands as bound, then the epilogue over every row (on the calling thread, or split across the pool)."""
+        operands as bound (or by ``linear`` from the right operand's packed form, when it has one: the epilogue
+        reads oneDNN's result in place of the tile), then the epilogue over every row (on the calling thread, or
+        split across the pool)."""
         a_name, b_name, out_name = names
-        arrays, addr, pool, threads = memory.arrays, memory.addr, self.pool, self.threads
+        arrays, addr, pool, threads, packed = memory.arrays, memory.addr, self.pool, self.threads, memory.packed
         rows, cols = tile.shape
-        tile_ptr = tile.ctypes.data
+        tile_ptr, itemsize = tile.ctypes.data, tile.itemsize
 
         def call() -> None:
-            product(arrays[a_name], arrays[b_name], tile)  # on the plan's torch threads (CpuCompiledPlan._pools)
+            weight = packed.get(b_name) if linear is not None else None
+            if weight is None:
+                product(arrays[a_name], arrays[b_name], tile)  # on the plan's torch threads (CpuCompiledPlan._pools)
+                ptr = tile_ptr
+            else:
+                result = linear(arrays[a_name], weight)  # type: ignore[misc]  # alive until the epilogue is done
+                ptr = result.data_ptr()
             if threads == 1:
-                fn(*[tile_ptr if n is None else addr[n] for n in params], addr[out_name], 0, rows, cols)
+                fn(*[ptr if n is None else addr[n] for n in params], addr[out_name], 0, rows, cols)
                 return
-            _split_epilogue(pool, threads, fn, [None if n is None else addr[n] for n in params], tile,
-                            addr[out_name], cols)(0, rows, cols)
+            _split_epilogue(pool, threads, fn, [None if n is None else addr[n] for n in params], ptr,
+                            addr[out_name], cols, itemsize)(0, rows, cols)
 
         return call
+
+    @staticmethod
+    def _packing(memory: Memory, b_name: str, product: gemm.MatMul, linear: gemm.PackedLinear | None) -> gemm.MatMul:
+        """``product``, or, while the right operand has a packed form, ``linear``'s result copied into the output."""
+        if linear is None:
+            return product
+        return gemm.packing(product, linear, functools.partial(memory.packed.get, b_name))
 
     def _product(self, k: Kernel, memory: Memory, a_name: str, b_name: str, product: gemm.MatMul) -> Step:
         """A GEMM kernel that is its product alone: the library writes the output's rows, no tile, no epilogue
@@ -948,9 +998,9 @@ def _gemm_block(mm: gemm.MatMul, epilogue: Callable[[int, int, int], None], tile
 
 
 def _split_epilogue(pool: parallel.WorkerPool, threads: int, fn: Callable[..., None], ptrs: list[int | None],
-                    tile: np.ndarray, out: int, cols: int) -> Callable[[int, int, int], None]:
+                    tile_ptr: int, out: int, cols: int, itemsize: int) -> Callable[[int, int, int], None]:
     """A tile's epilogue with its rows split across the pool (the tile pointer offset to each part's rows)."""
-    row_bytes, tile_ptr = cols * tile.itemsize, tile.ctypes.data
+    row_bytes = cols * itemsize
 
     def run(r0: int, r1: int, cols: int) -> None:
         parts = parallel.split(r1 - r0, parallel.loop_parts(threads, (r1 - r0) * cols))

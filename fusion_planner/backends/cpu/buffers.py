@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -79,29 +79,39 @@ def padded_matrix(rows: int, cols: int, dtype: Any, zero: bool = False) -> np.nd
 
 
 class HeldWeights:
-    """Padded copies of read-only fp32 matrices (a module's bound parameters), made once per array and shared by
-    every plan one backend compiles: a search's candidates all read the same weights, and copying them per
-    candidate cost more than timing it.  A copy lives as long as the array it was made from."""
+    """Forms of read-only matrices (a module's bound parameters) that GEMM libraries multiply faster, made once
+    per array and form and shared by every plan one backend compiles: a search's candidates all read the same
+    weights, and remaking them per candidate cost more than timing it.  Two forms: fp32 copies with padded rows,
+    and 16-bit weights packed by oneDNN (``gemm.pack_weight``).  A form lives as long as the array it was made
+    from."""
 
     def __init__(self) -> None:
-        self._copies: dict[int, tuple[weakref.ref[np.ndarray], np.ndarray]] = {}
-        self.copies = 0  # copies made so far (tests count them)
+        self._forms: dict[tuple[int, str], tuple[weakref.ref[np.ndarray], Any]] = {}
+        self.copies = 0  # forms made so far (tests count them)
 
     def padded(self, arr: np.ndarray) -> tuple[np.ndarray, bool]:
-        """(the padded copy of ``arr``, whether it was made by this call)."""
-        key = id(arr)
-        hit = self._copies.get(key)
+        """(the padded fp32 copy of ``arr``, whether it was made by this call)."""
+        def copy() -> np.ndarray:
+            rows, cols = arr.shape
+            out = padded_matrix(rows, cols, np.float32)
+            np.copyto(out, arr)
+            return out
+
+        return self.form(arr, "padded", copy)
+
+    def form(self, arr: np.ndarray, kind: str, make: Callable[[], Any]) -> tuple[Any, bool]:
+        """(the ``kind`` form of ``arr``, ``make()`` the first time it is asked for; whether this call made it)."""
+        key = (id(arr), kind)
+        hit = self._forms.get(key)
         if hit is not None and hit[0]() is arr:
             return hit[1], False
-        rows, cols = arr.shape
-        copy = padded_matrix(rows, cols, np.float32)
-        np.copyto(copy, arr)
-        self._copies[key] = (weakref.ref(arr, self._forget), copy)
+        made = make()
+        self._forms[key] = (weakref.ref(arr, self._forget), made)
         self.copies += 1
-        return copy, True
+        return made, True
 
     def _forget(self, ref: weakref.ref[np.ndarray]) -> None:
-        """The array a copy was made from is gone: drop the copy."""
-        for key, (r, _) in list(self._copies.items()):
+        """The array a form was made from is gone: drop its forms."""
+        for key, (r, _) in list(self._forms.items()):
             if r is ref:
-                del self._copies[key]
+                del self._forms[key]

@@ -28,8 +28,19 @@ as its (K, N) transpose).  On a Sapphire Rapids core (2026-12-03) padded rows ma
 1.1-1.3x faster on GPT-2's and a 2048-wide MLP's GEMMs.  ``FUSION_PLANNER_CPU_WEIGHTS``: ``auto`` (the default)
 times both layouts on :data:`LAYOUT_SHAPES` once per machine, library and versions (``gemm-weights.json`` in the
 kernel cache) and keeps ``given`` unless ``padded`` is faster on their sum by :data:`PROBE_MARGIN` and slower on
-none; ``padded`` and ``given`` force one.  16-bit weights multiplied natively keep nn.Linear's layout (oneDNN
-packs its operand itself; no layout was faster on every shape).
+none; ``padded`` and ``given`` force one.
+
+16-bit weights torch multiplies natively are either read as ``given`` (nn.Linear's (N, K) layout; oneDNN
+reorders the operand into its blocked form inside every product) or ``packed``: reordered once into oneDNN's
+blocked form (``torch.ops.mkldnn._reorder_linear_weight``, what Inductor's weight freezing does) and
+multiplied by ``torch.ops.mkldnn._linear_pointwise``, which writes a fresh tensor the epilogue reads as its
+tile.  On a Sapphire Rapids core (AMX, 2026-12-03) packed bf16 weights multiplied 1.3-1.5x faster on GPT-2's
+shapes at 128 rows (warm and with cold caches), 1.3x at 512x2048x5632, 1.1-1.2x on a 16-row decode step, and
+tied at 2048 rows.  ``FUSION_PLANNER_CPU_WEIGHTS_16BIT``: ``auto`` (the default) times both on
+:data:`LAYOUT_SHAPES` in the dtype once per machine and versions (``gemm-weights-<dtype>.json``) and keeps
+``given`` unless ``packed`` wins by the rule above; ``packed`` forces it (an error where this torch cannot
+pack the dtype), ``given`` never packs.  Only a read-only array (a bound parameter) is packed, once, and
+shared by every plan of the backend; a writable weight may change between calls and is read as given.
 """
 
 from __future__ import annotations
@@ -60,6 +71,8 @@ GEMM_ENV = "FUSION_PLANNER_CPU_GEMM"
 GEMM_16BIT_ENV = "FUSION_PLANNER_CPU_GEMM_16BIT"
 WEIGHTS_ENV = "FUSION_PLANNER_CPU_WEIGHTS"
 WEIGHT_LAYOUTS = ("padded", "given")
+WEIGHTS_16BIT_ENV = "FUSION_PLANNER_CPU_WEIGHTS_16BIT"
+WEIGHT_LAYOUTS_16BIT = ("packed", "given")
 LIBRARIES = ("numpy", "torch")
 #: the torch.cpu capability checks under which torch multiplies a 16-bit dtype natively
 _NATIVE_16BIT = {"bf16": ("_is_amx_tile_supported", "_is_avx512_bf16_supported"), "fp16": ("_is_amx_fp16_supported",)}
@@ -284,3 +297,147 @@ def measured_weight_layout(library: str) -> str:
         return choice, seconds
 
     return _recorded(LAYOUT_FILE, _layout_key(library), WEIGHT_LAYOUTS, measure)
+
+
+# ---------------------------------------------------------------- 16-bit weights packed by oneDNN
+
+#: ``linear(a, w)``: ``a @ w`` as a fresh torch tensor, ``a`` a 16-bit array's bits, ``w`` a :func:`pack_weight`
+PackedLinear = Callable[[np.ndarray, Any], Any]
+
+
+def _torch_dtype(dtype: str) -> Any:
+    import torch  # optional dependency (a native 16-bit product: torch is loaded)
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+
+
+def pack_weight(b: np.ndarray, dtype: str) -> Any:
+    """oneDNN's blocked form of a 16-bit GEMM right operand ``b`` ((K, N), its bits as ``uint16``, any
+    strides): reordered from the (N, K) weight nn.Linear stores, for :func:`packed_linear`."""
+    import torch  # optional dependency
+
+    from fusion_planner.torch.ops import numpy_view
+
+    weight = numpy_view(np.ascontiguousarray(b.T)).view(_torch_dtype(dtype))
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
+def packed_linear(dtype: str) -> PackedLinear:
+    """``a @ w`` for a packed weight ``w``, by oneDNN; the left operand's tensor view is kept while ``a`` is the
+    same array (a plan's own buffer; see :func:`torch_mm`)."""
+    import torch  # optional dependency
+
+    from fusion_planner.torch.ops import numpy_view
+
+    kind, linear = _torch_dtype(dtype), torch.ops.mkldnn._linear_pointwise
+    kept: list[tuple[np.ndarray, Any]] = []
+
+    def run(a: np.ndarray, w: Any) -> Any:
+        if not kept or kept[0][0] is not a:
+            kept[:] = [(a, numpy_view(a).view(kind))]
+        return linear(kept[0][1], w, None, "none", [], "")
+
+    return run
+
+
+def packing(product: MatMul, linear: PackedLinear, weight: Callable[[], Any]) -> MatMul:
+    """``product``, except while ``weight()`` gives the packed form of its right operand: then ``linear``
+    multiplies, and its result is copied into ``out``."""
+    def mm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+        packed = weight()
+        if packed is None:
+            product(a, b, out)
+            return
+        np.copyto(out, tensor_bits(linear(a, packed)))
+
+    return mm
+
+
+def tensor_bits(t: Any) -> np.ndarray:
+    """A 16-bit tensor's bits as a ``uint16`` array, without a copy."""
+    import torch  # optional dependency
+
+    return t.view(torch.uint16).numpy()
+
+
+@functools.cache
+def packing_error(dtype: str) -> str | None:
+    """Why this torch cannot multiply ``dtype`` from packed weights (None: it can): a small product packed and
+    compared with the widened one (torch builds without oneDNN, or CPUs it refuses the dtype on)."""
+    import torch  # optional dependency
+
+    try:
+        rng = np.random.default_rng(0)
+        a = rng.standard_normal((8, 32), dtype=np.float32)
+        b = rng.standard_normal((32, 24), dtype=np.float32)
+        kind = _torch_dtype(dtype)
+        bits = [torch.from_numpy(m).to(kind).view(torch.uint16).numpy() for m in (a, b)]
+        got = packed_linear(dtype)(aligned_copy(bits[0]), pack_weight(bits[1], dtype)).float().numpy()
+    except (RuntimeError, AttributeError, NotImplementedError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    want = a @ b
+    if not np.allclose(got, want, rtol=5e-2, atol=0.5):  # two roundings to 8 bits of mantissa, sums of 32 terms
+        return f"oneDNN's packed {dtype} product differs from the fp32 one by {np.abs(got - want).max():.3g}"
+    return None
+
+
+def aligned_copy(x: np.ndarray) -> np.ndarray:
+    out = aligned_empty(x.shape, x.dtype)
+    out[...] = x
+    return out
+
+
+def weight_layout_16bit(dtype: str) -> str:
+    """How 16-bit weights torch multiplies natively are held: ``packed`` or ``given`` (module docstring)."""
+    value = (os.environ.get(WEIGHTS_16BIT_ENV) or "auto").strip().lower()
+    if value not in ("auto", *WEIGHT_LAYOUTS_16BIT):
+        raise BackendError(f"{WEIGHTS_16BIT_ENV}={value!r}: expected auto, packed or given")
+    if value == "given":
+        return value
+    error = packing_error(dtype)
+    if value == "packed" and error is not None:
+        raise BackendError(f"{WEIGHTS_16BIT_ENV}=packed, but torch cannot multiply {dtype} from packed weights "
+                           f"here ({error})")
+    if error is not None:
+        return "given"
+    return "packed" if value == "packed" else measured_16bit_layout(dtype)
+
+
+def time_16bit_layouts(dtype: str) -> dict[str, list[float]]:
+    """Seconds per 16-bit weight layout and shape of :data:`LAYOUT_SHAPES` (the fastest round), interleaved."""
+    import torch  # optional dependency
+
+    rng = np.random.default_rng(0)
+    kind = _torch_dtype(dtype)
+    best: dict[str, list[float]] = {layout: [] for layout in WEIGHT_LAYOUTS_16BIT}
+    mm, linear = torch_mm(dtype), packed_linear(dtype)
+    with torch_threads(1):
+        for m, k, n in LAYOUT_SHAPES:
+            a = aligned_copy(torch.from_numpy(rng.standard_normal((m, k), dtype=np.float32)).to(kind)
+                             .view(torch.uint16).numpy())
+            weight = aligned_copy(torch.from_numpy(rng.standard_normal((n, k), dtype=np.float32)).to(kind)
+                                  .view(torch.uint16).numpy())  # nn.Linear's (N, K)
+            packed = pack_weight(weight.T, dtype)
+            out = aligned_empty((m, n), np.uint16)
+            fastest = _fastest({"given": functools.partial(mm, a, weight.T, out),
+                                "packed": functools.partial(linear, a, packed)})
+            for layout in WEIGHT_LAYOUTS_16BIT:
+                best[layout].append(fastest[layout])
+    return best
+
+
+@functools.cache
+def measured_16bit_layout(dtype: str) -> str:
+    """``packed`` where it multiplies ``dtype`` faster than ``given`` here (the rule of
+    :func:`measured_weight_layout`), else ``given``; measured once per machine and versions, kept in the cache."""
+    def measure() -> tuple[str, dict[str, list[float]]]:
+        seconds = time_16bit_layouts(dtype)
+        packed, given = seconds["packed"], seconds["given"]
+        wins = sum(packed) * (1 + PROBE_MARGIN) < sum(given) and all(
+            p <= g * (1 + PROBE_MARGIN) for p, g in zip(packed, given, strict=True))
+        choice = "packed" if wins else "given"
+        log.info("CPU GEMM %s weights: %s (one thread: packed %.2f ms, given %.2f ms)", dtype, choice,
+                 sum(packed) * 1e3, sum(given) * 1e3)
+        return choice, seconds
+
+    return _recorded(f"gemm-weights-{dtype}.json", _layout_key("torch"), WEIGHT_LAYOUTS_16BIT, measure)
