@@ -107,7 +107,9 @@ def test_16_bit_attention_and_its_unfused_form_match_the_reference(dtype, mode, 
     for plan, impl in ((fused, attention_impl), (cands.unfused, product_impl)):
         compiled = CpuBackend(SPEC, threads=1, gemm_library="torch").compile(plan)
         facts = {k.body.op: f["impl"] for k, f in zip(plan.kernels, compiled.kernel_facts, strict=True)}
-        assert facts["Heads"] == facts["Merge"] == "numpy-layout-copy"
+        torch_attention = plan is fused and mode == "native"  # reads strided heads; its Merge is the output: a copy
+        assert (facts["Heads"], facts["Merge"]) == (("strided-view", "view-or-copy") if torch_attention
+                                                    else ("numpy-layout-copy", "numpy-layout-copy"))
         assert facts.get("Attention", facts.get("BatchScores")) == impl.format(dtype)
         got = compiled.run(inputs)[0]
         np.testing.assert_allclose(got.astype(np.float32), want, rtol=3e-2, atol=3e-2)
@@ -162,3 +164,39 @@ def test_16_bit_masked_attention_matches_the_reference(dtype, mode, monkeypatch)
     facts = {k.body.op: f["impl"] for k, f in zip(fused.kernels, compiled.kernel_facts, strict=True)}
     assert facts["MaskedAttention"] == ("torch-sdpa-bf16" if mode == "native" else f"c-attention-{dtype}-widened")
     np.testing.assert_allclose(compiled.run(inputs)[0].astype(np.float32), want, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("masked", [False, True])
+def test_torchs_attention_reads_strided_heads_and_hands_its_result_to_the_merge(masked, threads, monkeypatch) -> None:
+    """Around torch's 16-bit attention the layout kernels copy nothing: each Heads result is a strided view of the
+    packed projection, and the Merge of torch's result (written in token order, given views) is a view of it
+    that a generated loop reads by address.  The projection's buffer lives until the attention has read it
+    (nothing else is written into it before), batches of two, over repeated calls; equal to the reference."""
+    pytest.importorskip("torch")
+    monkeypatch.setenv("FUSION_PLANNER_CPU_GEMM_16BIT", "native")
+    b = GraphBuilder("attention-then-relu")
+    b.input("x", (2 * 9, 48), "bf16")
+    b.input("w", (48, 48), "bf16")
+    mask = b.input("mask", (2, 9), "bf16") if masked else None
+    qkv = b.op("qkv", "Relu", [b.op("proj", "MatMul", ["x", "w"])])
+    att = examples.attention_ops(b, "attn", qkv, batch=2, seq=9, heads=2, width=16, causal=not masked, mask=mask)
+    graph = b.build([b.op("out", "Relu", [b.op("merged", "Affine", [att], {"a": 2.0, "b": 1.0})])])
+    cands = build_candidates(graph, SPEC, cap=64)
+    op = "MaskedAttention" if masked else "Attention"
+    plans = [p for p in cands.plans if any(k.body.op == op for k in p.kernels)
+             and not any(k.body.op == "Merge" for k in p.kernels if k.out in p.outputs)]
+    assert plans
+    inputs = random_inputs(graph, seed=6)
+    if masked:
+        inputs["mask"][1, -3:] = -np.inf
+    want = execute_plan(cands.unfused, inputs)[0].astype(np.float32)
+    for plan in plans[:4]:
+        compiled = CpuBackend(SPEC, threads=threads, gemm_library="torch").compile(plan)
+        facts = {k.body.op: f for k, f in zip(plan.kernels, compiled.kernel_facts, strict=True)}
+        assert facts["Heads"]["impl"] == "strided-view" and facts[op]["result"] == "handed"
+        merge = next(k.out for k in plan.kernels if k.body.op == "Merge")
+        for _ in range(2):
+            got = compiled.run(inputs)[0].astype(np.float32)
+            np.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2, err_msg=plan.notation())
+        assert not np.shares_memory(compiled.memory.arrays[merge], compiled.memory.own[merge])  # a view of torch's

@@ -193,6 +193,10 @@ class Memory:
         #: 16-bit weights a GEMM may multiply from oneDNN's packed form: those bound read-only have it in ``packed``
         self.packable = packable
         self.packed: dict[str, Any] = {}
+        #: layout steps that copy nothing (``layout_views``): Heads results bound as views of their source, and
+        #: torch attention results handed to their Merge readers as torch wrote them
+        self.views: Mapping[str, str] = {}
+        self.handed: frozenset[str] = frozenset()
         self._arenas: dict[int, np.ndarray] = {}
 
     def scratch(self, slot: int, shape: Sequence[int], dtype: Any) -> np.ndarray:
@@ -541,8 +545,11 @@ class CpuBackend(Backend):
         if missing:
             raise BackendError(f"plan has no type for tensor {missing[0]!r}")
         intermediates = set(written) - set(plan.outputs)
+        views, handed = layout_views(plan, functools.partial(self._torch_attention, tensors=plan.tensors))
+        # a Heads view is read where its source is: the source lives until the view's last reader
+        reads = [[*k.reads, *loads(k.body)] for k in plan.kernels]
         shared = shared_buffers(
-            [(k.out, [*k.reads, *loads(k.body)]) for k in plan.kernels],
+            [(k.out, [*r, *(views[t] for t in r if t in views)]) for k, r in zip(plan.kernels, reads, strict=True)],
             {n: math.prod(plan.tensors[n].shape) * storage_dtype(plan.tensors[n].dtype).itemsize for n in intermediates})
         buffers: dict[str, np.ndarray] = {}
         for name in inputs + written:
@@ -556,6 +563,7 @@ class CpuBackend(Backend):
             else:
                 buffers[name] = aligned_empty(ttype.shape, dtype, zero=True)
         memory = Memory(buffers, frozenset(plan.outputs), packable)
+        memory.views, memory.handed = views, handed
         steps = []
         for i, k in enumerate(plan.kernels):
             try:
@@ -878,6 +886,10 @@ class CpuBackend(Backend):
         if len(order) != len(body.args):
             return self._converted(k, tensors, memory)
         arrays, out_name, reads = memory.arrays, k.out, [memory.own[n] for n in dict.fromkeys(order)]
+        if body.op == "Heads" and out_name in memory.views:
+            return self._heads_view(k, memory, order[0], reads)
+        if body.op == "Merge" and order[0] in memory.handed:
+            return self._merge_handed(k, memory, order[0], reads)
         if body.op in ("Heads", "Merge", "GroupRepeat"):  # a copy of the stored bits: any dtype
             copy = standalone.layout_copy(body)
 
@@ -913,12 +925,18 @@ class CpuBackend(Backend):
         facts = {"impl": "c-attention", "threads": min(self.threads, groups), "key_block": standalone.KEY_BLOCK}
         if self.native(dtype):
             attend, arrays, threads = standalone.torch_attention_16bit(body, dtype), memory.arrays, self.threads
+            handed = out_name in memory.handed
 
             def call_torch() -> None:  # on the plan's torch threads (CpuCompiledPlan._pools)
-                q, kk, v, *mask = (arrays[n] for n in order)
-                attend(q, kk, v, arrays[out_name], *mask)
+                result = attend(*(arrays[n] for n in order))
+                if handed:  # read by Merge steps only: as torch wrote it
+                    memory.bind(out_name, gemm.tensor_bits(result))
+                    return
+                out = arrays[out_name]
+                np.copyto(out.reshape(result.shape), gemm.tensor_bits(result))
 
-            return Step(k, call_torch, reads, memory.own[out_name], {"impl": f"torch-sdpa-{dtype}", "threads": threads})
+            return Step(k, call_torch, reads, memory.own[out_name], {"impl": f"torch-sdpa-{dtype}", "threads": threads,
+                                                                    "result": "handed" if handed else "copied"})
         source = standalone.source_of(body, {n: tuple(t.shape) for n, t in tensors.items()})
         assert source is not None
         fn = self.compiler.function(source, len(order) + 1)
@@ -942,6 +960,46 @@ class CpuBackend(Backend):
         scratch = result.nbytes + sum(w.nbytes for w in wide.values())
         return Step(k, call_widened, reads, memory.own[out_name], dict(facts, impl=f"c-attention-{dtype}-widened",
                                                                  scratch_bytes=scratch))
+
+    def _torch_attention(self, k: Kernel, tensors: Mapping[str, TensorType]) -> bool:
+        """Is kernel ``k`` an attention that torch's fused kernel computes (16-bit, natively multiplied)?"""
+        body = k.body
+        return (k.kind == KernelKind.STANDALONE and body.op in standalone.ATTENTION_OPS
+                and all(isinstance(a, Load) and tensors[a.tensor].dtype == body.type.dtype for a in body.args)
+                and self.native(body.type.dtype))
+
+    @staticmethod
+    def _heads_view(k: Kernel, memory: Memory, source: str, reads: list[np.ndarray]) -> Step:
+        """A Heads kernel only torch's attention reads: its result bound as a strided view of its source."""
+        view, arrays, out_name = standalone.heads_view(k.body), memory.arrays, k.out
+        last: list[np.ndarray] = []  # the source array and its view, kept while the source is the same array
+
+        def call_view() -> None:
+            x = arrays[source]
+            if not last or last[0] is not x:
+                last[:] = [x, view(x)]
+            memory.bind(out_name, last[1])
+
+        return Step(k, call_view, reads, memory.own[out_name], {"impl": "strided-view"})
+
+    @staticmethod
+    def _merge_handed(k: Kernel, memory: Memory, source: str, reads: list[np.ndarray]) -> Step:
+        """A Merge of torch's attention result (batch, heads, seq, e): where torch wrote it in (batch, seq, heads,
+        e) order (given strided operands) and it is not a plan output, its token rows are a view of it; else
+        copied into the output."""
+        arrays, out_name, shape = memory.arrays, k.out, memory.own[k.out].shape
+        is_output = out_name in memory.outputs
+
+        def call_merge() -> None:
+            rows = standalone.merged_rows(arrays[source])
+            if not is_output and rows.flags.c_contiguous:
+                memory.bind(out_name, rows.reshape(shape))
+                return
+            if not is_output:
+                memory.restore(out_name)
+            np.copyto(arrays[out_name].reshape(rows.shape), rows)
+
+        return Step(k, call_merge, reads, memory.own[out_name], {"impl": "view-or-copy"})
 
     def _opaque(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory) -> Step:
         own, arrays = memory.own, memory.arrays
@@ -973,6 +1031,32 @@ class CpuBackend(Backend):
             to_storage(value, dtype, out)
 
         return Step(k, call_converted, reads, own[k.out], {"impl": "numpy-reference"})
+
+
+def layout_views(plan: Plan, torch_attention: Callable[[Kernel], bool]) -> tuple[dict[str, str], frozenset[str]]:
+    """Layout kernels of ``plan`` that need copy nothing, around an attention torch computes
+    (``torch_attention(kernel)``), which reads strided operands: (Heads result -> its source tensor) for Heads
+    read only by such attentions, and the attentions read only by Merge kernels (their result handed over as
+    torch wrote it).  Neither for a plan output, nor for a Heads of a plan output (a view would keep the
+    caller's array alive)."""
+    readers: dict[str, list[Kernel]] = {}
+    for k in plan.kernels:
+        for t in dict.fromkeys([*k.reads, *loads(k.body)]):
+            readers.setdefault(t, []).append(k)
+    outputs = set(plan.outputs)
+    views: dict[str, str] = {}
+    handed: set[str] = set()
+    for k in plan.kernels:
+        body, users = k.body, readers.get(k.out, [])
+        if k.out in outputs or not users:
+            continue
+        if (k.kind == KernelKind.STANDALONE and body.op == "Heads" and isinstance(body.args[0], Load)
+                and body.args[0].tensor not in outputs and all(torch_attention(u) for u in users)):
+            views[k.out] = body.args[0].tensor
+        elif torch_attention(k) and all(u.kind == KernelKind.STANDALONE and u.body.op == "Merge"
+                                        and isinstance(u.body.args[0], Load) for u in users):
+            handed.add(k.out)
+    return views, frozenset(handed)
 
 
 def _direct_opaque(k: Kernel, tensors: Mapping[str, TensorType]) -> tuple[Callable[..., None], list[str]] | None:

@@ -53,24 +53,46 @@ def torch_bmm_16bit(dtype: str) -> BatchMatMul:
     return bmm
 
 
-def torch_attention_16bit(body: Expr, dtype: str) -> Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]:
-    """``attend(q, k, v, out)`` for a 16-bit Attention kernel (operands as their bits): torch's fused
-    ``scaled_dot_product_attention`` (fp32 accumulation and an online softmax, as the generated kernel;
-    its ``is_causal`` is the op's top-left mask), for dtypes torch multiplies natively."""
+def torch_attention_16bit(body: Expr, dtype: str) -> Callable[..., Any]:
+    """``attend(q, k, v, mask=None)``: torch's fused ``scaled_dot_product_attention`` of a 16-bit Attention
+    kernel's operands (their bits), the result a (batch, heads, seq, e) tensor (fp32 accumulation and an online
+    softmax, as the generated kernel; its ``is_causal`` is the op's top-left mask), for dtypes torch multiplies
+    natively.  An operand is (groups, seq, d) as stored, or a (batch, heads, seq, d) strided view of the
+    projection it was taken from (:func:`heads_view`): torch's kernel reads either, and given views it writes
+    its result in (batch, seq, heads, e) order, which :func:`merged_rows` then reads as token rows."""
     import torch  # optional dependency
 
     kind = torch.bfloat16 if dtype == "bf16" else torch.float16
     scale, causal = float(body.attr_dict["scale"]), bool(body.attr_dict.get("causal", 0))
 
-    def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, mask: np.ndarray | None = None) -> None:
-        # as one batch of groups: torch's fused CPU kernel takes 4-D operands only (3-D ran its math path, 6x slower)
-        q_t, k_t, v_t = (torch.from_numpy(x).view(kind).unsqueeze(0) for x in (q, k, v))
-        m_t = None if mask is None else torch.from_numpy(mask).view(kind).unsqueeze(0)  # (1, G, 1, T): per group
-        result = torch.nn.functional.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=m_t, is_causal=causal,
-                                                                  scale=scale)
-        torch.from_numpy(out).view(kind).copy_(result.squeeze(0))
+    def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None) -> Any:
+        # 4-D operands: torch's fused CPU kernel takes 4-D ones only (3-D ran its math path, 6x slower)
+        lead = next((x.shape[:2] for x in (q, k, v) if x.ndim == 4), (1, q.shape[0]))
+        q_t, k_t, v_t = (torch.from_numpy(x if x.ndim == 4 else x.reshape(*lead, *x.shape[1:])).view(kind)
+                         for x in (q, k, v))
+        m_t = None if mask is None else torch.from_numpy(mask.reshape(*lead, 1, mask.shape[-1])).view(kind)
+        return torch.nn.functional.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=m_t, is_causal=causal,
+                                                                scale=scale)
 
     return attend
+
+
+def heads_view(body: Expr) -> Callable[[np.ndarray], np.ndarray]:
+    """``view(x)``: a Heads kernel's result as a (batch, heads, seq, width/heads) strided view of its token rows
+    ``x``, no copy: for readers that take strided operands (torch's fused attention)."""
+    attrs = body.attr_dict
+    heads, seq, offset, width = (int(attrs[a]) for a in ("heads", "seq", "offset", "width"))
+
+    def view(x: np.ndarray) -> np.ndarray:
+        cols = x.reshape(-1, seq, x.shape[-1])[:, :, offset:offset + width]
+        return cols.reshape(-1, seq, heads, width // heads).transpose(0, 2, 1, 3)
+
+    return view
+
+
+def merged_rows(y: np.ndarray) -> np.ndarray:
+    """A (batch, heads, seq, e) attention result as (batch, seq, heads, e): the Merge of it, a view."""
+    return y.transpose(0, 2, 1, 3)
 
 
 def batch_matmul(library: str) -> BatchMatMul:
