@@ -282,6 +282,13 @@ def time_layouts(mm: MatMul) -> dict[str, list[float]]:
     return best
 
 
+def _beats(layout: list[float], given: list[float]) -> bool:
+    """Is ``layout`` faster than ``given`` (seconds per shape): on their sum by :data:`PROBE_MARGIN`, and slower
+    by more than it on no shape?"""
+    return sum(layout) * (1 + PROBE_MARGIN) < sum(given) and all(
+        t <= g * (1 + PROBE_MARGIN) for t, g in zip(layout, given, strict=True))
+
+
 @functools.cache
 def measured_weight_layout(library: str) -> str:
     """``padded`` where it multiplies faster than ``given`` here (on the sum, by the margin, and slower on no
@@ -289,9 +296,7 @@ def measured_weight_layout(library: str) -> str:
     def measure() -> tuple[str, dict[str, list[float]]]:
         seconds = time_layouts(matmul(library))
         padded, given = seconds["padded"], seconds["given"]
-        wins = sum(padded) * (1 + PROBE_MARGIN) < sum(given) and all(
-            p <= g * (1 + PROBE_MARGIN) for p, g in zip(padded, given, strict=True))
-        choice = "padded" if wins else "given"
+        choice = "padded" if _beats(padded, given) else "given"
         log.info("CPU GEMM weights (%s): %s (fp32 on one thread: padded %.2f ms, given %.2f ms)", library, choice,
                  sum(padded) * 1e3, sum(given) * 1e3)
         return choice, seconds
@@ -433,9 +438,7 @@ def measured_16bit_layout(dtype: str) -> str:
     def measure() -> tuple[str, dict[str, list[float]]]:
         seconds = time_16bit_layouts(dtype)
         packed, given = seconds["packed"], seconds["given"]
-        wins = sum(packed) * (1 + PROBE_MARGIN) < sum(given) and all(
-            p <= g * (1 + PROBE_MARGIN) for p, g in zip(packed, given, strict=True))
-        choice = "packed" if wins else "given"
+        choice = "packed" if _beats(packed, given) else "given"
         log.info("CPU GEMM %s weights: %s (one thread: packed %.2f ms, given %.2f ms)", dtype, choice,
                  sum(packed) * 1e3, sum(given) * 1e3)
         return choice, seconds
