@@ -827,6 +827,44 @@ def test_a_held_16_bit_weight_is_packed_once_and_shared_by_every_plan(threads, t
     assert backend.held.copies == 1  # one packed form, shared by both plans
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("epilogue", ["BIAS", "GELU_BIAS", "RELU_BIAS", "DEFAULT"])
+@pytest.mark.parametrize("read_by", ["a kernel", "the caller"])
+def test_a_cublaslt_epilogue_on_packed_weights_runs_as_onednn_post_ops(epilogue, read_by, threads, monkeypatch):
+    """A cublaslt kernel whose right operand is a packed bf16 weight is oneDNN's product with its epilogue as
+    post-ops; its result is handed to the next kernel as oneDNN wrote it, or copied into a plan output; with a
+    writable weight the product and generated epilogue run instead.  Every way matches the reference."""
+    backend = _packing_backend(monkeypatch, threads)
+    ops = {"DEFAULT": [], "BIAS": ["BiasAdd"], "GELU_BIAS": ["BiasAdd", "GeluTanh"], "RELU_BIAS": ["BiasAdd", "Relu"]}
+    b = GraphBuilder(f"post-ops-{epilogue}")
+    b.input("x", (24, 40), "bf16")
+    b.input("w", (40, 32), "bf16")
+    b.input("bias", (32,), "bf16")
+    y = b.op("mm", "MatMul", ["x", "w"])
+    for op in ops[epilogue]:
+        y = b.op(f"y.{op}", op, [y, "bias"] if op == "BiasAdd" else [y])
+    if read_by == "the caller":
+        g = b.build([y])
+    else:
+        out = b.op("out", "Affine", [y], {"a": 0.5, "b": 1.0})
+        g = b.build([out, b.op("out2", "Relu", [out])] if epilogue == "DEFAULT" else [out])
+    plans = [p for p in build_candidates(g, SPEC, cap=64).plans if p.kernels[0].epilogue == epilogue]
+    assert plans and all((p.kernels[0].out in p.outputs) == (read_by == "the caller") for p in plans)
+    inputs = {n: a.astype(numpy_dtype("bf16")) for n, a in random_inputs(g, seed=7).items()}
+    held = np.ascontiguousarray(inputs["w"].T).T
+    held.setflags(write=False)
+    for plan in plans[:3]:
+        want = execute_plan(plan, inputs)
+        compiled = backend.compile(plan)
+        assert compiled.kernel_facts[0]["impl"] == "onednn-bf16-post-ops"
+        for feed in (dict(inputs, w=held), dict(inputs, w=held), dict(inputs, w=inputs["w"].copy())):
+            got = compiled.run(feed)
+            assert all(close(a, e, "bf16") for a, e in zip(got, want, strict=True)), plan.notation()
+        compiled.run(dict(inputs, w=held))
+        first = plan.kernels[0].out  # the next kernel reads oneDNN's result, not the kernel's own buffer
+        assert np.shares_memory(compiled.memory.arrays[first], compiled.memory.own[first]) == (first in plan.outputs)
+
+
 def test_packed_16_bit_weights_are_chosen_by_measurement_and_refused_where_torch_cannot_pack(monkeypatch, tmp_path):
     """auto packs only where packing measured faster (the padded rule: the sum by the margin, no shape slower),
     recorded once; ``packed`` where torch cannot pack names the variable and the reason; a bad value is refused."""

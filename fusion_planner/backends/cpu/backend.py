@@ -67,7 +67,7 @@ from fusion_planner.core.cost import DeviceSpec
 from fusion_planner.core.graph import TensorType
 from fusion_planner.core.kinds import KernelKind
 from fusion_planner.core.opaque import opaque_writer
-from fusion_planner.core.ops import DTYPE_BYTES, numpy_dtype
+from fusion_planner.core.ops import DTYPE_BYTES, epilogue_has_bias, numpy_dtype
 from fusion_planner.core.plans import Kernel, Load, Plan
 
 log = logging.getLogger(__name__)
@@ -298,7 +298,7 @@ class CpuCompiledPlan(CompiledPlan):
         self.controller = backend.controller
         # torch's pool at the plan's thread count for the whole run (one switch, not one per kernel) where any
         # kernel calls torch: an Opaque one, or a product, attention or batched product of torch's
-        self.uses_torch = any(s.kernel.kind == KernelKind.OPAQUE or str(s.facts.get("impl", "")).startswith("torch")
+        self.uses_torch = any(s.kernel.kind == KernelKind.OPAQUE or str(s.facts.get("impl", "")).startswith(("torch", "onednn"))
                               for s in steps)
         # numpy's BLAS runs in numpy's GEMMs and batched products, in the reference's numpy form of a kernel and
         # in numpy Opaque implementations; generated loops and torch's products never call it, and threadpoolctl's
@@ -742,6 +742,52 @@ class CpuBackend(Backend):
         return (lambda r0, r1: arrays[name][r0:r1]), 0
 
     def _gemm(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory) -> Step:
+        step = self._library_gemm(k, tensors, memory)
+        post = self._post_ops(k, tensors, memory)
+        return step if post is None else self._with_post_ops(k, memory, step, *post)
+
+    def _post_ops(self, k: Kernel, tensors: Mapping[str, TensorType],
+                  memory: Memory) -> tuple[str, str, str | None, gemm.PackedLinear] | None:
+        """(a, b, bias, linear) where a cublaslt kernel's epilogue is one oneDNN applies to the packed product
+        itself (``gemm.ONEDNN_POST_OPS``): its right operand a packable weight, every operand and the output of
+        the dtype torch multiplies natively; else None."""
+        if k.kind != KernelKind.CUBLASLT or k.epilogue not in gemm.ONEDNN_POST_OPS:
+            return None
+        mm = find_matmul(k.body)
+        a_name, b_name = (a.tensor for a in mm.args)  # type: ignore[union-attr]
+        bias = next((r for r in k.reads if r not in (a_name, b_name)), None) if epilogue_has_bias(k.epilogue) else None
+        dtype = self._tile_dtype(k, tensors)
+        operands = [a_name, b_name, k.out, *([bias] if bias else [])]
+        if dtype == "fp32" or b_name not in memory.packable or any(tensors[n].dtype != dtype for n in operands):
+            return None
+        return a_name, b_name, bias, gemm.packed_linear(dtype, *gemm.ONEDNN_POST_OPS[k.epilogue])
+
+    @staticmethod
+    def _with_post_ops(k: Kernel, memory: Memory, step: Step, a_name: str, b_name: str, bias: str | None,
+                       linear: gemm.PackedLinear) -> Step:
+        """A cublaslt kernel as oneDNN's packed product with its epilogue as post-ops, while the weight is packed
+        (``step``, the product and generated epilogue, otherwise).  The result is handed to the readers as oneDNN
+        wrote it (a fresh contiguous tensor), copied only into a plan output."""
+        arrays, packed, out_name, regular = memory.arrays, memory.packed, k.out, step.call
+        is_output = out_name in memory.outputs
+
+        def call() -> None:
+            weight = packed.get(b_name)
+            if weight is None:
+                if not is_output:
+                    memory.restore(out_name)
+                regular()
+                return
+            result = gemm.tensor_bits(linear(arrays[a_name], weight, None if bias is None else arrays[bias]))
+            if is_output:
+                np.copyto(arrays[out_name], result.reshape(arrays[out_name].shape))
+            else:
+                memory.bind(out_name, result.reshape(memory.own[out_name].shape))
+
+        facts = dict(step.facts, impl=f"onednn-{k.body.type.dtype}-post-ops", weights="packed if read-only")
+        return Step(k, call, step.reads, step.writes, facts)
+
+    def _library_gemm(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory) -> Step:
         mm = find_matmul(k.body)
         a_name, b_name = (a.tensor for a in mm.args)  # type: ignore[union-attr]
         buffers = memory.own

@@ -306,8 +306,9 @@ def measured_weight_layout(library: str) -> str:
 
 # ---------------------------------------------------------------- 16-bit weights packed by oneDNN
 
-#: ``linear(a, w)``: ``a @ w`` as a fresh torch tensor, ``a`` a 16-bit array's bits, ``w`` a :func:`pack_weight`
-PackedLinear = Callable[[np.ndarray, Any], Any]
+#: ``linear(a, w[, bias])``: ``a @ w`` as a fresh torch tensor, ``a`` a 16-bit array's bits, ``w`` a
+#: :func:`pack_weight`
+PackedLinear = Callable[..., Any]
 
 
 def _torch_dtype(dtype: str) -> Any:
@@ -327,22 +328,32 @@ def pack_weight(b: np.ndarray, dtype: str) -> Any:
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
 
-def packed_linear(dtype: str) -> PackedLinear:
-    """``a @ w`` for a packed weight ``w``, by oneDNN; the left operand's tensor view is kept while ``a`` is the
-    same array (a plan's own buffer; see :func:`torch_mm`)."""
+def packed_linear(dtype: str, attr: str = "none", algorithm: str = "") -> PackedLinear:
+    """``a @ w [+ bias]`` for a packed weight ``w``, by oneDNN, with post-op ``attr`` (``none``, ``relu``, or
+    ``gelu`` of ``algorithm`` ``tanh``) applied to the fp32 accumulator before the one rounding; the operands'
+    tensor views are kept while they are the same arrays (a plan's own buffers, a bias; see :func:`torch_mm`)."""
     import torch  # optional dependency
 
     from fusion_planner.torch.ops import numpy_view
 
     kind, linear = _torch_dtype(dtype), torch.ops.mkldnn._linear_pointwise
-    kept: list[tuple[np.ndarray, Any]] = []
+    kept: dict[int, tuple[np.ndarray, Any]] = {}
 
-    def run(a: np.ndarray, w: Any) -> Any:
-        if not kept or kept[0][0] is not a:
-            kept[:] = [(a, numpy_view(a).view(kind))]
-        return linear(kept[0][1], w, None, "none", [], "")
+    def view(i: int, x: np.ndarray) -> Any:
+        hit = kept.get(i)
+        if hit is None or hit[0] is not x:
+            hit = kept[i] = (x, numpy_view(x).view(kind))
+        return hit[1]
+
+    def run(a: np.ndarray, w: Any, bias: np.ndarray | None = None) -> Any:
+        return linear(view(0, a), w, None if bias is None else view(1, bias), attr, [], algorithm)
 
     return run
+
+
+#: the cuBLASLt epilogues oneDNN's packed product applies itself, as post-ops: (attr, algorithm)
+ONEDNN_POST_OPS = {"DEFAULT": ("none", ""), "BIAS": ("none", ""), "RELU": ("relu", ""), "RELU_BIAS": ("relu", ""),
+                   "GELU": ("gelu", "tanh"), "GELU_BIAS": ("gelu", "tanh")}
 
 
 def packing(product: MatMul, linear: PackedLinear, weight: Callable[[], Any]) -> MatMul:
