@@ -185,7 +185,8 @@ class Memory:
     Kernels look their arrays up here when they run, never at compile time."""
 
     def __init__(self, own: dict[str, np.ndarray], outputs: frozenset[str] = frozenset(),
-                 packable: frozenset[str] = frozenset()) -> None:
+                 packable: frozenset[str] = frozenset(), views: Mapping[str, str] | None = None,
+                 handed: frozenset[str] = frozenset()) -> None:
         self.own = own
         self.arrays = dict(own)
         self.addr = {n: a.ctypes.data for n, a in own.items()}
@@ -195,8 +196,8 @@ class Memory:
         self.packed: dict[str, Any] = {}
         #: layout steps that copy nothing (``layout_views``): Heads results bound as views of their source, and
         #: torch attention results handed to their Merge readers as torch wrote them
-        self.views: Mapping[str, str] = {}
-        self.handed: frozenset[str] = frozenset()
+        self.views: Mapping[str, str] = views or {}
+        self.handed = handed
         self._arenas: dict[int, np.ndarray] = {}
 
     def scratch(self, slot: int, shape: Sequence[int], dtype: Any) -> np.ndarray:
@@ -562,8 +563,7 @@ class CpuBackend(Backend):
                 buffers[name] = typed_view(shared[name], ttype.shape, dtype)
             else:
                 buffers[name] = aligned_empty(ttype.shape, dtype, zero=True)
-        memory = Memory(buffers, frozenset(plan.outputs), packable)
-        memory.views, memory.handed = views, handed
+        memory = Memory(buffers, frozenset(plan.outputs), packable, views, handed)
         steps = []
         for i, k in enumerate(plan.kernels):
             try:
@@ -769,7 +769,7 @@ class CpuBackend(Backend):
         (``step``, the product and generated epilogue, otherwise).  The result is handed to the readers as oneDNN
         wrote it (a fresh contiguous tensor), copied only into a plan output."""
         arrays, packed, out_name, regular = memory.arrays, memory.packed, k.out, step.call
-        is_output = out_name in memory.outputs
+        is_output, shape = out_name in memory.outputs, memory.own[k.out].shape
 
         def call() -> None:
             weight = packed.get(b_name)
@@ -780,9 +780,9 @@ class CpuBackend(Backend):
                 return
             result = gemm.tensor_bits(linear(arrays[a_name], weight, None if bias is None else arrays[bias]))
             if is_output:
-                np.copyto(arrays[out_name], result.reshape(arrays[out_name].shape))
+                np.copyto(arrays[out_name], result.reshape(shape))
             else:
-                memory.bind(out_name, result.reshape(memory.own[out_name].shape))
+                memory.bind(out_name, result.reshape(shape))
 
         facts = dict(step.facts, impl=f"onednn-{k.body.type.dtype}-post-ops", weights="packed if read-only")
         return Step(k, call, step.reads, step.writes, facts)
