@@ -22,7 +22,7 @@ explain: $(STAMP)
 	$(VENV)/bin/fusion-planner explain --example mlp-epilogue --device seed-k4
 
 test: $(STAMP)
-	$(PY) -m ruff check fusion_planner planner backends tests benchmarks examples
+	$(PY) -m ruff check planner backends rewrite_rules fusion_planner tests benchmarks examples
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
 	FUSION_PLANNER_REQUIRE_NVRTC=1 $(PY) -m pytest -q

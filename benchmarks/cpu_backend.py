@@ -22,12 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
-from fusion_planner.backends.cpu.backend import CpuBackend
-from fusion_planner.backends.reference import execute_plan, random_inputs
-from fusion_planner.core.cost import load_device
-from fusion_planner.core.examples import ew_chain
-from fusion_planner.core.machine import cpu_model
-from fusion_planner.egraph.candidates import build_candidates
+from backends.cpu.backend import CpuBackend
+from planner.core.cost import load_device
+from planner.core.examples import ew_chain
+from planner.core.machine import cpu_model
+from planner.core.reference import execute_plan, random_inputs
+from planner.egraph.candidates import build_candidates
 
 
 def _timed(fn, repeats: int) -> list[float]:  # noqa: ANN001

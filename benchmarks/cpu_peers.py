@@ -451,9 +451,9 @@ def make_contender(w: Workload, name: str) -> tuple[Callable[[], Any], Any]:
         xs = [jax.device_put(host_array(t)) for t in w.inputs]
         return (lambda: fn(params, *xs).block_until_ready()), None
     if name in ("fp.call", "fp.bare"):
-        import fusion_planner
+        import planner
 
-        result = fusion_planner.plan(w.module, w.inputs, backend="cpu")
+        result = planner.plan(w.module, w.inputs, backend="cpu")
         if name == "fp.call":
             return (lambda: result(*w.inputs)), result
         result(*w.inputs)  # loads the inputs into the plan's buffers
@@ -529,7 +529,7 @@ def kernel_bandwidth(result: Any) -> list[dict[str, Any]]:
     """Each fused (multi-op) kernel of an ew-chain plan, rebuilt alone at the bandwidth array size and
     timed interleaved with memcpy: byte ledger / time as a fraction of memcpy's bandwidth (past the default
     element limit where the last-level cache is large: 4x it is the point)."""
-    from fusion_planner.core import limits
+    from planner.core import limits
 
     n = bandwidth_elements()
     with limits.input_limits(replace(limits.current(), elements=max(n, limits.current().elements))):
@@ -539,10 +539,10 @@ def kernel_bandwidth(result: Any) -> list[dict[str, Any]]:
 def _kernel_bandwidth(result: Any, n: int) -> list[dict[str, Any]]:
     big = resized(result.graph, n)
     small_plan = result.plan
-    from fusion_planner.backends.cpu.backend import CpuBackend
-    from fusion_planner.backends.reference import random_inputs
-    from fusion_planner.core.cost import load_device
-    from fusion_planner.egraph.candidates import build_candidates
+    from backends.cpu.backend import CpuBackend
+    from planner.core.cost import load_device
+    from planner.core.reference import random_inputs
+    from planner.egraph.candidates import build_candidates
 
     spec = load_device("seed-k4")
     cands = build_candidates(big, spec)
@@ -572,7 +572,7 @@ def _kernel_bandwidth(result: Any, n: int) -> list[dict[str, Any]]:
 def resized(graph: Any, n: int) -> Any:
     """The workload's own graph with its flat inputs (the chain's ``x``) grown to ``n`` elements (past the
     default element limit where the last-level cache is large: 4x it is the point)."""
-    from fusion_planner.core.graph import GraphBuilder
+    from planner.core.graph import GraphBuilder
 
     b = GraphBuilder(f"{graph.name}-{n}")
     for node in graph.nodes:
@@ -585,7 +585,7 @@ def resized(graph: Any, n: int) -> Any:
 
 
 def bandwidth_elements() -> int:
-    from fusion_planner.backends.cpu.backend import cache_bytes
+    from backends.cpu.backend import cache_bytes
 
     return max(EW_N, 4 * cache_bytes()[0] // 4)
 
@@ -595,7 +595,7 @@ def pooled_copy(n: int, pool: Any) -> tuple[Callable[[], None], Any]:
     contiguous share, as the plan's kernels split their elements; and the source array."""
     import numpy as np
 
-    from fusion_planner.backends.cpu.parallel import split
+    from backends.cpu.parallel import split
 
     src = np.random.default_rng(1).standard_normal(n, dtype=np.float32)
     dst = np.empty_like(src)
@@ -613,7 +613,7 @@ def stream(rounds: int) -> dict[str, float]:
     thread count (numpy is single-threaded: with more cores, the arrays are split across threads)."""
     import numpy as np
 
-    from fusion_planner.backends.cpu.parallel import WorkerPool, split, threads_from_env
+    from backends.cpu.parallel import WorkerPool, split, threads_from_env
 
     n = bandwidth_elements()
     pool = WorkerPool(threads_from_env())
@@ -634,7 +634,7 @@ def stream(rounds: int) -> dict[str, float]:
 
 def first_call(workload: str, contender: str) -> dict[str, Any]:
     """In a fresh process: build the contender and call it once; wall time and peak RSS growth."""
-    import fusion_planner.api  # noqa: F401 - the library imported before the clock starts, like torch and jax
+    import planner.api  # noqa: F401 - the library imported before the clock starts, like torch and jax
 
     if contender == "jax.jit":
         import jax  # noqa: F401
@@ -647,7 +647,7 @@ def first_call(workload: str, contender: str) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     out = {"first_call_s": wall, "peak_rss_growth_mb": (rss1 - rss0) / 1024}
-    if planned is not None:  # fusion-planner: fusion_planner.plan alone
+    if planned is not None:  # fusion-planner: planner.plan alone
         out["plan_s"] = t_built - t0
     return out
 
@@ -679,7 +679,7 @@ def ratio(peer_us: float, ours_us: float) -> str:
 
 def report(steady_rows: dict[str, list[dict[str, Any]]], streams: dict[str, dict[str, float]],
            firsts: dict[str, dict[str, dict[str, Any]]], command: str) -> str:
-    from fusion_planner.core.machine import cpu_model
+    from planner.core.machine import cpu_model
 
     lines = [
         "# fusion-planner's CPU backend against numpy, torch eager, torch.compile and jax.jit",
@@ -770,14 +770,14 @@ def targets(steady_rows: dict[str, list[dict[str, Any]]], firsts: dict[str, dict
         ours, tc = per["fp.call"], per["torch.compile"]
         out.append(f"- {wl}: cold first call {ours['cold']['first_call_s']:.2f} s vs torch.compile cold "
                    f"{tc['cold']['first_call_s']:.2f} s — {verdict(ours['cold']['first_call_s'] <= tc['cold']['first_call_s'])}; "
-                   f"warm `fusion_planner.plan` {ours['warm']['plan_s']:.2f} s ≤ 0.5 s — {verdict(ours['warm']['plan_s'] <= 0.5)}"
+                   f"warm `planner.plan` {ours['warm']['plan_s']:.2f} s ≤ 0.5 s — {verdict(ours['warm']['plan_s'] <= 0.5)}"
                    f" (warm first call {ours['warm']['first_call_s']:.2f} s)")
     return out + [""]
 
 
 def bf16_units() -> str:
     """How the CPU backend computes bf16 products on this machine (backends/cpu/gemm.py)."""
-    from fusion_planner.backends.cpu import gemm
+    from backends.cpu import gemm
 
     if gemm.native_16bit("bf16"):
         return "torch's native bf16 kernels (the CPU has AMX or AVX-512 BF16)"

@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/cpu_search.py [--device FILE.json] [--quick] [--out docs/results/cpu_search.md]
 
-1. Calibrates the machine (``fusion_planner.backends.cpu.calibrate.calibrate_cpu``) unless ``--device``
+1. Calibrates the machine (``backends.cpu.calibrate.calibrate_cpu``) unless ``--device``
    names a spec written by ``fusion-planner calibrate -o FILE``.
 2. ew-chain k = 2..8 (n = 4,000,000 fp32): one search per k; the best plan found
    vs the unfused plan (one generated C kernel per op), timed in the same run.
@@ -37,15 +37,15 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 # run from a checkout: import this tree's planner, not an installed one
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fusion_planner.backends import get_backend  # noqa: E402
-from fusion_planner.backends.cpu.parallel import threads_from_env  # noqa: E402
-from fusion_planner.core.cost import DeviceSpec, load_device  # noqa: E402
-from fusion_planner.core.examples import ew_chain, mlp_epilogue  # noqa: E402
-from fusion_planner.core.graph import Graph  # noqa: E402
-from fusion_planner.core.machine import cpu_model  # noqa: E402
-from fusion_planner.egraph.candidates import build_candidates  # noqa: E402
-from fusion_planner.search.engine import SearchOptions, SearchResult, search  # noqa: E402
-from fusion_planner.search.searchlog import SearchLog  # noqa: E402
+from backends.cpu.parallel import threads_from_env  # noqa: E402
+from planner.core.cost import DeviceSpec, load_device  # noqa: E402
+from planner.core.examples import ew_chain, mlp_epilogue  # noqa: E402
+from planner.core.graph import Graph  # noqa: E402
+from planner.core.machine import cpu_model  # noqa: E402
+from planner.egraph.candidates import build_candidates  # noqa: E402
+from planner.registry import get_backend  # noqa: E402
+from planner.search.engine import SearchOptions, SearchResult, search  # noqa: E402
+from planner.search.searchlog import SearchLog  # noqa: E402
 
 
 def _mlp_reading(result: SearchResult) -> str:
@@ -68,7 +68,7 @@ def _mlp_reading(result: SearchResult) -> str:
 def calibrated_spec(path: str | None) -> DeviceSpec:
     if path:
         return load_device(path)
-    from fusion_planner.backends.cpu.calibrate import calibrate_cpu
+    from backends.cpu.calibrate import calibrate_cpu
 
     return calibrate_cpu().spec("cpu-calibrated")
 

@@ -35,11 +35,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fusion_planner.backends.cupy.bundle import Bundle, Candidate, load_bundle  # noqa: E402
-from fusion_planner.backends.cupy.runner import measure_candidate, reference_outputs  # noqa: E402
-from fusion_planner.backends.reference import execute_plan  # noqa: E402
-from fusion_planner.core.kinds import KernelKind, Verdict  # noqa: E402
-from fusion_planner.core.ops import CUBLASLT_EPILOGUES, OPS  # noqa: E402
+from backends.cupy.bundle import Bundle, Candidate, load_bundle  # noqa: E402
+from backends.cupy.runner import measure_candidate, reference_outputs  # noqa: E402
+from planner.core.kinds import KernelKind, Verdict  # noqa: E402
+from planner.core.ops import CUBLASLT_EPILOGUES, OPS  # noqa: E402
+from planner.core.reference import execute_plan  # noqa: E402
 
 DATA = ROOT / "tests" / "data" / "gpu"
 PACKAGES = ("cupy-cuda13x", "nvmath-python", "cuda-core", "cuda-bindings", "cuda-pathfinder", "numpy",
@@ -84,7 +84,7 @@ def _first(bundle: Bundle, keep: Callable[[Candidate], bool]) -> Candidate:
 
 
 def _executor() -> object:
-    from fusion_planner.backends.cupy.gpu import CupyExecutor
+    from backends.cupy.gpu import CupyExecutor
 
     return CupyExecutor()
 
@@ -101,7 +101,7 @@ def _checked(bundle: Bundle, cand: Candidate, repeats: int = 3) -> dict:
 
 
 def check_headers() -> str:
-    from fusion_planner.backends.cupy import nvrtc
+    from backends.cupy import nvrtc
 
     report = nvrtc.header_report()
     if not report.ok:
@@ -110,7 +110,7 @@ def check_headers() -> str:
 
 
 def check_rawkernel() -> str:
-    from fusion_planner.backends.cupy import gpu
+    from backends.cupy import gpu
 
     cand = _bundle("lean").candidates[0]
     cuda = next(bk.cuda for bk in cand.kernels if bk.cuda is not None)
@@ -159,8 +159,8 @@ def check_cublaslt() -> str:
 
 def check_gelu() -> str:
     """The library's fp32 GELU against both forms: which it implements, and how closely."""
-    from fusion_planner.backends.cupy.backend import CupyBackend
-    from fusion_planner.core.cost import load_device
+    from backends.cupy.backend import CupyBackend
+    from planner.core.cost import load_device
 
     b = _bundle("lt_gelu_fp32")
     plan = _first(b, lambda c: c.kernels[0].kernel.epilogue == "GELU_BIAS").plan
@@ -193,7 +193,7 @@ def check_bf16() -> str:
 
 
 def check_runner() -> str:
-    from fusion_planner.backends.cupy.runner import time_bundle
+    from backends.cupy.runner import time_bundle
 
     result = time_bundle(_bundle("ew_fp16"), _executor(), warmup=0, repeats=1)  # type: ignore[arg-type]
     verdicts = [str(c["verdict"]) for c in result["candidates"]]

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 from threadpoolctl import threadpool_limits
 
-from fusion_planner.backends.cpu import gemm
-from fusion_planner.backends.cpu.buffers import aligned_empty, padded_matrix
-from fusion_planner.core.machine import cpu_model
+from backends.cpu import gemm
+from backends.cpu.buffers import aligned_empty, padded_matrix
+from planner.core.machine import cpu_model
 
 SHAPES = ((128, 768, 2304), (128, 768, 3072), (128, 3072, 768), (128, 768, 768), (64, 2048, 2048),
           (128, 1000, 1000), (1024, 1024, 1024))

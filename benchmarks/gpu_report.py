@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fusion_planner.backends.cupy.c05 import SEED_MODES, SEED_SWEEP  # noqa: E402
+from backends.cupy.c05 import SEED_MODES, SEED_SWEEP  # noqa: E402
 
 SHAPES = (("mlp_4096", "M=N=K=4096 fp16"), ("mlp_decode16", "decode M=16, N=K=4096 fp16"))
 
@@ -35,7 +35,7 @@ def c05_markdown(d: Path, when: str) -> str:
     lines += [
         f"Device: {m['device']} ({m['sm_count']} SMs), cupy {m['cupy']}, CUDA runtime {m['cuda_runtime']}. Date: {when}.",
         "Commands: `fusion-planner bench c05 --mode sweep|modes --export F` (CPU), then "
-        "`python -m fusion_planner.backends.cupy c05 F -o RESULT` (H200). n = 2^24 fp32, block 256, grid 8 x SMs, "
+        "`python -m backends.cupy c05 F -o RESULT` (H200). n = 2^24 fp32, block 256, grid 8 x SMs, "
         "CUDA events, 2 warm-ups, median of 7.",
         "",
         f"Measured device-to-device copy: {src['d2d_copy_gbps']:,.0f} GB/s (bytes read + written).",
@@ -73,7 +73,7 @@ def c05_markdown(d: Path, when: str) -> str:
 def mlp_markdown(d: Path, when: str) -> str:
     lines = ["# mlp-epilogue search on H200", "", f"Date: {when}.",
              "Commands: `fusion-planner export-candidates --example mlp-epilogue --m M --n 4096 --k 4096 --dtype fp16 "
-             "-o F` (CPU), `python -m fusion_planner.backends.cupy time F -o measured.json` and "
+             "-o F` (CPU), `python -m backends.cupy time F -o measured.json` and "
              "`python benchmarks/torch_baseline.py F -o torch.json` (H200, same run). Every candidate is verified "
              "against the numpy reference before it is timed (CUDA events, 2 warm-ups, median of 7).", ""]
     for name, label in SHAPES:

@@ -33,18 +33,18 @@ prepare() {
   mkdir -p "$BUNDLES"
   wheels
   $py -m tests.gpu_bundles  # the GPU tests' bundles (tests/data/gpu), fresh from this checkout
-  $py -m fusion_planner bench c05 --mode sweep --export "$BUNDLES/c05_sweep.json"
-  $py -m fusion_planner bench c05 --mode modes --export "$BUNDLES/c05_modes.json"
-  $py -m fusion_planner export-candidates --example mlp-epilogue --m 4096 --n 4096 --k 4096 --dtype fp16 \
+  $py -m planner bench c05 --mode sweep --export "$BUNDLES/c05_sweep.json"
+  $py -m planner bench c05 --mode modes --export "$BUNDLES/c05_modes.json"
+  $py -m planner export-candidates --example mlp-epilogue --m 4096 --n 4096 --k 4096 --dtype fp16 \
       --device h200 -o "$BUNDLES/mlp_4096.json"
-  $py -m fusion_planner export-candidates --example mlp-epilogue --m 16 --n 4096 --k 4096 --dtype fp16 \
+  $py -m planner export-candidates --example mlp-epilogue --m 16 --n 4096 --k 4096 --dtype fp16 \
       --device h200 -o "$BUNDLES/mlp_decode16.json"
   # every kernel that travels compiles under cupy's NVRTC options with the device's header layout
-  $py -m fusion_planner.backends.cupy nvrtc tests/data/gpu/*.json "$BUNDLES"/*.json
+  $py -m backends.cupy nvrtc tests/data/gpu/*.json "$BUNDLES"/*.json
   # dry run of the device side on the CPU: the same runner, numpy executor, decode bundle
-  $py -m fusion_planner.backends.cupy time "$BUNDLES/mlp_decode16.json" -o /tmp/gpu_suite_dry_measured.json \
+  $py -m backends.cupy time "$BUNDLES/mlp_decode16.json" -o /tmp/gpu_suite_dry_measured.json \
       --executor numpy --warmup 0 --repeats 1 --max-candidates 3
-  $py -m fusion_planner.backends.cupy c05 "$BUNDLES/c05_modes.json"
+  $py -m backends.cupy c05 "$BUNDLES/c05_modes.json"
   $py benchmarks/torch_baseline.py "$BUNDLES/mlp_decode16.json" -o /dev/null --check-cpu
   mkdir -p /tmp/gpu_suite_dry && $py benchmarks/gpu_report.py /tmp/gpu_suite_dry
   $py -m pytest -q tests/backends/cupy/test_cupy_gpu.py -p no:cacheprovider
@@ -77,11 +77,11 @@ device() {
   }
   step "smoke" 90 $py benchmarks/device_smoke.py --out "$out/smoke.md"
   step "gpu tests" 120 $py -m pytest -q -m gpu tests/backends/cupy/test_cupy_gpu.py -p no:cacheprovider
-  step "calibrate" 60 $py -m fusion_planner.backends.cupy calibrate -o "$out/calibration.json"
-  step "c05 sweep" 60 $py -m fusion_planner.backends.cupy c05 "$BUNDLES/c05_sweep.json" -o "$res/c05_sweep.json"
-  step "c05 modes" 30 $py -m fusion_planner.backends.cupy c05 "$BUNDLES/c05_modes.json" -o "$res/c05_modes.json"
+  step "calibrate" 60 $py -m backends.cupy calibrate -o "$out/calibration.json"
+  step "c05 sweep" 60 $py -m backends.cupy c05 "$BUNDLES/c05_sweep.json" -o "$res/c05_sweep.json"
+  step "c05 modes" 30 $py -m backends.cupy c05 "$BUNDLES/c05_modes.json" -o "$res/c05_modes.json"
   for shape in mlp_4096 mlp_decode16; do
-    step "time $shape" 60 $py -m fusion_planner.backends.cupy time "$BUNDLES/$shape.json" -o "$res/measured_$shape.json" \
+    step "time $shape" 60 $py -m backends.cupy time "$BUNDLES/$shape.json" -o "$res/measured_$shape.json" \
       --executor cupy
     step "torch $shape" 60 $py benchmarks/torch_baseline.py "$BUNDLES/$shape.json" -o "$res/torch_$shape.json"
   done

@@ -13,11 +13,11 @@ import math
 import time
 from pathlib import Path
 
-from fusion_planner.core.examples import ew_chain, mlp_stack
-from fusion_planner.core.machine import describe
-from fusion_planner.core.report import Count, log10_count
-from fusion_planner.egraph.candidates import build_candidates
-from fusion_planner.egraph.program import Limits
+from planner.core.examples import ew_chain, mlp_stack
+from planner.core.machine import describe
+from planner.core.report import Count, log10_count
+from planner.egraph.candidates import build_candidates
+from planner.egraph.program import Limits
 
 
 def measure(graph, repeats: int) -> dict:

@@ -16,13 +16,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fusion_planner.core.machine import describe
+from planner.core.machine import describe
 
 CHILD = r"""
 import json, resource, sys, time
-from fusion_planner.core.examples import transformer
-from fusion_planner.model.stack import plan_model
-from fusion_planner.egraph.candidates import build_candidates
+from planner.core.examples import transformer
+from planner.model.stack import plan_model
+from planner.egraph.candidates import build_candidates
 layers, d, seq, dedup = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 build_candidates(transformer(1, 64, 8), "h200")  # warm imports and egglog
 g = transformer(layers, d, seq)

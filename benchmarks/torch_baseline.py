@@ -1,7 +1,7 @@
 """torch eager and torch.compile on an mlp-epilogue bundle's graph, same inputs, same timing.
 
 ``python benchmarks/torch_baseline.py BUNDLE.json -o torch.json``: the
-competitor for ``python -m fusion_planner.backends.cupy time`` on the GPU machine (no
+competitor for ``python -m backends.cupy time`` on the GPU machine (no
 egglog).  The graph is mlp-epilogue: ``gelu(x @ w + b) + r`` with the GELU form
 of the bundle's reference.  Both are verified against the bundle's numpy
 reference before they are timed with CUDA events (2 warm-ups after
@@ -20,9 +20,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fusion_planner.backends.cupy.bundle import load_bundle  # noqa: E402
-from fusion_planner.backends.cupy.verify import allclose_report  # noqa: E402
-from fusion_planner.backends.reference import execute_plan  # noqa: E402
+from backends.cupy.bundle import load_bundle  # noqa: E402
+from backends.cupy.verify import allclose_report  # noqa: E402
+from planner.core.reference import execute_plan  # noqa: E402
 
 TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 

@@ -8,7 +8,7 @@ Needs the ``models`` extra (``transformers``).  Each layer is built from its own
 "sdpa"``, nothing downloaded; ``bert-masked`` is BERT's layer with a padding mask (the last 16 tokens hidden,
 BERT's additive ``finfo.min`` mask of shape (1, 1, 1, 128), a buffer of the wrapper), ``llama-gqa`` LLaMA's with
 4 key/value heads for its 12 query heads (grouped-query attention).  Per thread mode and dtype a child process (``1``: one thread pinned to one core;
-``all``: every core; the same environment as ``cpu_peers.py``) plans the layer with ``fusion_planner.plan(...,
+``all``: every core; the same environment as ``cpu_peers.py``) plans the layer with ``planner.plan(...,
 backend="cpu")``, checks the planned call against eager torch within the dtype's tolerance, then times eager,
 torch.compile (inductor) and the planned call in interleaved rounds (three calls each, the order rotating); a
 figure is the median in µs.  On every core each turn first runs its contender untimed for ``cpu_peers.SETTLE_S``
@@ -97,11 +97,11 @@ def build_layer(name: str, dtype: str) -> tuple[Any, Any]:
 def steady(name: str, dtype: str, rounds: int, mode: str) -> dict[str, Any]:
     import torch
 
-    import fusion_planner
-    from fusion_planner.core.tolerance import allclose_report
+    import planner
+    from planner.core.tolerance import allclose_report
 
     module, x = build_layer(name, dtype)
-    result = fusion_planner.plan(module, (x,), backend="cpu")
+    result = planner.plan(module, (x,), backend="cpu")
     compiled = torch.compile(module)
     calls = {"torch": lambda: module(x), "torch.compile": lambda: compiled(x), "fp.call": lambda: result(x)}
     with torch.no_grad():
@@ -123,7 +123,7 @@ def steady(name: str, dtype: str, rounds: int, mode: str) -> dict[str, Any]:
 
 
 def report(rows: dict[str, list[dict[str, Any]]], command: str) -> str:
-    from fusion_planner.core.machine import cpu_model
+    from planner.core.machine import cpu_model
 
     lines = [
         "# Layers of the transformers package: fusion-planner against eager torch and torch.compile", "",

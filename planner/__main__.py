@@ -1,5 +1,5 @@
-"""Deprecated: ``python -m fusion_planner`` (this alias is removed in release 0.3)."""
+"""``python -m planner``: the ``fusion-planner`` command line."""
 
-from fusion_planner.cli import main
+from planner.cli import main
 
 raise SystemExit(main())

@@ -7,9 +7,9 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from fusion_planner.backends.base import Backend, CompiledPlan, Timing
-from fusion_planner.backends.reference import execute_plan
-from fusion_planner.core.plans import Plan
+from planner.backend import Backend, CompiledPlan, Timing
+from planner.core.plans import Plan
+from planner.core.reference import execute_plan
 
 
 class TimedReference(CompiledPlan):

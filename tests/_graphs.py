@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fusion_planner.core.graph import Graph, GraphBuilder
+from planner.core.graph import Graph, GraphBuilder
 
 
 def long_chain(n: int, width: int = 16, *, period: int | None = None) -> Graph:

@@ -19,8 +19,8 @@ LT_EPILOGUES = ("DEFAULT", "BIAS", "RELU", "RELU_BIAS", "GELU", "GELU_BIAS")
 
 
 def epilogue_graph(epilogue: str, dtype: str, m: int = 64, n: int = 96, k: int = 128) -> Any:
-    from fusion_planner.core.graph import GraphBuilder
-    from fusion_planner.core.ops import CUBLASLT_EPILOGUES, OPS
+    from planner.core.graph import GraphBuilder
+    from planner.core.ops import CUBLASLT_EPILOGUES, OPS
 
     b = GraphBuilder(f"lt-{epilogue}-{dtype}")
     b.input("x", (m, k), dtype)
@@ -36,7 +36,7 @@ def epilogue_graph(epilogue: str, dtype: str, m: int = 64, n: int = 96, k: int =
 
 
 def _specs() -> dict[str, tuple[Callable[[], Any], Callable[[Any], bool] | None]]:
-    from fusion_planner.core.examples import attention, ew_chain, layer_norm, mlp_epilogue, rms_norm, softmax
+    from planner.core.examples import attention, ew_chain, layer_norm, mlp_epilogue, rms_norm, softmax
 
     one = lambda p: len(p.kernels) == 1  # noqa: E731
     specs: dict[str, tuple[Callable[[], Any], Callable[[Any], bool] | None]] = {
@@ -63,8 +63,8 @@ def _specs() -> dict[str, tuple[Callable[[], Any], Callable[[Any], bool] | None]
 
 
 def build(name: str) -> dict[str, Any]:
-    from fusion_planner.backends.cupy.bundle import export_bundle
-    from fusion_planner.egraph.candidates import build_candidates
+    from backends.cupy.bundle import export_bundle
+    from planner.egraph.candidates import build_candidates
 
     make, keep = _specs()[name]
     cands = build_candidates(make(), "h200")
@@ -74,7 +74,7 @@ def build(name: str) -> dict[str, Any]:
 
 def example_graphs() -> list[Any]:
     """Built-in examples in the shapes that exercise each code path of the CUDA generator."""
-    from fusion_planner.core.examples import (
+    from planner.core.examples import (
         attention,
         ew_chain,
         heavy,
@@ -110,8 +110,8 @@ def example_graphs() -> list[Any]:
 def example_kernels() -> dict[str, tuple[str, Any, Any]]:
     """Every generated CUDA kernel of the examples' candidates, by source digest: (graph name, Kernel, CudaKernel);
     built once a process (the nvcc and the NVRTC tests share it)."""
-    from fusion_planner.backends.cupy.codegen import generate
-    from fusion_planner.egraph.candidates import build_candidates
+    from backends.cupy.codegen import generate
+    from planner.egraph.candidates import build_candidates
 
     out = {}
     for g in example_graphs():

@@ -1,5 +1,6 @@
-"""The package's shape: layers import only downwards, no import cycles, no hidden local imports,
-tests use public names only, and the deprecated spellings still work."""
+"""The repository's shape: the design card's top level, layers that import only downwards, no import cycles
+between files or folders, no hidden local imports, tests that use public names only, and the deprecated
+spellings that still work."""
 
 from __future__ import annotations
 
@@ -15,13 +16,21 @@ import grimp
 import pytest
 from testpaths import ROOT, TESTS
 
-PACKAGE = ROOT / "fusion_planner"
+#: the packages the code lives in (the design card's top level)
+PACKAGES = ("planner", "backends", "rewrite_rules")
 
 #: modules a function may import locally, because they need an optional dependency (torch, cupy);
-#: and the package's own lazy entry point (``fusion_planner.plan`` without importing egglog)
-OPTIONAL = ("fusion_planner.torch.", "fusion_planner.backends.cupy.gpu", "fusion_planner.backends.cupy.nvrtc",
-            "fusion_planner.dynamo")
-LAZY_ENTRY = {("fusion_planner/__init__.py", "fusion_planner.api")}
+#: and the package's own lazy entry point (``planner.plan`` without importing egglog)
+OPTIONAL = ("planner.torch.", "backends.cupy.gpu", "backends.cupy.nvrtc", "planner.dynamo")
+LAZY_ENTRY = {("planner/__init__.py", "planner.api")}
+
+
+def test_the_top_level_is_the_design_cards():
+    tops = {p.name for p in ROOT.iterdir() if not p.name.startswith(".")}
+    assert {"pyproject.toml", "planner", "rewrite_rules", "backends", "tests", "docs"} <= tops
+    for package in PACKAGES:
+        assert (ROOT / package / "__init__.py").is_file()
+    assert sorted(p.name for p in (ROOT / "rewrite_rules").glob("*.egg"))  # the rule files are package data
 
 
 def test_layers_hold():
@@ -97,7 +106,7 @@ def test_the_cycle_check_finds_a_cycle(tmp_path, monkeypatch):
 
 def test_no_function_local_imports_of_the_package_except_optional_ones():
     found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sorted(p for package in PACKAGES for p in (ROOT / package).rglob("*.py")):
         rel = str(path.relative_to(ROOT))
         for fn in ast.walk(ast.parse(path.read_text())):
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -122,26 +131,32 @@ def test_tests_use_public_names_only():
 
 
 def test_core_and_the_remote_runner_import_neither_egglog_nor_torch():
-    code = ("import sys; import fusion_planner.core, fusion_planner.backends.cupy.runner, "
-            "fusion_planner.backends.cupy.__main__; "
+    code = ("import sys; import planner.core, planner.core.reference, backends.cupy.runner, "
+            "backends.cupy.__main__; "
             "print(sorted(m for m in ('egglog', 'torch', 'cupy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "[]", out.stderr
 
 
 def test_the_old_spellings_work_for_one_release_and_say_so():
-    import fusion_planner
-    import fusion_planner.core.graph
+    import backends.cpu.backend
+    import planner
+    import planner.core.graph
+    import planner.core.reference
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        sys.modules.pop("planner", None)
-        import planner.graph
+        sys.modules.pop("fusion_planner", None)
+        import fusion_planner.backends.cpu.backend
+        import fusion_planner.backends.reference
+        import fusion_planner.core.graph
 
-        import planner
+        import fusion_planner
 
     assert any(issubclass(w.category, DeprecationWarning) and "0.3" in str(w.message) for w in caught)
-    assert planner.graph is fusion_planner.core.graph and planner.plan is fusion_planner.plan
-    out = subprocess.run([sys.executable, "-m", "backends.cupy", "--help"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0 and "time" in out.stdout, out.stderr
+    assert fusion_planner.core.graph is planner.core.graph and fusion_planner.plan is planner.plan
+    assert fusion_planner.backends.cpu.backend is backends.cpu.backend
+    assert fusion_planner.backends.reference is planner.core.reference
+    for argv in (["-m", "fusion_planner", "--help"], ["-m", "planner", "--help"]):
+        out = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and "explain" in out.stdout, out.stderr

@@ -12,9 +12,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from fusion_planner.backends import get_backend
-from fusion_planner.backends.base import BackendError, BackendUnavailable
-from fusion_planner.backends.cpu.codegen import (
+from backends.cpu.codegen import (
     PRELUDE,
     CodegenError,
     Compiler,
@@ -22,22 +20,24 @@ from fusion_planner.backends.cpu.codegen import (
     generate,
     noop_source,
 )
-from fusion_planner.backends.reference import execute_graph, execute_plan, random_inputs
-from fusion_planner.core import examples
-from fusion_planner.core.cost import device_from_json, load_device
-from fusion_planner.core.graph import Graph, GraphBuilder, TensorType
-from fusion_planner.core.ops import OPS, numpy_dtype
-from fusion_planner.core.plans import Expr, Load, Plan
-from fusion_planner.core.tolerance import check_outputs
-from fusion_planner.egraph.candidates import build_candidates
+from planner.backend import BackendError, BackendUnavailable
+from planner.core import examples
+from planner.core.cost import device_from_json, load_device
+from planner.core.graph import Graph, GraphBuilder, TensorType
+from planner.core.ops import OPS, numpy_dtype
+from planner.core.plans import Expr, Load, Plan
+from planner.core.reference import execute_graph, execute_plan, random_inputs
+from planner.core.tolerance import check_outputs
+from planner.egraph.candidates import build_candidates
+from planner.registry import get_backend
 
 SPEC = load_device("seed-k4")
-#: (rtol, atol) per stored dtype, as the search compares (kept here until fusion_planner.core.tolerance lands)
+#: (rtol, atol) per stored dtype, as the search compares (kept here until planner.core.tolerance lands)
 TOL = {"fp32": (1e-4, 1e-5), "fp16": (1e-2, 2e-3), "bf16": (5e-2, 2e-2)}
 
 
 def cpu_backend(tile_bytes: int | None = None, fma: bool | None = None, threads: int = 1):
-    from fusion_planner.backends.cpu.backend import CpuBackend
+    from backends.cpu.backend import CpuBackend
 
     try:
         return CpuBackend(SPEC, compiler=Compiler(fma=fma), tile_bytes=tile_bytes, threads=threads)
@@ -116,7 +116,7 @@ def test_every_candidate_matches_reference_and_counts_model_bytes(name: str) -> 
 
 
 def test_gemm_runs_in_row_tiles_within_budget() -> None:
-    from fusion_planner.backends.cpu.backend import cache_bytes
+    from backends.cpu.backend import cache_bytes
 
     default = cpu_backend()
     assert default.tile_bytes == cache_bytes()[0] // 4
@@ -246,7 +246,7 @@ def test_kernels_are_cached_by_source_hash(tmp_path, monkeypatch) -> None:
         first = Compiler()
     except CompilerUnavailable as exc:
         pytest.skip(f"no C compiler: {exc}")
-    from fusion_planner.backends.cpu.backend import CpuBackend
+    from backends.cpu.backend import CpuBackend
 
     graph = examples.ew_chain(2, 64)
     plan = build_candidates(graph, SPEC).unfused
@@ -260,7 +260,7 @@ def test_kernels_are_cached_by_source_hash(tmp_path, monkeypatch) -> None:
 
 
 def test_missing_compiler_is_backend_unavailable(monkeypatch) -> None:
-    from fusion_planner.backends.cpu.backend import CpuBackend
+    from backends.cpu.backend import CpuBackend
 
     monkeypatch.setenv("CC", "no-such-compiler-fp")
     with pytest.raises(BackendUnavailable, match="no-such-compiler-fp"):
@@ -330,8 +330,8 @@ def test_calibration_writes_a_spec_that_device_accepts(tmp_path) -> None:
         Compiler()
     except CompilerUnavailable as exc:
         pytest.skip(f"no C compiler: {exc}")
-    from fusion_planner.backends.cpu.calibrate import calibrate_cpu
-    from fusion_planner.cli import main
+    from backends.cpu.calibrate import calibrate_cpu
+    from planner.cli import main
 
     cal = calibrate_cpu(triad_n=1 << 16, gemm_sizes=(32, 64, 128))
     assert cal.triad_gbps > 0 and cal.launch_us > 0 and cal.vector_gflops > 0
@@ -346,7 +346,7 @@ def test_calibration_writes_a_spec_that_device_accepts(tmp_path) -> None:
 
 
 def test_calibrate_refuses_other_backends(capsys) -> None:
-    from fusion_planner.cli import main
+    from planner.cli import main
 
     assert main(["calibrate", "--backend", "cupy"]) == 2
     assert "cannot be calibrated" in capsys.readouterr().err
@@ -354,7 +354,7 @@ def test_calibrate_refuses_other_backends(capsys) -> None:
 
 @pytest.mark.parametrize("where, message", [(".", "it is a folder"), ("no/such/dir/x.json", "no such folder")])
 def test_calibrate_refuses_an_unwritable_output_before_measuring(where, message, tmp_path, capsys, monkeypatch) -> None:
-    from fusion_planner.cli import main
+    from planner.cli import main
 
     monkeypatch.chdir(tmp_path)
     assert main(["calibrate", "--backend", "cpu", "-o", where]) == 2
@@ -364,7 +364,7 @@ def test_calibrate_refuses_an_unwritable_output_before_measuring(where, message,
 def test_blas_threads_are_pinned_while_plans_run(monkeypatch) -> None:
     from threadpoolctl import threadpool_info
 
-    from fusion_planner.backends.cpu.backend import CpuBackend, limit_blas_threads
+    from backends.cpu.backend import CpuBackend, limit_blas_threads
 
     def numpy_blas_threads() -> list[int]:
         return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas" and "numpy" in i["filepath"]]
@@ -528,7 +528,7 @@ def test_fma_contraction_is_an_option_within_the_fp32_tolerance(tmp_path):
     g = examples.ew_chain(8, 4096, "fp32")
     plan = [p for p in build_candidates(g, "h200", cap=512).plans if len(p.kernels) == 1][0]
     x = random_inputs(g, 0)
-    from fusion_planner.backends.cpu.backend import CpuBackend
+    from backends.cpu.backend import CpuBackend
 
     outs = {fma: CpuBackend(SPEC, compiler=c).compile(plan).run(x)[0] for fma, c in ((False, strict), (True, fused))}
     np.testing.assert_array_equal(outs[False], execute_plan(plan, x)[0])  # strict: bit-identical to the reference
@@ -539,7 +539,7 @@ def test_fma_contraction_is_an_option_within_the_fp32_tolerance(tmp_path):
 
 
 def test_a_hanging_compiler_is_a_clear_error_not_a_hang(tmp_path, monkeypatch):
-    import fusion_planner.backends.cpu.codegen as codegen
+    import backends.cpu.codegen as codegen
 
     cc = tmp_path / "hanging-cc"
     cc.write_text("#!/bin/sh\nsleep 60\n")
@@ -552,7 +552,7 @@ def test_a_hanging_compiler_is_a_clear_error_not_a_hang(tmp_path, monkeypatch):
 def test_the_compiler_probe_runs_once_per_compiler_and_a_tampered_record_is_ignored(tmp_path, monkeypatch, compiler):
     """The probe's answer is kept in the kernel cache: a new process (the in-process memo cleared) runs no
     compiler before its first kernel; a record whose flags the probe could not have chosen is ignored."""
-    import fusion_planner.backends.cpu.codegen as codegen
+    import backends.cpu.codegen as codegen
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     runs: list[list[str]] = []
@@ -572,7 +572,7 @@ def test_the_compiler_probe_runs_once_per_compiler_and_a_tampered_record_is_igno
 
 
 def test_a_hanging_kernel_build_is_a_clear_error(tmp_path, monkeypatch, compiler):
-    import fusion_planner.backends.cpu.codegen as codegen
+    import backends.cpu.codegen as codegen
 
     shutil_which = codegen.shutil.which(compiler.cc)
     assert shutil_which
@@ -709,7 +709,7 @@ def test_a_reduction_input_nothing_else_reads_gets_no_row_buffer():
 
 def test_rows_longer_than_the_buffer_limit_reduce_in_the_loop():
     """A 16-bit row longer than the row buffer computes each reduction's input in the partials' loop."""
-    from fusion_planner.backends.cpu.codegen import ROW_BUFFER_LIMIT
+    from backends.cpu.codegen import ROW_BUFFER_LIMIT
 
     g = examples.layer_norm(3, ROW_BUFFER_LIMIT + 24, "fp16", residual=False)  # the mean reads x itself
     one = min(build_candidates(g, "seed-k4").plans, key=lambda p: len(p.kernels))
@@ -724,7 +724,7 @@ def test_a_gemms_right_operand_is_read_in_place_in_either_order():
     """A fp32 tensor only GEMM libraries read (a weight) is bound as given, C or Fortran order: an nn.Linear
     weight (N, K) arrives as its (K, N) transpose and is multiplied in that layout, with no copy.  A tensor
     another kernel also reads keeps the C-ordered copy those kernels index."""
-    from fusion_planner.backends.cpu.backend import gemm_b_only
+    from backends.cpu.backend import gemm_b_only
 
     g = examples.mlp_epilogue(48, 40, 32, "fp32")
     cands = build_candidates(g, "h200")
@@ -765,7 +765,7 @@ def test_16_bit_gemms_in_torchs_native_product_match_the_widened_ones(dtype, gel
     fp32 product is the other path.  Both match the reference within the dtype's tolerance, and a weight only
     the GEMM reads is bound in nn.Linear's (N, K) layout without a copy on the native path."""
     pytest.importorskip("torch")
-    from fusion_planner.backends.cpu.backend import CpuBackend
+    from backends.cpu.backend import CpuBackend
 
     g = examples.mlp_epilogue(40, 24, 16, dtype, gelu=gelu)
     plan = next(p for p in build_candidates(g, SPEC).plans if len(p.kernels) == 1)
@@ -788,8 +788,8 @@ def test_16_bit_gemms_in_torchs_native_product_match_the_widened_ones(dtype, gel
 def _packing_backend(monkeypatch, threads: int, tile_bytes: int | None = None):
     """A CPU backend multiplying bf16 natively from packed weights; skips where this torch cannot pack bf16."""
     pytest.importorskip("torch")
-    from fusion_planner.backends.cpu import gemm
-    from fusion_planner.backends.cpu.backend import CpuBackend
+    from backends.cpu import gemm
+    from backends.cpu.backend import CpuBackend
 
     monkeypatch.setenv(gemm.GEMM_16BIT_ENV, "native")
     if gemm.packing_error("bf16") is not None:
@@ -869,7 +869,7 @@ def test_packed_16_bit_weights_are_chosen_by_measurement_and_refused_where_torch
     """auto packs only where packing measured faster (the padded rule: the sum by the margin, no shape slower),
     recorded once; ``packed`` where torch cannot pack names the variable and the reason; a bad value is refused."""
     pytest.importorskip("torch")
-    from fusion_planner.backends.cpu import gemm
+    from backends.cpu import gemm
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv(gemm.WEIGHTS_16BIT_ENV, raising=False)
@@ -899,7 +899,7 @@ def test_packed_16_bit_weights_are_chosen_by_measurement_and_refused_where_torch
 def test_the_16_bit_layout_probe_times_both_layouts_of_each_shape(monkeypatch):
     """The probe itself (no stand-in), where torch packs bf16: a positive time per layout and shape."""
     _packing_backend(monkeypatch, 1)
-    from fusion_planner.backends.cpu import gemm
+    from backends.cpu import gemm
 
     seconds = gemm.time_16bit_layouts("bf16")
     assert set(seconds) == set(gemm.WEIGHT_LAYOUTS_16BIT)
@@ -908,7 +908,7 @@ def test_the_16_bit_layout_probe_times_both_layouts_of_each_shape(monkeypatch):
 
 def test_16_bit_inputs_of_their_own_dtype_are_bound_not_converted():
     """A bf16 call input handed over as bf16 (what the torch importer passes) is read in place as its bits."""
-    from fusion_planner.backends.cpu.backend import CpuBackend
+    from backends.cpu.backend import CpuBackend
 
     g = examples.ew_chain(3, 777, "bf16")
     plan = build_candidates(g, SPEC).best
@@ -966,9 +966,9 @@ def test_a_held_weight_is_copied_once_into_padded_rows(library, threads, monkeyp
     candidates); a writable one is still read in place.  Every way agrees with the reference."""
     if library == "torch":
         pytest.importorskip("torch")
-    from fusion_planner.backends.cpu import gemm
-    from fusion_planner.backends.cpu.backend import CpuBackend
-    from fusion_planner.backends.cpu.buffers import ALIGN
+    from backends.cpu import gemm
+    from backends.cpu.backend import CpuBackend
+    from backends.cpu.buffers import ALIGN
 
     g = examples.mlp_epilogue(48, 40, 32, "fp32")
     plan = next(p for p in build_candidates(g, "h200").plans if len(p.kernels) == 2)
@@ -1004,7 +1004,7 @@ def test_a_product_alone_is_written_by_the_library_into_the_output(library, thre
     """A GEMM kernel that is only its MatMul has no tile and no epilogue: the library writes the output rows."""
     if library == "torch":
         pytest.importorskip("torch")
-    from fusion_planner.backends.cpu.backend import CpuBackend
+    from backends.cpu.backend import CpuBackend
 
     b = GraphBuilder("product")
     b.input("x", (80, 24), "fp32")
@@ -1026,7 +1026,7 @@ def test_a_torch_gemm_keeps_operand_views_only_while_the_arrays_stay(threads, ep
     """torch's product keeps the views of its operands between calls; a call that binds other arrays (another
     input read in place, another weight) is multiplied from those, never from a kept view of the old ones."""
     pytest.importorskip("torch")
-    from fusion_planner.backends.cpu.backend import CpuBackend
+    from backends.cpu.backend import CpuBackend
 
     b = GraphBuilder("kept")
     b.input("x", (40, 24), "fp32")

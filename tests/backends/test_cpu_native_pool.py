@@ -7,13 +7,13 @@ import threading
 import numpy as np
 import pytest
 
-from fusion_planner.backends.base import BackendUnavailable
-from fusion_planner.backends.cpu import native_pool, parallel
-from fusion_planner.backends.cpu.codegen import Compiler
-from fusion_planner.backends.reference import random_inputs
-from fusion_planner.core import examples
-from fusion_planner.core.cost import load_device
-from fusion_planner.egraph.candidates import build_candidates
+from backends.cpu import native_pool, parallel
+from backends.cpu.codegen import Compiler
+from planner.backend import BackendUnavailable
+from planner.core import examples
+from planner.core.cost import load_device
+from planner.core.reference import random_inputs
+from planner.egraph.candidates import build_candidates
 
 #: part r0..r1 of this kernel adds one to counts[r0..r1] and writes its thread's id into owner[r0..r1]
 COUNT_SOURCE = r"""
@@ -79,7 +79,7 @@ def test_concurrent_callers_each_get_every_part(compiler: Compiler) -> None:
 
 
 def test_plans_on_several_threads_run_their_loops_on_the_shared_native_pool() -> None:
-    from fusion_planner.backends.cpu.backend import CpuBackend
+    from backends.cpu.backend import CpuBackend
 
     spec = load_device("seed-k4")
     try:

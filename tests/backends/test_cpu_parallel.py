@@ -9,23 +9,23 @@ import threading
 import numpy as np
 import pytest
 
-from fusion_planner.backends import get_backend
-from fusion_planner.backends.base import BackendError, BackendUnavailable
-from fusion_planner.backends.cpu import parallel
-from fusion_planner.backends.cpu.parallel import WorkerPool, check_threads, split, threads_from_env
-from fusion_planner.backends.reference import execute_graph, random_inputs
-from fusion_planner.core import examples
-from fusion_planner.core.cost import load_device
-from fusion_planner.core.errors import UsageError
-from fusion_planner.core.regions import whole_graph_region
-from fusion_planner.egraph.candidates import build_candidates
-from fusion_planner.pipeline import PlanOptions
+from backends.cpu import parallel
+from backends.cpu.parallel import WorkerPool, check_threads, split, threads_from_env
+from planner.backend import BackendError, BackendUnavailable
+from planner.core import examples
+from planner.core.cost import load_device
+from planner.core.errors import UsageError
+from planner.core.reference import execute_graph, random_inputs
+from planner.core.regions import whole_graph_region
+from planner.egraph.candidates import build_candidates
+from planner.pipeline import PlanOptions
+from planner.registry import get_backend
 
 SPEC = load_device("seed-k4")
 
 
 def cpu(threads: int, tile_bytes: int | None = None, gemm_library: str | None = None):  # noqa: ANN201
-    from fusion_planner.backends.cpu.backend import CpuBackend
+    from backends.cpu.backend import CpuBackend
 
     try:
         return CpuBackend(SPEC, threads=threads, tile_bytes=tile_bytes, gemm_library=gemm_library)
@@ -136,7 +136,7 @@ def test_a_torch_gemm_runs_on_the_plans_threads_and_its_epilogue_on_the_workers(
 
 
 def test_the_gemm_library_is_chosen_checked_and_in_the_cache_key(monkeypatch) -> None:
-    from fusion_planner.backends.cpu import gemm
+    from backends.cpu import gemm
 
     monkeypatch.setenv(gemm.GEMM_ENV, "mkl")
     with pytest.raises(BackendError, match="FUSION_PLANNER_CPU_GEMM='mkl'"):
@@ -184,12 +184,12 @@ def test_torch_threads_set_while_the_block_runs_and_restored() -> None:
 
 @pytest.mark.parametrize("argv", [["run", "plan.json", "--threads", "0"], ["plan", "--example", "ew-chain", "--threads", "x"]])
 def test_cli_refuses_a_bad_thread_count(argv: list[str]) -> None:
-    r = subprocess.run([sys.executable, "-m", "fusion_planner", *argv], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "planner", *argv], capture_output=True, text=True)
     assert r.returncode == 2 and "--threads" in r.stderr
 
 
 def test_cli_refuses_threads_for_a_backend_without_them() -> None:
-    r = subprocess.run([sys.executable, "-m", "fusion_planner", "plan", "--example", "ew-chain", "--backend", "model",
+    r = subprocess.run([sys.executable, "-m", "planner", "plan", "--example", "ew-chain", "--backend", "model",
                         "--threads", "2", "--no-cache"], capture_output=True, text=True)
     assert r.returncode == 2 and "thread count applies to the cpu backend" in r.stderr
 
@@ -239,7 +239,7 @@ def test_an_output_array_is_reused_only_once_nothing_refers_to_it() -> None:
 
 
 def test_an_output_named_twice_gets_two_arrays_with_the_same_values() -> None:
-    from fusion_planner.core.graph import GraphBuilder
+    from planner.core.graph import GraphBuilder
 
     b = GraphBuilder("twice")
     b.input("x", (64,), "fp32")
@@ -292,7 +292,7 @@ def test_streaming_row_kernels_give_the_same_bits(workload: str, threads: int) -
 
 
 def _kernel_sources(graph) -> list[str]:  # noqa: ANN001
-    from fusion_planner.backends.cpu.codegen import generate
+    from backends.cpu.codegen import generate
 
     cands = build_candidates(graph, SPEC)
     types = {n: (tuple(t.shape), t.dtype) for p in cands.plans for n, t in p.tensors.items()}
@@ -300,7 +300,7 @@ def _kernel_sources(graph) -> list[str]:  # noqa: ANN001
 
 
 def test_batched_builds_compile_each_kernel_once_and_load_like_single_builds(tmp_path) -> None:  # noqa: ANN001
-    from fusion_planner.backends.cpu.codegen import Compiler
+    from backends.cpu.codegen import Compiler
 
     sources = _kernel_sources(examples.ew_chain(3, 64))
     assert len(sources) >= 4
@@ -321,7 +321,7 @@ def test_batched_builds_compile_each_kernel_once_and_load_like_single_builds(tmp
 
 
 def test_a_failed_or_altered_batch_costs_nothing_but_time(tmp_path, caplog) -> None:  # noqa: ANN001
-    from fusion_planner.backends.cpu.codegen import PRELUDE, Compiler
+    from backends.cpu.codegen import PRELUDE, Compiler
 
     good = _kernel_sources(examples.ew_chain(1, 64))
     bad = PRELUDE + "void fp_kernel(const float* t0, float* out, int64_t r0, int64_t r1, int64_t cols) { nonsense; }\n"
@@ -341,7 +341,7 @@ def test_a_failed_or_altered_batch_costs_nothing_but_time(tmp_path, caplog) -> N
 def test_auto_takes_the_gemm_library_measured_faster_here_once_per_machine(monkeypatch, tmp_path) -> None:
     """With torch loaded, auto times both libraries once and keeps the record; torch keeps it within the margin."""
     pytest.importorskip("torch")
-    from fusion_planner.backends.cpu import gemm
+    from backends.cpu import gemm
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv(gemm.GEMM_ENV, raising=False)
@@ -364,7 +364,7 @@ def test_auto_takes_the_gemm_library_measured_faster_here_once_per_machine(monke
 def test_auto_pads_weights_only_where_it_measured_faster_once_per_library(monkeypatch, tmp_path) -> None:
     """auto times both weight layouts once per library and keeps the record; padded must win on the sum by the
     margin and lose on no shape; a bad value names the variable; the layout is in the plan-cache key."""
-    from fusion_planner.backends.cpu import gemm
+    from backends.cpu import gemm
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv(gemm.WEIGHTS_ENV, raising=False)
@@ -397,7 +397,7 @@ def test_auto_pads_weights_only_where_it_measured_faster_once_per_library(monkey
 
 def test_the_layout_probe_times_both_layouts_of_each_shape() -> None:
     """The probe itself (no stand-in): one time per layout and shape, each a positive number of seconds."""
-    from fusion_planner.backends.cpu import gemm
+    from backends.cpu import gemm
 
     seconds = gemm.time_layouts(gemm.numpy_mm)
     assert set(seconds) == set(gemm.WEIGHT_LAYOUTS)

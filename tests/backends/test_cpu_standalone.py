@@ -6,18 +6,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fusion_planner.backends.codegen import CodegenError
-from fusion_planner.backends.cpu.backend import CpuBackend
-from fusion_planner.backends.cpu.standalone import KEY_BLOCK, attention_source
-from fusion_planner.backends.reference import execute_plan, random_inputs
-from fusion_planner.core import examples
-from fusion_planner.core.cost import load_device
-from fusion_planner.core.graph import GraphBuilder, TensorType
-from fusion_planner.core.kinds import KernelKind
-from fusion_planner.core.ops import OPS
-from fusion_planner.core.planfile import kind_problem
-from fusion_planner.core.plans import Expr, Load, Plan
-from fusion_planner.egraph.candidates import build_candidates
+from backends.codegen import CodegenError
+from backends.cpu.backend import CpuBackend
+from backends.cpu.standalone import KEY_BLOCK, attention_source
+from planner.core import examples
+from planner.core.cost import load_device
+from planner.core.graph import GraphBuilder, TensorType
+from planner.core.kinds import KernelKind
+from planner.core.ops import OPS
+from planner.core.planfile import kind_problem
+from planner.core.plans import Expr, Load, Plan
+from planner.core.reference import execute_plan, random_inputs
+from planner.egraph.candidates import build_candidates
 
 SPEC = load_device("h200")
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fusion_planner.backends.reference import execute_graph, prepare_inputs
-from fusion_planner.core.examples import mlp_epilogue
-from fusion_planner.core.inputs import RecipeInputs, random_inputs
-from fusion_planner.core.ops import round_to
+from planner.core.examples import mlp_epilogue
+from planner.core.inputs import RecipeInputs, random_inputs
+from planner.core.ops import round_to
+from planner.core.reference import execute_graph, prepare_inputs
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from fusion_planner.backends.cupy.calibrate import SCHEMA, spec_from_measured
-from fusion_planner.cli import main
-from fusion_planner.core.cost import DeviceSpecError, load_device
+from backends.cupy.calibrate import SCHEMA, spec_from_measured
+from planner.cli import main
+from planner.core.cost import DeviceSpecError, load_device
 
 H200 = load_device("h200")
 

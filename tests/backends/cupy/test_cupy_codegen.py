@@ -5,18 +5,18 @@ import re
 import pytest
 from gpu_bundles import example_kernels
 
-from fusion_planner.backends.cupy.codegen import CodegenError, elementwise_kernel, generate, sanitize
-from fusion_planner.backends.cupy.facts import (
+from backends.cupy.codegen import CodegenError, elementwise_kernel, generate, sanitize
+from backends.cupy.facts import (
     Resources,
     annotate_candidates,
     compile_many,
     occupancy,
     parse_resource_usage,
 )
-from fusion_planner.core.cost import load_device
-from fusion_planner.core.examples import ew_chain, mlp_epilogue
-from fusion_planner.core.graph import GraphBuilder
-from fusion_planner.egraph.candidates import build_candidates
+from planner.core.cost import load_device
+from planner.core.examples import ew_chain, mlp_epilogue
+from planner.core.graph import GraphBuilder
+from planner.egraph.candidates import build_candidates
 
 H200 = load_device("h200")
 
@@ -177,7 +177,7 @@ def test_measured_registers_recost_only_where_the_spec_asks():
 
 
 def test_plan_with_facts_recosts_from_gpu_style_records():
-    from fusion_planner.backends.cupy.facts import plan_with_facts
+    from backends.cupy.facts import plan_with_facts
 
     cands = build_candidates(mlp_epilogue(256, 256, 256, "fp16"), "h200")
     plan = next(p for p in cands.plans if p.partition == (1, 3) and p.kernels[0].kind == "cublaslt")

@@ -7,7 +7,7 @@ import types
 import numpy as np
 import pytest
 
-from fusion_planner.backends.cupy.bundle import CublasCall
+from backends.cupy.bundle import CublasCall
 
 pytestmark = pytest.mark.nvrtc  # needs cupy importable, which the nvrtc extra brings
 
@@ -45,7 +45,7 @@ class FakeMatmul:
 
 @pytest.fixture
 def gpu(monkeypatch):
-    from fusion_planner.backends.cupy import gpu
+    from backends.cupy import gpu
 
     advanced = types.ModuleType("nvmath.linalg.advanced")
     advanced.Matmul = FakeMatmul

@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fusion_planner.backends.cupy.codegen import CTYPE, generate
-from fusion_planner.backends.reference import execute_plan, random_inputs
-from fusion_planner.core.examples import ew_chain, layer_norm, mlp_epilogue, rms_norm, rope, softmax
-from fusion_planner.core.ops import numpy_dtype
-from fusion_planner.egraph.candidates import build_candidates
+from backends.cupy.codegen import CTYPE, generate
+from planner.core.examples import ew_chain, layer_norm, mlp_epilogue, rms_norm, rope, softmax
+from planner.core.ops import numpy_dtype
+from planner.core.reference import execute_plan, random_inputs
+from planner.egraph.candidates import build_candidates
 
 pytestmark = pytest.mark.nvcc
 
@@ -84,7 +84,7 @@ def _run_host(plan, inputs, tmp_path):
 
 def _masked_softmax(groups: int, seq: int, keys: int, dtype: str):
     """softmax(x + m) over scores x (G, S, T) and a mask m of one row of keys per group (G, 1, T)."""
-    from fusion_planner.core.graph import GraphBuilder
+    from planner.core.graph import GraphBuilder
 
     b = GraphBuilder(f"masked-softmax-{groups}x{seq}x{keys}-{dtype}")
     b.input("x", (groups, seq, keys), dtype)
@@ -136,7 +136,7 @@ def test_generated_elementwise_code_matches_the_reference(graph, pred, tmp_path)
     mem = dict(inputs)
     if gemm:  # the GEMM itself runs in numpy; only elementwise kernels are emulated
         for k in gemm:
-            from fusion_planner.backends.reference import prepare_inputs, run_kernel
+            from planner.core.reference import prepare_inputs, run_kernel
 
             store = prepare_inputs(plan.tensors, inputs, list(inputs), "device")
             mem[k.out] = run_kernel(k, store, "device")
@@ -264,7 +264,7 @@ def test_generated_gemm_epilogue_matches_the_reference(m, n, k, dtype, partition
     subprocess.run([str(exe), *files], check=True, capture_output=True, timeout=300)
     t = plan.tensors[kern.out]
     got = np.frombuffer(Path(files[-1]).read_bytes(), dtype=numpy_dtype(t.dtype)).reshape(t.shape).astype(np.float32)
-    from fusion_planner.backends.reference import prepare_inputs, run_kernel
+    from planner.core.reference import prepare_inputs, run_kernel
 
     want = run_kernel(kern, prepare_inputs(plan.tensors, inputs, list(inputs), "device"), "device")
     # fp32 accumulation in another order, then one rounding to fp16/bf16
@@ -282,7 +282,7 @@ def test_generated_gemm_epilogue_matches_the_reference(m, n, k, dtype, partition
 def test_generated_attention_kernels_match_the_reference(dtype, causal, masked, fused, tmp_path):
     """A whole attention plan through its generated CUDA (the layouts, the batched products, the row kernels, the
     fused online-softmax kernel, the mask repeated over heads), executed on the host, equals the reference."""
-    from fusion_planner.core.examples import attention
+    from planner.core.examples import attention
 
     graph = attention(batch=2, seq=9, d_model=24, heads=3, dtype=dtype, causal=causal, masked=masked)
     attn_ops = {"Attention", "MaskedAttention"}

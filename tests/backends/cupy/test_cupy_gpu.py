@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from testpaths import GPU_DATA
 
-from fusion_planner.backends.cupy.bundle import load_bundle
-from fusion_planner.backends.cupy.runner import time_bundle
-from fusion_planner.backends.cupy.verify import allclose_report
-from fusion_planner.backends.reference import execute_plan
-from fusion_planner.core.cost import load_device
-from fusion_planner.core.ops import OPS
+from backends.cupy.bundle import load_bundle
+from backends.cupy.runner import time_bundle
+from backends.cupy.verify import allclose_report
+from planner.core.cost import load_device
+from planner.core.ops import OPS
+from planner.core.reference import execute_plan
 
 pytestmark = pytest.mark.gpu
 
@@ -28,7 +28,7 @@ def _bundle(name):
 
 
 def _executor():
-    from fusion_planner.backends.cupy.gpu import CupyExecutor
+    from backends.cupy.gpu import CupyExecutor
 
     return CupyExecutor()
 
@@ -78,7 +78,7 @@ def _lt_plan(name, epilogue):
 
 @pytest.mark.parametrize("epilogue", ["DEFAULT", "BIAS", "RELU", "RELU_BIAS", "GELU", "GELU_BIAS"])
 def test_cublaslt_epilogues_match_the_reference(epilogue):
-    from fusion_planner.backends.cupy.backend import CupyBackend
+    from backends.cupy.backend import CupyBackend
 
     b, plan = _lt_plan(f"lt_{epilogue}", epilogue)
     inputs = b.make_inputs()
@@ -94,7 +94,7 @@ def test_cublaslt_epilogues_match_the_reference(epilogue):
 def test_cublaslt_gelu_is_the_tanh_form():
     """In fp32 the library's GELU is closer to the tanh form than to erf.  Its precision is undocumented and
     not yet measured: device_smoke.py's ``gelu`` check prints both errors; a bound follows from them."""
-    from fusion_planner.backends.cupy.backend import CupyBackend
+    from backends.cupy.backend import CupyBackend
 
     _, plan = _lt_plan("lt_gelu_fp32", "GELU_BIAS")
     rng = np.random.default_rng(1)
@@ -112,7 +112,7 @@ def test_cublaslt_gelu_is_the_tanh_form():
 
 
 def test_kernel_facts_from_the_driver():
-    from fusion_planner.backends.cupy.backend import CupyBackend
+    from backends.cupy.backend import CupyBackend
 
     (fat,) = [c.plan for c in _bundle("fat").candidates]
     (facts,) = CupyBackend(H200).compile(fat).kernel_facts
@@ -123,7 +123,7 @@ def test_kernel_facts_from_the_driver():
 
 
 def test_cuda_graph_replay_is_timed():
-    from fusion_planner.backends.cupy.backend import plan_candidate
+    from backends.cupy.backend import plan_candidate
 
     b = _bundle("ew_fp32")
     prep = _executor().prepare(plan_candidate(b.reference), b.make_inputs())
@@ -134,8 +134,8 @@ def test_cuda_graph_replay_is_timed():
 def test_c05_modes_on_the_gpu(tmp_path, capsys):
     import json
 
-    from fusion_planner.backends.cupy import c05
-    from fusion_planner.backends.cupy.__main__ import main
+    from backends.cupy import c05
+    from backends.cupy.__main__ import main
 
     variants = [("naive", 4, _bundle("ew_fp32").reference), ("fused", 4, _bundle("lean").candidates[0].plan),
                 ("fat", 4, _bundle("fat").candidates[0].plan)]

@@ -12,7 +12,7 @@ import pytest
 from gpu_bundles import example_kernels
 from testpaths import GPU_DATA, ROOT
 
-from fusion_planner.backends.cupy.bundle import generated_kernels
+from backends.cupy.bundle import generated_kernels
 
 pytestmark = pytest.mark.nvrtc
 
@@ -21,7 +21,7 @@ BUNDLES = sorted(GPU_DATA.glob("*.json")) + sorted((ROOT / "benchmarks" / "gpu_s
 
 @pytest.fixture(scope="module")
 def nvrtc():
-    from fusion_planner.backends.cupy import nvrtc
+    from backends.cupy import nvrtc
 
     return nvrtc
 
@@ -114,7 +114,7 @@ def test_crt_folder_is_found_where_the_device_phase_installs_it(nvrtc, tmp_path)
 
 @pytest.mark.nvcc
 def test_nvrtc_registers_match_nvcc_within_a_few(nvrtc, kernels, compiled):
-    from fusion_planner.backends.cupy.facts import compile_many
+    from backends.cupy.facts import compile_many
 
     sample = [c for c in kernels.values() if c.kind == "gemm_epilogue"][:6] + [
         c for c in kernels.values() if c.kind == "elementwise"

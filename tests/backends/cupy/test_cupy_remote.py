@@ -1,4 +1,4 @@
-"""Remote timing on the CPU: export-candidates -> python -m fusion_planner.backends.cupy time --executor numpy -> load_measured."""
+"""Remote timing on the CPU: export-candidates -> python -m backends.cupy time --executor numpy -> load_measured."""
 
 import copy
 import dataclasses
@@ -11,20 +11,20 @@ import numpy as np
 import pytest
 from testpaths import ROOT
 
-from fusion_planner.backends.cupy.bundle import (
+from backends.cupy.bundle import (
     BundleError,
     bundle_from_json,
     export_bundle,
     kernel_to_json,
     load_bundle,
 )
-from fusion_planner.backends.cupy.runner import MeasuredError, NumpyExecutor, load_measured, time_bundle
-from fusion_planner.backends.reference import execute_graph, execute_plan, random_inputs
-from fusion_planner.cli import main
-from fusion_planner.core.examples import ew_chain, mlp_epilogue, mlp_stack
-from fusion_planner.core.plans import expr_from_json
-from fusion_planner.core.tolerance import check_outputs
-from fusion_planner.egraph.candidates import build_candidates
+from backends.cupy.runner import MeasuredError, NumpyExecutor, load_measured, time_bundle
+from planner.cli import main
+from planner.core.examples import ew_chain, mlp_epilogue, mlp_stack
+from planner.core.plans import expr_from_json
+from planner.core.reference import execute_graph, execute_plan, random_inputs
+from planner.core.tolerance import check_outputs
+from planner.egraph.candidates import build_candidates
 
 BLOCK_EGGLOG = """
 import sys
@@ -66,14 +66,14 @@ def test_bundle_is_self_contained_and_reproduces_every_plan(bundle_file):
 def test_export_time_merge_end_to_end_without_egglog(bundle_file, tmp_path):
     out = tmp_path / "measured.json"
     code = BLOCK_EGGLOG + (
-        "from fusion_planner.backends.cupy.__main__ import main\n"
+        "from backends.cupy.__main__ import main\n"
         f"rc = main(['time', {str(bundle_file)!r}, '-o', {str(out)!r}, '--executor', 'numpy', '--repeats', '2'])\n"
-        "assert not any(m == 'egglog' or m.startswith(('egglog.', 'fusion_planner.egraph.program', 'fusion_planner.egraph.candidates', "
-        "'fusion_planner.egraph.extract')) for m in sys.modules), sorted(sys.modules)\n"
+        "assert not any(m == 'egglog' or m.startswith(('egglog.', 'planner.egraph.program', 'planner.egraph.candidates', "
+        "'planner.egraph.extract')) for m in sys.modules), sorted(sys.modules)\n"
         # only what the GPU machine's image holds: the standard library, numpy, ml_dtypes, cupy
         "tops = {m.split('.')[0] for m in sys.modules} - set(sys.stdlib_module_names)\n"
         "extra = {t for t in tops if not t.startswith('_') and t != 'cython_runtime'} - {'numpy', 'ml_dtypes', 'cupy', "
-        "'fusion_planner'}\n"
+        "'planner', 'backends'}\n"
         "assert not extra, extra\n"
         "raise SystemExit(rc)\n"
     )
@@ -118,7 +118,7 @@ def test_a_wrong_kernel_is_rejected_not_timed(tmp_path):
 def test_device_code_that_is_not_its_bodys_is_refused(tmp_path):
     """The GPU runs only code the body generates: a bundle whose CUDA source, launch shape or cuBLASLt
     call was edited is refused when it is read, by the runner's command with exit 2."""
-    from fusion_planner.backends.cupy.__main__ import main as runner_main
+    from backends.cupy.__main__ import main as runner_main
 
     data = export_bundle(build_candidates(mlp_epilogue(24, 40, 36, "fp32"), "h200"))
     edits = {
@@ -152,7 +152,7 @@ def test_bad_files_name_the_problem(tmp_path):
 
 
 def test_runner_cli_rejects_a_missing_bundle(tmp_path):
-    from fusion_planner.backends.cupy.__main__ import main as runner_main
+    from backends.cupy.__main__ import main as runner_main
 
     assert runner_main(["time", str(tmp_path / "none.json"), "-o", str(tmp_path / "m.json"), "--executor", "numpy"]) == 2
 
@@ -184,7 +184,7 @@ def test_bench_rejects_bad_block(capsys):
 
 
 def test_bench_without_nvcc_is_a_clear_error(capsys, monkeypatch, tmp_path):
-    from fusion_planner.backends.cupy import facts
+    from backends.cupy import facts
 
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvcc here
     facts.nvcc_version.cache_clear()
@@ -198,7 +198,7 @@ def test_bench_without_nvcc_is_a_clear_error(capsys, monkeypatch, tmp_path):
 def test_gpu_bundles_match_the_current_code_generator():
     """tests/data/gpu holds what the GPU tests run: each stored kernel source must be what the code
     generator makes of its stored body today (regenerate with `python -m tests.gpu_bundles`)."""
-    from fusion_planner.backends.cupy.codegen import generate
+    from backends.cupy.codegen import generate
     from tests import gpu_bundles
 
     assert sorted(p.stem for p in gpu_bundles.DATA.glob("*.json")) == gpu_bundles.names()
@@ -213,7 +213,7 @@ def test_gpu_bundles_match_the_current_code_generator():
 
 def test_plan_measured_merges_remote_results_into_the_search(bundle_file, tmp_path, capsys, monkeypatch):
     """export -> time (numpy executor) -> plan --measured: the search and its log use the remote timings."""
-    from fusion_planner.backends.cupy.__main__ import main as runner_main
+    from backends.cupy.__main__ import main as runner_main
 
     out = tmp_path / "measured.json"
     assert runner_main(["time", str(bundle_file), "-o", str(out), "--executor", "numpy", "--repeats", "2"]) == 0
@@ -246,7 +246,7 @@ def test_plan_measured_merges_remote_results_into_the_search(bundle_file, tmp_pa
 
 def test_plan_measured_refuses_another_graphs_timings(bundle_file, tmp_path, capsys):
     """Plan keys do not encode shapes: timings of the 24x40x36 bundle must not merge into a 48x40x36 plan."""
-    from fusion_planner.backends.cupy.__main__ import main as runner_main
+    from backends.cupy.__main__ import main as runner_main
 
     out = tmp_path / "measured.json"
     assert runner_main(["time", str(bundle_file), "-o", str(out), "--executor", "numpy", "--repeats", "1"]) == 0
@@ -258,8 +258,8 @@ def test_plan_measured_refuses_another_graphs_timings(bundle_file, tmp_path, cap
 
 def test_plan_measured_refuses_a_same_named_graph_with_other_shapes(tmp_path, capsys):
     """Same graph name, other shapes: the structural fingerprint in the bundle tells them apart."""
-    from fusion_planner.backends.cupy.__main__ import main as runner_main
-    from fusion_planner.core.graph import GraphBuilder
+    from backends.cupy.__main__ import main as runner_main
+    from planner.core.graph import GraphBuilder
 
     def graph(m: int) -> dict:
         b = GraphBuilder("same-name")

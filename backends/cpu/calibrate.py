@@ -1,0 +1,203 @@
+"""Measure this machine for the cost model: a DeviceSpec the CPU backend's plans can be costed with.
+
+Four microbenchmarks, each run the way the CPU backend runs kernels:
+
+* triad bandwidth: the generated C kernel of ``a = b + 3*c`` (fp32, arrays far
+  larger than the caches), bytes counted as the byte ledger counts them
+  (two reads and one write per element);
+* empty-kernel overhead: a generated no-op kernel called through ctypes with
+  the generated kernels' calling convention, as a plan step calls it;
+* GEMM FLOP/s through numpy/BLAS (fp32) at three square sizes; the peak is the
+  best of the three, and ``gemm_efficiency`` is the fraction of the untiled rate
+  that the backend's row-tiled GEMM reaches at the largest size;
+* vector FLOP/s: a generated chain of 16 Affine stages on a cache-resident array.
+
+The CPU backend computes fp16/bf16 GEMMs in fp32, so every dtype gets the fp32 peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from backends.cpu.backend import blas_threads_from_env, cache_bytes, gemm_tile_rows, limit_blas_threads
+from backends.cpu.codegen import Compiler, generate, noop_source
+from planner.core.cost import DeviceSpec
+from planner.core.graph import TensorType
+from planner.core.machine import cpu_model
+from planner.core.plans import Expr, Load
+
+log = logging.getLogger(__name__)
+
+GEMM_SIZES = (256, 512, 1024)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What was measured (rates in GB/s, GFLOP/s, µs) and how long it took."""
+
+    triad_gbps: float
+    launch_us: float
+    gemm_gflops: dict[int, float]
+    tiled_gemm_gflops: float
+    vector_gflops: float
+    cpu: str
+    seconds: float
+
+    def spec(self, name: str = "cpu-calibrated") -> DeviceSpec:
+        peak = max(self.gemm_gflops.values()) / 1e3
+        eff = min(1.0, self.tiled_gemm_gflops / self.gemm_gflops[max(self.gemm_gflops)])
+        gemm = ", ".join(f"{n}: {g:.1f}" for n, g in self.gemm_gflops.items())
+        threads = os.environ.get("FUSION_PLANNER_BLAS_THREADS") or "1"
+        return DeviceSpec(
+            name=name,
+            bandwidth_gbps=round(self.triad_gbps, 3),
+            matmul_tflops={d: round(peak, 6) for d in ("fp16", "bf16", "fp32")},
+            vector_tflops=round(self.vector_gflops / 1e3, 6),
+            launch_us=round(self.launch_us, 4),
+            sm_count=os.cpu_count() or 1,
+            gemm_efficiency={"cublaslt": round(eff, 4), "custom": round(eff, 4)},
+            source=(
+                f"fusion-planner calibrate --backend cpu on {self.cpu} ({platform.machine()}, "
+                f"{os.cpu_count()} CPUs), {datetime.date.today().isoformat()}: triad {self.triad_gbps:.2f} GB/s, "
+                f"empty kernel {self.launch_us:.3f} us, GEMM GFLOP/s {{{gemm}}} on {threads} BLAS thread(s), row-tiled "
+                f"{self.tiled_gemm_gflops:.1f}, vector {self.vector_gflops:.2f} GFLOP/s"
+            ),
+        )
+
+
+
+
+def _samples_us(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter_ns()
+        fn()
+        samples.append((time.perf_counter_ns() - t0) / 1e3)
+    return samples
+
+
+def _best_us(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """Throughput benchmarks report their best run (as STREAM does): other load only slows a run."""
+    return min(_samples_us(fn, repeats, warmup))
+
+
+def _median_us(fn: Callable[[], None], repeats: int, warmup: int = 1) -> float:
+    return statistics.median(_samples_us(fn, repeats, warmup))
+
+
+def _kernel(body: Expr, arrays: dict[str, np.ndarray], out: np.ndarray) -> Callable[[], None]:
+    """Generate, compile and bind the kernel of ``body`` (fp32 1-D)."""
+
+    ck = generate(body, {n: (a.shape, "fp32") for n, a in arrays.items()})
+    fn = Compiler().function(ck.source, len(ck.params) + 1)
+    args = (*(arrays[p.tensor].ctypes.data for p in ck.params if p.tensor is not None), out.ctypes.data, 0, ck.rows, ck.cols)
+    return lambda: fn(*args)
+
+
+def _affine(x: Expr | Load, a: float, b: float, n: int) -> Expr:
+    return Expr("Affine", (x,), (("a", a), ("b", b)), "", TensorType((n,), "fp32"))
+
+
+def triad_gbps(n: int) -> float:
+    rng = np.random.default_rng(0)
+    b, c = rng.standard_normal(n, dtype=np.float32), rng.standard_normal(n, dtype=np.float32)
+    a = np.zeros(n, np.float32)
+    body = Expr("Add", (Load("b"), _affine(Load("c"), 3.0, 0.0, n)), (), "", TensorType((n,), "fp32"))
+    us = _best_us(_kernel(body, {"b": b, "c": c}, a), repeats=7, warmup=2)
+    if not np.allclose(a, b + 3 * c, rtol=1e-6, atol=1e-6):
+        raise RuntimeError("triad kernel computed a wrong result")
+    return 3 * 4 * n / (us * 1e-6) / 1e9
+
+
+def launch_us(calls: int = 2000) -> float:
+
+    fn = Compiler().function(noop_source(), 2)
+    buf = np.zeros(1, np.float32)
+    args = (buf.ctypes.data, buf.ctypes.data, 0, 1, 1)
+
+    def step() -> None:  # the shape of a plan step: a closure calling the bound kernel
+        fn(*args)
+
+    def batch() -> None:
+        for _ in range(calls):
+            step()
+
+    return _median_us(batch, repeats=5) / calls
+
+
+def gemm_gflops(n: int) -> float:
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal((n, n), dtype=np.float32), rng.standard_normal((n, n), dtype=np.float32)
+    out = np.empty((n, n), np.float32)
+    us = _best_us(lambda: np.matmul(a, b, out=out), repeats=7)
+    return 2.0 * n**3 / (us * 1e-6) / 1e9
+
+
+def tiled_gemm_gflops(n: int) -> float:
+    """The CPU backend's GEMM route: BLAS on row tiles sized to a quarter of the cache."""
+
+    rows = gemm_tile_rows(n, n, n, cache_bytes()[0] // 4)
+    rng = np.random.default_rng(2)
+    a, b = rng.standard_normal((n, n), dtype=np.float32), rng.standard_normal((n, n), dtype=np.float32)
+    tile = np.empty((rows, n), np.float32)
+
+    def run() -> None:
+        for r in range(0, n, rows):
+            r1 = min(n, r + rows)
+            np.matmul(a[r:r1], b, out=tile[: r1 - r])
+
+    us = _best_us(run, repeats=7)
+    return 2.0 * n**3 / (us * 1e-6) / 1e9
+
+
+def vector_gflops(n: int = 8192, stages: int = 16, calls: int = 200) -> float:
+    x = np.random.default_rng(3).standard_normal(n, dtype=np.float32)
+    out = np.zeros(n, np.float32)
+    body: Expr | Load = Load("x")
+    for s in range(stages):
+        body = _affine(body, 1.0 + 1e-3 * s, -1e-3 * s, n)
+    assert isinstance(body, Expr)
+    fn = _kernel(body, {"x": x}, out)
+
+    def batch() -> None:
+        for _ in range(calls):
+            fn()
+
+    us = _best_us(batch, repeats=5) / calls
+    return 2.0 * stages * n / (us * 1e-6) / 1e9
+
+
+def calibrate_cpu(*, triad_n: int = 1 << 23, gemm_sizes: tuple[int, ...] = GEMM_SIZES) -> Calibration:
+    """Run the microbenchmarks (about 3-5 s at the defaults on a 2-core machine).
+
+    GEMMs run with the BLAS thread count the CPU backend uses (``FUSION_PLANNER_BLAS_THREADS``).
+    """
+
+    t0 = time.perf_counter()
+    with limit_blas_threads(blas_threads_from_env()):
+        gemm = {n: gemm_gflops(n) for n in gemm_sizes}
+        tiled = tiled_gemm_gflops(max(gemm_sizes))
+    cal = Calibration(
+        triad_gbps=triad_gbps(triad_n),
+        launch_us=launch_us(),
+        gemm_gflops=gemm,
+        tiled_gemm_gflops=tiled,
+        vector_gflops=vector_gflops(),
+        cpu=cpu_model(),
+        seconds=0.0,
+    )
+    cal = dataclasses.replace(cal, seconds=time.perf_counter() - t0)
+    log.info("calibration took %.1f s", cal.seconds)
+    return cal

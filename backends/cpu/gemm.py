@@ -1,0 +1,459 @@
+"""Which library multiplies a GEMM kernel's tiles: numpy's BLAS or torch's (``torch.mm``).
+
+The generated C epilogue runs on each fp32 tile either way; only the product comes from the library.
+torch's x86 wheels ship MKL, numpy's OpenBLAS: on one core here (fp32, 2026-12-01) MKL reached
+74-80 GFLOP/s on GPT-2's MLP shapes (128x768x3072, 128x3072x768) against OpenBLAS's 52-63, and 51-87
+against 27-55 on the 16-64-row tiles of a split GEMM; 64x2048x2048 was a tie.
+
+That order is not every machine's: on an AMD EPYC (Zen 4) core (2026-12-02) OpenBLAS beat MKL by 5-20% on
+the same shapes (1024³: 22.4 against 26.7 ms).  So ``FUSION_PLANNER_CPU_GEMM``: ``auto`` (the default)
+takes numpy when torch is not imported (a graph, not a torch model, is being planned: torch is not loaded
+for it), else the library that multiplies :data:`PROBE_SHAPES` faster on one thread here, measured once
+per machine and library versions (about 0.1 s) and kept in the kernel cache (``gemm-library.json``);
+torch keeps it unless numpy is :data:`PROBE_MARGIN` faster.  ``torch`` and ``numpy`` force one.
+
+16-bit operands are widened to fp32 for the product, except where torch multiplies their dtype in the
+CPU's own instructions (bf16 on AMX or AVX-512 BF16, fp16 on AMX-FP16): there torch's product reads the
+stored bits into a tile of the storage dtype, which the epilogue reads (the product rounded once, as
+eager torch rounds a Linear's output).  On a Sapphire Rapids core (2026-12-02) bf16 ``torch.mm`` was 5.4x (128x768x3072) and
+7.2x (1024x768x3072) faster than fp32; fp16 without AMX-FP16 was no faster than fp32, so it is widened.
+``FUSION_PLANNER_CPU_GEMM_16BIT``: ``auto`` (the default) decides as above, ``widen`` widens every 16-bit
+product, ``native`` takes torch's on any CPU (where it has no 16-bit units torch converts inside, slowly: for
+tests and comparisons).  The same choice covers 16-bit batched products and attention (``standalone.py``).
+
+fp32 weights (tensors only GEMM libraries read, as the right operand, held constant between calls: a module's
+parameters) are stored once in the layout their library multiplies fastest: ``padded`` (K, N) rows an odd number
+of cache lines apart (``buffers.padded_matrix``), or ``given``, read in place as bound (an nn.Linear weight
+as its (K, N) transpose).  On a Sapphire Rapids core (2026-12-03) padded rows made MKL 1.2-1.6x and OpenBLAS
+1.1-1.3x faster on GPT-2's and a 2048-wide MLP's GEMMs.  ``FUSION_PLANNER_CPU_WEIGHTS``: ``auto`` (the default)
+times both layouts on :data:`LAYOUT_SHAPES` once per machine, library and versions (``gemm-weights.json`` in the
+kernel cache) and keeps ``given`` unless ``padded`` is faster on their sum by :data:`PROBE_MARGIN` and slower on
+none; ``padded`` and ``given`` force one.
+
+16-bit weights torch multiplies natively are either read as ``given`` (nn.Linear's (N, K) layout; oneDNN
+reorders the operand into its blocked form inside every product) or ``packed``: reordered once into oneDNN's
+blocked form (``torch.ops.mkldnn._reorder_linear_weight``, what Inductor's weight freezing does) and
+multiplied by ``torch.ops.mkldnn._linear_pointwise``, which writes a fresh tensor the epilogue reads as its
+tile.  On a Sapphire Rapids core (AMX, 2026-12-03) packed bf16 weights multiplied 1.3-1.5x faster on GPT-2's
+shapes at 128 rows (warm and with cold caches), 1.3x at 512x2048x5632, 1.1-1.2x on a 16-row decode step, and
+tied at 2048 rows.  ``FUSION_PLANNER_CPU_WEIGHTS_16BIT``: ``auto`` (the default) times both on
+:data:`LAYOUT_SHAPES` in the dtype once per machine and versions (``gemm-weights-<dtype>.json``) and keeps
+``given`` unless ``packed`` wins by the rule above; ``packed`` forces it (an error where this torch cannot
+pack the dtype), ``given`` never packs.  Only a read-only array (a bound parameter) is packed, once, and
+shared by every plan of the backend; a writable weight may change between calls and is read as given.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from threadpoolctl import threadpool_info, threadpool_limits
+
+from backends.cpu.buffers import aligned_empty, padded_matrix
+from backends.cpu.codegen import cache_dir
+from backends.cpu.parallel import torch_threads
+from planner.backend import BackendError
+from planner.core.machine import cpu_model
+
+log = logging.getLogger(__name__)
+
+GEMM_ENV = "FUSION_PLANNER_CPU_GEMM"
+GEMM_16BIT_ENV = "FUSION_PLANNER_CPU_GEMM_16BIT"
+WEIGHTS_ENV = "FUSION_PLANNER_CPU_WEIGHTS"
+WEIGHT_LAYOUTS = ("padded", "given")
+WEIGHTS_16BIT_ENV = "FUSION_PLANNER_CPU_WEIGHTS_16BIT"
+WEIGHT_LAYOUTS_16BIT = ("packed", "given")
+LIBRARIES = ("numpy", "torch")
+#: the torch.cpu capability checks under which torch multiplies a 16-bit dtype natively
+#: the 16-bit float dtypes torch may multiply natively (and oneDNN from packed weights)
+DTYPES_16BIT = ("bf16", "fp16")
+_NATIVE_16BIT = {"bf16": ("_is_amx_tile_supported", "_is_avx512_bf16_supported"), "fp16": ("_is_amx_fp16_supported",)}
+#: ``mm(a, b, out)``: ``out[:] = a @ b`` for fp32 C-contiguous 2-D arrays
+MatMul = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
+
+
+def library_from_env(choice: str | None = None) -> str:
+    """The GEMM library a backend uses: ``choice``, else ``$FUSION_PLANNER_CPU_GEMM``, else ``auto``."""
+    what = "gemm_library" if choice else GEMM_ENV
+    value = (choice or os.environ.get(GEMM_ENV) or "auto").strip().lower()
+    if value == "auto":
+        return measured_library() if "torch" in sys.modules else "numpy"
+    if value not in LIBRARIES:
+        raise BackendError(f"{what}={value!r}: expected auto, numpy or torch")
+    if value == "torch":
+        try:
+            import torch  # noqa: F401  (optional dependency)
+        except ImportError as exc:
+            raise BackendError(f"{what}=torch, but torch cannot be imported ({exc})") from None
+    return value
+
+
+def numpy_mm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    np.matmul(a, b, out=out)
+
+
+def torch_mm(dtype: str = "fp32", keep: tuple[bool, bool, bool] = (False, False, False)) -> MatMul:
+    """``torch.mm`` on zero-copy views of the arrays (torch is imported: :func:`library_from_env` checked); the
+    operands of a 16-bit ``dtype`` are its bits (``uint16``), multiplied in torch's native product and rounded to
+    it.  ``keep[i]``: operand i (a, b, out) is usually the same array call after call (a weight, a plan's own
+    buffer), so its tensor view is kept while it is; a view cost ~3 µs to make, several times that right after a
+    large kernel evicted the interpreter's own data, on each of a plan's kernels.  Never keep an array the plan
+    hands out (a kept view would keep a caller's output alive)."""
+    import torch  # optional dependency
+
+    from planner.torch.ops import numpy_view
+
+    kind = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
+    kept: list[tuple[np.ndarray, Any] | None] = [None, None, None]
+
+    def view(i: int, x: np.ndarray) -> Any:
+        hit = kept[i]
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        t = numpy_view(x) if kind is None else numpy_view(x).view(kind)
+        if keep[i]:
+            kept[i] = (x, t)
+        return t
+
+    def mm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+        torch.mm(view(0, a), view(1, b), out=view(2, out))
+
+    return mm
+
+
+def native_16bit(dtype: str) -> bool:
+    """Does torch multiply ``dtype`` in the CPU's own instructions here, so a GEMM need not widen it to fp32?
+    (torch is imported: the caller uses the torch library.)"""
+    value = (os.environ.get(GEMM_16BIT_ENV) or "auto").strip().lower()
+    if value not in ("auto", "native", "widen"):
+        raise BackendError(f"{GEMM_16BIT_ENV}={value!r}: expected auto, native or widen")
+    if value == "widen" or dtype not in _NATIVE_16BIT:
+        return False
+    if value == "native":
+        return True
+    import torch  # optional dependency
+
+    return any(getattr(torch.cpu, check, lambda: False)() for check in _NATIVE_16BIT[dtype])
+
+
+def matmul(library: str) -> MatMul:
+    return torch_mm() if library == "torch" else numpy_mm
+
+
+# ---------------------------------------------------------------- the measured choice
+
+#: the fp32 products ``auto`` times on one thread: a transformer projection at 128 tokens, a wider square one
+PROBE_SHAPES = ((128, 768, 768), (256, 1024, 1024))
+#: numpy must be this much faster (summed over the shapes) to replace torch: the measurement's noise
+PROBE_MARGIN = 0.05
+PROBE_ROUNDS = 5
+PROBE_FILE = "gemm-library.json"
+
+
+def _probe_key() -> dict[str, Any]:
+    """What the measured choice depends on: the CPU and the libraries' versions (the BLAS builds included)."""
+    import torch  # optional dependency (imported: auto measures only then)
+
+    return {"cpu": cpu_model(), "numpy": np.__version__, "torch": torch.__version__, "blas": _blas_builds()}
+
+
+def _blas_builds() -> list[str]:
+    return sorted(f"{i.get('internal_api')} {i.get('version')}" for i in threadpool_info() if i.get("user_api") == "blas")
+
+
+def _fastest(calls: dict[str, Callable[[], None]]) -> dict[str, float]:
+    """Each call's fastest of :data:`PROBE_ROUNDS` rounds (seconds), the calls interleaved round by round after
+    a first round that warms them up."""
+    runs: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(PROBE_ROUNDS + 1):
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            runs[name].append(time.perf_counter() - t0)
+    return {name: min(r[1:]) for name, r in runs.items()}
+
+
+def _recorded(file: str, key: dict[str, Any], choices: tuple[str, ...], measure: Callable[[], tuple[str, Any]]) -> str:
+    """The choice recorded in the kernel cache's ``file`` for ``key``; else ``measure()``'s (choice, figures),
+    recorded there."""
+    path = cache_dir() / file
+    try:
+        record = json.loads(path.read_text())
+        if record.get("key") == key and record.get("choice") in choices:
+            return str(record["choice"])
+    except (OSError, ValueError, AttributeError):
+        pass  # none yet, or unreadable: measure again
+    choice, seconds = measure()
+    _write_record(path, {"key": key, "choice": choice, "seconds": seconds})
+    return choice
+
+
+def _time_libraries() -> dict[str, float]:
+    """Seconds per library, the fastest round of each shape summed over :data:`PROBE_SHAPES`; the libraries
+    interleaved round by round."""
+    mms = {"numpy": numpy_mm, "torch": torch_mm()}
+    rng = np.random.default_rng(0)
+    best = dict.fromkeys(mms, 0.0)
+    with threadpool_limits(limits=1, user_api="blas"), torch_threads(1):
+        for m, k, n in PROBE_SHAPES:
+            a, b = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32)
+            out = np.empty((m, n), np.float32)
+            fastest = _fastest({name: functools.partial(mm, a, b, out) for name, mm in mms.items()})
+            for name in mms:
+                best[name] += fastest[name]
+    return best
+
+
+@functools.cache
+def measured_library() -> str:
+    """numpy or torch, whichever multiplies fp32 faster here (torch unless numpy wins by the margin); measured
+    once per machine and library versions, the record kept in the kernel cache."""
+    def measure() -> tuple[str, dict[str, float]]:
+        seconds = _time_libraries()
+        choice = "numpy" if seconds["numpy"] * (1 + PROBE_MARGIN) < seconds["torch"] else "torch"
+        log.info("CPU GEMM library: %s (fp32 on one thread: numpy %.2f ms, torch %.2f ms)", choice,
+                 seconds["numpy"] * 1e3, seconds["torch"] * 1e3)
+        return choice, seconds
+
+    return _recorded(PROBE_FILE, _probe_key(), LIBRARIES, measure)
+
+
+def _write_record(path: Path, record: dict[str, Any]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            json.dump(record, f)
+        os.replace(f.name, path)
+    except OSError as exc:  # a read-only cache: measured again next process
+        log.warning("cannot keep the GEMM library choice in %s: %s", path, exc)
+
+
+# ---------------------------------------------------------------- the weights' layout
+
+#: the fp32 products the weight layout is timed on (M, K, N): rows 3, 4 and 4.0625 KiB apart as nn.Linear
+#: stores its weight, 3 and 4 KiB in a C-ordered copy
+LAYOUT_SHAPES = ((128, 768, 768), (64, 1024, 1024), (128, 1040, 768))
+LAYOUT_FILE = "gemm-weights.json"
+
+
+def weight_layout(library: str) -> str:
+    """How fp32 weights are stored for ``library``'s products: ``padded`` or ``given`` (module docstring)."""
+    value = (os.environ.get(WEIGHTS_ENV) or "auto").strip().lower()
+    if value == "auto":
+        return measured_weight_layout(library)
+    if value not in WEIGHT_LAYOUTS:
+        raise BackendError(f"{WEIGHTS_ENV}={value!r}: expected auto, padded or given")
+    return value
+
+
+def _layout_key(library: str) -> dict[str, Any]:
+    key = {"cpu": cpu_model(), "numpy": np.__version__, "blas": _blas_builds(), "library": library}
+    torch = sys.modules.get("torch")
+    if library == "torch" and torch is not None:
+        key["torch"] = torch.__version__
+    return key
+
+
+def time_layouts(mm: MatMul) -> dict[str, list[float]]:
+    """Seconds per layout and shape of :data:`LAYOUT_SHAPES` (the fastest round), the layouts interleaved."""
+    rng = np.random.default_rng(0)
+    best: dict[str, list[float]] = {layout: [] for layout in WEIGHT_LAYOUTS}
+    with threadpool_limits(limits=1, user_api="blas"), torch_threads(1):
+        for m, k, n in LAYOUT_SHAPES:
+            a = aligned_empty((m, k), np.float32)
+            a[...] = rng.standard_normal((m, k), dtype=np.float32)
+            linear = aligned_empty((n, k), np.float32)  # nn.Linear's (N, K) weight, read as its transpose
+            linear[...] = rng.standard_normal((n, k), dtype=np.float32)
+            padded = padded_matrix(k, n, np.float32)
+            padded[...] = linear.T
+            weights = {"padded": padded, "given": linear.T}
+            out = aligned_empty((m, n), np.float32)
+            fastest = _fastest({layout: functools.partial(mm, a, w, out) for layout, w in weights.items()})
+            for layout in weights:
+                best[layout].append(fastest[layout])
+    return best
+
+
+def _beats(layout: list[float], given: list[float]) -> bool:
+    """Is ``layout`` faster than ``given`` (seconds per shape): on their sum by :data:`PROBE_MARGIN`, and slower
+    by more than it on no shape?"""
+    return sum(layout) * (1 + PROBE_MARGIN) < sum(given) and all(
+        t <= g * (1 + PROBE_MARGIN) for t, g in zip(layout, given, strict=True))
+
+
+@functools.cache
+def measured_weight_layout(library: str) -> str:
+    """``padded`` where it multiplies faster than ``given`` here (on the sum, by the margin, and slower on no
+    shape), else ``given``; measured once per machine, library and versions, the record kept in the kernel cache."""
+    def measure() -> tuple[str, dict[str, list[float]]]:
+        seconds = time_layouts(matmul(library))
+        padded, given = seconds["padded"], seconds["given"]
+        choice = "padded" if _beats(padded, given) else "given"
+        log.info("CPU GEMM weights (%s): %s (fp32 on one thread: padded %.2f ms, given %.2f ms)", library, choice,
+                 sum(padded) * 1e3, sum(given) * 1e3)
+        return choice, seconds
+
+    return _recorded(LAYOUT_FILE, _layout_key(library), WEIGHT_LAYOUTS, measure)
+
+
+# ---------------------------------------------------------------- 16-bit weights packed by oneDNN
+
+#: ``linear(a, w[, bias])``: ``a @ w`` as a fresh torch tensor, ``a`` a 16-bit array's bits, ``w`` a
+#: :func:`pack_weight`
+PackedLinear = Callable[..., Any]
+
+
+def _torch_dtype(dtype: str) -> Any:
+    import torch  # optional dependency (a native 16-bit product: torch is loaded)
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+
+
+def pack_weight(b: np.ndarray, dtype: str) -> Any:
+    """oneDNN's blocked form of a 16-bit GEMM right operand ``b`` ((K, N), its bits as ``uint16``, any
+    strides): reordered from the (N, K) weight nn.Linear stores, for :func:`packed_linear`."""
+    import torch  # optional dependency
+
+    from planner.torch.ops import numpy_view
+
+    weight = numpy_view(np.ascontiguousarray(b.T)).view(_torch_dtype(dtype))
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
+def packed_linear(dtype: str, attr: str = "none", algorithm: str = "") -> PackedLinear:
+    """``a @ w [+ bias]`` for a packed weight ``w``, by oneDNN, with post-op ``attr`` (``none``, ``relu``, or
+    ``gelu`` of ``algorithm`` ``tanh``) applied to the fp32 accumulator before the one rounding; the operands'
+    tensor views are kept while they are the same arrays (a plan's own buffers, a bias; see :func:`torch_mm`)."""
+    import torch  # optional dependency
+
+    from planner.torch.ops import numpy_view
+
+    kind, linear = _torch_dtype(dtype), torch.ops.mkldnn._linear_pointwise
+    kept: dict[int, tuple[np.ndarray, Any]] = {}
+
+    def view(i: int, x: np.ndarray) -> Any:
+        hit = kept.get(i)
+        if hit is None or hit[0] is not x:
+            hit = kept[i] = (x, numpy_view(x).view(kind))
+        return hit[1]
+
+    def run(a: np.ndarray, w: Any, bias: np.ndarray | None = None) -> Any:
+        return linear(view(0, a), w, None if bias is None else view(1, bias), attr, [], algorithm)
+
+    return run
+
+
+#: the cuBLASLt epilogues oneDNN's packed product applies itself, as post-ops: (attr, algorithm)
+ONEDNN_POST_OPS = {"DEFAULT": ("none", ""), "BIAS": ("none", ""), "RELU": ("relu", ""), "RELU_BIAS": ("relu", ""),
+                   "GELU": ("gelu", "tanh"), "GELU_BIAS": ("gelu", "tanh")}
+
+
+def packing(product: MatMul, linear: PackedLinear, weight: Callable[[], Any]) -> MatMul:
+    """``product``, except while ``weight()`` gives the packed form of its right operand: then ``linear``
+    multiplies, and its result is copied into ``out``."""
+    def mm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+        packed = weight()
+        if packed is None:
+            product(a, b, out)
+            return
+        np.copyto(out, tensor_bits(linear(a, packed)))
+
+    return mm
+
+
+def tensor_bits(t: Any) -> np.ndarray:
+    """A 16-bit tensor's bits as a ``uint16`` array, without a copy."""
+    import torch  # optional dependency
+
+    return t.view(torch.uint16).numpy()
+
+
+@functools.cache
+def packing_error(dtype: str) -> str | None:
+    """Why this torch cannot multiply ``dtype`` from packed weights (None: it can): a small product packed and
+    compared with the widened one (torch builds without oneDNN, or CPUs it refuses the dtype on)."""
+    import torch  # optional dependency
+
+    try:
+        rng = np.random.default_rng(0)
+        a = rng.standard_normal((8, 32), dtype=np.float32)
+        b = rng.standard_normal((32, 24), dtype=np.float32)
+        kind = _torch_dtype(dtype)
+        bits = [torch.from_numpy(m).to(kind).view(torch.uint16).numpy() for m in (a, b)]
+        got = packed_linear(dtype)(aligned_copy(bits[0]), pack_weight(bits[1], dtype)).float().numpy()
+    except (RuntimeError, AttributeError, NotImplementedError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    want = a @ b
+    if not np.allclose(got, want, rtol=5e-2, atol=0.5):  # two roundings to 8 bits of mantissa, sums of 32 terms
+        return f"oneDNN's packed {dtype} product differs from the fp32 one by {np.abs(got - want).max():.3g}"
+    return None
+
+
+def aligned_copy(x: np.ndarray) -> np.ndarray:
+    out = aligned_empty(x.shape, x.dtype)
+    out[...] = x
+    return out
+
+
+def weight_layout_16bit(dtype: str) -> str:
+    """How 16-bit weights torch multiplies natively are held: ``packed`` or ``given`` (module docstring)."""
+    value = (os.environ.get(WEIGHTS_16BIT_ENV) or "auto").strip().lower()
+    if value not in ("auto", *WEIGHT_LAYOUTS_16BIT):
+        raise BackendError(f"{WEIGHTS_16BIT_ENV}={value!r}: expected auto, packed or given")
+    if value == "given":
+        return value
+    error = packing_error(dtype)
+    if value == "packed" and error is not None:
+        raise BackendError(f"{WEIGHTS_16BIT_ENV}=packed, but torch cannot multiply {dtype} from packed weights "
+                           f"here ({error})")
+    if error is not None:
+        return "given"
+    return "packed" if value == "packed" else measured_16bit_layout(dtype)
+
+
+def time_16bit_layouts(dtype: str) -> dict[str, list[float]]:
+    """Seconds per 16-bit weight layout and shape of :data:`LAYOUT_SHAPES` (the fastest round), interleaved."""
+    import torch  # optional dependency
+
+    rng = np.random.default_rng(0)
+    kind = _torch_dtype(dtype)
+    best: dict[str, list[float]] = {layout: [] for layout in WEIGHT_LAYOUTS_16BIT}
+    mm, linear = torch_mm(dtype), packed_linear(dtype)
+    with torch_threads(1):
+        for m, k, n in LAYOUT_SHAPES:
+            a = aligned_copy(torch.from_numpy(rng.standard_normal((m, k), dtype=np.float32)).to(kind)
+                             .view(torch.uint16).numpy())
+            weight = aligned_copy(torch.from_numpy(rng.standard_normal((n, k), dtype=np.float32)).to(kind)
+                                  .view(torch.uint16).numpy())  # nn.Linear's (N, K)
+            packed = pack_weight(weight.T, dtype)
+            out = aligned_empty((m, n), np.uint16)
+            fastest = _fastest({"given": functools.partial(mm, a, weight.T, out),
+                                "packed": functools.partial(linear, a, packed)})
+            for layout in WEIGHT_LAYOUTS_16BIT:
+                best[layout].append(fastest[layout])
+    return best
+
+
+@functools.cache
+def measured_16bit_layout(dtype: str) -> str:
+    """``packed`` where it multiplies ``dtype`` faster than ``given`` here (the rule of
+    :func:`measured_weight_layout`), else ``given``; measured once per machine and versions, kept in the cache."""
+    def measure() -> tuple[str, dict[str, list[float]]]:
+        seconds = time_16bit_layouts(dtype)
+        packed, given = seconds["packed"], seconds["given"]
+        choice = "packed" if _beats(packed, given) else "given"
+        log.info("CPU GEMM %s weights: %s (one thread: packed %.2f ms, given %.2f ms)", dtype, choice,
+                 sum(packed) * 1e3, sum(given) * 1e3)
+        return choice, seconds
+
+    return _recorded(f"gemm-weights-{dtype}.json", _layout_key("torch"), WEIGHT_LAYOUTS_16BIT, measure)

@@ -1,0 +1,303 @@
+"""The CPU forms of the standalone ops: attention's head layouts, its batched products and the fused kernel.
+
+Each runs on fp32 buffers bound in the plan's memory: ``Heads`` and ``Merge`` are numpy copies through
+strided views, ``BatchScores`` and ``BatchApply`` the GEMM library's batched product, and ``Attention`` one
+generated C function (:func:`attention_source`) that computes softmax(scale * q@k^T) @ v a block of keys
+at a time with an online softmax, groups split across the worker pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from backends.codegen import CodegenError
+from backends.cpu import parallel
+from backends.cpu.codegen import PRELUDE, SYMBOL
+from planner.core.ops import numpy_dtype
+from planner.core.plans import Expr, Load
+
+#: keys per block of the attention kernel: a block's scores stay in registers and L1 (a multiple of 16)
+KEY_BLOCK = 64
+
+#: ``bmm(a, b, out)``: ``out[g] = a[g] @ b[g]`` for fp32 3-D arrays (``b`` may be a transposed view)
+BatchMatMul = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
+
+
+def numpy_bmm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    np.matmul(a, b, out=out)
+
+
+def torch_bmm() -> BatchMatMul:
+    """``torch.bmm`` on zero-copy views (torch is imported: the GEMM library choice checked it)."""
+    import torch  # optional dependency
+
+    def bmm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+        torch.bmm(torch.from_numpy(a), torch.from_numpy(b), out=torch.from_numpy(out))
+
+    return bmm
+
+
+def torch_bmm_16bit(dtype: str) -> BatchMatMul:
+    """``torch.bmm`` of 16-bit operands held as their bits (``uint16``), in torch's native product (the
+    caller checked :func:`backends.cpu.gemm.native_16bit`), rounded to ``dtype``."""
+    import torch  # optional dependency
+
+    kind = torch.bfloat16 if dtype == "bf16" else torch.float16
+
+    def bmm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+        torch.bmm(torch.from_numpy(a).view(kind), torch.from_numpy(b).view(kind), out=torch.from_numpy(out).view(kind))
+
+    return bmm
+
+
+def torch_attention_16bit(body: Expr, dtype: str) -> Callable[..., Any]:
+    """``attend(q, k, v, mask=None)``: torch's fused ``scaled_dot_product_attention`` of a 16-bit Attention
+    kernel's operands (their bits), the result a (batch, heads, seq, e) tensor (fp32 accumulation and an online
+    softmax, as the generated kernel; its ``is_causal`` is the op's top-left mask), for dtypes torch multiplies
+    natively.  An operand is (groups, seq, d) as stored, or a (batch, heads, seq, d) strided view of the
+    projection it was taken from (:func:`heads_view`): torch's kernel reads either, and given views it writes
+    its result in (batch, seq, heads, e) order, which :func:`merged_rows` then reads as token rows."""
+    import torch  # optional dependency
+
+    kind = torch.bfloat16 if dtype == "bf16" else torch.float16
+    scale, causal = float(body.attr_dict["scale"]), bool(body.attr_dict.get("causal", 0))
+
+    def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None) -> Any:
+        # 4-D operands: torch's fused CPU kernel takes 4-D ones only (3-D ran its math path, 6x slower)
+        lead = next((x.shape[:2] for x in (q, k, v) if x.ndim == 4), (1, q.shape[0]))
+        q_t, k_t, v_t = (torch.from_numpy(x if x.ndim == 4 else x.reshape(*lead, *x.shape[1:])).view(kind)
+                         for x in (q, k, v))
+        m_t = None if mask is None else torch.from_numpy(mask.reshape(*lead, 1, mask.shape[-1])).view(kind)
+        return torch.nn.functional.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=m_t, is_causal=causal,
+                                                                scale=scale)
+
+    return attend
+
+
+def heads_view(body: Expr) -> Callable[[np.ndarray], np.ndarray]:
+    """``view(x)``: a Heads kernel's result as a (batch, heads, seq, width/heads) strided view of its token rows
+    ``x``, no copy: for readers that take strided operands (torch's fused attention)."""
+    attrs = body.attr_dict
+    heads, seq, offset, width = (int(attrs[a]) for a in ("heads", "seq", "offset", "width"))
+
+    def view(x: np.ndarray) -> np.ndarray:
+        cols = x.reshape(-1, seq, x.shape[-1])[:, :, offset:offset + width]
+        return cols.reshape(-1, seq, heads, width // heads).transpose(0, 2, 1, 3)
+
+    return view
+
+
+def merged_rows(y: np.ndarray) -> np.ndarray:
+    """A (batch, heads, seq, e) attention result as (batch, seq, heads, e): the Merge of it, a view."""
+    return y.transpose(0, 2, 1, 3)
+
+
+def batch_matmul(library: str) -> BatchMatMul:
+    return torch_bmm() if library == "torch" else numpy_bmm
+
+
+#: query rows per block of the attention kernel: their scores for a key block are 4 x 4 vectors in registers
+QUERY_BLOCK = 4
+
+
+def attention_source(seq: int, keys: int, dim: int, vdim: int, scale: float, causal: bool, masked: bool = False) -> str:
+    """C for softmax(scale * q@k^T) @ v over groups [g0, g1): q (S, D), k (T, D), v (T, E), out (S, E) per group.
+
+    Per group the keys are transposed once into a zero-padded scratch (D, T rounded up to a key block), so
+    that the scores of a block of 4 queries against a block of 64 keys are 16 vectors of 16 kept in
+    registers, built by D rounds of 16 multiply-adds.  The block's max, exponentials and sum use 16-wide
+    partials, and each query's running output is rescaled when its max grows (the online softmax): the
+    [S, T] scores never exist.  Causal: query i reads keys 0..i, key blocks past a query block are skipped.
+    ``masked``: a further input, one row of T keys per group added to the scaled scores (an attention mask,
+    copied zero-padded once per group); a key block every key of which the mask hides (-inf) leaves the
+    running max at -inf and adds nothing.  A NaN score makes its row NaN, as in the unfused form; so does a
+    query whose every key is hidden (0/0), as there."""
+    if not scale > 0:
+        raise CodegenError(f"attention kernel: scale must be positive, got {scale!r}")
+    s_, t_, d_, e_ = (int(x) for x in (seq, keys, dim, vdim))
+    mask_param, mask_row, mask_copy, mask_add, shift, base = "", "", "", "", "", "mn"
+    if masked:
+        mask_param = "const float* restrict mask, "
+        mask_row = "\n    float mrow[FP_TP] __attribute__((aligned(64)));"
+        mask_copy = ("        for (int64_t t = 0; t < FP_TP; ++t) mrow[t] = t < FP_T ? mask[g * FP_T + t] : 0.0f;\n")
+        mask_add = " + fp_v16_load(mrow + t0 + 16 * u)"
+        # a block the mask hides entirely leaves the max at -inf: exponentials against 0 then, all of them 0
+        shift, base = "\n                    const float mb = mn == -INFINITY ? 0.0f : mn;", "mb"
+    return PRELUDE + f"""
+#include <stdlib.h>
+#define FP_S {s_}
+#define FP_T {t_}
+#define FP_D {d_}
+#define FP_E {e_}
+#define FP_TB {KEY_BLOCK}
+#define FP_NV (FP_TB / 16)
+#define FP_QB {QUERY_BLOCK}
+#define FP_TP (((FP_T + FP_TB - 1) / FP_TB) * FP_TB)
+#define FP_CAUSAL {int(bool(causal))}
+
+static inline fp_v16 fp_v16_select(fp_v16i take_b, fp_v16 a, fp_v16 b) {{
+    return (fp_v16)(((fp_v16i)a & ~take_b) | ((fp_v16i)b & take_b));
+}}
+
+void {SYMBOL}(const float* restrict q, const float* restrict k, const float* restrict v, {mask_param}float* restrict out,
+               int64_t g0, int64_t g1, int64_t unused) {{
+    (void)unused;
+    const float scale = {float(scale)!r}f;
+    float* kt = (float*)aligned_alloc(64, sizeof(float) * FP_D * FP_TP);
+    if (!kt) return;{mask_row}
+    float p[FP_QB][FP_TB] __attribute__((aligned(64)));
+    float acc[FP_QB][FP_E] __attribute__((aligned(64)));
+    fp_v16i lane;
+    for (int j = 0; j < 16; ++j) lane[j] = j;
+    const fp_v16 ninf = fp_v16_fill(-INFINITY);
+    for (int64_t g = g0; g < g1; ++g) {{
+        const float* qg = q + g * FP_S * FP_D;
+        const float* kg = k + g * FP_T * FP_D;
+        const float* vg = v + g * FP_T * FP_E;
+        float* og = out + g * FP_S * FP_E;
+{mask_copy}        for (int64_t d = 0; d < FP_D; ++d) {{
+            float* row = kt + d * FP_TP;
+            for (int64_t t = 0; t < FP_T; ++t) row[t] = kg[t * FP_D + d];
+            for (int64_t t = FP_T; t < FP_TP; ++t) row[t] = 0.0f;
+        }}
+        for (int64_t i0 = 0; i0 < FP_S; i0 += FP_QB) {{
+            const int64_t nq = FP_S - i0 < FP_QB ? FP_S - i0 : FP_QB;
+            const int64_t last = FP_CAUSAL ? (i0 + nq < FP_T ? i0 + nq : FP_T) : FP_T;
+            float m[FP_QB], l[FP_QB];
+            for (int r = 0; r < FP_QB; ++r) {{
+                m[r] = -INFINITY;
+                l[r] = 0.0f;
+                for (int64_t e = 0; e < FP_E; ++e) acc[r][e] = 0.0f;
+            }}
+            for (int64_t t0 = 0; t0 < last; t0 += FP_TB) {{
+                fp_v16 sc[FP_QB][FP_NV];
+                for (int r = 0; r < FP_QB; ++r)
+                    for (int u = 0; u < FP_NV; ++u) sc[r][u] = fp_v16_fill(0.0f);
+                for (int64_t d = 0; d < FP_D; ++d) {{
+                    fp_v16 kv[FP_NV];
+                    for (int u = 0; u < FP_NV; ++u) kv[u] = fp_v16_load(kt + d * FP_TP + t0 + 16 * u);
+                    for (int r = 0; r < FP_QB; ++r) {{
+                        const float qd = r < nq ? qg[(i0 + r) * FP_D + d] : 0.0f;
+                        for (int u = 0; u < FP_NV; ++u) sc[r][u] += qd * kv[u];
+                    }}
+                }}
+                const int64_t nb = last - t0 < FP_TB ? last - t0 : FP_TB;
+                for (int r = 0; r < nq; ++r) {{
+                    /* keys past the last one, and (causal) past this query, are -inf */
+                    const int64_t visible = FP_CAUSAL && i0 + r + 1 < FP_T ? i0 + r + 1 : FP_T;
+                    const int64_t limit = visible - t0;
+                    fp_v16 mv = ninf;
+                    for (int u = 0; u < FP_NV; ++u) {{
+                        fp_v16i idx = lane + 16 * u;
+                        sc[r][u] = fp_v16_select(idx >= (int32_t)limit, scale * sc[r][u]{mask_add}, ninf);
+                        mv = fp_v16_max(mv, sc[r][u]);
+                    }}
+                    const float mn = fp_max(fp_v16_hmax(mv), m[r]);{shift}
+                    const float alpha = expf(m[r] - {base});
+                    for (int u = 0; u < FP_NV; ++u) memcpy(p[r] + 16 * u, &sc[r][u], 64);
+                    for (int j = 0; j < FP_TB; ++j) p[r][j] = expf(p[r][j] - {base});
+                    fp_v16 sv = fp_v16_load(p[r]);
+                    for (int u = 1; u < FP_NV; ++u) sv = fp_v16_add(sv, fp_v16_load(p[r] + 16 * u));
+                    l[r] = l[r] * alpha + fp_v16_hadd(sv);
+                    for (int64_t e = 0; e < FP_E; ++e) acc[r][e] *= alpha;
+                    m[r] = mn;
+                }}
+                for (int64_t j = 0; j < nb; ++j) {{
+                    const float* vj = vg + (t0 + j) * FP_E;
+                    for (int r = 0; r < FP_QB; ++r) {{
+                        const float pj = p[r][j];
+                        for (int64_t e = 0; e < FP_E; ++e) acc[r][e] += pj * vj[e];
+                    }}
+                }}
+            }}
+            for (int r = 0; r < nq; ++r)
+                for (int64_t e = 0; e < FP_E; ++e) og[(i0 + r) * FP_E + e] = acc[r][e] / l[r];
+        }}
+    }}
+    free(kt);
+}}
+"""
+
+
+#: the standalone ops with a generated kernel: attention, without and with a mask
+ATTENTION_OPS = ("Attention", "MaskedAttention")
+
+
+def attention_shapes(body: Expr, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, int, int, int, int]:
+    """(groups, S, T, D, E) of an Attention (or MaskedAttention) body over loads."""
+    q, k, v = (shapes[a.tensor] for a in body.args[:3] if isinstance(a, Load))
+    return q[0], q[1], k[1], q[2], v[2]
+
+
+def source_of(body: Expr, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
+    """The generated C a standalone kernel loads (only attention has one)."""
+    if body.op not in ATTENTION_OPS:
+        return None
+    _, s, t, d, e = attention_shapes(body, shapes)
+    attrs = body.attr_dict
+    return attention_source(s, t, d, e, float(attrs["scale"]), bool(attrs.get("causal", 0)),
+                            masked=body.op == "MaskedAttention")
+
+
+def layout_copy(body: Expr) -> Callable[[np.ndarray, np.ndarray], None]:
+    """``copy(x, out)`` for Heads, Merge and GroupRepeat: one strided numpy copy."""
+    attrs = body.attr_dict
+    heads = int(attrs["heads"])
+    if body.op == "GroupRepeat":
+        rows = int(attrs["rows"])
+
+        def repeat_copy(m: np.ndarray, out: np.ndarray) -> None:  # m: (batch * rows, T) or (groups, rows, T)
+            np.copyto(out.reshape(-1, heads, rows, m.shape[-1]), m.reshape(-1, 1, rows, m.shape[-1]))
+
+        return repeat_copy
+    if body.op == "Heads":
+        seq, offset, width = int(attrs["seq"]), int(attrs["offset"]), int(attrs["width"])
+        dh = width // heads
+
+        def heads_copy(x: np.ndarray, out: np.ndarray) -> None:
+            cols = x.reshape(-1, seq, x.shape[-1])[:, :, offset:offset + width].reshape(-1, seq, heads, dh)
+            np.copyto(out.reshape(-1, heads, seq, dh), cols.transpose(0, 2, 1, 3))
+
+        return heads_copy
+
+    def merge_copy(y: np.ndarray, out: np.ndarray) -> None:
+        g, s, d = y.shape
+        np.copyto(out.reshape(g // heads, s, heads, d), y.reshape(g // heads, heads, s, d).transpose(0, 2, 1, 3))
+
+    return merge_copy
+
+
+def scores_writer(body: Expr, bmm: BatchMatMul, dtype: str = "fp32") -> Callable[[np.ndarray, np.ndarray, np.ndarray], None]:
+    """``write(q, k, out)`` for BatchScores: the batched product with k transposed, then the causal mask
+    (``out`` stored as ``dtype``: float32, or the bits of a 16-bit dtype)."""
+    causal = bool(body.attr_dict["causal"])
+    masks: dict[tuple[int, int], np.ndarray] = {}
+    minus_inf = np.array(-np.inf, numpy_dtype(dtype))
+    if dtype != "fp32":
+        minus_inf = minus_inf.view(np.uint16)
+
+    def write(q: np.ndarray, k: np.ndarray, out: np.ndarray) -> None:
+        bmm(q, k.transpose(0, 2, 1), out)
+        if causal:
+            s, t = out.shape[1:]
+            mask = masks.get((s, t))
+            if mask is None:
+                mask = masks[(s, t)] = np.triu(np.ones((s, t), dtype=bool), 1)
+            out[:, mask] = minus_inf
+
+    return write
+
+
+def attention_call(fn: Any, pool: parallel.WorkerPool, threads: int, groups: int,
+                   addr: Callable[[], list[int]]) -> Callable[[], None]:
+    """Run the generated attention function with its groups split across the pool."""
+    ranges = parallel.split(groups, threads)
+
+    def call() -> None:
+        ptrs = addr()  # q, k, v[, mask], out
+        pool.run_kernel(fn, len(ptrs), [[*ptrs, g0, g1, 0] for g0, g1 in ranges])
+
+    return call

@@ -1,0 +1,215 @@
+"""Seed 001 (C-05) on a GPU, from a bundle: ``python -m backends.cupy c05 c05.json``.
+
+``fusion-planner bench c05`` builds the plans (naive: one kernel per stage,
+fused, fat) with the planner and either measures them in-process or writes
+them with ``--export`` for a machine without egglog.  This module only needs
+the bundle: it verifies each plan against the numpy reference, times it with
+CUDA events (median of repeats), times naive again with the reference
+program's device-to-device copies (one before, one more after when k is odd),
+measures a plain device-to-device copy and prints the seed's two tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import statistics
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from backends.cupy.backend import plan_candidate
+from backends.cupy.bundle import BundleError, Candidate, plan_to_json, read_json, variant_candidate
+from backends.cupy.verify import allclose_report
+from planner.core.cost import DeviceSpec
+from planner.core.reference import execute_plan
+
+log = logging.getLogger(__name__)
+
+SCHEMA = "fusion-planner/c05/1"
+#: seed 001 ("C-05"), the project's second design note, timed a chain of k affine+ReLU stages on an
+#: RTX 5090, one kernel per stage (naive) against one fused kernel: k -> (naive ms, fused ms)
+SEED_SWEEP = {2: (0.318, 0.082), 3: (0.333, 0.084), 4: (0.490, 0.083), 6: (0.662, 0.083), 8: (0.832, 0.085)}
+#: seed 001's modes at k = 4: tag -> (median ms, blocks/SM)
+SEED_MODES = {"naive": (0.491, 6), "fused": (0.083, 6), "fat": (0.667, 1)}
+
+
+def c05_bundle(variants: list[tuple[str, int, Any]], mode: str, n: int, block: int, spec: DeviceSpec,
+               offline: list[dict[str, Any]]) -> dict[str, Any]:
+    """JSON of the C-05 plans: ``variants`` are (tag, k, Plan)."""
+    return {
+        "schema": SCHEMA,
+        "mode": mode,
+        "n": n,
+        "block": block,
+        "device_spec": spec.name,
+        "sm_count_spec": spec.sm_count,
+        "offline": offline,
+        "variants": [
+            {
+                "tag": tag,
+                "k": k,
+                "graph": plan.graph,
+                "tensors": {t: {"shape": list(tt.shape), "dtype": tt.dtype} for t, tt in plan.tensors.items()},
+                **plan_to_json(plan),
+            }
+            for tag, k, plan in variants
+        ],
+    }
+
+
+def write_json(data: dict[str, Any], path: str | Path) -> None:
+    Path(path).write_text(json.dumps(data, indent=1))
+
+
+def load_c05(path: str | Path) -> dict[str, Any]:
+    data = read_json(path)
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("variants"), list):
+        raise BundleError(f"{path}: not a C-05 bundle (schema {SCHEMA!r} with a list of 'variants' expected)")
+    return data
+
+
+def bundle_variants(data: dict[str, Any]) -> list[tuple[str, int, Candidate]]:
+    out = []
+    for i, v in enumerate(data["variants"]):
+        cand = variant_candidate(v, i)  # checks that v is an object
+        try:
+            out.append((str(v["tag"]), int(v["k"]), cand))
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            raise BundleError(f"variants[{i}]: needs 'tag' and an integer 'k' ({exc})") from None
+    return out
+
+
+def gpu_executor() -> Any | None:
+    try:
+        from backends.cupy.gpu import CupyExecutor
+
+        return CupyExecutor()
+    except Exception as exc:  # no cupy, no driver or no device: the offline part still prints
+        log.info("no GPU timing: %s", exc)
+        print(f"no GPU timing on this machine ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
+        return None
+
+
+def gpu_row(tag: str, k: int, cand: Candidate, ex: Any, block: int, warmup: int, repeats: int) -> dict[str, Any]:
+    from backends.cupy import gpu  # needs cupy: only on a GPU machine
+
+    cand = dataclasses.replace(
+        cand,
+        kernels=tuple(
+            dataclasses.replace(bk, cuda=dataclasses.replace(bk.cuda, block=block) if bk.cuda is not None else None)
+            for bk in cand.kernels
+        ),
+    )
+    x = np.random.default_rng(0).standard_normal(cand.plan.tensors["x"].shape).astype(np.float32)
+    prep = ex.prepare(cand, {"x": x})
+    (got,) = prep.run()
+    (want,) = execute_plan(cand.plan, {"x": x}, mode="oracle")
+    ok, max_abs, _ = allclose_report(got, want, "fp32")
+    if not ok:
+        raise RuntimeError(f"C-05 {tag} k={k}: GPU result differs from the reference (max_abs {max_abs:.3g})")
+    med = statistics.median(prep.time(warmup, repeats))
+    row: dict[str, Any] = {"tag": tag, "k": k, "median_ms": med / 1e3, "max_abs": max_abs}
+    row["kernel_facts"] = prep.kernel_facts
+    row["blocks_per_sm"] = min(f["occupancy"] for f in prep.kernel_facts)
+    row["regs_max"] = max(f["regs"] for f in prep.kernel_facts)
+    if tag == "naive":
+        rt = gpu.cp.cuda.runtime
+        src = prep.bufs["x"]
+        dst = gpu.cp.empty_like(src)
+
+        def copy() -> None:
+            rt.memcpyAsync(dst.data.ptr, src.data.ptr, x.nbytes, rt.memcpyDeviceToDevice, prep.stream.ptr)
+
+        def with_copies() -> None:
+            copy()
+            prep.launch()
+            if k % 2:
+                copy()
+
+        row["with_copy_ms"] = statistics.median(gpu.event_times(with_copies, prep.stream, warmup, repeats)) / 1e3
+    return row
+
+
+def run_bundle(variants: list[tuple[str, int, Any]], data: dict[str, Any], ex: Any | None, warmup: int,
+               repeats: int) -> dict[str, Any]:
+    """The offline rows, plus GPU rows and the copy bandwidth when ``ex`` is a CupyExecutor."""
+    result = {k: data[k] for k in ("mode", "n", "block", "device_spec", "sm_count_spec", "offline")}
+    result["bench"] = "c05"
+    if ex is None:
+        return result
+    from backends.cupy import gpu  # needs cupy: only on a GPU machine
+
+    cands = [(t, k, c if isinstance(c, Candidate) else _candidate(c)) for t, k, c in variants]
+    result["machine"] = ex.machine()
+    result["gpu"] = [gpu_row(t, k, c, ex, data["block"], warmup, repeats) for t, k, c in cands]
+    copy_us = gpu.d2d_copy_us(data["n"] * 4, warmup, repeats)
+    result["d2d_copy_us"] = copy_us
+    result["d2d_copy_gbps"] = 2 * data["n"] * 4 / (copy_us * 1e-6) / 1e9
+    return result
+
+
+def _candidate(plan: Any) -> Candidate:
+
+    return plan_candidate(plan)
+
+
+# ---------------------------------------------------------------- printing
+
+
+def print_result(result: dict[str, Any]) -> None:
+    print_offline(result)
+    if "gpu" in result:
+        print_gpu(result)
+
+
+def print_offline(result: dict[str, Any]) -> None:
+    print(
+        f"C-05 offline: n={result['n']:,} fp32, block {result['block']}, grid 8 x {result['sm_count_spec']} SMs; "
+        f"registers and spills from nvcc -arch=sm_90 --resource-usage, blocks/SM from the {result['device_spec']} "
+        "spec (no timing)"
+    )
+    print(f"{'k':>2}  {'tag':<6} {'plan':<18} {'kernels':>7} {'regs':>5} {'spill B':>7} {'blocks/SM':>9} {'est us':>9}")
+    for r in result["offline"]:
+        print(
+            f"{r['k']:>2}  {r['tag']:<6} {r['plan']:<18} {r['kernels']:>7} {r['regs_max']:>5} "
+            f"{r['spill_bytes_max']:>7} {r['blocks_per_sm_min']:>9} {r['est_us']:>9.2f}"
+        )
+
+
+def print_gpu(result: dict[str, Any]) -> None:
+    rows = result["gpu"]
+    m = result["machine"]
+    n = result["n"]
+    copy_gbps = result["d2d_copy_gbps"]
+    print(f"\nmeasured on {m['device']} ({m['sm_count']} SMs), CUDA events, median of repeats")
+    if result["mode"] == "sweep":
+        print(f"{'k':>2} {'naive ms':>9} {'naive+copy ms':>13} {'fused ms':>9} {'fused/naive':>11} "
+              f"{'(naive+copy)/fused':>18} {'bound k|k+1':>11} {'seed 5090':>9} {'fused BW/copy BW':>16}")
+        by_k: dict[int, dict[str, Any]] = {}
+        for r in rows:
+            by_k.setdefault(r["k"], {})[r["tag"]] = r
+        for k, d in sorted(by_k.items()):
+            nv, fu = d["naive"], d["fused"]
+            seed = SEED_SWEEP.get(k)
+            seed_s = f"{seed[0] / seed[1]:.2f}x" if seed else "-"
+            bw = 2 * n * 4 / (fu["median_ms"] * 1e-3) / 1e9
+            print(f"{k:>2} {nv['median_ms']:>9.3f} {nv['with_copy_ms']:>13.3f} {fu['median_ms']:>9.3f} "
+                  f"{nv['median_ms'] / fu['median_ms']:>10.2f}x {nv['with_copy_ms'] / fu['median_ms']:>17.2f}x "
+                  f"{f'{k}|{k + 1}':>11} {seed_s:>9} {bw / copy_gbps:>15.0%}")
+    else:
+        d = {r["tag"]: r for r in rows}
+        print(f"{'tag':<6} {'median ms':>9} {'blocks/SM':>9} {'regs':>5} {'relative':<30} seed 5090")
+        rel = {
+            "naive": f"with copies {d['naive']['with_copy_ms']:.3f} ms",
+            "fused": f"fused/naive {d['naive']['median_ms'] / d['fused']['median_ms']:.2f}x",
+            "fat": f"fat/fused {d['fat']['median_ms'] / d['fused']['median_ms']:.2f}x slower",
+        }
+        for tag in ("naive", "fused", "fat"):
+            r = d[tag]
+            s_ms, s_occ = SEED_MODES[tag]
+            print(f"{tag:<6} {r['median_ms']:>9.3f} {r['blocks_per_sm']:>9} {r['regs_max']:>5} {rel[tag]:<30} "
+                  f"{s_ms:.3f} ms, {s_occ} blocks/SM")
+    print(f"device-to-device copy: {copy_gbps:,.0f} GB/s (bytes read + written)")

@@ -1,0 +1,311 @@
+"""Verify and time a candidates bundle: ``python -m backends.cupy time cands.json -o measured.json``.
+
+Runs where only numpy (and cupy / nvmath-python for ``--executor cupy``) exist:
+nothing here imports egglog.  Each candidate is first checked against the
+bundle's reference (the unfused plan in fp64 numpy); only a candidate that
+matches is timed.  ``load_measured`` reads the result back for the planner's
+``plan --measured``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import platform
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from backends.cupy.bundle import Bundle, Candidate
+from planner.core.files import read_limited
+from planner.core.kinds import Verdict, rejected
+from planner.core.machine import cpu_model
+from planner.core.reference import execute_plan
+from planner.core.tolerance import check_outputs
+
+log = logging.getLogger(__name__)
+
+MEASURED_SCHEMA = "fusion-planner/measured/1"
+
+
+class MeasuredError(ValueError):
+    """A measured-results file is malformed; the message names the field."""
+
+
+class Prepared(Protocol):
+    """A candidate ready to run: compiled kernels, planned GEMMs, allocated buffers."""
+
+    kernel_facts: list[dict[str, Any]]
+
+    def run(self) -> list[np.ndarray]: ...
+
+    def time(self, warmup: int, repeats: int) -> list[float]: ...
+
+
+class Executor(Protocol):
+    name: str
+
+    def machine(self) -> dict[str, Any]: ...
+
+    def prepare(self, cand: Candidate, inputs: Mapping[str, np.ndarray]) -> Prepared: ...
+
+
+# ---------------------------------------------------------------- numpy executor
+
+
+@dataclass
+class NumpyPrepared:
+    cand: Candidate
+    inputs: Mapping[str, np.ndarray]
+    kernel_facts: list[dict[str, Any]] = field(default_factory=list)
+
+    def run(self) -> list[np.ndarray]:
+        return execute_plan(self.cand.plan, self.inputs, mode="device")
+
+    def time(self, warmup: int, repeats: int) -> list[float]:
+        for _ in range(warmup):
+            self.run()
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            self.run()
+            samples.append((time.perf_counter() - t0) * 1e6)
+        return samples
+
+
+class NumpyExecutor:
+    """Executes each kernel body with numpy on the CPU (fp32 registers, rounded stores)."""
+
+    name = "numpy"
+
+    def machine(self) -> dict[str, Any]:
+        return {"executor": "numpy", "machine": platform.machine(), "processor": cpu_model()}
+
+    def prepare(self, cand: Candidate, inputs: Mapping[str, np.ndarray]) -> Prepared:
+        facts = [{"kind": bk.kernel.kind, **bk.kernel.facts} for bk in cand.kernels]
+        return NumpyPrepared(cand, inputs, facts)
+
+
+
+
+def make_executor(name: str) -> Executor:
+    if name == "numpy":
+        return NumpyExecutor()
+    if name == "cupy":
+        from backends.cupy.gpu import CupyExecutor
+
+        return CupyExecutor()
+    raise ValueError(f"unknown executor {name!r}; choose numpy or cupy")
+
+
+# ---------------------------------------------------------------- timing a bundle
+
+
+def reference_outputs(bundle: Bundle, inputs: Mapping[str, np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The unfused plan's outputs as a device computes them, and in fp64 (the oracle): what
+    :func:`planner.core.tolerance.check_outputs` compares a candidate with, here as in the search."""
+    return execute_plan(bundle.reference, inputs, mode="device"), execute_plan(bundle.reference, inputs, mode="oracle")
+
+
+def _failed(entry: dict[str, Any], cand: Candidate, step: str, exc: Exception) -> dict[str, Any]:
+    """Reject one candidate for an exception in ``step`` ("" for preparing or running it)."""
+    log.warning("candidate %s failed%s: %s", cand.plan.notation(), f" ({step})" if step else "", exc)
+    entry["meas_us"], entry["samples_us"] = None, []
+    why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    entry["verdict"] = rejected(f"{step} failed: {why}" if step else why)
+    return entry
+
+
+def _verify_and_time(entry: dict[str, Any], cand: Candidate, prepared: Any,
+                     expected: tuple[list[np.ndarray], list[np.ndarray]], warmup: int, repeats: int) -> None:
+    try:
+        entry["kernels"] = prepared.kernel_facts
+        outs = prepared.run()
+    except Exception as exc:
+        _failed(entry, cand, "", exc)
+        return
+    device, oracle = expected
+    reason, max_abs, max_rel = check_outputs(cand.plan, outs, device, oracle=oracle)
+    entry["max_abs"], entry["max_rel"] = max_abs, max_rel
+    if reason is not None:
+        entry["verdict"] = rejected(f"mismatch ({reason})")
+        return
+    try:  # timing fails too sometimes (a capture invalidated by the library): this candidate only
+        samples = prepared.time(warmup, repeats)
+        entry["samples_us"] = [round(s, 3) for s in samples]
+        entry["meas_us"] = round(statistics.median(samples), 3)
+        entry["verdict"] = Verdict.TIMED
+        graph_time = getattr(prepared, "time_graph", None)
+        if graph_time is not None:
+            entry["graph_us"] = graph_time(warmup, repeats)
+    except Exception as exc:
+        _failed(entry, cand, "timing", exc)
+
+
+def measure_candidate(
+    cand: Candidate,
+    executor: Executor,
+    inputs: Mapping[str, np.ndarray],
+    expected: tuple[list[np.ndarray], list[np.ndarray]],
+    warmup: int,
+    repeats: int,
+) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "key": cand.plan.key,
+        "plan": cand.plan.notation(),
+        "composition": cand.plan.composition(),
+        "est_us": round(cand.est_us, 4),
+        "meas_us": None,
+        "samples_us": [],
+        "verdict": Verdict.NOT_TIMED,
+        "max_abs": None,
+        "max_rel": None,
+        "kernels": [],
+    }
+    missing = [bk.unsupported for bk in cand.kernels if bk.unsupported and executor.name != "numpy"]
+    if missing:
+        entry["verdict"] = rejected(missing[0])
+        return entry
+    try:
+        prepared = executor.prepare(cand, inputs)
+    except Exception as exc:  # a backend failure rejects this candidate, named, and the run goes on
+        return _failed(entry, cand, "", exc)
+    try:
+        _verify_and_time(entry, cand, prepared, expected, warmup, repeats)
+    finally:
+        close = getattr(prepared, "close", None)
+        if close is not None:  # free library handles whatever happened
+            close()
+    return entry
+
+
+def time_bundle(
+    bundle: Bundle,
+    executor: Executor,
+    *,
+    warmup: int = 2,
+    repeats: int = 7,
+    max_candidates: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Verify then time every candidate; returns the measured JSON."""
+    inputs = bundle.make_inputs()
+    expected = reference_outputs(bundle, inputs)
+    cands = bundle.candidates[:max_candidates] if max_candidates else bundle.candidates
+    entries = []
+    best: float = math.inf
+    for i, cand in enumerate(cands):
+        e = measure_candidate(cand, executor, inputs, expected, warmup, repeats)
+        if e["meas_us"] is not None and e["meas_us"] < best:
+            best = e["meas_us"]
+            e["best_so_far"] = True
+        entries.append(e)
+        if progress:
+            meas = f"{e['meas_us']:.2f} us" if e["meas_us"] is not None else "-"
+            mark = " *best so far*" if e.get("best_so_far") else ""
+            progress(f"[{i + 1}/{len(cands)}] {e['plan']:<12} {e['composition']:<48} est {e['est_us']:.2f} us  "
+                     f"meas {meas}  {e['verdict']}{mark}")
+    return {
+        "schema": MEASURED_SCHEMA,
+        "graph": bundle.graph,
+        "graph_sha256": bundle.graph_sha256,
+        "bundle_device": bundle.device,
+        "machine": executor.machine(),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "warmup": warmup,
+        "repeats": repeats,
+        "candidates": entries,
+    }
+
+
+# ---------------------------------------------------------------- reading results back
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One candidate's measured result, keyed by ``Plan.key``."""
+
+    key: str
+    plan: str
+    meas_us: float | None  # median of repeats; None when not timed
+    verdict: str  # a Verdict, or "rejected: <reason>"
+    samples_us: tuple[float, ...]
+    kernels: tuple[dict[str, Any], ...]  # per-kernel facts from the compiled kernels
+    graph_us: float | None
+    executor: str
+
+
+def load_measured(path: str | Path) -> dict[str, Measurement]:
+    """``measured.json`` (from ``python -m backends.cupy time``) as ``{plan_key: Measurement}``."""
+    p = Path(path)
+    try:
+        data = json.loads(read_limited(p, MeasuredError, "measured-results file"))
+    except json.JSONDecodeError as exc:
+        raise MeasuredError(f"{p}: not JSON ({exc})") from None
+    return measured_from_json(data, str(p))
+
+
+def measured_from_json(data: Any, source: str) -> dict[str, Measurement]:
+    """A measured-results document, checked field by field as untrusted data (``source`` names it in errors)."""
+    if not isinstance(data, dict) or data.get("schema") != MEASURED_SCHEMA:
+        raise MeasuredError(f"{source}: not a measured-results file (schema {MEASURED_SCHEMA!r} expected)")
+    machine = data.get("machine") or {}
+    if not isinstance(machine, dict):
+        raise MeasuredError(f"{source}: 'machine' must be an object")
+    executor = str(machine.get("executor", "?"))
+    candidates = data.get("candidates") or []
+    if not isinstance(candidates, list):
+        raise MeasuredError(f"{source}: 'candidates' must be a list")
+    out: dict[str, Measurement] = {}
+    for i, c in enumerate(candidates):
+        where = f"{source}: candidates[{i}]"
+        if not isinstance(c, dict) or not isinstance(c.get("key"), str) or not isinstance(c.get("verdict"), str):
+            raise MeasuredError(f"{where}: needs string fields 'key' and 'verdict'")
+        kernels = c.get("kernels") or []
+        if not isinstance(kernels, list) or not all(isinstance(k, dict) for k in kernels):
+            raise MeasuredError(f"{where}: 'kernels' must be a list of objects")
+        graph_us = c.get("graph_us")
+        out[c["key"]] = Measurement(
+            key=c["key"],
+            plan=str(c.get("plan", "")),
+            meas_us=_positive(c.get("meas_us"), f"{where}: 'meas_us'"),
+            verdict=c["verdict"],
+            samples_us=tuple(_samples(c.get("samples_us"), where)),
+            kernels=tuple(dict(k) for k in kernels),
+            graph_us=_positive(graph_us, f"{where}: 'graph_us'") if graph_us is not None else None,
+            executor=executor,
+        )
+    return out
+
+
+def _positive(value: Any, what: str) -> float | None:
+    """A time in µs: a finite positive number, or None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise MeasuredError(f"{what} must be a finite positive number or null, got {value!r}")
+    return float(value)
+
+
+def _samples(values: Any, where: str) -> list[float]:
+    if values is None:
+        return []
+    if not isinstance(values, list):
+        raise MeasuredError(f"{where}: 'samples_us' must be a list of numbers")
+    return [v for v in (_positive(s, f"{where}: a sample") for s in values) if v is not None]
+
+
+def write_measured(result: dict[str, Any], path: str | Path) -> None:
+    Path(path).write_text(json.dumps(result, indent=1))
+
+
+def best_timed(result: dict[str, Any]) -> dict[str, Any] | None:
+    timed = [c for c in result["candidates"] if c["meas_us"] is not None]
+    return min(timed, key=lambda c: c["meas_us"]) if timed else None

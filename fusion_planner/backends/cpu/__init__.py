@@ -1,1 +1,0 @@
-"""The generated-C CPU backend (``backend``), its code generator (``codegen``) and calibration."""

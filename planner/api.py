@@ -1,0 +1,332 @@
+"""The Python API: ``planner.plan(model, example_inputs) -> PlanResult``.
+
+``plan`` imports a torch module (or takes an IR :class:`~planner.core.graph.Graph`),
+builds the costed candidates, lets the measured search choose a plan on the
+requested backend, checks the chosen plan against eager torch on the example
+inputs, and returns a :class:`PlanResult` that executes it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from planner.backend import Backend, CompiledPlan
+from planner.core.cost import DeviceSpec, load_device
+from planner.core.graph import Graph, load_graph
+from planner.core.kinds import Verdict
+from planner.core.planfile import save_plan
+from planner.core.plans import Plan
+from planner.core.reference import execute_plan, random_inputs
+from planner.core.report import ledger_table
+from planner.core.tolerance import allclose_report, least_precise, tolerance, working_dtype
+from planner.egraph.candidates import DEFAULT_CAP, DEFAULT_K, CandidateSet
+from planner.egraph.program import Limits
+from planner.model.plancache import PlanCache
+from planner.pipeline import Planned, PlanOptions, plan_graph
+from planner.registry import get_backend
+from planner.rules.load import load_rules
+from planner.search.engine import SearchOptions
+from planner.search.searchlog import SearchLog
+
+if TYPE_CHECKING:
+    from planner.torch.importer import ImportedModule
+
+log = logging.getLogger(__name__)
+
+
+class PlanMismatchError(RuntimeError):
+    """The chosen plan's outputs differ from eager torch beyond the dtype's tolerance."""
+
+
+Runner = Callable[[Mapping[str, np.ndarray]], list[np.ndarray]]
+
+
+@dataclass
+class PlanResult:
+    """The chosen plan of a model and a callable that executes it."""
+
+    graph: Graph
+    plan: Plan
+    candidates: CandidateSet | None  # None when regions were planned one by one (``model_plan``)
+    backend: str
+    spec: DeviceSpec
+    log: list[str]
+    imported: ImportedModule | None = None
+    module: Any = None
+    search_result: Any = None  # planner.search.engine.SearchResult when the search ran
+    _runner: Runner | None = field(default=None, repr=False)
+    model_plan: Any = None  # planner.model.stack.ModelPlan when repeated regions were planned once each
+    planned: Planned | None = None  # what the pipeline decided (cache key, from the cache, composite check)
+    _bound: Any = field(default=None, repr=False)  # torch.importer.BoundInputs: parameters converted once
+    #: eager torch's time over the plan's, end to end, re-measured interleaved (a module on a measuring backend)
+    vs_eager: float | None = None
+    #: the plan as the backend built it (kernel facts; ``execute()`` on the cpu backend), None on reference
+    compiled: CompiledPlan | None = field(default=None, repr=False)
+
+    def __call__(self, *inputs: Any) -> Any:
+        """Execute the chosen plan; torch tensors in and out for a module, numpy arrays for a Graph."""
+        assert self._runner is not None
+        if self.imported is None:
+            (feed,) = inputs
+            return self._runner(feed)
+        if self._bound is None:
+            from planner.torch.importer import BoundInputs
+
+            self._bound = BoundInputs(self.imported, self.module)
+        return self.imported.wrap_outputs(self._runner(self._bound.feed(inputs)))
+
+    @property
+    def bound(self) -> Any:
+        """The module's bound inputs (``torch.importer.BoundInputs``) once the plan has been called."""
+        return self._bound
+
+    def rebind(self) -> None:
+        """Convert the module's parameters again on the next call (after a change torch cannot see,
+        such as writing ``param.data`` in place; in-place updates and replaced tensors are seen anyway)."""
+        if self._bound is not None:
+            self._bound.rebind()
+
+    def check(self, expected: Any, *inputs: Any) -> list[tuple[float, float]]:
+        """Run the plan on ``inputs`` and compare with ``expected`` (eager torch outputs).
+
+        Returns (max abs, max rel) per output; raises :class:`PlanMismatchError`
+        when an output breaks its dtype's tolerance.
+        """
+        import torch
+        from torch.utils import _pytree as pytree
+
+        from planner.torch.importer import TORCH_DTYPES
+
+        got = pytree.tree_leaves(self(*inputs))
+        want = [t for t in pytree.tree_leaves(expected) if isinstance(t, torch.Tensor)]
+        errors = []
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            dtype = self._output_dtype(i, TORCH_DTYPES[w.dtype])
+            ok, max_abs, max_rel = allclose_report(g.float().numpy(), w.detach().float().numpy(), dtype)
+            log.info("output %d vs eager torch (%s): max abs %.3g, max rel %.3g", i, dtype, max_abs, max_rel)
+            if not ok:
+                raise PlanMismatchError(
+                    f"output {i} of the chosen plan differs from eager torch beyond the {dtype} tolerance "
+                    f"{tolerance(dtype)}: max abs {max_abs:.3g}, max rel {max_rel:.3g}"
+                )
+            errors.append((max_abs, max_rel))
+        return errors
+
+    def _output_dtype(self, i: int, dtype: str) -> str:
+        """The dtype whose tolerance judges output ``i``: the least precise one its value was computed through."""
+        if self.imported is None or len(self.imported.outputs) <= i:
+            return dtype
+        return least_precise([dtype, working_dtype(self.plan, self.plan.outputs[self.imported.outputs[i].index])])
+
+    def table(self) -> str:
+        """Ledger table, the chosen plan starred: the tried candidates with measured times after a search,
+        else every costed candidate."""
+        extra: list[tuple[str, Callable[[Plan], str]]] = []
+        if self.search_result is not None:
+            meas = {e.plan.key: e for e in self.search_result.entries}
+
+            def measured(p: Plan) -> str:
+                e = meas.get(p.key)
+                return "-" if e is None or e.meas_us is None else f"{e.meas_us:,.2f}"
+
+            def verdict(p: Plan) -> str:
+                e = meas.get(p.key)
+                return "-" if e is None else str(e.verdict)
+
+            extra = [("meas_us", measured), ("verdict", verdict)]
+            tried = [e.plan for e in self.search_result.entries if e.verdict != Verdict.NOT_TIMED]
+            return ledger_table(sorted(tried, key=Plan.sort_key), self.plan.key, extra) + self._speedups()
+        if self.model_plan is None:  # answered from the plan cache
+            return ledger_table([self.plan], self.plan.key) + "\n(plan from the plan cache, not re-searched)"
+        if self.candidates is None:  # region-wise: the composite plan and each region's choice
+            lines = [ledger_table([self.plan], self.plan.key)]
+            for u in self.model_plan.unique.values():
+                lines.append(f"region {u.key} x{u.instances}: {u.plan.composition()}  est {u.plan.est_us:,.2f} us")
+            return "\n".join(lines)
+        return ledger_table(self.candidates.plans, self.plan.key)
+
+    def _speedups(self) -> str:
+        """The table's footer: the chosen plan against the unfused one and eager torch, both re-measured
+        interleaved (the search's own figures came minutes apart)."""
+        parts = []
+        unfused = getattr(self.search_result, "speedup_vs_unfused", None)
+        if unfused is not None:
+            parts.append(f"best vs unfused {unfused:.2f}x")
+        if self.vs_eager is not None:
+            parts.append(f"vs eager torch {self.vs_eager:.2f}x")
+        return f"\n{', '.join(parts)} (interleaved re-measurements)" if parts else ""
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "graph": self.graph.name,
+            "device": self.spec.name,
+            "backend": self.backend,
+            "best": self.plan.to_json(),
+            "log": list(self.log),
+        }
+        if self.search_result is not None:
+            d["search"] = self.search_result.to_json()
+        elif self.candidates is not None:
+            d["candidates"] = self.candidates.to_json()
+        if self.model_plan is not None:
+            d["regions"] = self.model_plan.summary()
+        if self.vs_eager is not None:
+            d["vs_eager_torch"] = round(self.vs_eager, 4)
+        if self.imported is not None:
+            d["opaque_ops"] = list(self.imported.opaque_ops)
+            d["tracer"] = self.imported.tracer
+        return d
+
+    def save(self, directory: str | Path) -> Path:
+        """Write graph.json, plan.json (re-executable with ``fusion-planner run``) and results.json.
+
+        Opaque kernels name their registered implementation; nothing is pickled.
+        """
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "graph.json").write_text(self.graph.dumps() + "\n")
+        meta: dict[str, Any] = {"backend": self.backend}
+        if self.imported is not None:
+            meta.update(tracer=self.imported.tracer, opaque_ops=list(self.imported.opaque_ops))
+
+        save_plan(out / "plan.json", self.plan, self.graph, self.spec, meta)
+        (out / "results.json").write_text(json.dumps(self.to_json(), indent=1, default=str) + "\n")
+        return out
+
+
+def _runner(name: str, plan: Plan, backend: Backend, stored: bool) -> tuple[Runner, CompiledPlan | None]:
+    """How the plan runs for the caller; ``stored``: outputs as the backend stores them (a torch module's call,
+    whose 16-bit outputs are handed out as their bits), else float32 arrays (a graph's numpy outputs)."""
+    if name == "reference":  # the numpy executor in device mode, without timing machinery
+        return (lambda feed: execute_plan(plan, feed, mode="device")), None
+    compiled = backend.compile(plan)
+    return (compiled.run_stored if stored else compiled.run), compiled
+
+
+def _omp_quiet() -> bool:
+    env = os.environ
+    return env.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" or env.get("OMP_NUM_THREADS") == "1"
+
+
+def plan(
+    module_or_graph: Any,
+    example_inputs: Any = None,
+    backend: str = "cpu",
+    device: str | DeviceSpec | None = None,
+    *,
+    rules: Sequence[str | Path] = (),
+    limits: Limits | None = None,
+    cap: int = DEFAULT_CAP,
+    k: int = DEFAULT_K,
+    verify: bool = True,
+    dedup: bool = True,
+    cache: bool = True,
+    allow_torch_ops: Sequence[str] = (),
+    threads: int | None = None,
+    **search_opts: Any,
+) -> PlanResult:
+    """Plan a torch module (or an IR graph) and return the executable :class:`PlanResult`.
+
+    ``example_inputs`` are the module's call inputs (a tensor or a tuple); for a
+    :class:`Graph` they are a dict of numpy arrays (random when omitted).
+    ``backend`` is where candidates are measured and the chosen plan runs
+    (reference, model, cpu, cupy); ``device`` is the DeviceSpec of the cost
+    model.  Remaining keywords go to :class:`planner.search.engine.SearchOptions`.
+    With ``verify`` the chosen plan is checked against eager torch once.
+    With ``dedup``, a graph whose regions repeat (a layer stack) is planned region
+    by region, each distinct region searched once; chosen region plans are kept
+    in the plan cache unless ``cache`` is false (docs/scaling.md).
+    A ``str`` or ``Path`` is a graph JSON file, loaded as untrusted data: its torch-backed
+    Opaque nodes may name only allowlisted torch callables and ``allow_torch_ops``
+    (exact canonical names the caller trusts; docs/security.md).
+    ``threads``: the cpu backend's worker threads (default ``$FUSION_PLANNER_THREADS``, else every
+    available core); the search times on that many and the plan runs on that many.
+    """
+    if allow_torch_ops:
+        from planner.torch.ops import allow_torch_ops as allow  # torch is optional
+
+        allow(allow_torch_ops)
+    if isinstance(module_or_graph, (str, Path)):
+        module_or_graph = load_graph(module_or_graph)
+    spec = device if isinstance(device, DeviceSpec) else load_device(device)
+    imported, module, args, bound = None, None, None, None
+    if isinstance(module_or_graph, Graph):
+        graph = module_or_graph
+        if example_inputs is None:
+            example_inputs = random_inputs(graph, seed=int(search_opts.get("seed", 0)))
+        feed = dict(example_inputs)
+    else:
+        from planner.torch.importer import BoundInputs, ImportedModule, import_module
+
+        args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        if isinstance(module_or_graph, ImportedModule):
+            imported = module_or_graph
+        else:
+            module = module_or_graph
+            imported = import_module(module, args)
+        graph = imported.graph
+        bound = BoundInputs(imported, module)  # the search's feed; the plan's calls reuse its parameters
+        feed = bound.feed(args)
+        import torch
+
+        if isinstance(module, torch.export.ExportedProgram):
+            module = module.module()  # what eager torch runs, for the check and the re-measurement
+    if backend == "cpu" and imported is not None and imported.opaque_ops and not _omp_quiet():
+        log.warning(
+            "torch-backed Opaque kernels share the cores with the timed cpu kernels: torch's spinning OpenMP "
+            "workers can stall measurements by tens of ms; set OMP_WAIT_POLICY=PASSIVE (or OMP_NUM_THREADS=1) "
+            "before torch is imported for stable timings"
+        )
+    options = PlanOptions(backend, spec, tuple(load_rules(rules)), limits, cap, k, SearchOptions(**search_opts), dedup)
+    options.search.validate()
+    be = get_backend(backend, spec, threads=threads)
+    planned = plan_graph(graph, options, be, cache=PlanCache() if cache else None, inputs=feed)
+    best = planned.plan
+    runner, compiled = _runner(backend, best, be, stored=imported is not None)
+    result = PlanResult(graph, best, planned.candidates, backend, spec, planned.log_lines, imported, module,
+                        planned.search, runner, model_plan=planned.model, planned=planned, _bound=bound,
+                        compiled=compiled)
+    log.info("%s: chose %s (%s) on %s", graph.name, best.notation(), best.composition(), backend)
+    if verify and module is not None and args is not None:
+        import torch
+
+        with torch.no_grad():
+            expected = module(*args)
+        result.check(expected, *args)
+        if be.measures and planned.search is not None:  # a search ran (not a plan-cache answer): re-measure
+            result.vs_eager = versus_eager(result, module, args)
+            line = f"vs eager torch: {result.vs_eager:.2f}x (interleaved re-measurement of both end-to-end calls)"
+            result.log.append(line)
+            SearchLog().emit(line)  # the search trail's last line under SEARCH_LOG=1
+    return result
+
+
+def versus_eager(result: PlanResult, module: Any, args: Sequence[Any], rounds: int = 5) -> float:
+    """Eager torch's time over the plan's, end to end (torch tensors in and out), the two calls alternating
+    round by round so that both see the same machine load; medians over all rounds."""
+    import torch
+
+    def eager() -> Any:
+        with torch.no_grad():
+            return module(*args)
+
+    def planned() -> Any:
+        return result(*args)
+
+    samples: dict[str, list[float]] = {"eager": [], "plan": []}
+    for _ in range(rounds):
+        for name, fn in (("eager", eager), ("plan", planned)):
+            for _ in range(3):
+                t0 = time.perf_counter_ns()
+                fn()
+                samples[name].append(time.perf_counter_ns() - t0)
+    return float(np.median(samples["eager"]) / np.median(samples["plan"]))

@@ -1,0 +1,301 @@
+"""``fusion-planner plan``: search candidate plans on a backend, verify and time them, keep the fastest."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from planner.commands.common import (
+    add_graph_args,
+    add_planning_args,
+    add_threads_arg,
+    emit_json,
+    graph_from_args,
+    limits_from_args,
+)
+from planner.core.cost import DeviceSpec, load_device
+from planner.core.errors import UsageError
+from planner.core.graph import Graph
+from planner.core.kinds import Verdict
+from planner.core.planfile import save_plan
+from planner.core.plans import Plan
+from planner.core.report import TABLE_PARTS, count_text, ledger_table
+from planner.model.plancache import PlanCache
+from planner.model.stack import ModelPlan
+from planner.pipeline import Planned, PlanOptions, plan_graph
+from planner.registry import backend_names, get_backend
+from planner.rules.load import load_rules
+from planner.search.engine import INTERRUPTED, SearchError, SearchOptions, SearchResult
+from planner.search.plots import plot_best_so_far, plot_predicted_vs_measured
+from planner.search.searchlog import SearchLog, env_flag, fmt_us
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="search candidate plans on a backend: verify, time, keep the fastest",
+        description=(
+            "Build candidates as explain does, then compile, verify against the numpy reference and time them "
+            "on a backend (docs/search.md). SEARCH_LOG=1 or --search-log prints the search log on stderr."
+        ),
+    )
+    add_graph_args(p)
+    add_planning_args(p)
+    add_search_args(p)
+    p.set_defaults(handler=run)
+
+
+def add_search_args(p: argparse.ArgumentParser) -> None:
+    d = SearchOptions()
+    g = p.add_argument_group("search")
+    g.add_argument("--backend", default="model", help=f"one of {', '.join(backend_names())} (default model)")
+    add_threads_arg(g)
+    g.add_argument("--max-candidates", type=int, default=d.max_candidates, help="candidates besides the unfused baseline")
+    g.add_argument("--time-budget", type=float, default=d.time_budget_s, metavar="SECONDS", help="wall-time budget")
+    g.add_argument("--early-stop", type=float, default=d.early_stop, help="stop timing above best x this factor")
+    g.add_argument("--warmup", type=int, default=d.warmup, help="untimed runs per candidate")
+    g.add_argument("--repeats", type=int, default=d.repeats, help="timed runs per candidate (median)")
+    g.add_argument("--rtol", type=float, default=None, help="override the dtype's relative tolerance")
+    g.add_argument("--atol", type=float, default=None, help="override the dtype's absolute tolerance")
+    g.add_argument("--search-log", action="store_true", help="print the search log on stderr (as SEARCH_LOG=1)")
+    g.add_argument("--out", metavar="DIR", help="write plan.json, results.json and two PNG plots here")
+    g.add_argument("--measured", metavar="MEASURED.json",
+                   help="merge results timed elsewhere (python -m backends.cupy time) instead of running here "
+                        "(the measured backend)")
+    g.add_argument("--no-dedup", action="store_true", help="search the whole graph even when regions repeat")
+    g.add_argument("--no-cache", action="store_true", help="neither read nor write the plan cache")
+    g.add_argument("--cache-dir", help="plan cache folder (default $FUSION_PLANNER_PLAN_CACHE, else $XDG_CACHE_HOME/fusion-planner/plans)")
+
+
+def options_from_args(args: argparse.Namespace) -> SearchOptions:
+    opts = SearchOptions(
+        max_candidates=args.max_candidates,
+        time_budget_s=args.time_budget,
+        early_stop=args.early_stop,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        seed=args.seed,
+        rtol=args.rtol,
+        atol=args.atol,
+    )
+    opts.validate()
+    return opts
+
+
+def run(args: argparse.Namespace) -> int:
+    opts = options_from_args(args)
+    graph = graph_from_args(args)
+    spec = load_device(args.device)
+    if args.measured:
+        backend = get_backend("measured", spec, source=args.measured, threads=args.threads)
+    else:
+        backend = get_backend(args.backend, spec, threads=args.threads)
+    backend.fits(graph)
+    out_dir = _out_dir(args.out)
+    options = PlanOptions(args.backend, spec, tuple(load_rules(args.rules)), limits_from_args(args), args.cap,
+                          args.top, opts, dedup=not args.no_dedup and not args.measured)
+    # remote results answer for exactly the exported candidates: never from or into the cache
+    cache = None if args.no_cache or args.measured else PlanCache(args.cache_dir, read=not _wants_search_evidence(args))
+    try:
+        planned = plan_graph(graph, options, backend, cache=cache, progress=lambda: _progress(args.search_log))
+    except SearchError as exc:
+        print(f"fusion-planner plan: search failed: {exc}", file=sys.stderr)
+        return 1
+    if planned.model is not None:
+        return report_regions(args, planned, out_dir)
+    if planned.from_cache:
+        return report_cached(args, planned, out_dir)
+    result = planned.search
+    assert result is not None and planned.candidates is not None
+    if out_dir is not None:
+        written = write_outputs(out_dir, result, planned.candidates.graph, spec)
+    if args.json:
+        emit_json(result.to_json())
+    else:
+        print_result(result)
+        if out_dir is not None:
+            print("wrote " + ", ".join(str(p) for p in written))
+    return 130 if result.stop == INTERRUPTED else 0  # the shell's code for Ctrl-C, after the best so far
+
+
+def _wants_search_evidence(args: argparse.Namespace) -> bool:
+    """--out, --json and the search log report the search itself (results, plots, the
+    candidate table, the log); a cached choice has none of that, so such a run searches
+    again (and refreshes the cache entry)."""
+    return bool(args.out or args.json or args.search_log or env_flag("SEARCH_LOG"))
+
+
+def _out_dir(path: str | None) -> Path | None:
+    if path is None:
+        return None
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"--out {path}: exists and is not a directory")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError("--out writes plots and needs matplotlib (pip install 'fusion-planner[plots]')") from None
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / ".fusion-planner-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise UsageError(f"--out {path}: cannot write there ({exc.strerror or exc})") from None
+    return p
+
+
+@contextlib.contextmanager
+def _progress(force_log: bool) -> Iterator[tuple[SearchLog, Callable[[int, int], None] | None]]:
+    """A rich progress bar on a terminal only; log lines go through its console then."""
+    enabled = True if force_log else None
+    if not sys.stderr.isatty():
+        yield SearchLog(enabled=enabled), None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    with Progress(TextColumn("search"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("search", total=None)
+
+        def tick(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield SearchLog(enabled=enabled, write=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True)), tick
+
+
+def print_result(result: SearchResult) -> None:
+    scope = "enumerated" if result.enumerated else "sampled"
+    print(
+        f"{result.graph} on {result.device}, backend {result.backend}: {count_text(result.space)} candidate plans ({scope}); "
+        f"{len(result.timed)} timed, {len(result.rejected)} rejected"
+        + (f", {len(result.bounded)} slower by their kernels" if result.bounded else "")
+        + f" in {result.elapsed_s:.2f}s ({result.stop})"
+    )
+    meas = {e.plan.key: e for e in result.entries}
+
+    def meas_col(p: Plan) -> str:
+        e = meas[p.key]
+        if e.meas_us is None:
+            return "-"
+        return f"{e.meas_us:,.2f}" + ("+" if e.stopped_early else "")
+
+    def verdict_col(p: Plan) -> str:
+        v = meas[p.key].verdict
+        return v if len(v) <= 48 else v[:45] + "..."
+
+    tried = [e.plan for e in result.entries if e.verdict != Verdict.NOT_TIMED or e.verified]
+    print(ledger_table(tried, result.best.key, extra=[("meas_us", meas_col), ("verdict", verdict_col)]))
+    untried = len(result.entries) - len(tried)
+    if untried:
+        print(f"({untried:,} more candidates of the cost-model list were not tried; --json and results.json list them)")
+    b = result.best_entry
+    best_meas = fmt_us(b.meas_us) if b.meas_us is not None else f"not timed (backend {result.backend} only verifies)"
+    print(f"best: {b.plan.notation(TABLE_PARTS)} {b.plan.composition()}  est {fmt_us(b.est_us)}  meas {best_meas}")
+    if result.speedup_vs_unfused is not None:
+        print(f"speedup vs unfused (one kernel per op): {result.speedup_vs_unfused:.2f}x")
+    rho = "n/a" if result.spearman is None else f"{result.spearman:.2f}"
+    print(f"spearman rho (estimated vs measured, {len(result.timed)} timed): {rho}")
+    if not result.measures and result.timed:
+        print(f"note: backend {result.backend} does not measure; 'meas_us' is its model estimate")
+    elif not result.timed:
+        print(f"note: backend {result.backend} only verifies; every candidate shown passed verification")
+
+
+def write_outputs(out: Path, result: SearchResult, graph: Graph, spec: DeviceSpec) -> list[Path]:
+
+    b = result.best_entry
+    meta = {
+        "backend": result.backend,
+        "meas_us": b.meas_us,
+        "speedup_vs_unfused": result.speedup_vs_unfused,
+        "composition": b.plan.composition(),
+    }
+    paths = [out / "plan.json", out / "results.json", out / "predicted_vs_measured.png", out / "best_so_far.png"]
+    save_plan(paths[0], result.best, graph, spec, meta)
+    paths[1].write_text(json.dumps(result.to_json(), indent=1) + "\n")
+    plot_predicted_vs_measured(result, paths[2])
+    plot_best_so_far(result, paths[3])
+    return paths
+
+
+def report_cached(args: argparse.Namespace, planned: Planned, out_dir: Path | None) -> int:
+    """A cached choice for this graph, device, backend, search options and rule set: no re-search."""
+    graph, spec, full = planned.graph, planned.options.spec, planned.plan
+    if args.json:
+        emit_json({"graph": graph.name, "device": spec.name, "backend": args.backend, "from_cache": True,
+                   "cache_key": planned.cache_key, "best": full.to_json()})
+    else:
+        print(f"{graph.name} on {spec.name}, backend {args.backend}: plan from the cache, not re-searched "
+              "(--no-cache searches again)")
+        print(ledger_table([full], full.key))
+    if out_dir is not None:
+        save_plan(out_dir / "plan.json", full, graph, spec, {"backend": args.backend, "from_cache": True})
+    return 0
+
+
+def report_regions(args: argparse.Namespace, planned: Planned, out_dir: Path | None) -> int:
+    """A layer stack: each structurally unique region searched once (docs/scaling.md)."""
+    mp, meas, results = planned.model, planned.composite, planned.region_searches
+    assert mp is not None
+    if args.json:
+        emit_json(dict(mp.summary(), backend=args.backend, **meas, best=mp.plan.to_json(),
+                       region_plans=[region_json(u) for u in mp.unique.values()]))
+    else:
+        print_regions(mp, args.backend, meas)
+    if out_dir is not None:
+        save_plan(out_dir / "plan.json", mp.plan, mp.graph, mp.spec, dict(backend=args.backend, **meas))
+        (out_dir / "results.json").write_text(json.dumps({k: r.to_json() for k, r in results.items()}, indent=1) + "\n")
+        written = [out_dir / "plan.json", out_dir / "results.json", *region_plots(out_dir, results)]
+        print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def region_plots(out: Path, results: dict[str, SearchResult]) -> list[Path]:
+    """The two plots of each searched region, named by its suffix: predicted_vs_measured.r0.png, ..."""
+
+    paths: list[Path] = []
+    for name, result in results.items():
+        tag = name.rsplit(".", 1)[-1]
+        pair = (out / f"predicted_vs_measured.{tag}.png", out / f"best_so_far.{tag}.png")
+        plot_predicted_vs_measured(result, pair[0])
+        plot_best_so_far(result, pair[1])
+        paths += pair
+    return paths
+
+
+def region_json(u) -> dict:
+    return {"key": u.key, "instances": u.instances, "from_cache": u.cached, "ops": len(u.region.ops),
+            "plan": u.plan.to_json()}
+
+
+#: distinct regions listed in the text report (a long graph's segments: --json lists all)
+TABLE_REGIONS = 24
+
+
+def print_regions(mp: ModelPlan, backend: str, meas: dict) -> None:
+    s = mp.summary()
+    print(f"{mp.graph.name} on {mp.spec.name}, backend {backend}: {s['ops']} ops in {s['regions']} regions, "
+          f"{s['unique_regions']} unique ({s['cache_hits']} from the cache); planned in {s['times_s']['total']:.2f}s")
+    for note in mp.notes:
+        print(f"note: {note}")
+    shown = list(mp.unique.values())[:TABLE_REGIONS]
+    for u in shown:
+        src = "cache" if u.cached else "searched"
+        print(f"  region {u.key} x{u.instances} ({len(u.region.ops)} ops, {src}): {u.plan.composition()}  "
+              f"est {fmt_us(u.plan.est_us)}")
+    if len(mp.unique) > len(shown):
+        print(f"  ... {len(mp.unique) - len(shown):,} more regions (--json lists them)")
+    p = mp.plan
+    checked = ("the whole plan verified against the reference" if meas["verified"] == "whole graph"
+               else "each region's plan verified against the reference when it was searched")
+    print(f"composite: {len(p.kernels)} kernels, {p.bytes:,} bytes, est {fmt_us(p.est_us)} "
+          f"(unfused est {fmt_us(mp.unfused.est_us)}); {checked}")
+    if meas["meas_us"] is not None:
+        print(f"measured: {fmt_us(meas['meas_us'])}, unfused {fmt_us(meas['unfused_meas_us'])}, "
+              f"speedup {meas['speedup_vs_unfused']:.2f}x")

@@ -1,0 +1,241 @@
+"""Device specs and the three-ledger kernel cost of seed K4.
+
+A kernel's time is ``max(bytes / bandwidth, flops / peak) + launch``; when its
+register sum exceeds the register limit its memory time is multiplied by
+``spill_penalty``.  A plan's time and bytes are sums over kernels and its
+register peak is the max over kernels.  ``docs/cost-model.md`` has the tables.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from planner.core.files import read_limited
+from planner.core.kinds import KernelKind
+from planner.core.ops import DTYPE_BYTES
+
+
+class DeviceSpecError(ValueError):
+    """A device spec name or file is unknown or malformed."""
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    name: str
+    bandwidth_gbps: float  # DRAM bandwidth, GB/s with GB = 1e9 bytes
+    matmul_tflops: dict[str, float]  # peak GEMM FLOP/s per dtype (tensor cores), in TFLOP/s
+    vector_tflops: float  # peak elementwise (fp32 CUDA-core) FLOP/s, in TFLOP/s
+    launch_us: float
+    reg_limit: int = 255
+    spill_penalty: float = 3.0
+    sm_count: int = 1
+    regs_per_sm: int = 65536
+    max_threads_per_sm: int = 2048
+    max_blocks_per_sm: int = 32
+    #: fraction of peak GEMM throughput reached by each GEMM implementation
+    gemm_efficiency: dict[str, float] = field(
+        default_factory=lambda: {"cublaslt": 1.0, "custom": 1.0}
+    )
+    #: use registers measured from compiled kernels instead of op-table estimates
+    measured_registers: bool = False
+    #: shared memory per SM in bytes (occupancy of kernels that use shared memory)
+    smem_per_sm: int = 233472
+    source: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def peak_matmul(self, dtype: str) -> float:
+        try:
+            return self.matmul_tflops[dtype] * 1e12
+        except KeyError:
+            raise DeviceSpecError(f"device {self.name!r} has no GEMM peak for dtype {dtype}") from None
+
+
+BUILTIN_DEVICES: dict[str, DeviceSpec] = {
+    # Exactly the parameters of seed 000, the K4 design note (docs/cost-model.md): one 40 TFLOP/s peak for all work.
+    "seed-k4": DeviceSpec(
+        name="seed-k4",
+        bandwidth_gbps=448.0,
+        matmul_tflops={"fp16": 40.0, "bf16": 40.0, "fp32": 40.0},
+        vector_tflops=40.0,
+        launch_us=5.0,
+        reg_limit=255,
+        spill_penalty=3.0,
+        sm_count=46,
+        regs_per_sm=65536,
+        max_threads_per_sm=1536,
+        max_blocks_per_sm=24,
+        gemm_efficiency={"cublaslt": 1.0, "custom": 1.0},
+        source="seed 000 (K4), docs/cost-model.md; SM figures are not used by its tables",
+    ),
+    # NVIDIA H200 SXM datasheet: 4.8 TB/s HBM3e, 989 TFLOP/s dense FP16/BF16 tensor,
+    # 67 TFLOP/s FP32; Hopper (CC 9.0): 132 SMs, 64K regs, 2048 threads, 32 blocks per SM.
+    "h200": DeviceSpec(
+        name="h200",
+        bandwidth_gbps=4800.0,
+        matmul_tflops={"fp16": 989.0, "bf16": 989.0, "fp32": 67.0},
+        vector_tflops=67.0,
+        launch_us=3.0,
+        sm_count=132,
+        regs_per_sm=65536,
+        max_threads_per_sm=2048,
+        max_blocks_per_sm=32,
+        gemm_efficiency={"cublaslt": 0.75, "custom": 0.4},
+        measured_registers=True,
+        source="NVIDIA H200 Tensor Core GPU datasheet; CUDA C Programming Guide table for CC 9.0",
+    ),
+    # NVIDIA RTX Blackwell GPU architecture whitepaper (GeForce RTX 5090): 1792 GB/s GDDR7,
+    # 209.5 TFLOP/s dense FP16 tensor with FP32 accumulate, 104.8 TFLOP/s FP32;
+    # CC 12.0: 170 SMs, 64K regs, 1536 threads, 24 blocks per SM.
+    "rtx5090": DeviceSpec(
+        name="rtx5090",
+        bandwidth_gbps=1792.0,
+        matmul_tflops={"fp16": 209.5, "bf16": 209.5, "fp32": 104.8},
+        vector_tflops=104.8,
+        launch_us=3.0,
+        sm_count=170,
+        regs_per_sm=65536,
+        max_threads_per_sm=1536,
+        max_blocks_per_sm=24,
+        smem_per_sm=102400,
+        gemm_efficiency={"cublaslt": 0.75, "custom": 0.4},
+        measured_registers=True,
+        source="NVIDIA RTX Blackwell architecture whitepaper; CUDA C Programming Guide, CC 12.0",
+    ),
+}
+
+DEFAULT_DEVICE = "h200"
+
+
+def load_device(name_or_file: str | None) -> DeviceSpec:
+    """A built-in spec by name, or a JSON spec file (as written by ``calibrate``)."""
+    key = name_or_file or DEFAULT_DEVICE
+    if key in BUILTIN_DEVICES:
+        return BUILTIN_DEVICES[key]
+    p = Path(key)
+    if not p.exists():
+        raise DeviceSpecError(
+            f"unknown device {key!r}: not a built-in ({', '.join(BUILTIN_DEVICES)}) and no such file"
+        )
+    if not p.is_file():
+        raise DeviceSpecError(f"device {key!r}: {p} is not a regular file")
+    try:
+        data = json.loads(read_limited(p, DeviceSpecError, "device file", limit=2**20))
+    except json.JSONDecodeError as exc:
+        raise DeviceSpecError(f"device file {p}: {exc}") from None
+    return device_from_json(data, str(p))
+
+
+def device_from_json(data: Any, source: str = "<json>") -> DeviceSpec:
+    if not isinstance(data, dict):
+        raise DeviceSpecError(f"device file {source}: top level must be an object")
+    known = set(DeviceSpec.__dataclass_fields__)
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise DeviceSpecError(f"device file {source}: unknown field(s) {unknown}")
+    for req in ("name", "bandwidth_gbps", "matmul_tflops", "vector_tflops", "launch_us"):
+        if req not in data:
+            raise DeviceSpecError(f"device file {source}: missing field {req!r}")
+    for fname, value in data.items():
+        problem = _field_problem(fname, value)
+        if problem:
+            raise DeviceSpecError(f"device file {source}: {fname!r} {problem}")
+    if not all(d in data["matmul_tflops"] for d in DTYPE_BYTES):
+        raise DeviceSpecError(
+            f"device file {source}: 'matmul_tflops' needs a positive entry for each of {sorted(DTYPE_BYTES)}"
+        )
+    return DeviceSpec(**data)
+
+
+#: how each field of a device file is checked: kind, and whether zero is allowed
+_FIELD_KINDS: dict[str, str] = {
+    "name": "str", "source": "str", "measured_registers": "bool",
+    "bandwidth_gbps": "positive", "vector_tflops": "positive", "spill_penalty": "positive",
+    "launch_us": "non-negative",
+    "reg_limit": "count", "sm_count": "count", "regs_per_sm": "count", "max_threads_per_sm": "count",
+    "max_blocks_per_sm": "count", "smem_per_sm": "count",
+    "matmul_tflops": "rates", "gemm_efficiency": "rates",
+}
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _field_problem(name: str, value: Any) -> str | None:
+    """Why ``value`` cannot be device field ``name`` (None when it can)."""
+    kind = _FIELD_KINDS[name]
+    if kind == "str":
+        return None if isinstance(value, str) else "must be a string"
+    if kind == "bool":
+        return None if isinstance(value, bool) else "must be true or false"
+    if kind == "positive":
+        return None if _is_number(value) and value > 0 else "must be a finite positive number"
+    if kind == "non-negative":
+        return None if _is_number(value) and value >= 0 else "must be a finite number >= 0"
+    if kind == "count":
+        return None if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 2**31 else \
+            "must be a positive integer"
+    if not isinstance(value, dict) or not all(isinstance(k, str) and _is_number(v) and v > 0 for k, v in value.items()):
+        return "must map names to finite positive numbers"
+    return None
+
+
+# ---------------------------------------------------------------- ledgers
+
+
+@dataclass(frozen=True)
+class KernelCost:
+    """The three ledgers of one kernel and its estimated time."""
+
+    bytes: int
+    gemm_flops: float
+    ew_flops: float
+    regs: int
+    spills: bool
+    mem_us: float
+    compute_us: float
+    est_us: float
+    launches: int = 1
+
+    @property
+    def flops(self) -> float:
+        return self.gemm_flops + self.ew_flops
+
+
+def kernel_cost(
+    spec: DeviceSpec,
+    *,
+    kind: str,
+    dtype: str,
+    nbytes: int,
+    gemm_flops: float,
+    ew_flops: float,
+    regs: int,
+    spills: bool | None = None,
+) -> KernelCost:
+    """Seed K4's kernel time: ``max(bytes/bw, flops/peak) + launch`` with the spill cliff.
+
+    ``spills`` overrides the register-sum test when a compiled kernel's spill
+    count is known (measured registers never exceed the hardware limit).
+    """
+    mem_us = nbytes / (spec.bandwidth_gbps * 1e9) * 1e6
+    impl = "cublaslt" if kind == KernelKind.CUBLASLT else "custom"
+    compute_s = 0.0
+    if gemm_flops:
+        compute_s += gemm_flops / (spec.peak_matmul(dtype) * spec.gemm_efficiency.get(impl, 1.0))
+    compute_s += ew_flops / (spec.vector_tflops * 1e12)
+    compute_us = compute_s * 1e6
+    # A library GEMM's register use is the library's business: never costed as spilling.
+    if spills is None:
+        spills = regs > spec.reg_limit
+    spills = kind != KernelKind.CUBLASLT and spills
+    if spills:
+        mem_us *= spec.spill_penalty
+    est = max(mem_us, compute_us) + spec.launch_us
+    return KernelCost(nbytes, gemm_flops, ew_flops, regs, spills, mem_us, compute_us, est)

@@ -1,0 +1,226 @@
+"""Built-in example graphs: the seeds' workloads and stacks of them."""
+
+from __future__ import annotations
+
+import math
+
+from planner.core.graph import Graph, GraphBuilder
+
+
+def mlp_epilogue(m: int = 4096, n: int = 4096, k: int = 4096, dtype: str = "fp16", gelu: str = "tanh") -> Graph:
+    """Seed 000's chain: GEMM -> +bias -> GELU -> +residual."""
+    if gelu not in ("tanh", "erf"):
+        raise ValueError(f"--gelu must be 'tanh' or 'erf', got {gelu!r}")
+    b = GraphBuilder(f"mlp-epilogue-{m}x{n}x{k}-{dtype}-{gelu}")
+    b.input("x", (m, k), dtype)
+    b.input("w", (k, n), dtype)
+    b.input("b", (n,), dtype)
+    b.input("r", (m, n), dtype)
+    b.op("mm", "MatMul", ["x", "w"])
+    b.op("bias", "BiasAdd", ["mm", "b"])
+    b.op("gelu", "GeluTanh" if gelu == "tanh" else "GeluErf", ["bias"])
+    b.op("res", "Add", ["gelu", "r"])
+    return b.build(["res"])
+
+
+def heavy(n: int = 2**26, dtype: str = "fp16") -> Graph:
+    """Seed 000's "fusion loses" pair: 200 + 100 live registers spill when fused."""
+    b = GraphBuilder(f"heavy-{n}-{dtype}")
+    b.input("x", (n,), dtype)
+    b.op("a", "Stage", ["x"], {"flops": 1, "regs": 200})
+    b.op("b", "Stage", ["a"], {"flops": 1, "regs": 100})
+    return b.build(["b"])
+
+
+def ew_chain(k: int = 4, n: int = 2**24, dtype: str = "fp32", fat_temps: int = 0) -> Graph:
+    """Seed 001's chain: stage s is y = a_s*y + b_s, then ReLU on even s.
+
+    ``fat_temps`` > 0 appends the C-05 register-pressure probe: a Stage that
+    keeps that many live temporaries (identity on values).
+    """
+    if k < 1:
+        raise ValueError(f"--k must be at least 1, got {k}")
+    b = GraphBuilder(f"ew-chain-k{k}-{n}-{dtype}" + (f"-fat{fat_temps}" if fat_temps else ""))
+    y = b.input("x", (n,), dtype)
+    for s in range(k):
+        y = b.op(f"affine{s}", "Affine", [y], {"a": 1 + 0.01 * (s + 1), "b": 0.001 * (s + 1)})
+        if s % 2 == 0:
+            y = b.op(f"relu{s}", "Relu", [y])
+    if fat_temps:
+        y = b.op("fat", "Stage", [y], {"flops": 2 * fat_temps, "regs": 2 * fat_temps, "temps": fat_temps})
+    return b.build([y])
+
+
+def layer_norm_ops(b: GraphBuilder, x: str, width: int, dtype: str, prefix: str = "") -> str:
+    """``LayerNorm(x)`` over the last dimension in the op table's primitives: the row statistics, the per-row
+    broadcasts, the weight ``<prefix>w`` and the bias ``<prefix>bias``; the result is ``<prefix>out``."""
+    b.input(f"{prefix}w", (width,), dtype)
+    b.input(f"{prefix}bias", (width,), dtype)
+    mean = b.op(f"{prefix}mean", "RowMean", [x])
+    centred = b.op(f"{prefix}centred", "SubRow", [x, mean])
+    var = b.op(f"{prefix}var", "RowMean", [b.op(f"{prefix}square", "Square", [centred])])
+    rstd = b.op(f"{prefix}rstd", "Rsqrt", [b.op(f"{prefix}var_eps", "Affine", [var], {"a": 1.0, "b": 1e-5})])
+    scaled = b.op(f"{prefix}scaled", "BiasMul", [b.op(f"{prefix}normed", "MulRow", [centred, rstd]), f"{prefix}w"])
+    return b.op(f"{prefix}out", "BiasAdd", [scaled, f"{prefix}bias"])
+
+
+def layer_norm(rows: int = 128, width: int = 768, dtype: str = "fp32", residual: bool = True) -> Graph:
+    """``LayerNorm(x + r)`` written in the op table's primitives (``residual``: the residual add before the norm)."""
+    b = GraphBuilder(f"layer-norm-{rows}x{width}-{dtype}")
+    x = b.input("x", (rows, width), dtype)
+    if residual:
+        b.input("r", (rows, width), dtype)
+        x = b.op("res", "Add", ["x", "r"])
+    return b.build([layer_norm_ops(b, x, width, dtype)])
+
+
+def rms_norm(rows: int = 128, width: int = 768, dtype: str = "bf16", residual: bool = True) -> Graph:
+    """``RMSNorm(x + r)`` as LLaMA writes it: the statistics in fp32 (``x.to(float32)``, ``pow(2).mean(-1)``,
+    ``rsqrt``), the normalised rows cast back to ``dtype``, then times the weight."""
+    b = GraphBuilder(f"rms-norm-{rows}x{width}-{dtype}")
+    x = b.input("x", (rows, width), dtype)
+    b.input("w", (width,), dtype)
+    if residual:
+        b.input("r", (rows, width), dtype)
+        x = b.op("res", "Add", ["x", "r"])
+    wide = b.op("wide", "Cast", [x], {"dtype": "fp32"}) if dtype != "fp32" else x
+    mean = b.op("ms", "RowMean", [b.op("square", "Square", [wide])])
+    normed = b.op("normed", "MulRow", [wide, b.op("rstd", "Rsqrt", [b.op("eps", "Affine", [mean], {"a": 1.0, "b": 1e-6})])])
+    narrow = b.op("narrow", "Cast", [normed], {"dtype": dtype}) if dtype != "fp32" else normed
+    return b.build([b.op("out", "BiasMul", [narrow, "w"])])
+
+
+def softmax(rows: int = 128, width: int = 128, dtype: str = "fp32") -> Graph:
+    """Softmax over the last dimension: exp(x - max) / sum."""
+    b = GraphBuilder(f"softmax-{rows}x{width}-{dtype}")
+    b.input("x", (rows, width), dtype)
+    b.op("top", "RowMax", ["x"])
+    b.op("shifted", "SubRow", ["x", "top"])
+    b.op("e", "Exp", ["shifted"])
+    b.op("total", "RowSum", ["e"])
+    return b.build([b.op("out", "DivRow", ["e", "total"])])
+
+
+def attention_ops(b: GraphBuilder, name: str, qkv: tuple[str, str, str] | str, *, batch: int, seq: int,
+                  heads: int, width: int, causal: bool = True, mask: str | None = None) -> str:
+    """Multi-head attention over token rows (batch*seq, .) in the op table's primitives, as the torch importer
+    writes ``scaled_dot_product_attention``: each of q, k, v taken head-major (``Heads``; from one packed
+    (batch*seq, 3*width) projection when ``qkv`` is one tensor), softmax(q@k^T / sqrt(d)) from
+    ``BatchScores``, ``Affine`` and the row ops, applied to v (``BatchApply``), the heads merged back.
+    ``mask``: an additive padding mask (batch, T), repeated over the heads and added to the scaled scores."""
+    srcs = (qkv,) * 3 if isinstance(qkv, str) else qkv
+    offsets = (0, width, 2 * width) if isinstance(qkv, str) else (0, 0, 0)
+    q, k, v = (b.op(f"{name}.{t}h", "Heads", [src], {"heads": heads, "seq": seq, "offset": off, "width": width})
+               for t, src, off in zip("qkv", srcs, offsets, strict=True))
+    s = b.op(f"{name}.scores", "BatchScores", [q, k], {"causal": int(causal)})
+    s = b.op(f"{name}.scaled", "Affine", [s], {"a": 1.0 / math.sqrt(width // heads), "b": 0.0})
+    if mask is not None:
+        rows = b.op(f"{name}.mask", "GroupRepeat", [mask], {"heads": heads, "rows": 1})
+        s = b.op(f"{name}.masked", "MaskAdd", [s, rows])
+    top = b.op(f"{name}.max", "RowMax", [s])
+    e = b.op(f"{name}.exp", "Exp", [b.op(f"{name}.shifted", "SubRow", [s, top])])
+    p = b.op(f"{name}.probs", "DivRow", [e, b.op(f"{name}.sum", "RowSum", [e])])
+    return b.op(name, "Merge", [b.op(f"{name}.heads", "BatchApply", [p, v])], {"heads": heads})
+
+
+def attention(batch: int = 1, seq: int = 128, d_model: int = 768, heads: int = 12, dtype: str = "fp32",
+              causal: bool = True, masked: bool = False) -> Graph:
+    """Causal multi-head attention of a packed qkv projection (batch*seq, 3*d_model), primitives only
+    (``masked``: not causal, with an additive padding mask input (batch, seq), as BERT's)."""
+    causal = causal and not masked
+    b = GraphBuilder(f"attention-b{batch}-s{seq}-d{d_model}-h{heads}-{dtype}" + ("-causal" if causal else "")
+                     + ("-masked" if masked else ""))
+    b.input("qkv", (batch * seq, 3 * d_model), dtype)
+    mask = b.input("mask", (batch, seq), dtype) if masked else None
+    return b.build([attention_ops(b, "attn", "qkv", batch=batch, seq=seq, heads=heads, width=d_model, causal=causal,
+                                  mask=mask)])
+
+
+def rope_ops(b: GraphBuilder, name: str, x: str, cos: str, sin: str) -> str:
+    """Rotary position embeddings of head-major ``x`` (batch*heads, seq, d), as LLaMA writes them:
+    ``x*cos + rotate_half(x)*sin`` with (seq, d) tables repeated over batch and heads."""
+    rotated = b.op(f"{name}.rot", "TileMul", [b.op(f"{name}.half", "RotateHalf", [x]), sin])
+    return b.op(name, "Add", [b.op(f"{name}.cos", "TileMul", [x, cos]), rotated])
+
+
+def rope(batch: int = 1, seq: int = 128, d_model: int = 768, heads: int = 12, dtype: str = "fp32",
+         norm: bool = False) -> Graph:
+    """The query heads of token rows (batch*seq, d_model) with RoPE applied (``norm``: then an RMSNorm over
+    each head, as Qwen3 and OLMo2 normalise q and k, so the RoPE runs inside a row kernel)."""
+    if d_model % heads or (d_model // heads) % 2:
+        raise ValueError(f"rope: d_model {d_model} must split into {heads} heads of an even size")
+    hd = d_model // heads
+    b = GraphBuilder(f"rope-b{batch}-s{seq}-d{d_model}-h{heads}-{dtype}" + ("-norm" if norm else ""))
+    b.input("x", (batch * seq, d_model), dtype)
+    b.input("cos", (seq, hd), dtype)
+    b.input("sin", (seq, hd), dtype)
+    q = b.op("q", "Heads", ["x"], {"heads": heads, "seq": seq, "offset": 0, "width": d_model})
+    out = rope_ops(b, "rope", q, "cos", "sin")
+    if norm:
+        mean = b.op("rope.ms", "RowMean", [b.op("rope.sq", "Square", [out])])
+        out = b.op("rope.normed", "MulRow", [out, b.op("rope.rstd", "Rsqrt", [b.op("rope.eps", "Affine", [mean], {"a": 1.0, "b": 1e-6})])])
+    return b.build([out])
+
+
+def mlp_stack(layers: int = 4, d: int = 1024, m: int = 64, dtype: str = "fp16") -> Graph:
+    """``layers`` mlp-epilogue blocks; each block's residual is its own input."""
+    b = GraphBuilder(f"mlp-stack-L{layers}-d{d}-m{m}-{dtype}")
+    x = b.input("x", (m, d), dtype)
+    for i in range(layers):
+        b.input(f"w{i}", (d, d), dtype)
+        b.input(f"b{i}", (d,), dtype)
+        mm = b.op(f"mm{i}", "MatMul", [x, f"w{i}"])
+        bias = b.op(f"bias{i}", "BiasAdd", [mm, f"b{i}"])
+        g = b.op(f"gelu{i}", "GeluTanh", [bias])
+        x = b.op(f"res{i}", "Add", [g, x])
+    return b.build([x])
+
+
+def transformer(
+    layers: int = 2,
+    d_model: int = 1024,
+    seq: int = 128,
+    dtype: str = "fp16",
+    mlp: str = "gelu",
+    heads: int | None = None,
+) -> Graph:
+    """A pre-LN decoder stack: LN, q/k/v projections, causal attention, output projection and
+    residual; LN, MLP (GELU or SwiGLU) and residual, all in the op table's primitives: the
+    LayerNorms are row ops and the attention is ``Heads``, ``BatchScores``, the softmax's row
+    ops, ``BatchApply`` and ``Merge`` (:func:`attention_ops`), which the rules fuse."""
+    if mlp not in ("gelu", "swiglu"):
+        raise ValueError(f"--mlp must be 'gelu' or 'swiglu', got {mlp!r}")
+    heads = heads or max(1, d_model // 64)
+    if d_model % heads:
+        raise ValueError(f"--d-model {d_model} is not a multiple of the {heads} heads")
+    b = GraphBuilder(f"transformer-L{layers}-d{d_model}-s{seq}-{dtype}-{mlp}")
+    x = b.input("x", (seq, d_model), dtype)
+    hidden = 4 * d_model if mlp == "gelu" else (8 * d_model) // 3
+
+    def linear(name: str, inp: str, d_in: int, d_out: int, bias: bool = True) -> str:
+        b.input(f"{name}.w", (d_in, d_out), dtype)
+        y = b.op(f"{name}.mm", "MatMul", [inp, f"{name}.w"])
+        if bias:
+            b.input(f"{name}.b", (d_out,), dtype)
+            y = b.op(f"{name}.bias", "BiasAdd", [y, f"{name}.b"])
+        return y
+
+    for i in range(layers):
+        p = f"l{i}"
+        h = layer_norm_ops(b, x, d_model, dtype, f"{p}.ln1.")
+        q, k, v = (linear(f"{p}.{t}", h, d_model, d_model) for t in "qkv")
+        att = attention_ops(b, f"{p}.attn", (q, k, v), batch=1, seq=seq, heads=heads, width=d_model)
+        x = b.op(f"{p}.res1", "Add", [x, linear(f"{p}.o", att, d_model, d_model)])
+        h = layer_norm_ops(b, x, d_model, dtype, f"{p}.ln2.")
+        if mlp == "gelu":
+            u = b.op(f"{p}.gelu", "GeluTanh", [linear(f"{p}.up", h, d_model, hidden)])
+            d = linear(f"{p}.down", u, hidden, d_model)
+        else:
+            gate = b.op(f"{p}.silu", "Silu", [linear(f"{p}.gate", h, d_model, hidden, bias=False)])
+            u = b.op(f"{p}.glu", "Mul", [gate, linear(f"{p}.up", h, d_model, hidden, bias=False)])
+            d = linear(f"{p}.down", u, hidden, d_model, bias=False)
+        x = b.op(f"{p}.res2", "Add", [x, d])
+    return b.build([x])
+
+
+EXAMPLES = ("mlp-epilogue", "heavy", "ew-chain", "mlp-stack", "transformer")

@@ -1,0 +1,169 @@
+"""Structural deduplication: split a graph at forced stores, hash the pieces.
+
+A *boundary* is a point in the topological order where exactly one computed value
+is live and that value must be stored anyway: a GEMM or an Opaque op reads it
+(both read their operands from memory) or it is a graph output.  Cutting there
+loses no fusion the rules could express, so each piece (a *region*) can be planned
+on its own.  Regions are canonicalised (inputs and ops renamed by first use) and
+hashed; identical hashes mean identical subgraphs up to renaming, such as the
+layers of a transformer imported from torch, which carries no layer markers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+from planner.core.graph import Graph, GraphBuilder
+from planner.core.kinds import OpKind
+from planner.core.ops import OPS
+
+#: op kinds that read every operand from memory
+_MEMORY_READERS = {name for name, op in OPS.items() if op.kind in (OpKind.MATMUL, OpKind.STANDALONE, OpKind.OPAQUE)}
+
+
+@dataclass(frozen=True)
+class Region:
+    index: int
+    ops: tuple[str, ...]  # global ids of the region's ops, in order
+    inputs: tuple[str, ...]  # external tensors read, canonical order (first use)
+    outputs: tuple[str, ...]  # values used after the region (or graph outputs)
+    key: str  # structural hash of the canonical subgraph
+    graph: Graph  # canonical subgraph: inputs i0.., ops n0..
+
+    def renaming(self) -> dict[str, str]:
+        """Canonical name -> global name."""
+        m = {f"i{j}": g for j, g in enumerate(self.inputs)}
+        m.update({f"n{j}": g for j, g in enumerate(self.ops)})
+        return m
+
+
+def forced_stores(graph: Graph) -> set[str]:
+    """Values every plan stores: graph outputs and operands of GEMMs and Opaque ops; and values held
+    across one (a residual stream: read by a norm's row kernel and again after the GEMMs that depend on
+    it). A plan could recompute such a value in its later consumer instead, from the operands it was
+    computed from, which are no fewer bytes to read; the cut gives that option up."""
+    forced = set(graph.outputs)
+    ops = graph.ops
+    pos = {n.id: i for i, n in enumerate(ops)}
+    last_use: dict[str, int] = {}
+    first_reader: dict[str, int] = {}  # the earliest memory reader that depends on the value
+    for i, n in enumerate(ops):
+        for x in n.inputs:
+            last_use[x] = max(last_use.get(x, -1), i)
+    for i in range(len(ops) - 1, -1, -1):
+        n = ops[i]
+        reach = min(i if n.op in _MEMORY_READERS else len(ops), first_reader.get(n.id, len(ops)))
+        for x in n.inputs:
+            if x in pos:
+                first_reader[x] = min(first_reader.get(x, len(ops)), reach)
+        if n.op in _MEMORY_READERS:
+            forced.update(n.inputs)
+    forced.update(v for v, r in first_reader.items() if last_use.get(v, -1) > r)
+    return forced
+
+
+def boundaries(graph: Graph, max_ops: int | None = None) -> list[int]:
+    """Indices into ``graph.ops`` after which the graph is cut: at forced stores, and where a piece
+    would hold more than ``max_ops`` ops, at the cheapest point of its second half (see ``_size_cuts``)."""
+    ops = graph.ops
+    pos = {n.id: i for i, n in enumerate(ops)}
+    last_use: dict[str, int] = {}
+    forced = forced_stores(graph)
+    for i, n in enumerate(ops):
+        for x in n.inputs:
+            if x in pos:
+                last_use[x] = max(last_use.get(x, -1), i)
+    for o in graph.outputs:
+        last_use[o] = len(ops)
+    cuts = []
+    live: set[str] = set()
+    for i, n in enumerate(ops):
+        if last_use.get(n.id, -1) > i:
+            live.add(n.id)
+        live -= {x for x in n.inputs if last_use.get(x) == i}
+        if live == {n.id} and n.id in forced and i < len(ops) - 1:
+            cuts.append(i)
+    if max_ops is None or len(ops) <= max_ops:
+        return cuts
+    return _size_cuts(graph, cuts, forced, pos, last_use, max_ops)
+
+
+def _size_cuts(graph: Graph, cuts: list[int], forced: set[str], pos: dict[str, int], last_use: dict[str, int],
+               max_ops: int) -> list[int]:
+    """``cuts`` plus cuts that keep every piece within ``max_ops`` ops (the segment limit: one e-graph
+    and one extraction stay bounded however long the graph is).  A cut stores every value live across
+    it; those stored anyway cost nothing, so each cut goes where the fewest other bytes are live, the
+    latest such point of the piece's second half (a chain: anywhere, one value; a fan-out of graph
+    outputs: anywhere, nothing).  Kernels do not span a cut."""
+    ops = graph.ops
+    extra = [0] * (len(ops) + 1)  # bytes a cut after op i stores that no plan stores otherwise
+    for v, u in last_use.items():
+        if v not in forced and u > pos[v]:
+            extra[pos[v]] += graph[v].type.nbytes
+            extra[u] -= graph[v].type.nbytes
+    for i in range(1, len(ops)):
+        extra[i] += extra[i - 1]
+    out = list(cuts)
+    for start, end in zip([0] + [c + 1 for c in cuts], [c + 1 for c in cuts] + [len(ops)], strict=True):
+        while end - start > max_ops:
+            latest_first = range(start + max_ops - 1, start + max(1, max_ops // 2) - 2, -1)
+            cut = min(latest_first, key=extra.__getitem__)
+            out.append(cut)
+            start = cut + 1
+    return sorted(out)
+
+
+def split_regions(graph: Graph, max_ops: int | None = None) -> list[Region]:
+    """The graph's regions, in order; with ``max_ops``, none longer than that where a cut exists."""
+    ops = graph.ops
+    cuts = boundaries(graph, max_ops)
+    starts = [0] + [c + 1 for c in cuts]
+    ends = [c + 1 for c in cuts] + [len(ops)]
+    produced_after: dict[str, int] = {}
+    for r, (s, e) in enumerate(zip(starts, ends, strict=True)):
+        for n in ops[s:e]:
+            produced_after[n.id] = r
+    used_later: dict[str, int] = {}
+    for r, (s, e) in enumerate(zip(starts, ends, strict=True)):
+        for n in ops[s:e]:
+            for x in n.inputs:
+                used_later[x] = max(used_later.get(x, -1), r)
+    regions = []
+    graph_outputs = set(graph.outputs)
+    for r, (s, e) in enumerate(zip(starts, ends, strict=True)):
+        members = ops[s:e]
+        inside = {n.id for n in members}
+        outputs = tuple(
+            n.id for n in members if used_later.get(n.id, -1) > r or n.id in graph_outputs
+        )
+        regions.append(_canonical(graph, r, members, inside, outputs))
+    return regions
+
+
+def whole_graph_region(graph: Graph) -> Region:
+    """The whole graph as one canonical region: the plan-cache key of a graph searched whole."""
+    ops = graph.ops
+    return _canonical(graph, 0, ops, {n.id for n in ops}, tuple(dict.fromkeys(graph.outputs)))
+
+
+def _canonical(graph: Graph, index: int, members: list, inside: set[str], outputs: tuple[str, ...]) -> Region:
+    inputs: dict[str, None] = {}  # ordered by first use
+    for n in members:
+        for x in n.inputs:
+            if x not in inside:
+                inputs.setdefault(x)
+    local = {g: f"i{j}" for j, g in enumerate(inputs)}
+    local.update({n.id: f"n{j}" for j, n in enumerate(members)})
+    b = GraphBuilder(f"{graph.name}.r{index}")
+    for j, g in enumerate(inputs):
+        t = graph[g].type
+        b.input(f"i{j}", t.shape, t.dtype)
+    for n in members:
+        b.op(local[n.id], n.op, [local[x] for x in n.inputs], n.attr_dict)
+    sub = b.build([local[o] for o in outputs])
+    canon = sub.to_json()
+    canon.pop("name")
+    key = hashlib.sha256(json.dumps(canon, sort_keys=True).encode()).hexdigest()[:20]
+    return Region(index, tuple(n.id for n in members), tuple(inputs), outputs, key, sub)

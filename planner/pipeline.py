@@ -1,0 +1,194 @@
+"""The one planning pipeline: what ``planner.plan``, ``fusion-planner plan`` and ``torch.compile`` run.
+
+Given a graph and :class:`PlanOptions`, :func:`plan_graph` decides between planning the
+graph whole and region by region (a layer stack: each distinct region searched once),
+builds the cache key (graph region, device, backend and every search option, rule set),
+answers from the plan cache or searches, stores the choice, and for a layer stack checks
+the composite plan against the reference on a measuring backend. The faces only turn
+their inputs into a graph and options, and present the :class:`Planned` result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from planner.backend import Backend
+from planner.core.cost import DeviceSpec
+from planner.core.graph import Graph
+from planner.core.plans import Plan, compose_plan, rename_kernel
+from planner.core.reference import execute_graph, random_inputs
+from planner.core.regions import Region, split_regions, whole_graph_region
+from planner.core.tolerance import check_outputs
+from planner.egraph.candidates import DEFAULT_CAP, DEFAULT_K, CandidateSet, build_candidates
+from planner.egraph.program import Limits
+from planner.model.plancache import PlanCache
+from planner.model.stack import ModelPlan, plan_model
+from planner.rules.files import RuleFile
+from planner.rules.load import rules_hash
+from planner.search.engine import INTERRUPTED, SearchError, SearchOptions, SearchResult, search
+from planner.search.searchlog import SearchLog
+from planner.torch import need_evaluator
+
+Tick = Callable[[int, int], None]
+#: a fresh search log (and progress tick) for each search the pipeline runs
+Progress = Callable[[], contextlib.AbstractContextManager[tuple[SearchLog, Tick | None]]]
+
+
+@contextlib.contextmanager
+def quiet_progress() -> Iterator[tuple[SearchLog, Tick | None]]:
+    """The default: a search log that prints only under SEARCH_LOG=1, no progress bar."""
+    yield SearchLog(), None
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    backend_name: str
+    spec: DeviceSpec
+    rules: Sequence[RuleFile]
+    limits: Limits | None = None
+    cap: int = DEFAULT_CAP
+    k: int = DEFAULT_K
+    search: SearchOptions = field(default_factory=SearchOptions)
+    dedup: bool = True
+
+    @property
+    def seed(self) -> int:
+        return self.search.seed
+
+    def cache_tag(self, backend: Backend) -> str:
+        """The plan cache's backend field: the backend's identity (the CPU's thread count), every search
+        option and every bound on the candidates (saturation and extraction limits, cap, k, dedup), so a
+        choice made under a smaller budget, another seed, thread count or kernel-size limit never answers
+        another."""
+        bounds = {"limits": dataclasses.asdict(self.limits or Limits()), "cap": self.cap, "k": self.k, "dedup": self.dedup}
+        choice = {"search": dataclasses.asdict(self.search), **bounds}
+        return f"{backend.identity} {json.dumps(choice, sort_keys=True)}"
+
+    def cache_key(self, region: Region, backend: Backend) -> str:
+        return PlanCache.key(region.key, self.spec, self.cache_tag(backend), rules_hash(self.rules))
+
+
+@dataclass
+class Planned:
+    """What the pipeline decided: the whole graph's plan and how it was reached."""
+
+    graph: Graph
+    plan: Plan
+    options: PlanOptions
+    candidates: CandidateSet | None = None  # single-region search
+    search: SearchResult | None = None
+    model: ModelPlan | None = None  # region-wise
+    region_searches: dict[str, SearchResult] = field(default_factory=dict)
+    composite: dict[str, Any] = field(default_factory=dict)  # region-wise: the whole plan's check and timing
+    from_cache: bool = False
+    cache_key: str = ""  # a graph searched whole: the key its plan is cached under
+
+    @property
+    def log_lines(self) -> list[str]:
+        if self.search is not None:
+            return list(self.search.log_lines)
+        lines = [line for r in self.region_searches.values() for line in r.log_lines]
+        if self.model is not None:
+            s = self.model.summary()
+            lines.append(f"{self.graph.name}: {s['regions']} regions, {s['unique_regions']} distinct, "
+                         f"{s['cache_hits']} from the plan cache")
+            lines += [f"{self.graph.name}: {note}" for note in s["notes"]]
+        elif self.from_cache:
+            lines.append(f"{self.graph.name}: plan from the plan cache, not re-searched")
+        return lines
+
+
+def plan_graph(
+    graph: Graph,
+    options: PlanOptions,
+    backend: Backend,
+    *,
+    cache: PlanCache | None,
+    progress: Progress = quiet_progress,
+    inputs: Mapping[str, np.ndarray] | None = None,
+) -> Planned:
+    """Plan ``graph`` as the module docstring says; raises :class:`SearchError` when no plan verifies.
+
+    ``inputs`` (default: the input recipe) are what a whole-graph search verifies and times on;
+    a layer stack's regions always use the recipe."""
+    need_evaluator(graph)
+    segment_ops = (options.limits or Limits()).max_segment_ops
+    regions = split_regions(graph, segment_ops)
+    if len(graph.ops) > segment_ops or (options.dedup and len({r.key for r in regions}) < len(regions)):
+        return _plan_regions(graph, regions, options, backend, cache, progress)
+    whole = whole_graph_region(graph)
+    key = options.cache_key(whole, backend)
+    if cache is not None:
+        cached = cache.load(key, whole.graph, options.spec)
+        if cached is not None:
+            names = whole.renaming()
+            full = compose_plan(graph, [rename_kernel(k, names) for k in cached.kernels], cached.key)
+            return Planned(graph, full, options, from_cache=True, cache_key=key)
+    cands = build_candidates(graph, options.spec, rules=options.rules, limits=options.limits, cap=options.cap,
+                             k=options.k, seed=options.seed)
+    with progress() as (slog, tick):
+        result = search(cands, backend, inputs, options=options.search, log=slog, on_candidate=tick)
+    if cache is not None and result.stop != INTERRUPTED:  # an interrupted search decided less than asked
+        canonical = {g: c for c, g in whole.renaming().items()}
+        store = compose_plan(whole.graph, [rename_kernel(k, canonical) for k in result.best.kernels], result.best.key)
+        cache.store(key, store, whole.graph, options.spec)
+    return Planned(graph, result.best, options, candidates=cands, search=result, cache_key=key)
+
+
+#: the least budget a region's search gets: with the whole budget spent, a search still compares the cost
+#: model's favourite with the unfused baseline (the search always considers those two)
+MIN_REGION_BUDGET_S = 1e-3
+
+
+def _plan_regions(graph: Graph, regions: Sequence[Region], options: PlanOptions, backend: Backend,
+                  cache: PlanCache | None, progress: Progress) -> Planned:
+    searches: dict[str, SearchResult] = {}
+    deadline = time.perf_counter() + options.search.time_budget_s
+    pending = len({r.key for r in regions}) if options.dedup else len(regions)
+
+    def choose(cands: CandidateSet) -> Plan:
+        # --time-budget bounds the whole search: the regions still to search share what is left of it
+        # (regions answered by the cache are counted as pending too, so a share is never too large)
+        share = max(deadline - time.perf_counter(), 0.0) / max(pending - len(searches), 1)
+        opts = dataclasses.replace(options.search, time_budget_s=max(share, MIN_REGION_BUDGET_S))
+        with progress() as (slog, tick):
+            result = search(cands, backend, options=opts, log=slog, on_candidate=tick)
+        searches[cands.graph.name] = result
+        return result.best
+
+    mp = plan_model(graph, options.spec, backend=options.cache_tag(backend), choose=choose, rules=options.rules,
+                    limits=options.limits, dedup=options.dedup, cache=cache, cap=options.cap, k=options.k,
+                    seed=options.seed, regions=regions)
+    composite = measure_composite(mp, backend, options.search)
+    return Planned(graph, mp.plan, options, model=mp, region_searches=searches, composite=composite)
+
+
+def measure_composite(mp: ModelPlan, backend: Backend, opts: SearchOptions) -> dict[str, Any]:
+    """On a measuring backend: verify the whole composite plan against the reference, then time it
+    and the unfused plan.  Otherwise nothing more runs: every region's plan was verified by its
+    search, and the composite is those plans renamed (executing a deep model at full size in numpy
+    would cost far more than planning it)."""
+    out: dict[str, Any] = {"verified": "per region", "meas_us": None, "unfused_meas_us": None,
+                           "speedup_vs_unfused": None}
+    if not backend.measures:
+        return out
+    inputs = random_inputs(mp.graph, opts.seed)
+    expected = execute_graph(mp.graph, inputs)
+    oracle = execute_graph(mp.graph, inputs, "oracle")
+    compiled = backend.compile(mp.plan)
+    problem, _, _ = check_outputs(mp.plan, compiled.run(inputs), expected, opts.rtol, opts.atol, oracle)
+    if problem:
+        raise SearchError(f"the composite plan does not match the reference: {problem}")
+    best = compiled.time(inputs, warmup=opts.warmup, repeats=opts.repeats).median_us
+    del compiled
+    base = backend.compile(mp.unfused).time(inputs, warmup=opts.warmup, repeats=opts.repeats).median_us
+    out.update(verified="whole graph", meas_us=best, unfused_meas_us=base, speedup_vs_unfused=base / best)
+    return out

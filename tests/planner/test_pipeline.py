@@ -1,0 +1,83 @@
+"""One pipeline: the Python API, the CLI and torch.compile plan alike and share the plan cache."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from testpaths import ROOT
+
+from planner.cli import main
+
+torch = pytest.importorskip("torch")
+
+FACTORY = f"{ROOT / 'examples' / 'mlp.py'}:build"
+#: the options torch.compile uses by default, given to every entry point
+OPTIONS = {"max_candidates": 16, "time_budget_s": 10.0}
+
+
+def test_api_cli_and_torch_compile_share_one_plan_and_one_cache_key(capsys, caplog):
+    import planner
+    from planner.torch.importer import load_factory
+
+    module, (x,) = load_factory(FACTORY)
+    with caplog.at_level(logging.WARNING):
+        first = planner.plan(module, (x,), backend="model", **OPTIONS)
+        assert first.planned is not None and not first.planned.from_cache and first.planned.cache_key
+
+        again = planner.plan(module, (x,), backend="model", **OPTIONS)
+        assert again.planned.from_cache and again.planned.cache_key == first.planned.cache_key
+        assert again.plan.key == first.plan.key
+
+        torch._dynamo.reset()
+        compiled = torch.compile(module, backend="fusion_planner", options={"backend": "model"})
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), module(x), rtol=1e-4, atol=1e-4)
+        torch._dynamo.reset()
+
+        assert main(["plan", "--torch", FACTORY, "--backend", "model", "--max-candidates", "16",
+                     "--time-budget", "10"]) == 0
+    assert "plan from the cache" in capsys.readouterr().out  # the CLI hit the API's entry: the same key
+    assert "corrupt or stale" not in caplog.text  # no entry point evicted another's entry
+
+
+def test_dynamo_plans_through_the_pipeline_with_the_same_key(monkeypatch):
+    """torch.compile's captured graph (another name, other node ids) lands on the API's cache key."""
+    import planner
+    import planner.api
+    from planner.torch.importer import load_factory
+
+    module, (x,) = load_factory(FACTORY)
+    keys = []
+    real = planner.api.plan_graph
+
+    def spy(graph, options, backend, **kw):
+        planned = real(graph, options, backend, **kw)
+        keys.append((graph.name, planned.cache_key, planned.plan.key, planned.from_cache))
+        return planned
+
+    monkeypatch.setattr(planner.api, "plan_graph", spy)
+    planner.plan(module, (x,), backend="model", **OPTIONS)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(module, backend="fusion_planner", options={"backend": "model"})(x)
+    torch._dynamo.reset()
+    (api_name, api_key, api_plan, _), (dyn_name, dyn_key, dyn_plan, dyn_cached) = keys
+    assert api_name != dyn_name and api_key == dyn_key and api_plan == dyn_plan and dyn_cached
+
+
+def test_a_plan_made_under_other_limits_is_not_served_from_the_cache():
+    """The kernel-size bound (and every other limit) is part of the cache key: a plan chosen under
+    ``max_region_ops=3`` cannot answer a planner allowed bigger kernels."""
+    import planner
+    from planner.core.examples import ew_chain
+    from planner.egraph.program import Limits
+
+    g = ew_chain(4, 256)
+    small = planner.plan(g, backend="model", limits=Limits(max_region_ops=3), **OPTIONS)
+    assert max(len(k.ops) for k in small.plan.kernels) <= 3
+    again = planner.plan(g, backend="model", limits=Limits(max_region_ops=3), **OPTIONS)
+    assert again.planned.from_cache and again.planned.cache_key == small.planned.cache_key
+    big = planner.plan(g, backend="model", **OPTIONS)
+    assert big.planned.cache_key != small.planned.cache_key and not big.planned.from_cache
+    assert len(big.plan.kernels) == 1

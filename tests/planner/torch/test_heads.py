@@ -1,0 +1,268 @@
+"""Attention from torch: scaled_dot_product_attention and its head layouts import as op-table ops, plan with the
+fused Attention kernel, and equal eager torch; what the mapping does not cover stays Opaque and still runs."""
+
+from __future__ import annotations
+
+import pytest
+from testpaths import ROOT
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import planner  # noqa: E402
+from planner.api import allclose_report  # noqa: E402
+from planner.torch.heads import HeadSplit, head_merge, head_split, rotate_half  # noqa: E402
+from planner.torch.importer import TORCH_DTYPES, import_module, load_factory  # noqa: E402
+
+ATTENTION_OPS = {"Heads", "BatchScores", "Affine", "RowMax", "SubRow", "Exp", "RowSum", "DivRow", "BatchApply", "Merge"}
+
+
+class PackedAttention(nn.Module):
+    """GPT-2's form: one qkv projection, split, view, transpose; merged with transpose + contiguous + view."""
+
+    def __init__(self, d: int = 32, heads: int = 4, causal: bool = True, permute: bool = False) -> None:
+        super().__init__()
+        self.heads, self.causal, self.permute = heads, causal, permute
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        if self.permute:
+            q, k, v = (t.view(b, s, self.heads, -1).permute(0, 2, 1, 3) for t in (q, k, v))
+        else:
+            q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return self.proj(a.transpose(1, 2).contiguous().view(b, s, d))
+
+
+class SeparateAttention(nn.Module):
+    """LLaMA's and BERT's form: q, k, v projections of their own, an explicit scale, reshape back."""
+
+    def __init__(self, d: int = 32, heads: int = 2, mask: bool = False) -> None:
+        super().__init__()
+        self.heads, self.mask = heads, mask
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (m(x).view(b, s, self.heads, d // self.heads).transpose(1, 2) for m in (self.q, self.k, self.v))
+        mask = torch.ones(s, s, dtype=torch.bool).tril() if self.mask else None
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
+        return a.transpose(1, 2).reshape(b, s, d)
+
+
+def _close(got, want) -> None:
+    ok, max_abs, max_rel = allclose_report(got.float().numpy(), want.detach().float().numpy(), TORCH_DTYPES[want.dtype])
+    assert ok, (max_abs, max_rel)
+
+
+def _ops(module, x):
+    return [n.op for n in import_module(module, (x,)).graph.ops]
+
+
+@pytest.mark.parametrize("module", [PackedAttention(), PackedAttention(causal=False, permute=True), SeparateAttention()],
+                         ids=["packed-causal", "packed-permute", "separate-scaled"])
+def test_sdpa_and_its_head_layouts_import_as_op_table_ops(module) -> None:
+    torch.manual_seed(0)
+    module.eval()
+    x = torch.randn(2, 8, 32)
+    ops = _ops(module, x)
+    assert "Opaque" not in ops
+    assert set(ops) >= ATTENTION_OPS and ops.count("Heads") == 3 and ops.count("Merge") == 1
+    with torch.no_grad():
+        _close(planner.plan(module, (x,), backend="reference", cache=False)(x), module(x))
+
+
+def test_the_causal_flag_and_the_scale_reach_the_ops() -> None:
+    graph = import_module(SeparateAttention().eval(), (torch.randn(1, 6, 32),)).graph
+    (scores,) = [n for n in graph.ops if n.op == "BatchScores"]
+    (scaled,) = [n for n in graph.ops if n.op == "Affine"]
+    assert scores.attr_dict["causal"] == 0 and scaled.attr_dict["a"] == pytest.approx(0.3)
+    packed = import_module(PackedAttention().eval(), (torch.randn(1, 6, 32),)).graph
+    (scores,) = [n for n in packed.ops if n.op == "BatchScores"]
+    (scaled,) = [n for n in packed.ops if n.op == "Affine"]
+    assert scores.attr_dict["causal"] == 1 and scaled.attr_dict["a"] == pytest.approx(1 / 8 ** 0.5)
+
+
+def test_a_constant_bool_mask_is_added_as_0_and_minus_inf_and_equals_eager() -> None:
+    torch.manual_seed(0)
+    module, x = SeparateAttention(mask=True).eval(), torch.randn(2, 8, 32)  # a (s, s) tril mask, one per query
+    ops = _ops(module, x)
+    assert "Opaque" not in ops and {"GroupRepeat", "Add", "BatchScores"} <= set(ops) and "MaskAdd" not in ops
+    with torch.no_grad():
+        _close(planner.plan(module, (x,), backend="reference", cache=False)(x), module(x))
+
+
+class PaddedAttention(nn.Module):
+    """BERT's form with its padding: an additive mask (batch, 1, 1, keys) given with the input."""
+
+    def __init__(self, d: int = 32, heads: int = 2) -> None:
+        super().__init__()
+        self.inner = SeparateAttention(d, heads)
+
+    def forward(self, x, mask):
+        b, s, d = x.shape
+        q, k, v = (m(x).view(b, s, self.inner.heads, -1).transpose(1, 2) for m in (self.inner.q, self.inner.k, self.inner.v))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, s, d)
+
+
+def test_a_padding_mask_input_fuses_into_masked_attention_and_equals_eager() -> None:
+    torch.manual_seed(0)
+    module, x = PaddedAttention().eval(), torch.randn(2, 8, 32)
+    mask = torch.zeros(2, 1, 1, 8)
+    mask[0, ..., 5:] = torch.finfo(torch.float32).min  # batch 0 has 3 padding tokens
+    graph = import_module(module, (x, mask)).graph
+    ops = [n.op for n in graph.ops]
+    assert "Opaque" not in ops and {"GroupRepeat", "MaskAdd"} <= set(ops)
+    result = planner.plan(module, (x, mask), backend="cpu", cache=False, max_candidates=6)
+    assert any(k.body.op == "MaskedAttention" for p in result.candidates.plans for k in p.kernels)
+    with torch.no_grad():
+        _close(result(x, mask), module(x, mask))
+        other = torch.zeros(2, 1, 1, 8)
+        other[1, ..., :2] = -torch.inf  # another call's mask: the plan reads it, it is not a constant
+        _close(result(x, other), module(x, other))
+
+
+def test_a_bool_mask_input_is_a_clear_error_naming_it() -> None:
+    from planner.torch.errors import TorchImportError
+
+    module, x = PaddedAttention().eval(), torch.randn(2, 8, 32)
+    keep = torch.ones(2, 1, 1, 8, dtype=torch.bool)  # no graph input holds bools: pass the additive float mask
+    with pytest.raises(TorchImportError, match="input 1 has dtype bool"):
+        planner.plan(module, (x, keep), backend="reference", cache=False)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_transformer_block_has_no_opaque_node_and_plans_with_fused_attention(dtype: str) -> None:
+    module, (x,) = load_factory(str(ROOT / "examples/transformer_block.py:build"),
+                                {"d_model": 64, "heads": 4, "seq": 16, "dtype": dtype})
+    ops = _ops(module, x)
+    if dtype == "fp32":
+        assert "Opaque" not in ops and set(ops) >= ATTENTION_OPS
+    result = planner.plan(module, (x,), backend="cpu", cache=False, max_candidates=12)
+    if dtype == "fp32":  # the fused kernel is searched and verified; which one wins is the measurement's call
+        fused = [e for e in result.search_result.entries
+                 if any(k.describe() == "standalone[Attention]" for k in e.plan.kernels)]
+        assert any(e.verified and e.timed for e in fused), [e.verdict for e in fused]
+    with torch.no_grad():
+        _close(result(x), module(x))
+
+
+def test_head_split_reads_the_recorded_steps() -> None:
+    split = {"impl": "torch.Tensor.split", "args": [{"$in": 0}, 8], "kwargs": {"$dict": {"dim": -1}}, "item": 2,
+             "out": [2, 5, 8]}
+    view = {"impl": "torch.Tensor.view", "args": [{"$step": 0}, 2, 5, 4, 2], "kwargs": {"$dict": {}}, "item": -1,
+            "out": [2, 5, 4, 2]}
+    swap = {"impl": "torch.Tensor.transpose", "args": [{"$step": 1}, 1, 2], "kwargs": {"$dict": {}}, "item": -1,
+            "out": [2, 4, 5, 2]}
+    assert head_split([split, view, swap], [(2, 5, 24)]) == (0, HeadSplit(heads=4, seq=5, offset=16, width=8))
+    wrong_dims = {**swap, "args": [{"$step": 1}, 0, 2], "out": [4, 5, 2, 2]}
+    assert head_split([split, view, wrong_dims], [(2, 5, 24)]) is None
+    assert head_split([{**split, "kwargs": {"$dict": {"dim": 0}}}, view, swap], [(2, 5, 24)]) is None
+    merge = {"impl": "torch.Tensor.transpose", "args": [{"$in": 0}, 1, 2], "kwargs": {"$dict": {}}, "item": -1,
+             "out": [2, 5, 4, 2]}
+    reshape = {"impl": "torch.Tensor.reshape", "args": [{"$step": 0}, 2, 5, 8], "kwargs": {"$dict": {}}, "item": -1,
+               "out": [2, 5, 8]}
+    assert head_merge([merge, reshape], [(2, 4, 5, 2)], (2, 5, 8)) == 4
+    assert head_merge([merge], [(2, 4, 5, 2)], (2, 5, 4, 2)) is None  # not merged into token rows
+
+
+# ---------------------------------------------------------------- RoPE
+
+
+class RopeAttention(nn.Module):
+    """LLaMA's attention written by hand: q and k rotated by x*cos + rotate_half(x)*sin before causal SDPA;
+    ``rotate`` is how rotate_half is spelt (slices, chunk, or a wrong one that must stay torch's)."""
+
+    def __init__(self, d: int = 32, heads: int = 2, seq: int = 8, rotate: str = "slices") -> None:
+        super().__init__()
+        self.heads, self.rotate = heads, rotate
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+        hd = d // heads
+        inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
+        angles = torch.outer(torch.arange(seq).float(), inv)
+        emb = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("cos", emb.cos()[None, None])
+        self.register_buffer("sin", emb.sin()[None, None])
+
+    def rotate_half(self, x):
+        if self.rotate == "chunk":
+            x1, x2 = x.chunk(2, dim=-1)
+        else:
+            x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+        return torch.cat((x2, -x1) if self.rotate == "wrong" else (-x2, x1), dim=-1)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (m(x).view(b, s, self.heads, -1).transpose(1, 2) for m in (self.q, self.k, self.v))
+        q = q * self.cos + self.rotate_half(q) * self.sin
+        k = k * self.cos + self.rotate_half(k) * self.sin
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(a.transpose(1, 2).reshape(b, s, d))
+
+
+@pytest.mark.parametrize("rotate", ["slices", "chunk"])
+def test_rope_imports_as_rotate_half_and_tile_products_and_equals_eager(rotate: str) -> None:
+    torch.manual_seed(0)
+    module, x = RopeAttention(rotate=rotate).eval(), torch.randn(2, 8, 32)
+    ops = _ops(module, x)
+    assert "Opaque" not in ops and ops.count("RotateHalf") == 2 and ops.count("TileMul") == 4
+    assert set(ops) >= ATTENTION_OPS
+    with torch.no_grad():
+        _close(planner.plan(module, (x,), backend="cpu", cache=False, max_candidates=6)(x), module(x))
+
+
+def test_a_rotation_that_is_not_rotate_half_stays_torch_and_equals_eager() -> None:
+    torch.manual_seed(0)
+    module, x = RopeAttention(rotate="wrong").eval(), torch.randn(2, 8, 32)  # cat(x2, -x1): the other sign
+    ops = _ops(module, x)
+    assert "RotateHalf" not in ops and "Opaque" in ops
+    with torch.no_grad():
+        _close(planner.plan(module, (x,), backend="reference", cache=False)(x), module(x))
+
+
+def test_rotate_half_reads_the_recorded_steps() -> None:
+    def step(impl, *args, **kw):
+        return {"impl": impl, "args": list(args), "kwargs": {"$dict": kw}, "item": -1}
+
+    hi = step("torch.ops.aten.slice.Tensor", {"$in": 0}, 3, 4, 2**63 - 1)
+    neg = step("torch.ops.aten.neg.default", {"$step": 0})
+    lo = step("torch.ops.aten.slice.Tensor", {"$in": 0}, 3, 0, 4)
+    cat = step("torch.ops.aten.cat.default", [{"$step": 1}, {"$step": 2}], -1)
+    shape = [(2, 2, 5, 8)]
+    assert rotate_half([hi, neg, lo, cat], shape, shape[0])
+    assert not rotate_half([hi, neg, lo, step("torch.ops.aten.cat.default", [{"$step": 2}, {"$step": 1}], -1)],
+                           shape, shape[0])  # cat(x1, -x2)
+    assert not rotate_half([hi, neg, lo, step("torch.ops.aten.cat.default", [{"$step": 1}, {"$step": 2}], 2)],
+                           shape, shape[0])  # concatenated along another dim
+    assert not rotate_half([{**hi, "args": [{"$in": 0}, 3, 3, 8]}, neg, lo, cat], shape, shape[0])  # not halves
+    ellipsis = step("torch.operator.getitem", {"$in": 0}, {"$tuple": [{"$ellipsis": 0}, {"$slice": [4, None, None]}]})
+    first = step("torch.operator.getitem", {"$in": 0}, {"$tuple": [{"$ellipsis": 0}, {"$slice": [None, 4, None]}]})
+    torch_form = [ellipsis, step("torch.operator.neg", {"$step": 0}), first,
+                  step("torch.cat", {"$tuple": [{"$step": 1}, {"$step": 2}]}, dim=-1)]
+    assert rotate_half(torch_form, shape, shape[0])
+
+
+def test_rope_under_torch_compile_has_no_opaque_node_and_equals_eager() -> None:
+    """Dynamo hands cos and sin over as graph inputs (module buffers lifted): tiles all the same."""
+    from planner.torch.importer import import_fx_graph
+
+    torch.manual_seed(0)
+    module, x = RopeAttention().eval(), torch.randn(2, 8, 32)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append([n.op for n in import_fx_graph(gm, example_inputs).graph.ops])
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(module, backend=capture)(x)
+        torch._dynamo.reset()
+        got = torch.compile(module, backend="fusion_planner", options={"backend": "reference"})(x)
+        _close(got, module(x))
+    torch._dynamo.reset()
+    (ops,) = graphs
+    assert "Opaque" not in ops and ops.count("RotateHalf") == 2 and ops.count("TileMul") == 4
