@@ -18,7 +18,7 @@ from typing import Literal
 
 from planner.backend import BackendError
 from planner.core.kinds import OpKind
-from planner.core.ops import op_def
+from planner.core.ops import Reduction, float_literal, op_def
 from planner.core.plans import Expr, Load
 
 Broadcast = Literal["full", "col", "wrap", "group"]
@@ -115,13 +115,6 @@ def find_matmul(body: Expr) -> Expr:
 # reductions and what is computed from them) are scalars of the row; the output is written by a last
 # loop over the row (or once per row, for a per-row output).  Both generators emit the same C.
 
-#: per reduction: initial value (``{neg_inf}`` filled in per language), combining expression, final value,
-#: and the C prelude's 16-lane vector combine and horizontal combine
-REDUCTIONS = {
-    "RowSum": ("0.0f", "({a} + {b})", "{acc}", "fp_v16_add", "fp_v16_hadd"),
-    "RowMean": ("0.0f", "({a} + {b})", "({acc} / {width}.0f)", "fp_v16_add", "fp_v16_hadd"),
-    "RowMax": ("{neg_inf}", "fp_max({a}, {b})", "{acc}", "fp_v16_max", "fp_v16_hmax"),
-}
 #: an fp32 array read at the row's column ``c``: contiguous along the row, so a vector loop can load it
 _ARRAY_AT_C = re.compile(r"\w+\[[^\[\]]*\bc\]")
 
@@ -159,7 +152,6 @@ class RowEmitter:
     level_of: Callable[[str], Level]
     load: Callable[[str, Level], str]
     lanes: int  # partial results per reduction: 16 (one vector, the C prelude's fp_v16) or 1 (a CUDA thread)
-    neg_inf: str
     #: rows up to this long keep a reduction's input that a later loop reads too (LayerNorm's ``x + r``,
     #: softmax's ``exp(x - max)``) in a row buffer (0: never), so it is not computed again.  An input
     #: nothing else reads (RMSNorm's ``x * x``) is computed in the loop over the partials: storing it
@@ -213,8 +205,11 @@ class RowEmitter:
         return scope[id(e)]
 
     def _reduce(self, e: Expr) -> str:
-        init, combine, final, vcombine, hcombine = REDUCTIONS[e.op]
-        init = init.format(neg_inf=self.neg_inf)
+        red = op_def(e.op).reduction
+        if red is None:
+            raise CodegenError(f"op {e.op} (node {e.node!r}) is a reduction with no start value and combine in the "
+                               "op table (OpDef.reduction)")
+        init = float_literal(red.identity)
         body: list[str] = []
         value = self.loop_value(e.args[0], {}, body)
         reread = self._readers.get(id(e.args[0]), 0) > 1
@@ -225,21 +220,28 @@ class RowEmitter:
             self._buffers[id(e.args[0])] = buf
             body, value = [], f"{buf}[c]"
         acc = self._name("acc")
-        if self.lanes == 16 and not body and self.width >= 16 and _ARRAY_AT_C.fullmatch(value):
-            self.lines += self._vector_partials(acc, value, init, combine, vcombine, hcombine)
+        vector = red.vector is not None and self.lanes == 16 and not body and self.width >= 16
+        if vector and _ARRAY_AT_C.fullmatch(value):
+            self.lines += self._vector_partials(acc, value, init, red)
         else:
-            self.lines += self._scalar_partials(acc, body, value, init, combine)
-        return final.format(acc=acc, width=self.width)
+            self.lines += self._scalar_partials(acc, body, value, init, red.combine)
+        return red.finish.format(acc=acc, width=self.width)
 
-    def _vector_partials(self, acc: str, value: str, init: str, combine: str, vcombine: str, hcombine: str) -> list[str]:
-        """One vector of 16 partials over a contiguous fp32 row (``value`` is an array read at ``c``)."""
-        part, w = self._name("part"), self.width
+    def _vector_partials(self, acc: str, value: str, init: str, red: Reduction) -> list[str]:
+        """One vector of 16 partials over a contiguous fp32 row (``value`` is an array read at ``c``), merged
+        pairwise in a tree at the end."""
+        assert red.vector is not None
+        part, lanes, w = self._name("part"), self._name("lane"), self.width
         end = w // 16 * 16
+        step = red.vector.format(a=part, b=f"fp_v16_load(&{value[:-2]}c0])")
         lines = [f"fp_v16 {part} = fp_v16_fill({init});",
-                 f"for (long long c0 = 0; c0 < {end}; c0 += 16) {part} = {vcombine}({part}, fp_v16_load(&{value[:-2]}c0]));",
-                 f"float {acc} = {hcombine}({part});"]
+                 f"for (long long c0 = 0; c0 < {end}; c0 += 16) {part} = {step};",
+                 f"float {lanes}[16];", f"memcpy({lanes}, &{part}, 64);",
+                 f"for (int h = 8; h > 0; h /= 2) for (int j = 0; j < h; ++j) "
+                 f"{lanes}[j] = {red.combine.format(a=f'{lanes}[j]', b=f'{lanes}[j + h]')};",
+                 f"float {acc} = {lanes}[0];"]
         if w % 16:
-            lines.append(f"for (long long c = {end}; c < {w}; ++c) {acc} = {combine.format(a=acc, b=value)};")
+            lines.append(f"for (long long c = {end}; c < {w}; ++c) {acc} = {red.combine.format(a=acc, b=value)};")
         return lines
 
     def _scalar_partials(self, acc: str, body: list[str], value: str, init: str, combine: str) -> list[str]:

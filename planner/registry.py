@@ -44,6 +44,12 @@ def _discover() -> dict[str, BackendPlugin]:
     return _discovered
 
 
+def rediscover() -> None:
+    """Read the entry points again on next use (after installing a distribution into the running process)."""
+    global _discovered
+    _discovered = None
+
+
 def register_backend(plugin: BackendPlugin, *, replace: bool = False) -> BackendPlugin:
     """Register a backend at run time (as an entry point does for an installed distribution)."""
     if plugin.name in plugins() and not replace:
@@ -103,5 +109,5 @@ def auto_backend() -> str:
     raise UsageError("no registered backend is usable on this machine")
 
 
-__all__ = ["ENTRY_POINT_GROUP", "auto_backend", "backend_names", "get_backend", "plugin", "plugins",
+__all__ = ["ENTRY_POINT_GROUP", "auto_backend", "backend_names", "get_backend", "plugin", "plugins", "rediscover",
            "register_backend", "unregister_backend"]

@@ -63,10 +63,11 @@ from planner.backend import (
     collect_samples,
 )
 from planner.core.cost import DeviceSpec
+from planner.core.dtypes import DTYPES, numpy_dtype
 from planner.core.graph import TensorType
 from planner.core.kinds import KernelKind
 from planner.core.opaque import opaque_writer
-from planner.core.ops import DTYPE_BYTES, epilogue_has_bias, numpy_dtype
+from planner.core.ops import epilogue_has_bias
 from planner.core.plans import Kernel, Load, Plan
 from planner.core.reference import eval_expr
 
@@ -107,7 +108,7 @@ def limit_blas_threads(n: int | None, controller: Any = None) -> contextlib.Abst
 
 def storage_dtype(dtype: str) -> np.dtype:
     """How a tensor of ``dtype`` lies in memory: fp32 as float32, 16-bit types as uint16 bits."""
-    return np.dtype(np.float32) if DTYPE_BYTES[dtype] == 4 else np.dtype(np.uint16)
+    return np.dtype(np.float32) if DTYPES[dtype].bytes == 4 else np.dtype(np.uint16)
 
 
 def to_storage(x: np.ndarray, dtype: str, out: np.ndarray) -> None:
@@ -599,7 +600,7 @@ class CpuBackend(Backend):
             mm = find_matmul(k.body)
             tile_dtype = self._tile_dtype(k, tensors)
             widen = [widen_source(tensors[a.tensor].dtype) for a in mm.args  # type: ignore[union-attr]
-                     if DTYPE_BYTES[tensors[a.tensor].dtype] != 4 and tile_dtype == "fp32"]  # type: ignore[union-attr]
+                     if DTYPES[tensors[a.tensor].dtype].bytes != 4 and tile_dtype == "fp32"]  # type: ignore[union-attr]
             return [generate(k.body, types, tile=mm, tile_dtype=tile_dtype).source, *widen]
         if k.kind == KernelKind.STANDALONE:
             source = standalone.source_of(k.body, {n: t[0] for n, t in types.items()})

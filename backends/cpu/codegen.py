@@ -49,9 +49,10 @@ from backends.codegen import (
     snippet,
     tile_rows,
 )
+from planner.core.dtypes import DTYPES
 from planner.core.files import untrusted_dir
 from planner.core.kinds import OpKind
-from planner.core.ops import DTYPE_BYTES, op_def
+from planner.core.ops import op_def
 from planner.core.plans import Expr, Load
 
 log = logging.getLogger(__name__)
@@ -217,7 +218,7 @@ _STORAGE: dict[str, tuple[str, str, str]] = {
     "fp16": ("uint16_t", "fp_f16_to_f32({})", "fp_f32_to_f16({})"),
     "bf16": ("uint16_t", "fp_bf16_to_f32({})", "fp_f32_to_bf16({})"),
 }
-assert set(_STORAGE) == set(DTYPE_BYTES)
+assert set(_STORAGE) == set(DTYPES)
 
 
 @dataclass(frozen=True)
@@ -379,7 +380,7 @@ def _row_kernel(body: Expr, tensor_types: dict[str, tuple[tuple[int, ...], str]]
         return row_read(level, width, tile,  # type: ignore[arg-type]
                         lambda index: _STORAGE[params[i].dtype][1].format(f"t{i}[{index}]"))
 
-    emitter = RowEmitter(width, levels.__getitem__, load, ROW_LANES, "-INFINITY", ROW_BUFFER_LIMIT)
+    emitter = RowEmitter(width, levels.__getitem__, load, ROW_LANES, ROW_BUFFER_LIMIT)
     out_dtype = body.type.dtype
     streams = (stream and out_dtype == "fp32" and width % 16 == 0 and width <= ROW_BUFFER_LIMIT
                and not RowEmitter.per_row(body))

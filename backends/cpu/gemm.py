@@ -63,6 +63,7 @@ from backends.cpu.buffers import aligned_empty, padded_matrix
 from backends.cpu.codegen import cache_dir
 from backends.cpu.parallel import torch_threads
 from planner.backend import BackendError
+from planner.core.dtypes import DTYPES
 from planner.core.machine import cpu_model
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ def torch_mm(dtype: str = "fp32", keep: tuple[bool, bool, bool] = (False, False,
 
     from planner.torch.ops import numpy_view
 
-    kind = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
+    kind = _torch_dtype(dtype) if dtype in DTYPES_16BIT else None
     kept: list[tuple[np.ndarray, Any] | None] = [None, None, None]
 
     def view(i: int, x: np.ndarray) -> Any:
@@ -316,7 +317,7 @@ PackedLinear = Callable[..., Any]
 def _torch_dtype(dtype: str) -> Any:
     import torch  # optional dependency (a native 16-bit product: torch is loaded)
 
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    return getattr(torch, DTYPES[dtype].torch_name)
 
 
 def pack_weight(b: np.ndarray, dtype: str) -> Any:

@@ -16,7 +16,7 @@ import numpy as np
 from backends.codegen import CodegenError
 from backends.cpu import parallel
 from backends.cpu.codegen import PRELUDE, SYMBOL
-from planner.core.ops import numpy_dtype
+from planner.core.dtypes import DTYPES, numpy_dtype
 from planner.core.plans import Expr, Load
 
 #: keys per block of the attention kernel: a block's scores stay in registers and L1 (a multiple of 16)
@@ -45,7 +45,7 @@ def torch_bmm_16bit(dtype: str) -> BatchMatMul:
     caller checked :func:`backends.cpu.gemm.native_16bit`), rounded to ``dtype``."""
     import torch  # optional dependency
 
-    kind = torch.bfloat16 if dtype == "bf16" else torch.float16
+    kind = getattr(torch, DTYPES[dtype].torch_name)
 
     def bmm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
         torch.bmm(torch.from_numpy(a).view(kind), torch.from_numpy(b).view(kind), out=torch.from_numpy(out).view(kind))
@@ -62,7 +62,7 @@ def torch_attention_16bit(body: Expr, dtype: str) -> Callable[..., Any]:
     its result in (batch, seq, heads, e) order, which :func:`merged_rows` then reads as token rows."""
     import torch  # optional dependency
 
-    kind = torch.bfloat16 if dtype == "bf16" else torch.float16
+    kind = getattr(torch, DTYPES[dtype].torch_name)
     scale, causal = float(body.attr_dict["scale"]), bool(body.attr_dict.get("causal", 0))
 
     def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None) -> Any:

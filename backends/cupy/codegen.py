@@ -39,9 +39,10 @@ from backends.codegen import (
     snippet,
     tile_rows,
 )
+from planner.core.dtypes import DTYPES
 from planner.core.graph import TensorType
 from planner.core.kinds import KernelKind
-from planner.core.ops import DTYPE_BYTES, op_def
+from planner.core.ops import op_def
 from planner.core.plans import Expr, Kernel, Load, expr_to_json
 
 BLOCK = 256
@@ -64,7 +65,8 @@ __host__ __device__ __forceinline__ float fp_erf(float x) { return erff(x); }
 __host__ __device__ __forceinline__ float fp_tanh(float x) { return tanhf(x); }
 __host__ __device__ __forceinline__ float fp_round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 __host__ __device__ __forceinline__ float fp_round_f16(float x) { return __half2float(__float2half_rn(x)); }
-__host__ __device__ __forceinline__ float fp_neg_inf() { union { unsigned int u; float f; } v = {0xff800000u}; return v.f; }
+__host__ __device__ __forceinline__ float fp_bits_f32(unsigned int u) { union { unsigned int u; float f; } v = {u}; return v.f; }
+__host__ __device__ __forceinline__ float fp_neg_inf() { return fp_bits_f32(0xff800000u); }
 #endif
 """
 
@@ -249,7 +251,7 @@ def elementwise_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
         if tensors[t].shape != out_t.shape:
             raise CodegenError(f"RotateHalf of {t!r}: shape {list(tensors[t].shape)} is not the output's")
     half = int(out_t.shape[-1]) // 2
-    widths = [DTYPE_BYTES[tensors[t].dtype] for t, m in mod.items() if not m] + [DTYPE_BYTES[out_t.dtype]]
+    widths = [DTYPES[tensors[t].dtype].bytes for t, m in mod.items() if not m] + [DTYPES[out_t.dtype].bytes]
     vec = 16 // max(widths)
     if any(m and m % vec for m in mod.values()) or (rotated and half % vec) or n < vec:  # lanes in one row
         vec = 1
@@ -310,7 +312,7 @@ def _vector_loop(body: Expr, reads: _Reads, out_t: TensorType, vec: int) -> list
             for lane in range(vec):
                 lines.append(f"{ind}float a{i}_{lane} = {TO_FLOAT[dt].format(f'p{i}[c{i} + {lane}]')};")
             continue
-        raw = RAW[vec * DTYPE_BYTES[dt]]
+        raw = RAW[vec * DTYPES[dt].bytes]
         lines.append(f"{ind}{raw} r{i} = reinterpret_cast<const {raw}*>(p{i})[v];")
         lines.append(f"{ind}const {CTYPE[dt]}* e{i} = reinterpret_cast<const {CTYPE[dt]}*>(&r{i});")
         for lane in range(vec):
@@ -324,7 +326,7 @@ def _vector_loop(body: Expr, reads: _Reads, out_t: TensorType, vec: int) -> list
                          f"{_rotated_load(f'p{i}', dt, f'i0 + {lane}', 'col0', reads.half)};")
     stmts, res = emit_body(body, vec, reads.plain_var, indent=ind, rotated_var=reads.rotated_var)
     lines += stmts
-    raw = RAW[vec * DTYPE_BYTES[out_t.dtype]]
+    raw = RAW[vec * DTYPES[out_t.dtype].bytes]
     ct = CTYPE[out_t.dtype]
     lines.append(f"{ind}{raw} w;")
     lines.append(f"{ind}{ct}* we = reinterpret_cast<{ct}*>(&w);")
@@ -505,7 +507,7 @@ def row_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
         return row_read(level, width, tile,  # type: ignore[arg-type]
                         lambda at: TO_FLOAT[tensors[tensor].dtype].format(f"p{index[tensor]}[{at}]"), "LL")
 
-    emitter = RowEmitter(width, levels.__getitem__, load, 1, "fp_neg_inf()")
+    emitter = RowEmitter(width, levels.__getitem__, load, 1)
     lines = emitter.output(body, lambda value, at: f"out[{at}] = {FROM_FLOAT[out_t.dtype].format(value)};")
     params = [f"const {CTYPE[tensors[t].dtype]}* __restrict__ p{index[t]}" for t in leaves]
     params.append(f"{CTYPE[out_t.dtype]}* __restrict__ out")

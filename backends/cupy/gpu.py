@@ -21,8 +21,8 @@ from backends.cupy.bundle import BundleKernel, Candidate, CublasCall
 from backends.cupy.codegen import CudaKernel
 from backends.cupy.nvrtc import compile_options
 from planner.backend import BackendUnavailable
+from planner.core.dtypes import numpy_dtype
 from planner.core.kinds import KernelKind
-from planner.core.ops import numpy_dtype
 
 try:
     import cupy as cp

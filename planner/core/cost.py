@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from planner.core.dtypes import DTYPES
 from planner.core.files import read_limited
 from planner.core.kinds import KernelKind
-from planner.core.ops import DTYPE_BYTES
 
 
 class DeviceSpecError(ValueError):
@@ -145,9 +145,9 @@ def device_from_json(data: Any, source: str = "<json>") -> DeviceSpec:
         problem = _field_problem(fname, value)
         if problem:
             raise DeviceSpecError(f"device file {source}: {fname!r} {problem}")
-    if not all(d in data["matmul_tflops"] for d in DTYPE_BYTES):
+    if not all(d in data["matmul_tflops"] for d in DTYPES):
         raise DeviceSpecError(
-            f"device file {source}: 'matmul_tflops' needs a positive entry for each of {sorted(DTYPE_BYTES)}"
+            f"device file {source}: 'matmul_tflops' needs a positive entry for each of {sorted(DTYPES)}"
         )
     return DeviceSpec(**data)
 

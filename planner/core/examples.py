@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
+from planner.core.errors import OpError
 from planner.core.graph import Graph, GraphBuilder
+from planner.core.kinds import OpKind
+from planner.core.ops import OPS, OpDef, example_operands, op_def
+from planner.core.shapes import Shape
 
 
 def mlp_epilogue(m: int = 4096, n: int = 4096, k: int = 4096, dtype: str = "fp16", gelu: str = "tanh") -> Graph:
@@ -224,3 +230,67 @@ def transformer(
 
 
 EXAMPLES = ("mlp-epilogue", "heavy", "ew-chain", "mlp-stack", "transformer")
+
+
+# ---------------------------------------------------------------- one op of the table
+
+
+def fusable_ops() -> list[str]:
+    """The ops a kernel computes in registers (elementwise ops and reductions), in table order."""
+    return [name for name, op in OPS.items() if op.kind.fuses]
+
+
+def example_shapes(op: OpDef, near: Shape = (3, 8)) -> tuple[Shape, tuple[Shape, ...]] | None:
+    """The first input's shape (``near``, or one leading dimension more) and the further inputs' shapes of an
+    example of ``op``; None where its shape rule gives none."""
+    for first in (near, (2, *near)):
+        operands = example_operands(op, first)
+        if operands is not None:
+            return first, operands
+    return None
+
+
+def example_attrs(op: OpDef) -> dict[str, Any]:
+    """The first example value of each of ``op``'s attributes (OpError naming one that has none)."""
+    out = {}
+    for a in op.attrs:
+        values = a.example_values()
+        if not values:
+            raise OpError(f"{op.name}: attribute {a.name!r} has no default, choices or example values, so no "
+                          "example of the op can be drawn (AttrSpec.examples)")
+        out[a.name] = values[0]
+    return out
+
+
+def positive_value(b: GraphBuilder, x: str, name: str) -> str:
+    """``sigmoid(x) + 0.5``: a value in (0.5, 1.5), for an input an op needs positive (``OpDef.positive_inputs``)."""
+    return b.op(f"{name}.pos", "Affine", [b.op(f"{name}.sig", "Sigmoid", [x])], {"a": 1.0, "b": 0.5})
+
+
+def op_example(name: str, dtype: str = "fp32", rows: int = 3, cols: int = 8,
+               attrs: Mapping[str, Any] | None = None) -> Graph:
+    """One op of the table between neighbours it may fuse with: an ``Affine`` before each input a kernel may
+    read from registers (a positive value where the op needs one), the op, and a consumer after it (``Neg``;
+    for a reduction ``SubRow`` of its input, so that one row kernel can hold both).  The shapes come from the
+    op's shape rule, the attributes from its AttrSpecs (``attrs`` overrides them); an OpError names what the
+    entry lacks for an example."""
+    op = op_def(name)
+    if not op.kind.fuses or op.arity is None:
+        raise OpError(f"{name}: op_example takes an elementwise op or a reduction, not a {op.kind} op")
+    shapes = example_shapes(op, (rows, cols))
+    if shapes is None:
+        raise OpError(f"{name}: its shape rule gives no example operands (use a ShapeRule of planner.core.shapes)")
+    first, operands = shapes
+    b = GraphBuilder(f"example-{name}-{dtype}")
+    inputs = []
+    for i, shape in enumerate((first, *operands)):
+        x = b.input(f"x{i}", shape, dtype)
+        if i in op.positive_inputs:
+            x = positive_value(b, x, f"in{i}")
+        elif i in op.fusable_inputs:
+            x = b.op(f"in{i}", "Affine", [x], {"a": 1.5, "b": 0.25})
+        inputs.append(x)
+    y = b.op("op", name, inputs, {**example_attrs(op), **(attrs or {})})
+    if op.kind == OpKind.REDUCTION:
+        return b.build([b.op("after", "SubRow", [inputs[0], y])])
+    return b.build([b.op("after", "Neg", [y])])

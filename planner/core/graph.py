@@ -19,8 +19,10 @@ from types import MappingProxyType
 from typing import Any
 
 from planner.core import limits
+from planner.core.dtypes import DTYPES
 from planner.core.files import read_limited
-from planner.core.ops import DTYPE_BYTES, OpError, Shape, op_def
+from planner.core.ops import OpError, op_def
+from planner.core.shapes import Shape
 from planner.core.torch_allowlist import loading_file
 
 GRAPH_FORMAT = "fusion-planner-graph"
@@ -46,7 +48,7 @@ class TensorType:
 
     @property
     def nbytes(self) -> int:
-        return self.elems * DTYPE_BYTES[self.dtype]
+        return self.elems * DTYPES[self.dtype].bytes
 
 
 @dataclass(frozen=True)
@@ -191,7 +193,7 @@ class GraphBuilder:
             raise GraphError(f"node {node_id!r}: {exc}") from None
         _check_size(out_shape, node_id, self._limits)  # an op may compute a larger tensor than its inputs (a GEMM)
         out_dtype = dtype or inferred
-        if not isinstance(out_dtype, str) or out_dtype not in DTYPE_BYTES:
+        if not isinstance(out_dtype, str) or out_dtype not in DTYPES:
             raise GraphError(f"node {node_id!r}: cannot determine a valid dtype")
         if inferred is not None and out_dtype != inferred:
             raise GraphError(f"node {node_id!r}: dtype {out_dtype} differs from the {inferred} {op} gives")
@@ -237,8 +239,8 @@ def _check_id(node_id: Any) -> str:
 def tensor_type(shape: Any, dtype: Any, node_id: str, lim: limits.InputLimits | None = None) -> tuple[Shape, str]:
     """A checked (shape, dtype) pair of untrusted data, with the size limits in force."""
     shape_t = _check_shape(shape, node_id, lim or limits.current())
-    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
-        raise GraphError(f"node {node_id!r}: unknown dtype {str(dtype)[:40]!r}; expected one of {sorted(DTYPE_BYTES)}")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise GraphError(f"node {node_id!r}: unknown dtype {str(dtype)[:40]!r}; expected one of {sorted(DTYPES)}")
     return shape_t, dtype
 
 

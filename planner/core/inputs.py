@@ -23,9 +23,10 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from planner.core.dtypes import round_to
 from planner.core.graph import Graph, TensorType
 from planner.core.kinds import OpKind
-from planner.core.ops import op_def, round_to
+from planner.core.ops import op_def
 
 RECIPE = (
     "numpy.random.default_rng(seed).standard_normal(shape) * scale per input, in this order, "

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from planner.core.kinds import OpKind
-from planner.core.ops import Attrs, AttrSpec, OpDef, OpError, Shape, register_op
+from planner.core.ops import AttrSpec, OpDef, OpError, register_op
+from planner.core.shapes import Attrs, Shape
 from planner.core.torch_allowlist import check_torch_call, is_allowed, refusal
 
 ShapeFn = Callable[[Sequence[Shape], Attrs], Shape]

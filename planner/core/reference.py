@@ -18,9 +18,10 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from planner.core.dtypes import round_to
 from planner.core.graph import Graph
 from planner.core.inputs import RecipeInputs, random_inputs
-from planner.core.ops import op_def, round_to
+from planner.core.ops import op_def
 from planner.core.plans import Expr, Kernel, Load, Plan
 
 MODES = ("device", "oracle")

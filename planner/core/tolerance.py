@@ -20,19 +20,13 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from planner.core.dtypes import DTYPES
 from planner.core.plans import Load, Plan
 
-#: (rtol, atol) per dtype; "fp64" is the oracle's exact-arithmetic check
-TOLERANCES: dict[str, tuple[float, float]] = {
-    # fp32 registers everywhere: only summation order and FMA differ between backends
-    "fp32": (1e-4, 1e-5),
-    # 2^-11 unit roundoff: about 10 ulp relative, 2 ulp of the tensor's magnitude absolute
-    "fp16": (1e-2, 2e-3),
-    # 2^-8 unit roundoff: about 6 ulp relative, 2.5 ulp of the tensor's magnitude absolute
-    "bf16": (5e-2, 2e-2),
-    # mathematical equality up to fp64 reassociation noise
-    "fp64": (1e-9, 1e-9),
-}
+#: (rtol, atol) per storage dtype (planner.core.dtypes), and "fp64", the oracle's exact-arithmetic check:
+#: mathematical equality up to fp64 reassociation noise
+TOLERANCES: dict[str, tuple[float, float]] = {**{d.name: (d.rtol, d.atol) for d in DTYPES.values()},
+                                               "fp64": (1e-9, 1e-9)}
 
 
 def tolerance(dtype: str) -> tuple[float, float]:

@@ -536,16 +536,24 @@ class Extractor:
     # ------------------------------------------------------------ search over plans
 
     def unfused(self) -> dict[str, Option]:
-        """One kernel per op: every value read from memory, no library calls."""
+        """One kernel per op of the graph: every value read from memory, no library calls; each class computed
+        by its graph node's own op where the class has it (a rule may have made another single op equal to it:
+        ``x * sigmoid(x)`` is ``Silu(x)``, which would skip the node of the sigmoid)."""
         if self._unfused is None:
             choice: dict[str, Option] = {}
             for c, opts in self.options.items():
                 singles = [o for o in opts if o.kind != KernelKind.CUBLASLT and o.n_ops == 1]
                 if not singles:
                     raise ExtractionError(f"no single-op kernel for {self.view.tensor[c]!r}")
-                choice[c] = singles[0]
+                own = self.graph[self.view.tensor[c]].op
+                choice[c] = next((o for o in singles if self._root_op(o) == own), singles[0])
             self._unfused = choice
         return dict(self._unfused)
+
+    def _root_op(self, o: Option) -> str:
+        """The op of a one-op kernel's e-node."""
+        ((cls, i),) = o.assign.items()
+        return self.view.classes[cls][i].op
 
     def enumerate(self, cap: int) -> tuple[list[dict[str, Option]], bool]:
         """All plans if there are at most ``cap``; returns (plans, complete).  Depth-first over the stored

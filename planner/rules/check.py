@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 from hypothesis import HealthCheck, Phase, Verbosity, assume, given, settings
 from hypothesis import seed as hseed
@@ -45,14 +44,16 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from hypothesis.reporting import with_reporter
 
+from planner.core.dtypes import DTYPES as STORAGE_DTYPES
+from planner.core.dtypes import round_to
 from planner.core.kinds import OpKind
-from planner.core.ops import CUBLASLT_EPILOGUES, OPS, OpError, epilogue_has_bias, numpy_dtype, round_to
+from planner.core.ops import CUBLASLT_EPILOGUES, OPS, OpError, epilogue_has_bias
 from planner.core.tolerance import allclose_report
 from planner.rules.files import RuleFileError, parse_rule_forms, read_rule_file, shipped_rules
 
 log = logging.getLogger(__name__)
 
-DTYPES = ("fp32", "fp16", "bf16")
+DTYPES = tuple(STORAGE_DTYPES)
 #: dimension sizes drawn for each shape variable: 1, odd sizes, non-multiples of 8 (shrinks to 1)
 DIMS = (1, 2, 3, 5, 7, 8, 13, 17)
 #: value magnitudes drawn for tensors: unit, tiny, large
@@ -764,8 +765,7 @@ def check_case(rule: RuleSpec, prep: _Prepared, case: Case) -> None:
 
 
 def _max_finite(dtype: str) -> float:
-
-    return float(ml_dtypes.finfo(numpy_dtype(dtype)).max)
+    return STORAGE_DTYPES[dtype].max_finite
 
 
 def _fmt(x: Any, limit: int = 8) -> str:

@@ -51,11 +51,12 @@ from torch import fx, nn
 from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
+from planner.core.dtypes import DTYPES, numpy_dtype
 from planner.core.graph import Graph, GraphBuilder, GraphError
 from planner.core.inputs import INDEX_STEP
 from planner.core.kinds import OpKind
 from planner.core.opaque import flat_shape, step_flops
-from planner.core.ops import OPS, OpError, numpy_dtype
+from planner.core.ops import OPS, OpError
 from planner.torch.errors import TorchImportError
 from planner.torch.heads import head_merge, head_split, rotate_half, takes_columns
 from planner.torch.ops import IMPORTER_TABLE as _CANON
@@ -64,7 +65,7 @@ from planner.torch.projections import pack_projections
 
 log = logging.getLogger(__name__)
 
-TORCH_DTYPES: dict[torch.dtype, str] = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+TORCH_DTYPES: dict[torch.dtype, str] = {getattr(torch, d.torch_name): d.name for d in DTYPES.values()}
 #: the 16-bit dtypes, handed to backends as numpy arrays of their own dtype (float16, ml_dtypes' bfloat16)
 _BITS = frozenset({torch.float16, torch.bfloat16})
 #: integer call inputs (token ids) the importer accepts: bound as fp32 (exact below 2**24), converted back with

@@ -39,7 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from planner.core.opaque import flat_shape, set_torch_evaluator, torch_call
-from planner.core.ops import Attrs, OpError
+from planner.core.ops import OpError
+from planner.core.shapes import Attrs
 from planner.core.torch_allowlist import (
     DTYPES,
     LAYOUTS,

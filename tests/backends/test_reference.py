@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from planner.core.dtypes import round_to
 from planner.core.examples import mlp_epilogue
 from planner.core.inputs import RecipeInputs, random_inputs
-from planner.core.ops import round_to
 from planner.core.reference import execute_graph, prepare_inputs
 
 

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from backends.cupy.codegen import CTYPE, generate
+from planner.core.dtypes import numpy_dtype
 from planner.core.examples import ew_chain, layer_norm, mlp_epilogue, rms_norm, rope, softmax
-from planner.core.ops import numpy_dtype
 from planner.core.reference import execute_plan, random_inputs
 from planner.egraph.candidates import build_candidates
 

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from planner.core.ops import round_to
+from planner.core.dtypes import round_to
 from planner.core.tolerance import TOLERANCES, allclose_report, tolerance
 
 

@@ -1,0 +1,103 @@
+"""The ops' numpy semantics: what each op of the op table computes, in the working float type of the
+reference executor (fp32 "registers" or fp64 for the oracle). Infinities and NaN are values, as in torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+Attrs = Mapping[str, Any]
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    c = x.dtype.type(math.sqrt(2.0 / math.pi))
+    return x.dtype.type(0.5) * x * (1 + np.tanh(c * (x + x.dtype.type(0.044715) * x * x * x)))
+
+
+def erf(x: np.ndarray) -> np.ndarray:
+    from scipy.special import erf  # imported on first use: it adds 0.4 s to every command's start
+
+    return erf(x).astype(x.dtype)
+
+
+def gelu_erf(x: np.ndarray) -> np.ndarray:
+    return x.dtype.type(0.5) * x * (1 + erf(x / x.dtype.type(math.sqrt(2.0))))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return x / (1 + np.exp(-x))
+
+
+def affine(x: np.ndarray, attrs: Attrs) -> np.ndarray:
+    a, b = float(attrs["a"]), float(attrs["b"])
+    y = x if a == 1.0 else x.dtype.type(a) * x
+    return y if b == 0.0 else y + x.dtype.type(b)
+
+
+def divide(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # ±inf and NaN are the values, as in torch
+        return x / y
+
+
+def heads(x: np.ndarray, attrs: Attrs) -> np.ndarray:
+    heads, seq, offset, width = (int(attrs[a]) for a in ("heads", "seq", "offset", "width"))
+    cols = x[:, offset:offset + width].reshape(-1, seq, heads, width // heads)
+    return np.ascontiguousarray(cols.transpose(0, 2, 1, 3)).reshape(-1, seq, width // heads)
+
+
+def rotate_half(x: np.ndarray) -> np.ndarray:
+    half = x.shape[-1] // 2
+    return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def merge(y: np.ndarray, attrs: Attrs) -> np.ndarray:
+    heads = int(attrs["heads"])
+    g, s, d = y.shape
+    return np.ascontiguousarray(y.reshape(g // heads, heads, s, d).transpose(0, 2, 1, 3)).reshape(-1, heads * d)
+
+
+def causal(scores: np.ndarray) -> np.ndarray:
+    """Scores with query i's keys after i set to -inf (torch's ``is_causal``: the top-left triangle kept)."""
+    s, t = scores.shape[-2:]
+    return np.where(np.triu(np.ones((s, t), dtype=bool), 1), scores.dtype.type(-np.inf), scores)
+
+
+def batch_scores(q: np.ndarray, k: np.ndarray, attrs: Attrs) -> np.ndarray:
+    scores = np.matmul(q, np.swapaxes(k, -1, -2))
+    return causal(scores) if attrs["causal"] else scores
+
+
+def group_repeat(m: np.ndarray, attrs: Attrs) -> np.ndarray:
+    heads, rows = int(attrs["heads"]), int(attrs["rows"])
+    cols = m.shape[-1]
+    b = m.size // (rows * cols)
+    return np.ascontiguousarray(np.broadcast_to(m.reshape(b, 1, rows, cols), (b, heads, rows, cols))).reshape(
+        b * heads, rows, cols)
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, attrs: Attrs, mask: np.ndarray | None = None) -> np.ndarray:
+    s = affine(batch_scores(q, k, attrs), {"a": attrs["scale"], "b": 0.0})
+    if mask is not None:
+        s = s + mask
+    with np.errstate(over="ignore", invalid="ignore"):
+        e = np.exp(s - np.max(s, axis=-1, keepdims=True))
+        return np.matmul(e / np.sum(e, axis=-1, keepdims=True), v)
+
+
+def row_mean(x: np.ndarray) -> np.ndarray:
+    return np.sum(x, axis=-1, keepdims=True) / x.dtype.type(x.shape[-1])
+
+
+def quiet(fn: Callable[[np.ndarray], np.ndarray]) -> Callable[[np.ndarray], np.ndarray]:
+    """numpy's function with its overflow/invalid warnings off: inf and NaN are the values, as in torch."""
+
+    def call(x: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            return fn(x)
+
+    return call
