@@ -124,7 +124,8 @@ def test_no_function_local_imports_of_the_package_except_optional_ones():
 
 
 def test_tests_use_public_names_only():
-    private = re.compile(r"from fusion_planner[\w.]* import [^\n]*\b_[a-z]\w*|fusion_planner[\w.]*\._[a-z]\w*")
+    ours = r"(?:planner|backends|rewrite_rules|fusion_planner)"
+    private = re.compile(rf"from {ours}[\w.]* import [^\n]*\b_[A-Za-z]\w*|\b{ours}[\w.]*\._[A-Za-z]\w*")
     offenders = [f"{p.name}:{i}" for p in sorted(TESTS.rglob("*.py"))
                  for i, line in enumerate(p.read_text().splitlines(), 1) if private.search(line)]
     assert offenders == []

@@ -26,6 +26,7 @@ from planner.core.report import kernels_text  # noqa: E402
 from planner.torch.errors import TorchImportError  # noqa: E402
 from planner.torch.importer import TORCH_DTYPES, import_module, load_factory  # noqa: E402
 from planner.torch.ops import resolve_torch_fn  # noqa: E402
+from planner.torch.tracing import Recorder  # noqa: E402
 
 # The numpy reference always runs; the generated-C cpu backend once it is importable.
 BACKENDS = ["reference"] + (["cpu"] if importlib.util.find_spec("backends.cpu.backend") else [])
@@ -296,7 +297,6 @@ def test_in_place_ops_are_mapped_out_of_place() -> None:
 def test_the_import_runs_the_model_once_and_copies_values_only_when_a_later_op_is_in_place(monkeypatch) -> None:
     """Importing runs the model once (the recorder), not also a separate eager check, and copies the
     recorded values only for a graph with an in-place op, which could overwrite them."""
-    from planner.torch import importer
 
     calls = []
 
@@ -311,7 +311,7 @@ def test_the_import_runs_the_model_once_and_copies_values_only_when_a_later_op_i
     import_module(Chain(), (torch.randn(64),))
     assert copies == [] and len(calls) == 1  # fx tracing calls forward once, with proxies
     gm = torch.fx.symbolic_trace(nn.ReLU(inplace=True))
-    assert importer._Recorder(gm).copy and not importer._Recorder(torch.fx.symbolic_trace(Chain())).copy
+    assert Recorder(gm).copy and not Recorder(torch.fx.symbolic_trace(Chain())).copy
 
 
 def test_primitive_ops_and_a_written_out_gelu_import_as_fusable_ops() -> None:

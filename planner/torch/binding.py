@@ -1,0 +1,238 @@
+"""A planned module's graph inputs: where each comes from at call time (:class:`Binding`), the imported module
+(:class:`ImportedModule`: its graph, how to feed it and how to rebuild its outputs), and its parameters and buffers
+converted once (:class:`BoundInputs`)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from planner.core.dtypes import DTYPES, numpy_dtype
+from planner.core.graph import Graph
+from planner.core.opaque import flat_shape
+from planner.torch.errors import TorchImportError
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES: dict[torch.dtype, str] = {getattr(torch, d.torch_name): d.name for d in DTYPES.values()}
+#: the 16-bit dtypes, handed to backends as numpy arrays of their own dtype (float16, ml_dtypes' bfloat16)
+BITS_16 = frozenset({torch.float16, torch.bfloat16})
+#: integer call inputs (token ids) the importer accepts: bound as fp32 (exact below 2**24), converted back with
+#: ``.long()`` right before the Opaque call that takes them, and never read by an op of the op table
+INDEX_DTYPES = frozenset({torch.int64, torch.int32})
+INDEX_LIMIT = 2**24
+
+
+def ir_dtype(dtype: torch.dtype, what: str) -> str:
+    try:
+        return TORCH_DTYPES[dtype]
+    except KeyError:
+        raise TorchImportError(
+            f"{what} has dtype {str(dtype).removeprefix('torch.')}; the planner supports float32, float16 and bfloat16 only"
+        ) from None
+
+
+
+# ---------------------------------------------------------------- the imported module
+
+
+@dataclass(frozen=True)
+class Binding:
+    """Where the value of one graph input comes from at call time."""
+
+    name: str  # IR input id
+    #: "arg" (flattened call inputs) | "state" (module parameter/buffer) | "const" | "packed" (parameters side by
+    #: side, ``key`` their names: attention's q, k and v weights as one, torch.projections)
+    source: str
+    key: int | str | tuple[str, ...]
+    transpose: bool = False  # a Linear weight bound as (K, N)
+    shape: tuple[int, ...] = ()  # torch shape of the source tensor
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    index: int  # position in graph.outputs
+    shape: tuple[int, ...]  # torch shape
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class ImportedModule:
+    """A module's IR graph plus how to feed it and how to rebuild its outputs."""
+
+    graph: Graph
+    bindings: tuple[Binding, ...]
+    constants: Mapping[str, np.ndarray]
+    arg_specs: tuple[tuple[tuple[int, ...], torch.dtype], ...]  # flattened call inputs
+    outputs: tuple[OutputSpec, ...]
+    out_tree: Any  # pytree spec of the module's return value
+    opaque_ops: tuple[str, ...]
+    tracer: str  # "fx" | "export" | "dynamo"
+
+    def check_args(self, args: Sequence[Any]) -> list[torch.Tensor]:
+        # plain tensors (the common call) need no pytree walk, which cost about 10 µs a call
+        flat = list(args) if all(type(a) is torch.Tensor for a in args) else pytree.tree_flatten(tuple(args))[0]
+        if len(flat) != len(self.arg_specs):
+            raise TorchImportError(f"expected {len(self.arg_specs)} input tensor(s) as at planning time, got {len(flat)}")
+        for i, (t, (shape, dtype)) in enumerate(zip(flat, self.arg_specs, strict=False)):
+            if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype or not t.is_cpu or t.requires_grad:
+                _check_arg(i, t, shape, dtype)
+        return flat
+
+    def wrap_outputs(self, arrays: Sequence[np.ndarray]) -> Any:
+        leaves = []
+        for o in self.outputs:
+            arr = arrays[o.index]
+            t = torch.from_numpy(arr if arr.flags.c_contiguous else np.ascontiguousarray(arr))
+            if t.dtype == torch.uint16 and o.dtype in BITS_16:  # a 16-bit output handed out as its bits
+                t = t.view(o.dtype)
+            elif t.dtype != o.dtype:
+                t = t.to(o.dtype)
+            leaves.append(t if t.shape == o.shape else t.reshape(o.shape))
+        if len(leaves) == 1 and self.out_tree.is_leaf():  # one tensor returned: no pytree rebuild
+            return leaves[0]
+        return pytree.tree_unflatten(leaves, self.out_tree)
+
+
+def _check_arg(i: int, t: Any, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Raise the error that call input ``i`` deserves, if any (a tensor that needs grad is fine under no_grad)."""
+    if not isinstance(t, torch.Tensor):
+        raise TorchImportError(f"input {i} is a {type(t).__name__}, expected a tensor")
+    if t.device.type != "cpu":
+        raise TorchImportError(f"input {i} is on {t.device}; a plan takes host tensors: pass it with .cpu()")
+    if t.requires_grad and torch.is_grad_enabled():
+        raise TorchImportError(
+            f"input {i} requires grad, but a plan computes no gradients: call it under torch.no_grad() or "
+            "torch.inference_mode(), or pass the input detached"
+        )
+    if tuple(t.shape) != shape or t.dtype != dtype:
+        raise TorchImportError(
+            f"input {i} is {describe_tensor(t)}, but the plan was made for "
+            f"{list(shape)} {str(dtype).removeprefix('torch.')}; plan again for new shapes"
+        )
+
+
+def describe_tensor(t: torch.Tensor) -> str:
+    return f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+
+
+def graph_inputs_from_module(
+    imported: ImportedModule, module: nn.Module | Mapping[str, torch.Tensor] | None, args: Sequence[Any]
+) -> dict[str, np.ndarray]:
+    """The graph's input arrays (flattened to IR shapes; float32, or the 16-bit dtype's own numpy dtype) for one
+    call: call inputs, parameters,
+    buffers (a planned module keeps a :class:`BoundInputs` instead, which converts parameters once)."""
+    return BoundInputs(imported, module).feed(args)
+
+
+class BoundInputs:
+    """A planned module's graph inputs, its parameters and buffers converted once.
+
+    Each call converts only the call inputs. A parameter or buffer that changed since it was
+    converted, in place (torch's version counter moved) or replaced by another tensor, is
+    converted again. Bound arrays are read-only: views of the tensor's own memory where it is
+    stored as the kernels read it (eager torch and the plan then share one copy of the weights
+    in memory and in cache), converted copies otherwise. An update that bypasses the version
+    counter (``param.data`` written in place) is not seen in a copy: call :meth:`rebind` after one.
+    """
+
+    def __init__(self, imported: ImportedModule, module: nn.Module | Mapping[str, torch.Tensor] | None) -> None:
+        self.imported = imported
+        self.module = module
+        self._bound: dict[str, tuple[torch.Tensor, int, np.ndarray]] = {}
+        self._packed: dict[str, tuple[list[torch.Tensor], list[int], np.ndarray]] = {}
+        self._owners: dict[str, tuple[Any, str]] = {}  # key -> (the submodule holding it, its attribute name)
+        self.conversions = 0  # parameters and buffers converted so far (tests count them)
+
+    def rebind(self) -> None:
+        """Forget every bound parameter: the next call converts them all again."""
+        self._bound.clear()
+        self._packed.clear()
+
+    def feed(self, args: Sequence[Any]) -> dict[str, np.ndarray]:
+        flat = self.imported.check_args(args)
+        out: dict[str, np.ndarray] = {}
+        for b in self.imported.bindings:
+            if b.source == "const":
+                out[b.name] = self.imported.constants[b.name]
+            elif b.source == "arg":
+                out[b.name] = to_numpy(flat[int(b.key)], b.transpose)  # type: ignore[arg-type]
+            elif b.source == "packed":
+                out[b.name] = self._packed_input(b)
+            else:
+                out[b.name] = self._state_input(b)
+        return out
+
+    def _state_tensor(self, key: str) -> torch.Tensor | None:
+        """The parameter or buffer ``key``, read from its submodule on every call (a reassigned parameter is
+        seen); the submodule itself is found once (``get_submodule`` walked the path for a few µs a binding)."""
+        if not isinstance(self.module, nn.Module):  # a state dict (or nothing)
+            return (self.module or {}).get(key)
+        owner = self._owners.get(key)
+        if owner is None:
+            path, _, name = key.rpartition(".")
+            try:
+                owner = self._owners[key] = (self.module.get_submodule(path), name)
+            except AttributeError:
+                return None
+        t = getattr(owner[0], owner[1], None)
+        return t if isinstance(t, torch.Tensor) else None
+
+    def _state_input(self, b: Binding) -> np.ndarray:
+        t = self._state_tensor(str(b.key))
+        if t is None:
+            raise TorchImportError(f"module has no parameter or buffer {b.key!r} (graph input {b.name!r})")
+        bound = self._bound.get(b.name)
+        if bound is not None and bound[0] is t and bound[1] == t._version:
+            return bound[2]
+        arr = to_numpy(t, b.transpose)  # a view where the tensor's memory has the stored layout
+        arr.setflags(write=False)
+        self._bound[b.name] = (t, t._version, arr)
+        self.conversions += 1
+        return arr
+
+
+    def _packed_input(self, b: Binding) -> np.ndarray:
+        """Parameters side by side (weights by columns, biases end to end), made again when one changed."""
+        keys = [str(k) for k in b.key]  # type: ignore[union-attr]
+        tensors = [self._state_tensor(k) for k in keys]
+        if any(t is None for t in tensors):
+            missing = keys[[t is None for t in tensors].index(True)]
+            raise TorchImportError(f"module has no parameter or buffer {missing!r} (packed graph input {b.name!r})")
+        ts: list[torch.Tensor] = tensors  # type: ignore[assignment]
+        versions = [t._version for t in ts]
+        held = self._packed.get(b.name)
+        if held is not None and held[1] == versions and all(x is y for x, y in zip(held[0], ts, strict=True)):
+            return held[2]
+        with torch.no_grad():
+            packed = torch.cat([t.detach() for t in ts], 0)  # (sum N_i, K): nn.Linear's layout, read transposed
+        arr = to_numpy(packed, b.transpose)
+        arr.setflags(write=False)
+        self._packed[b.name] = (ts, versions, arr)
+        self.conversions += 1
+        return arr
+
+
+def to_numpy(t: torch.Tensor, transpose: bool = False) -> np.ndarray:
+    if t.dtype in INDEX_DTYPES and t.numel() and int(t.abs().max()) >= INDEX_LIMIT:
+        raise TorchImportError(f"integer input {describe_tensor(t)} holds values of {INDEX_LIMIT} or more: a plan carries "
+                               "indices as fp32, exact only below that")
+    if t.dtype == torch.float32 and t.is_cpu and t.is_contiguous():
+        a = t.detach().numpy()  # the tensor's own memory: no conversion call on the way
+        # a Linear weight (N, K) read as (K, N): its transpose, a view (the GEMM library takes either order)
+        return a.T if transpose else a.reshape(flat_shape(a.shape))
+    t = t.detach()
+    if t.dtype in BITS_16:  # 16-bit: an array of its own dtype over the tensor's bits (a view where contiguous)
+        bits = t.cpu().contiguous().view(torch.int16).numpy().view(numpy_dtype(TORCH_DTYPES[t.dtype]))
+        return bits.T if transpose else bits.reshape(flat_shape(bits.shape))
+    if transpose:
+        t = t.t()
+    a = t.to(torch.float32).cpu().contiguous().numpy()
+    return a.reshape(flat_shape(a.shape))

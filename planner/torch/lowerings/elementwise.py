@@ -1,0 +1,197 @@
+"""Lowerings of elementwise calls: activations, tensor-tensor and tensor-scalar arithmetic, powers, casts and the
+views that keep the flattened shape."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+
+from planner.torch.errors import TorchImportError
+from planner.torch.heads import takes_columns
+from planner.torch.lowerings.layouts import affine, alias, cast, masked_scores, settle, tiles
+from planner.torch.lowerings.registry import lowering
+from planner.torch.walk import (
+    Importer,
+    Traced,
+    is_scalar,
+    is_tensor,
+)
+
+
+@lowering("relu")
+def lower_relu(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
+    return imp.unary(node, "Relu", args[0], concrete)
+
+
+@lowering("silu")
+def lower_silu(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
+    if kwargs.get("inplace") or (len(args) > 1 and args[1]):
+        return None
+    return imp.unary(node, "Silu", args[0], concrete)
+
+
+@lowering("gelu")
+def lower_gelu(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
+    approx = kwargs.get("approximate", args[1] if len(args) > 1 else "none")
+    op = {"tanh": "GeluTanh", "none": "GeluErf"}.get(approx)
+    return imp.unary(node, op, args[0], concrete) if op else None
+
+
+def binary(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any, kind: str) -> Any:
+    if kwargs.get("alpha", 1) != 1 or len(args) != 2 or kwargs.get("rounding_mode") is not None:
+        return None
+    a, c = args
+    if not isinstance(concrete, torch.Tensor):
+        return None
+    if isinstance(a, Traced) and is_scalar(c):
+        coef = {"add": (1.0, c), "sub": (1.0, -c), "mul": (c, 0.0), "div": (1.0 / c if c else None, 0.0)}[kind]
+        return None if coef[0] is None else affine(imp, node, a, coef[0], coef[1], concrete)
+    if isinstance(c, Traced) and is_scalar(a):
+        coef = {"add": (1.0, a), "sub": (-1.0, a), "mul": (a, 0.0), "div": (None, 0.0)}[kind]
+        return None if coef[0] is None else affine(imp, node, c, coef[0], coef[1], concrete)
+    if not (is_tensor(a) and is_tensor(c)):
+        return None
+    if a.dtype != c.dtype:  # torch computes in the promoted dtype (bf16 * fp32 is fp32)
+        a, c = cast(imp, node, a, concrete.dtype) or a, cast(imp, node, c, concrete.dtype) or c
+        if a.dtype != c.dtype:
+            return None
+    out = tuple(concrete.shape)
+    a, c = settle(imp, a), settle(imp, c)
+    if tuple(a.shape) == tuple(c.shape) == out:
+        op = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "maximum": "Maximum", "minimum": "Minimum"}[kind]
+        ia, ic = imp.use(a, node.name), imp.use(c, f"{node.name}_rhs")
+        if imp.b.shape_of(ia) != imp.b.shape_of(ic):
+            return None  # one head-major, one in token rows: torch computes it (an Opaque takes both)
+        return imp.emit(node, op, [ia, ic], None, out, concrete.dtype)
+    row_vector = {"add": "BiasAdd", "mul": "BiasMul"}.get(kind)
+    if row_vector and len(out) >= 2:
+        for x, vec in ((a, c), (c, a)):
+            if tuple(x.shape) == out and tuple(vec.shape) == (out[-1],):
+                return imp.emit(node, row_vector, [imp.use(x, node.name), imp.use(vec, f"{node.name}_rhs")],
+                                 None, out, concrete.dtype)
+    tiled = {"add": "TileAdd", "mul": "TileMul"}.get(kind)
+    if tiled and len(out) >= 3:  # RoPE's x * cos: a (1, .., 1, seq, d) table over (batch, heads, seq, d)
+        for x, t in ((a, c), (c, a)):
+            if tuple(x.shape) == out and tiles(imp, x, t, out):
+                return imp.emit(node, tiled, [imp.use(x, node.name), imp.use(t, f"{node.name}_rhs")], None, out,
+                                 concrete.dtype)
+    if kind == "add" and len(out) == 4:  # eager attention's scores + attention_mask
+        for x, m in ((a, c), (c, a)):
+            masked = masked_scores(imp, node, x, m, out, concrete.dtype)
+            if masked is not None:
+                return masked
+    if kind in ("add", "sub", "mul", "div") and len(out) >= 1:  # one value per row, e.g. x - x.mean(-1, keepdim=True)
+        per_row = (*out[:-1], 1)
+        pairs = ((a, c), (c, a)) if kind in ("add", "mul") else ((a, c),)
+        for x, r in pairs:
+            if tuple(x.shape) == out and tuple(r.shape) == per_row and out[-1] != 1:
+                op = {"add": "AddRow", "sub": "SubRow", "mul": "MulRow", "div": "DivRow"}[kind]
+                return imp.emit(node, op, [imp.use(x, node.name), imp.use(r, f"{node.name}_row")], None, out,
+                                 concrete.dtype)
+    return None
+
+
+@lowering("add")
+def lower_add(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
+    return binary(imp, node, args, kwargs, concrete, "add")
+
+
+@lowering("sub")
+def lower_sub(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
+    return binary(imp, node, args, kwargs, concrete, "sub")
+
+
+@lowering("mul")
+def lower_mul(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
+    return binary(imp, node, args, kwargs, concrete, "mul")
+
+
+@lowering("div")
+def lower_div(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
+    return binary(imp, node, args, kwargs, concrete, "div")
+
+
+@lowering("maximum")
+def lower_maximum(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
+    return binary(imp, node, args, kwargs, concrete, "maximum") if all(is_tensor(a) for a in args) else None
+
+
+@lowering("minimum")
+def lower_minimum(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
+    return binary(imp, node, args, kwargs, concrete, "minimum") if all(is_tensor(a) for a in args) else None
+
+
+@lowering("neg")
+def lower_neg(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
+    x = args[0] if args else None
+    if isinstance(x, Traced) and x.program is not None and takes_columns(x.program.steps[-1]):
+        return None  # -x[..., d/2:] of rotate_half: kept with its slice, so the cat is recognised as a whole
+    return imp.unary(node, "Neg", x, concrete)
+
+
+@lowering("pow")
+def lower_pow(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
+    """``x ** p`` with a constant ``p`` of 2, 3, 0.5 or -0.5: Square, Square then Mul, Sqrt, Rsqrt."""
+    if len(args) != 2 or kwargs or not isinstance(args[0], Traced) or not is_scalar(args[1]):
+        return None
+    x, p = args[0], float(args[1])
+    if not isinstance(concrete, torch.Tensor):
+        return None
+    ops = {2.0: "Square", 0.5: "Sqrt", -0.5: "Rsqrt"}
+    if p in ops:
+        return imp.unary(node, ops[p], x, concrete)
+    if p == 3.0:
+        sq = imp.emit(node, "Square", [imp.use(x, node.name)], None, concrete.shape, concrete.dtype, "_sq")
+        return imp.emit(node, "Mul", [sq.id, imp.use(x, f"{node.name}_x")], None, concrete.shape, concrete.dtype)
+    return None
+
+
+@lowering("rsub")
+def lower_rsub(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
+    alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
+    if isinstance(args[0], Traced) and is_scalar(args[1]) and is_scalar(alpha):
+        return affine(imp, node, args[0], -float(alpha), float(args[1]), concrete)
+    return None
+
+
+@lowering("view")
+def lower_view(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
+    return alias(imp, args[0], concrete)
+
+
+@lowering("same")
+def lower_same(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
+    return alias(imp, args[0], concrete)
+
+
+@lowering("to")
+def lower_to(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
+    x = args[0] if args else None
+    if isinstance(x, Traced) and isinstance(concrete, torch.Tensor) and concrete.dtype != x.dtype:
+        return cast(imp, node, x, concrete.dtype) if concrete.shape == x.shape else None
+    return alias(imp, x, concrete)
+
+
+@lowering("expand")
+def lower_expand(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
+    """``repeat_kv``'s ``x[:, :, None].expand(b, kv, n, t, d)`` of head-major keys or values (grouped-query
+    attention): ``GroupRepeat``, each head repeated for its n query heads (the reshape after it is free)."""
+    x = settle(imp, args[0]) if args else None
+    if not (isinstance(x, Traced) and x.id is not None and isinstance(concrete, torch.Tensor) and len(x.shape) == 5):
+        return None
+    b, kv, one, t, d = x.shape
+    out = tuple(concrete.shape)
+    if one != 1 or out[:2] != (b, kv) or out[3:] != (t, d) or imp.b.shape_of(x.id) != (b * kv, t, d):
+        return None
+    return imp.emit(node, "GroupRepeat", [x.id], {"heads": out[2], "rows": t}, out, x.dtype)
+
+
+@lowering("dropout")
+def lower_dropout(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
+    train = kwargs.get("training", kwargs.get("train", args[2] if len(args) > 2 else True))
+    p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+    if train and p:
+        raise TorchImportError(f"{imp.where(node)}: dropout in training mode is random; call module.eval() first")
+    return alias(imp, args[0], concrete)

@@ -1,0 +1,491 @@
+"""The importer's walk over a traced graph: values during import, materialising them as IR tensors, and the calls
+that have no lowering of their own (kept as torch-backed Opaque steps). Each mapped torch call is a lowering of
+:mod:`planner.torch.lowerings`, handed in as a registry."""
+
+from __future__ import annotations
+
+import json
+import logging
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from planner.core.graph import GraphBuilder, GraphError
+from planner.core.inputs import INDEX_STEP
+from planner.core.kinds import OpKind
+from planner.core.opaque import flat_shape, step_flops
+from planner.core.ops import OPS, OpError
+from planner.torch.binding import INDEX_DTYPES, TORCH_DTYPES, Binding, OutputSpec, ir_dtype, to_numpy
+from planner.torch.errors import TorchImportError
+from planner.torch.heads import head_merge, head_split, rotate_half
+from planner.torch.ops import IMPORTER_TABLE, encode_arg, resolve_torch_fn, torch_fn_name, trust_traced
+from planner.torch.tracing import INPLACE_OPERATORS, mutated_input_of
+
+log = logging.getLogger(__name__)
+
+#: a torch call's lowering: ``(importer, node, args, kwargs, concrete) -> value`` (None: keep the call as a step)
+Lowering = Callable[["Importer", fx.Node, Any, Any, Any], Any]
+#: the lowering of a call of an ``nn.Module`` kept as a leaf by the tracer
+ModuleLowering = Callable[["Importer", fx.Node, tuple[Any, ...], dict[str, Any]], Any]
+
+
+# ---------------------------------------------------------------- values during import
+
+
+@dataclass(frozen=True)
+class Traced:
+    """A tensor value during import: an IR tensor (``id``) or a not yet materialised source."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    runtime: bool  # depends on a call input
+    id: str | None = None  # IR node id once materialised (computed values always have one)
+    source: tuple[str, Any] | None = None  # ("arg", i) | ("state", name) for graph inputs
+    name: str = ""
+    #: an Opaque result not emitted yet: its single consumer, if torch-backed too, folds it in
+    program: Program | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class Emitted(Traced):
+    """A value an op of the graph computes: it has its IR id."""
+
+    id: str = ""
+
+
+@dataclass(frozen=True, eq=False)
+class Program:
+    """Torch calls (JSON steps) over materialised IR inputs, the last one giving the value."""
+
+    node: fx.Node
+    steps: tuple[dict[str, Any], ...]
+    inputs: tuple[str, ...]
+    in_shapes: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class MultiResult:
+    """A call returning several tensors: each ``getitem`` becomes its own Opaque node."""
+
+    node: fx.Node
+    impl: str
+    value: Any
+
+
+_aten = torch.ops.aten
+SHAPE_QUERIES = {("method", "size"), ("method", "dim"), ("method", "numel"), getattr, operator.getitem, len,
+                  _aten.sym_size.int}
+
+
+#: torch.export's checks of a tensor's dtype, device and layout (one per ``.to(dtype)``): no value
+METADATA_ASSERTIONS = frozenset({_aten._assert_tensor_metadata.default})
+
+
+def op_for_torch_call(target: Any, args: Any, kwargs: Any) -> str | None:
+    """The op-table op whose ``torch_names`` name this call of one tensor and nothing else."""
+    if len(args) != 1 or kwargs or not isinstance(args[0], Traced):
+        return None
+    name = torch_fn_name(target)
+    for op in OPS.values():
+        if name in op.torch_names and op.arity == 1 and not op.attrs and op.kind == OpKind.ELEMENTWISE:
+            return op.name
+    return None
+
+
+def reduces_rows(x: Any, concrete: Any, dim: Any = -1) -> bool:
+    """Is this a call the row ops can take: a float tensor ``x`` reduced over its last dimension ``dim``
+    to a result of its own dtype?"""
+    return (isinstance(x, Traced) and isinstance(concrete, torch.Tensor) and x.dtype == concrete.dtype
+            and x.dtype in TORCH_DTYPES and isinstance(dim, int) and not isinstance(dim, bool)
+            and dim in (-1, len(x.shape) - 1))
+
+
+def is_scalar(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass
+class Importer:
+    name: str
+    tracer: str
+    gm: fx.GraphModule
+    values: dict[fx.Node, Any]
+    sources: list[tuple[str, Any]]  # per placeholder
+    lowerings: Mapping[str, Lowering]  # IMPORTER_TABLE's kinds -> their lowering
+    module_lowering: ModuleLowering
+    module: nn.Module | None = None
+    b: GraphBuilder = field(init=False)
+    env: dict[fx.Node, Any] = field(default_factory=dict)
+    bindings: dict[tuple[Any, ...], Binding] = field(default_factory=dict)
+    constants: dict[str, np.ndarray] = field(default_factory=dict)
+    opaque_names: list[str] = field(default_factory=list)
+    opaque_kernels: int = 0
+    emitted: dict[int, str] = field(default_factory=dict)  # id(Program) -> IR id
+    ids: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.b = GraphBuilder(self.name)
+
+    # -- ids and materialisation
+    def fresh(self, base: str) -> str:
+        clean = "".join(c if c.isalnum() or c in "_." else "_" for c in base)[:110] or "t"
+        if not (clean[0].isalpha() or clean[0] == "_"):
+            clean = "t_" + clean
+        out, i = clean, 1
+        while out in self.ids:
+            i += 1
+            out = f"{clean}_{i}"
+        self.ids.add(out)
+        return out
+
+    def use(self, v: Any, hint: str, transpose: bool = False) -> str:
+        """The IR id holding ``v`` (a tensor value), creating a graph input on first use."""
+        if isinstance(v, Traced) and v.program is not None:
+            return self.materialise(v)
+        if isinstance(v, Traced) and v.id is not None and not transpose:
+            return v.id
+        if isinstance(v, Traced):
+            assert v.source is not None
+            key: tuple[Any, ...] = (*v.source, transpose)
+            name_base = v.name
+        else:
+            key = ("const", hint, transpose)
+            name_base = hint
+        if key in self.bindings:
+            return self.bindings[key].name
+        tensor = v if isinstance(v, torch.Tensor) else None
+        shape = tuple(v.shape)
+        dtype = "fp32" if isinstance(v, Traced) and v.dtype in INDEX_DTYPES else ir_dtype(v.dtype, f"tensor {name_base!r}")
+        ir_shape = (shape[1], shape[0]) if transpose else flat_shape(shape)
+        nid = self.fresh(name_base + (".T" if transpose else ""))
+        self.b.input(nid, ir_shape, dtype)
+        if tensor is not None:
+            self.constants[nid] = to_numpy(tensor, transpose)
+            self.bindings[key] = Binding(nid, "const", hint, transpose, shape)
+        else:
+            assert isinstance(v, Traced) and v.source is not None
+            self.bindings[key] = Binding(nid, v.source[0], v.source[1], transpose, shape)
+        return nid
+
+    def emit(self, node: fx.Node, op: str, inputs: Sequence[str], attrs: Mapping[str, Any] | None,
+             shape: Sequence[int], dtype: torch.dtype, suffix: str = "") -> Emitted:
+        nid = self.fresh(node.name + suffix)
+        try:
+            self.b.op(nid, op, inputs, attrs)
+        except GraphError as exc:
+            raise TorchImportError(f"{self.where(node)}: {exc}") from None
+        return Emitted(tuple(shape), dtype, True, nid)
+
+    def where(self, node: fx.Node) -> str:
+        st = node.meta.get("stack_trace")
+        last = st.strip().splitlines()[-2].strip() if st and len(st.strip().splitlines()) >= 2 else None
+        return f"node {node.name!r} ({node.format_node()})" + (f" from {last}" if last else "")
+
+    # -- walking the graph
+    def run(self) -> tuple[list[str], list[OutputSpec], Any]:
+        ph = 0
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder":
+                self.env[node] = self.source_value(node, self.sources[ph])
+                ph += 1
+            elif node.op == "get_attr":
+                v = self.values[node]
+                self.env[node] = (
+                    Traced(tuple(v.shape), v.dtype, False, source=("state", node.target), name=str(node.target))
+                    if isinstance(v, torch.Tensor) else v
+                )
+            elif node.op in ("call_function", "call_method", "call_module"):
+                self.env[node] = self.call(node)
+            elif node.op == "output":
+                return self.outputs(node)
+        raise TorchImportError("traced graph has no output node")
+
+    def source_value(self, node: fx.Node, source: tuple[str, Any]) -> Any:
+        v = self.values[node]
+        if not isinstance(v, torch.Tensor):
+            raise TorchImportError(f"input {node.name!r} is a {type(v).__name__}; only tensor inputs are supported")
+        if not (source[0] == "arg" and v.dtype in INDEX_DTYPES):
+            ir_dtype(v.dtype, f"input {node.name!r}")
+        name = str(source[1]) if source[0] == "state" else node.name
+        return Traced(tuple(v.shape), v.dtype, source[0] == "arg", source=source, name=name)
+
+    def outputs(self, node: fx.Node) -> tuple[list[str], list[OutputSpec], Any]:
+        leaves, tree = pytree.tree_flatten(node.args[0])
+        outs: list[str] = []
+        specs: list[OutputSpec] = []
+        for i, leaf in enumerate(leaves):
+            v = self.env.get(leaf) if isinstance(leaf, fx.Node) else leaf
+            if not isinstance(v, (Traced, torch.Tensor)):
+                raise TorchImportError(f"output {i} is a {type(v).__name__}; only tensor outputs are supported")
+            oid = self.use(v, f"out{i}")
+            if oid not in outs:
+                outs.append(oid)
+            specs.append(OutputSpec(outs.index(oid), tuple(v.shape), v.dtype))
+        return outs, specs, tree
+
+    def arg(self, a: Any) -> Any:
+        return fx.node.map_arg(a, lambda n: self.env[n])
+
+    def call(self, node: fx.Node) -> Any:
+        """Map one call; an in-place op is mapped out of place and rebinds the tensor it mutated."""
+        out = self._call(node)
+        mutated = self.mutated_input(node)
+        if mutated is not None and isinstance(out, (Traced, torch.Tensor)):
+            self.env[mutated] = out
+        return out
+
+    def mutated_input(self, node: fx.Node) -> fx.Node | None:
+        return mutated_input_of(self.gm, node)
+
+    def _call(self, node: fx.Node) -> Any:
+        args, kwargs = self.arg(node.args), self.arg(node.kwargs)
+        if node.op == "call_module":
+            return self.module_lowering(self, node, args, kwargs)
+        fn_target: Any = node.target
+        if self.mutated_input(node) is not None:
+            if node.op == "call_method":
+                fn_target = str(node.target)[:-1]
+            fn_target = INPLACE_OPERATORS.get(fn_target, fn_target)
+            if "inplace" in kwargs:
+                kwargs = {**kwargs, "inplace": False}
+        target = ("method", fn_target) if node.op == "call_method" else fn_target
+        leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, (Traced, MultiResult))]
+        concrete = self.values[node]
+        if not any(isinstance(x, MultiResult) or x.runtime for x in leaves):
+            return self.fold(node, concrete)
+        if target in METADATA_ASSERTIONS:
+            return None  # it held on the example inputs, and a call with another dtype or shape is refused
+        if not isinstance(concrete, torch.Tensor) and not isinstance(concrete, (tuple, list)):
+            if IMPORTER_TABLE.get(target) is None and target not in SHAPE_QUERIES:
+                raise TorchImportError(
+                    f"{self.where(node)} turns a tensor into the Python value {concrete!r}: data-dependent "
+                    "values cannot be planned; use torch.export with torch.cond, or keep the value a tensor"
+                )
+            return concrete  # a shape query: shapes are fixed at planning time
+        if target in SHAPE_QUERIES and not isinstance(concrete, torch.Tensor) and target is not operator.getitem:
+            return concrete
+        if target is operator.getitem and isinstance(args[0], MultiResult):
+            return self.opaque(node, args[0].impl, args[0].node, item=int(args[1]))
+        if target is operator.getitem and not isinstance(args[0], Traced):
+            return concrete  # indexing a shape tuple
+        if any(isinstance(x, Traced) and x.dtype in INDEX_DTYPES for x in leaves):
+            return self.generic(node, fn_target, args, kwargs)  # integer indices: only torch computes with them
+        kind = IMPORTER_TABLE.get(target)
+        if kind is None:
+            op = op_for_torch_call(fn_target, args, kwargs)
+            if op is not None and isinstance(concrete, torch.Tensor):
+                return self.unary(node, op, args[0], concrete)
+        handler = self.lowerings.get(kind) if kind else None
+        if handler is not None:
+            out = handler(self, node, args, kwargs, concrete)
+            if out is not None:
+                return out
+        return self.generic(node, fn_target, args, kwargs)
+
+    def fold(self, node: fx.Node, concrete: Any) -> Any:
+        """A value computed from constants and parameters only: captured at import."""
+        if isinstance(concrete, torch.Tensor):
+            return concrete.detach().clone()
+        return concrete
+
+    def unary(self, node: fx.Node, op: str, x: Any, concrete: torch.Tensor) -> Traced | None:
+        if not isinstance(x, Traced):
+            return None
+        return self.emit(node, op, [self.use(x, node.name)], None, concrete.shape, concrete.dtype)
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+    # -- rows: reductions over the last dimension and what is made of them.  In a 16-bit graph an unfused
+    # plan stores the row statistics in 16 bits, where torch keeps them in fp32; a fused row kernel keeps
+    # them in fp32 registers, as torch does.  Both are candidates; the output check judges each.
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+    # -- everything else
+    def generic(self, node: fx.Node, target: Any, args: Any, kwargs: Any) -> Any:
+        name = trust_traced(target)  # the module is trusted code: an unlisted op is kept, for this process only
+        if name is None:
+            raise TorchImportError(
+                f"{self.where(node)}: {target!r} is not a torch function the planner can name; "
+                "it cannot be executed as an Opaque kernel"
+            )
+        concrete = self.values[node]
+        if isinstance(concrete, (tuple, list)):
+            return MultiResult(node, name, concrete)
+        return self.opaque_call(node, name, args, kwargs, concrete)
+
+    def opaque(self, getitem: fx.Node, impl: str, call_node: fx.Node, item: int) -> Traced:
+        args, kwargs = self.arg(call_node.args), self.arg(call_node.kwargs)
+        return self.opaque_call(getitem, impl, args, kwargs, self.values[getitem], item=item)
+
+    def opaque_call(self, node: fx.Node, impl: str, args: Any, kwargs: Any, concrete: Any, item: int = -1) -> Traced:
+        """A torch call as an Opaque node; single-use torch-backed inputs are folded into its steps."""
+        if not isinstance(concrete, torch.Tensor):
+            raise TorchImportError(f"{self.where(node)} returns a {type(concrete).__name__}, not a tensor")
+        ir_dtype(concrete.dtype, f"the result of {self.where(node)}")
+        try:
+            resolve_torch_fn(impl)
+        except OpError as exc:
+            raise TorchImportError(f"{self.where(node)}: {exc}") from None
+        inputs: list[str] = []
+        in_shapes: list[tuple[int, ...]] = []
+        steps: list[dict[str, Any]] = []
+        folded: dict[int, int] = {}  # id(Program) -> its last step here
+
+        def add_input(nid: str, shape: tuple[int, ...]) -> int:
+            if nid not in inputs:
+                inputs.append(nid)
+                in_shapes.append(shape)
+            return inputs.index(nid)
+
+        def fold(p: Program) -> int:
+            if id(p) not in folded:
+                base = len(steps)
+                remap = {k: add_input(nid, shp) for k, (nid, shp) in enumerate(zip(p.inputs, p.in_shapes, strict=True))}
+                steps.extend(renumber(st, remap, base) for st in p.steps)
+                folded[id(p)] = len(steps) - 1
+            return folded[id(p)]
+
+        shapes: list[list[int]] = []
+
+        def ref(v: Any) -> dict[str, int] | None:
+            is_float = isinstance(v, torch.Tensor) and v.dtype in TORCH_DTYPES
+            if not isinstance(v, Traced) and not is_float:
+                return None
+            shapes.append(list(v.shape))
+            if isinstance(v, Traced) and v.program is not None and len(v.program.node.users) == 1:
+                return {"$step": fold(v.program)}
+            ref_in = {"$in": add_input(self.use(v, f"{node.name}_const{len(inputs)}"), tuple(v.shape))}
+            if isinstance(v, Traced) and v.dtype in INDEX_DTYPES:  # bound as fp32: the indices again, as torch takes them
+                steps.append({"impl": INDEX_STEP, "args": [ref_in], "kwargs": {"$dict": {}}, "item": -1,
+                              "shapes": [list(v.shape)], "out": list(v.shape)})
+                return {"$step": len(steps) - 1}
+            return ref_in
+
+        try:
+            step = {"impl": impl, "args": encode_arg(list(args), ref), "kwargs": encode_arg(dict(kwargs), ref)}
+        except TypeError as exc:
+            raise TorchImportError(f"{self.where(node)}: {exc}") from None
+        step.update({"item": item, "shapes": shapes, "out": list(concrete.shape)})
+        steps.append(step)
+        value = Traced(tuple(concrete.shape), concrete.dtype, True,
+                   program=Program(node, tuple(steps), tuple(inputs), tuple(in_shapes)))
+        users = list(node.users)
+        if len(users) == 1 and users[0].op != "output":
+            return value  # emitted when its consumer is not torch-backed
+        return Traced(value.shape, value.dtype, True, self.materialise(value))
+
+    def materialise(self, v: Traced) -> str:
+        """Emit a pending torch-backed value as one Opaque node (once)."""
+        p = v.program
+        assert p is not None
+        if id(p) not in self.emitted and v.dtype in TORCH_DTYPES:
+            layout = self.layout_op(p, v)
+            if layout is not None:
+                self.emitted[id(p)] = layout
+        if id(p) not in self.emitted:
+            call = {"steps": list(p.steps), "in": [list(s) for s in p.in_shapes], "out": list(v.shape)}
+            # named after its heaviest call (attention rather than the transposes around it)
+            impl = str(max(reversed(p.steps), key=step_flops)["impl"])
+            out = self.emit(p.node, "Opaque", list(p.inputs), {"impl": impl, "call": json.dumps(call, separators=(",", ":"))},
+                            v.shape, v.dtype)
+            assert out.id is not None
+            self.emitted[id(p)] = out.id
+            self.opaque_kernels += 1
+            self.opaque_names.extend(str(st["impl"]) for st in p.steps)
+        return self.emitted[id(p)]
+
+
+    def layout_op(self, p: Program, v: Traced) -> str | None:
+        """The op-table layout op a pending torch program is, emitted: heads merged back (``Merge``), heads taken
+        out of token rows (``Heads``), RoPE's ``RotateHalf``; None when it is none of them."""
+        in_ir = self.b.shape_of(p.inputs[0]) if len(p.inputs) == 1 else None
+        heads = head_merge(p.steps, p.in_shapes, v.shape)
+        if heads is not None and in_ir == head_major_shape(p.in_shapes[0]):
+            return self.emit(p.node, "Merge", [p.inputs[0]], {"heads": heads}, v.shape, v.dtype).id
+        split = head_split(p.steps, p.in_shapes)
+        if split is not None and in_ir == flat_shape(p.in_shapes[0]):
+            layout = split[1]
+            attrs = {"heads": layout.heads, "seq": layout.seq, "offset": layout.offset, "width": layout.width}
+            return self.emit(p.node, "Heads", [p.inputs[0]], attrs, v.shape, v.dtype).id
+        if rotate_half(p.steps, p.in_shapes, v.shape) and in_ir is not None and in_ir[-1] == v.shape[-1]:
+            return self.emit(p.node, "RotateHalf", [p.inputs[0]], None, v.shape, v.dtype).id
+        return None
+
+
+
+
+def renumber(step: dict[str, Any], inputs: Mapping[int, int], base: int) -> dict[str, Any]:
+    """A folded step with its input and step references moved to the consumer's numbering."""
+
+    def walk(d: Any) -> Any:
+        if isinstance(d, list):
+            return [walk(x) for x in d]
+        if isinstance(d, dict):
+            if set(d) == {"$in"}:
+                return {"$in": inputs[d["$in"]]}
+            if set(d) == {"$step"}:
+                return {"$step": base + d["$step"]}
+            return {k: walk(x) for k, x in d.items()}
+        return d
+
+    return {**step, "args": walk(step["args"]), "kwargs": walk(step["kwargs"])}
+
+
+def head_major_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """The IR shape of a (batch, heads, seq, d) value the op table computes: (batch * heads, seq, d)."""
+    b, h, s, d = shape
+    return (b * h, s, d)
+
+
+def is_tensor(v: Any) -> bool:
+    return isinstance(v, (Traced, torch.Tensor))
+
+
+def is_leaf_tensor(v: Any) -> bool:
+    """A tensor the importer can bind as a graph input (possibly transposed)."""
+    return isinstance(v, torch.Tensor) or (isinstance(v, Traced) and v.source is not None)
+
