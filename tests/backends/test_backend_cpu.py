@@ -117,7 +117,7 @@ def test_every_candidate_matches_reference_and_counts_model_bytes(name: str) -> 
 
 
 def test_gemm_runs_in_row_tiles_within_budget() -> None:
-    from backends.cpu.backend import cache_bytes
+    from backends.cpu.memory import cache_bytes
 
     default = cpu_backend()
     assert default.tile_bytes == cache_bytes()[0] // 4
@@ -365,7 +365,8 @@ def test_calibrate_refuses_an_unwritable_output_before_measuring(where, message,
 def test_blas_threads_are_pinned_while_plans_run(monkeypatch) -> None:
     from threadpoolctl import threadpool_info
 
-    from backends.cpu.backend import CpuBackend, limit_blas_threads
+    from backends.cpu.backend import CpuBackend
+    from backends.cpu.memory import limit_blas_threads
 
     def numpy_blas_threads() -> list[int]:
         return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas" and "numpy" in i["filepath"]]
@@ -725,7 +726,7 @@ def test_a_gemms_right_operand_is_read_in_place_in_either_order():
     """A fp32 tensor only GEMM libraries read (a weight) is bound as given, C or Fortran order: an nn.Linear
     weight (N, K) arrives as its (K, N) transpose and is multiplied in that layout, with no copy.  A tensor
     another kernel also reads keeps the C-ordered copy those kernels index."""
-    from backends.cpu.backend import gemm_b_only
+    from backends.cpu.memory import gemm_b_only
 
     g = examples.mlp_epilogue(48, 40, 32, "fp32")
     cands = build_candidates(g, "h200")

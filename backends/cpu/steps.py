@@ -1,0 +1,501 @@
+"""How each kernel of a plan becomes a step of the CPU backend: the GEMM steps (a library product by row tiles
+with a generated epilogue, or oneDNN post-ops on packed weights) and the standalone ones (attention's layouts and
+products, the fused attention kernel, torch-backed Opaque kernels). ``CpuBackend`` is built from these."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from backends.codegen import find_matmul
+from backends.cpu import gemm, parallel, standalone
+from backends.cpu.buffers import (
+    HeldWeights,
+    aligned_empty,
+)
+from backends.cpu.codegen import (
+    CKernel,
+    Compiler,
+    generate,
+    narrow_source,
+    rows_cols,
+    widen_source,
+)
+from backends.cpu.memory import Memory, Step, from_storage, gemm_tile_rows, storage_dtype, to_storage, weights_fact
+from planner.backend import (
+    BackendError,
+)
+from planner.core.cost import DeviceSpec
+from planner.core.graph import TensorType
+from planner.core.kinds import KernelKind
+from planner.core.opaque import opaque_writer
+from planner.core.ops import epilogue_has_bias
+from planner.core.plans import Kernel, Load
+from planner.core.reference import eval_expr
+
+log = logging.getLogger(__name__)
+
+
+class StepsBase:
+    """What the step builders read of the backend (``CpuBackend`` sets it), and the kernel binding they share."""
+
+    spec: DeviceSpec
+    threads: int
+    pool: parallel.WorkerPool
+    compiler: Compiler
+    gemm_library: str
+    matmul: gemm.MatMul
+    bmm: standalone.BatchMatMul
+    blas_threads: int | None
+    tile_bytes: int
+    held: HeldWeights
+    controller: Any  # threadpoolctl's, for BLAS's thread count
+    #: the plan's tensor types as the code generators take them, for the last tensors mapping seen
+    _types_of: tuple[Mapping[str, TensorType], dict[str, tuple[tuple[int, ...], str]]] | None
+
+    def _types(self, tensors: Mapping[str, TensorType]) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Shape and dtype by tensor, for codegen; one plan's kernels share its table (built once per plan:
+        a 1,000-op plan's kernels built it 1,000 times)."""
+        if self._types_of is None or self._types_of[0] is not tensors:
+            self._types_of = (tensors, {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()})
+        return self._types_of[1]
+
+    def _bind(self, ck: CKernel, buffers: Mapping[str, np.ndarray]) -> tuple[Callable[..., None], list[str | None], list[np.ndarray]]:
+        """The compiled function, the tensor of each pointer parameter (None: the GEMM tile), the buffers read."""
+        fn = self.compiler.function(ck.source, len(ck.params) + 1)
+        names, reads = [], []
+        for p in ck.params:
+            if p.tensor is not None and p.tensor not in buffers:
+                raise BackendError(f"kernel loads {p.tensor!r}, which is neither an input nor written by a kernel")
+            names.append(p.tensor)
+            if p.tensor is not None:
+                reads.append(buffers[p.tensor])
+        return fn, names, reads
+
+    def native(self, dtype: str) -> bool:
+        """Does this backend multiply ``dtype`` (16-bit) in torch's native kernels rather than widening it?  Its
+        own choice (``FUSION_PLANNER_CPU_GEMM_16BIT``), whichever library multiplies fp32, where torch is loaded."""
+        return dtype != "fp32" and (self.gemm_library == "torch" or "torch" in sys.modules) and gemm.native_16bit(dtype)
+
+
+class GemmSteps(StepsBase):
+    """GEMM kernels: the product by row tiles with the generated epilogue, or oneDNN's post-ops."""
+
+    def _widen(self, memory: Memory, name: str, dtype: str, max_rows: int) -> tuple[Callable[[int, int], np.ndarray], int]:
+        """``widen(r0, r1)``: fp32 values of rows r0..r1 of a GEMM operand, and the scratch bytes used.
+
+        fp32 operands are views of their array; 16-bit ones are converted into a scratch of
+        ``max_rows`` rows by a generated kernel (numpy's fp16 conversion is about 10x slower),
+        the analogue of BLAS packing.
+        """
+        buf = memory.own[name]
+        arrays, addr = memory.arrays, memory.addr
+        if buf.dtype == np.float32:
+            return (lambda r0, r1: arrays[name][r0:r1]), 0
+        cols = buf.shape[-1]
+        wide = aligned_empty((max_rows, cols), np.float32)
+        fn = self.compiler.function(widen_source(dtype), 2)
+        dst, row_bytes = wide.ctypes.data, cols * buf.itemsize
+
+        def widen(r0: int, r1: int) -> np.ndarray:
+            fn(addr[name] + r0 * row_bytes, dst, 0, r1 - r0, cols)
+            return wide[: r1 - r0]
+
+        return widen, wide.nbytes
+
+    def _tile_dtype(self, k: Kernel, tensors: Mapping[str, TensorType]) -> str:
+        """How a GEMM kernel's product tile is stored: in the operands' 16-bit dtype where torch multiplies it
+        natively (the product rounded to it, as eager torch rounds a Linear's output), else fp32."""
+        mm = find_matmul(k.body)
+        dtypes = {tensors[a.tensor].dtype for a in mm.args if isinstance(a, Load)}
+        (dtype,) = dtypes if len(dtypes) == 1 else ("fp32",)
+        return dtype if self.native(dtype) else "fp32"
+
+    @staticmethod
+    def _stored(memory: Memory, name: str) -> tuple[Callable[[int, int], np.ndarray], int]:
+        """``rows(r0, r1)``: rows r0..r1 of a GEMM operand as stored (no scratch)."""
+        arrays = memory.arrays
+        return (lambda r0, r1: arrays[name][r0:r1]), 0
+
+    def _gemm(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory) -> Step:
+        step = self._library_gemm(k, tensors, memory)
+        post = self._post_ops(k, tensors, memory)
+        return step if post is None else self._with_post_ops(k, memory, step, *post)
+
+    def _post_ops(self, k: Kernel, tensors: Mapping[str, TensorType],
+                  memory: Memory) -> tuple[str, str, str | None, gemm.PackedLinear] | None:
+        """(a, b, bias, linear) where a cublaslt kernel's epilogue is one oneDNN applies to the packed product
+        itself (``gemm.ONEDNN_POST_OPS``): its right operand a packable weight, every operand and the output of
+        the dtype torch multiplies natively; else None."""
+        if k.kind != KernelKind.CUBLASLT or k.epilogue not in gemm.ONEDNN_POST_OPS:
+            return None
+        mm = find_matmul(k.body)
+        a_name, b_name = (a.tensor for a in mm.args)  # type: ignore[union-attr]
+        bias = next((r for r in k.reads if r not in (a_name, b_name)), None) if epilogue_has_bias(k.epilogue) else None
+        dtype = self._tile_dtype(k, tensors)
+        operands = [a_name, b_name, k.out, *([bias] if bias else [])]
+        if dtype == "fp32" or b_name not in memory.packable or any(tensors[n].dtype != dtype for n in operands):
+            return None
+        return a_name, b_name, bias, gemm.packed_linear(dtype, *gemm.ONEDNN_POST_OPS[k.epilogue])
+
+    @staticmethod
+    def _with_post_ops(k: Kernel, memory: Memory, step: Step, a_name: str, b_name: str, bias: str | None,
+                       linear: gemm.PackedLinear) -> Step:
+        """A cublaslt kernel as oneDNN's packed product with its epilogue as post-ops, while the weight is packed
+        (``step``, the product and generated epilogue, otherwise).  The result is handed to the readers as oneDNN
+        wrote it (a fresh contiguous tensor), copied only into a plan output."""
+        arrays, packed, out_name, regular = memory.arrays, memory.packed, k.out, step.call
+        is_output, shape = out_name in memory.outputs, memory.own[k.out].shape
+
+        def call() -> None:
+            weight = packed.get(b_name)
+            if weight is None:
+                if not is_output:
+                    memory.restore(out_name)
+                regular()
+                return
+            result = gemm.tensor_bits(linear(arrays[a_name], weight, None if bias is None else arrays[bias]))
+            if is_output:
+                np.copyto(arrays[out_name], result.reshape(shape))
+            else:
+                memory.bind(out_name, result.reshape(shape))
+
+        facts = dict(step.facts, impl=f"onednn-{k.body.type.dtype}-post-ops", weights="packed if read-only")
+        return Step(k, call, step.reads, step.writes, facts)
+
+    def _library_gemm(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory) -> Step:
+        mm = find_matmul(k.body)
+        a_name, b_name = (a.tensor for a in mm.args)  # type: ignore[union-attr]
+        buffers = memory.own
+        for name in (a_name, b_name):
+            if name not in buffers:
+                raise BackendError(f"GEMM reads {name!r}, which is neither an input nor written by a kernel")
+        a_buf, b_buf = buffers[a_name], buffers[b_name]
+        rows, cols = rows_cols(tuple(k.body.type.shape))
+        kdim = a_buf.shape[-1]
+        if a_buf.shape != (rows, kdim) or b_buf.shape != (kdim, cols):
+            raise BackendError(f"GEMM operands {list(a_buf.shape)} @ {list(b_buf.shape)} do not give {[rows, cols]}")
+        # numpy's BLAS: one row block per worker, BLAS on one thread inside each.  torch: one block, torch.mm
+        # on every thread (MKL's own split of a GEMM beat ours by 1.2-1.3x on 2 cores here), and each
+        # tile's epilogue split by rows across the workers.
+        torch_gemm = self.gemm_library == "torch"
+        blocks = [(0, rows)] if torch_gemm else parallel.split(rows, parallel.gemm_parts(self.threads, rows))
+        # the workers share the last-level cache: each block's tiles get its share of the tile budget
+        tile_rows = min(gemm_tile_rows(rows, cols, kdim, self.tile_bytes // len(blocks)), blocks[0][1] - blocks[0][0])
+        a_dtype, b_dtype = tensors[a_name].dtype, tensors[b_name].dtype
+        # torch multiplies some 16-bit dtypes natively (AMX): the operands are read as stored, never widened,
+        # and the epilogue reads the product's 16-bit tile
+        tile_dtype = self._tile_dtype(k, tensors)
+        native = tile_dtype != "fp32"
+        stored = native or a_dtype == b_dtype == "fp32"  # the library reads both operands as stored
+        # a torch product keeps its operands' views while they stay the same arrays (not one handed out)
+        keep = (a_name not in memory.outputs, b_name not in memory.outputs)
+        linear = gemm.packed_linear(tile_dtype) if native and b_name in memory.packable else None
+        if k.body is mm and stored and k.body.type.dtype == tile_dtype:
+            product = gemm.torch_mm(tile_dtype, (*keep, False)) if native or torch_gemm else self.matmul
+            step = self._product(k, memory, a_name, b_name, self._packing(memory, b_name, product, linear))
+            step.facts["weights"] = "packed if read-only" if linear else step.facts["weights"]
+            return step
+        widen_b, b_scratch = self._stored(memory, b_name) if native else self._widen(memory, b_name, b_dtype, b_buf.shape[0])
+        ck = generate(k.body, self._types(tensors), tile=mm, tile_dtype=tile_dtype)
+        b_rows = b_buf.shape[0]
+        scratch = b_scratch
+        blockwork: list[tuple[Callable[..., None], list[str | None], np.ndarray, Callable[[int, int], np.ndarray],
+                              list[tuple[int, int]]]] = []
+        reads: list[np.ndarray] = []
+        for slot, (r_start, r_end) in enumerate(blocks):
+            tile = memory.scratch(slot, (tile_rows, cols), storage_dtype(tile_dtype))
+            widen_a, a_scratch = self._stored(memory, a_name) if native else self._widen(memory, a_name, a_dtype,
+                                                                                          tile_rows)
+            fn, params, reads = self._bind(ck, buffers)
+            scratch += tile.nbytes + a_scratch
+            bounds = [(r, min(r_end, r + tile_rows)) for r in range(r_start, r_end, tile_rows)]
+            blockwork.append((fn, params, tile, widen_a, bounds))
+        pool, addr, out_name, threads = self.pool, memory.addr, k.out, self.threads
+        facts = {
+            "impl": f"torch-{a_dtype}-gemm+c-epilogue" if native else f"{self.gemm_library}-gemm+c-epilogue",
+            "tile_rows": tile_rows,
+            "tiles": sum(-(-(end - start) // tile_rows) for start, end in blocks),
+            "threads": threads if torch_gemm else len(blocks),
+            "scratch_bytes": scratch,
+            "blas_threads": self.blas_threads or "default",
+            "weights": "packed if read-only" if linear else weights_fact(b_buf),
+            "source_sha256": ck.digest[:16],
+        }
+        step_reads = [a_buf, b_buf] + [b for b in reads if b is not a_buf and b is not b_buf]
+        if torch_gemm and stored and tile_rows >= rows:  # one tile, operands as stored: the short route
+            (fn, params, tile, _, _), = blockwork
+            call_one = self._one_tile(memory, (a_name, b_name, out_name), gemm.torch_mm(tile_dtype, (*keep, True)),
+                                      fn, params, tile, linear)
+            return Step(k, call_one, step_reads, buffers[k.out], facts)
+        product = self._packing(memory, b_name, gemm.torch_mm(a_dtype) if native else self.matmul, linear)
+
+        def call() -> None:
+            b32 = widen_b(0, b_rows)  # B as the product reads it (fp32: widened once), shared by the blocks
+            out = addr[out_name]
+            if torch_gemm:
+                ((fn, params, tile, widen_a, bounds),) = blockwork
+                epilogue = _split_epilogue(pool, threads, fn, [None if n is None else addr[n] for n in params],
+                                           tile.ctypes.data, out, cols, tile.itemsize)
+                _gemm_block(product, epilogue, tile, widen_a, b32, bounds)  # torch's threads: the plan's (_pools)
+                return
+            pool.run([functools.partial(_gemm_block, product, functools.partial(
+                          fn, *[tile.ctypes.data if n is None else addr[n] for n in params], out), tile, widen_a, b32, bounds)
+                      for fn, params, tile, widen_a, bounds in blockwork])
+
+        return Step(k, call, step_reads, buffers[k.out], facts)
+
+    def _one_tile(self, memory: Memory, names: tuple[str, str, str], product: gemm.MatMul, fn: Callable[..., None],
+                  params: list[str | None], tile: np.ndarray, linear: gemm.PackedLinear | None) -> Callable[[], None]:
+        """A torch GEMM + epilogue whose product is one tile, operands read as stored: the product of the
+        operands as bound (or by ``linear`` from the right operand's packed form, when it has one: the epilogue
+        reads oneDNN's result in place of the tile), then the epilogue over every row (on the calling thread, or
+        split across the pool)."""
+        a_name, b_name, out_name = names
+        arrays, addr, pool, threads, packed = memory.arrays, memory.addr, self.pool, self.threads, memory.packed
+        rows, cols = tile.shape
+        tile_ptr, itemsize = tile.ctypes.data, tile.itemsize
+
+        def call() -> None:
+            weight = packed.get(b_name) if linear is not None else None
+            if weight is None:
+                product(arrays[a_name], arrays[b_name], tile)  # on the plan's torch threads (CpuCompiledPlan._pools)
+                ptr = tile_ptr
+            else:
+                result = linear(arrays[a_name], weight)  # type: ignore[misc]  # alive until the epilogue is done
+                ptr = result.data_ptr()
+            if threads == 1:
+                fn(*[ptr if n is None else addr[n] for n in params], addr[out_name], 0, rows, cols)
+                return
+            _split_epilogue(pool, threads, fn, [None if n is None else addr[n] for n in params], ptr,
+                            addr[out_name], cols, itemsize)(0, rows, cols)
+
+        return call
+
+    @staticmethod
+    def _packing(memory: Memory, b_name: str, product: gemm.MatMul, linear: gemm.PackedLinear | None) -> gemm.MatMul:
+        """``product``, or, while the right operand has a packed form, ``linear``'s result copied into the output."""
+        if linear is None:
+            return product
+        return gemm.packing(product, linear, functools.partial(memory.packed.get, b_name))
+
+    def _product(self, k: Kernel, memory: Memory, a_name: str, b_name: str, product: gemm.MatMul) -> Step:
+        """A GEMM kernel that is its product alone: the library writes the output's rows, no tile, no epilogue
+        (which would only copy the tile).  Row blocks as in :meth:`_gemm`."""
+        arrays, out_name, threads, pool = memory.arrays, k.out, self.threads, self.pool
+        a_buf, b_buf = memory.own[a_name], memory.own[b_name]
+        rows = a_buf.shape[0]
+        torch_gemm = self.gemm_library == "torch"
+        blocks = [(0, rows)] if torch_gemm else parallel.split(rows, parallel.gemm_parts(threads, rows))
+
+        def call() -> None:
+            a, b, out = arrays[a_name], arrays[b_name], arrays[out_name]
+            if torch_gemm:  # on the plan's torch threads (CpuCompiledPlan._pools)
+                product(a, b, out)
+                return
+            pool.run([functools.partial(product, a[r0:r1], b, out[r0:r1]) for r0, r1 in blocks])
+
+        facts = {"impl": f"{self.gemm_library}-gemm", "threads": threads if torch_gemm else len(blocks),
+                 "blas_threads": self.blas_threads or "default",
+                 "weights": weights_fact(b_buf)}
+        if k.body.type.dtype != "fp32":  # a 16-bit product torch multiplies natively
+            facts["impl"] = f"torch-{k.body.type.dtype}-gemm"
+        return Step(k, call, [a_buf, b_buf], memory.own[out_name], facts)
+
+
+class StandaloneSteps(StepsBase):
+    """Standalone kernels (attention's layouts and products, fused attention) and Opaque kernels."""
+
+    def _standalone(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory) -> Step:
+        body = k.body
+        order = [a.tensor for a in body.args if isinstance(a, Load)]
+        if len(order) != len(body.args):
+            return self._converted(k, tensors, memory)
+        arrays, out_name, reads = memory.arrays, k.out, [memory.own[n] for n in dict.fromkeys(order)]
+        if body.op == "Heads" and out_name in memory.views:
+            return self._heads_view(k, memory, order[0], reads)
+        if body.op == "Merge" and order[0] in memory.handed:
+            return self._merge_handed(k, memory, order[0], reads)
+        if body.op in ("Heads", "Merge", "GroupRepeat"):  # a copy of the stored bits: any dtype
+            copy = standalone.layout_copy(body)
+
+            def call_copy() -> None:
+                copy(arrays[order[0]], arrays[out_name])
+
+            return Step(k, call_copy, reads, memory.own[k.out], {"impl": "numpy-layout-copy"})
+        dtype = body.type.dtype
+        if any(tensors[n].dtype != dtype for n in order):
+            return self._converted(k, tensors, memory)
+        if body.op in standalone.ATTENTION_OPS:
+            return self._attention(k, tensors, memory, order, reads)
+        bmm, impl = self.bmm, f"{self.gemm_library}-batched-gemm"
+        if dtype != "fp32":
+            if not self.native(dtype):
+                return self._converted(k, tensors, memory)  # 16-bit storage: the reference's numpy form
+            bmm, impl = standalone.torch_bmm_16bit(dtype), f"torch-{dtype}-batched-gemm"
+        write = standalone.scores_writer(body, bmm, dtype) if body.op == "BatchScores" else bmm
+
+        def call_product() -> None:  # a torch product runs on the plan's torch threads (CpuCompiledPlan._pools)
+            write(arrays[order[0]], arrays[order[1]], arrays[out_name])
+
+        return Step(k, call_product, reads, memory.own[k.out], {"impl": impl})
+
+    def _attention(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory, order: list[str],
+                   reads: list[np.ndarray]) -> Step:
+        """The generated attention kernel, groups split across the pool.  16-bit q, k, v: torch's fused
+        attention where torch multiplies the dtype natively (AMX: 0.22 ms against the generated kernel's 0.70
+        for GPT-2's 12 heads of 128 tokens, bf16, one core here), else fp32 copies for the generated kernel
+        and the result narrowed into its buffer (each a pass over a [groups, seq, head] tensor)."""
+        body, out_name, addr = k.body, k.out, memory.addr
+        groups, dtype = int(body.type.shape[0]), body.type.dtype
+        facts = {"impl": "c-attention", "threads": min(self.threads, groups), "key_block": standalone.KEY_BLOCK}
+        if self.native(dtype):
+            attend, arrays, threads = standalone.torch_attention_16bit(body, dtype), memory.arrays, self.threads
+            handed = out_name in memory.handed
+
+            def call_torch() -> None:  # on the plan's torch threads (CpuCompiledPlan._pools)
+                result = attend(*(arrays[n] for n in order))
+                if handed:  # read by Merge steps only: as torch wrote it
+                    memory.bind(out_name, gemm.tensor_bits(result))
+                    return
+                out = arrays[out_name]
+                np.copyto(out.reshape(result.shape), gemm.tensor_bits(result))
+
+            return Step(k, call_torch, reads, memory.own[out_name], {"impl": f"torch-sdpa-{dtype}", "threads": threads,
+                                                                    "result": "handed" if handed else "copied"})
+        source = standalone.source_of(body, {n: tuple(t.shape) for n, t in tensors.items()})
+        assert source is not None
+        fn = self.compiler.function(source, len(order) + 1)
+        if dtype == "fp32":
+            call = standalone.attention_call(fn, self.pool, self.threads, groups,
+                                             lambda: [addr[n] for n in order] + [addr[out_name]])
+            return Step(k, call, reads, memory.own[out_name], facts)
+        wide = {n: aligned_empty(memory.own[n].shape, np.float32) for n in dict.fromkeys(order)}
+        result = aligned_empty(memory.own[out_name].shape, np.float32)
+        widen = self.compiler.function(widen_source(dtype), 2)
+        narrow = self.compiler.function(narrow_source(dtype), 2)
+        run_kernel = standalone.attention_call(fn, self.pool, self.threads, groups,
+                                               lambda: [wide[n].ctypes.data for n in order] + [result.ctypes.data])
+
+        def call_widened() -> None:
+            for n, w in wide.items():
+                widen(addr[n], w.ctypes.data, 0, *rows_cols(w.shape))
+            run_kernel()
+            narrow(result.ctypes.data, addr[out_name], 0, *rows_cols(result.shape))
+
+        scratch = result.nbytes + sum(w.nbytes for w in wide.values())
+        return Step(k, call_widened, reads, memory.own[out_name], dict(facts, impl=f"c-attention-{dtype}-widened",
+                                                                 scratch_bytes=scratch))
+
+    def _torch_attention(self, k: Kernel, tensors: Mapping[str, TensorType]) -> bool:
+        """Is kernel ``k`` an attention that torch's fused kernel computes (16-bit, natively multiplied)?"""
+        body = k.body
+        return (k.kind == KernelKind.STANDALONE and body.op in standalone.ATTENTION_OPS
+                and all(isinstance(a, Load) and tensors[a.tensor].dtype == body.type.dtype for a in body.args)
+                and self.native(body.type.dtype))
+
+    @staticmethod
+    def _heads_view(k: Kernel, memory: Memory, source: str, reads: list[np.ndarray]) -> Step:
+        """A Heads kernel only torch's attention reads: its result bound as a strided view of its source."""
+        view, arrays, out_name = standalone.heads_view(k.body), memory.arrays, k.out
+        last: list[np.ndarray] = []  # the source array and its view, kept while the source is the same array
+
+        def call_view() -> None:
+            x = arrays[source]
+            if not last or last[0] is not x:
+                last[:] = [x, view(x)]
+            memory.bind(out_name, last[1])
+
+        return Step(k, call_view, reads, memory.own[out_name], {"impl": "strided-view"})
+
+    @staticmethod
+    def _merge_handed(k: Kernel, memory: Memory, source: str, reads: list[np.ndarray]) -> Step:
+        """A Merge of torch's attention result (batch, heads, seq, e): where torch wrote it in (batch, seq, heads,
+        e) order (given strided operands) and it is not a plan output, its token rows are a view of it; else
+        copied into the output."""
+        arrays, out_name, shape = memory.arrays, k.out, memory.own[k.out].shape
+        is_output = out_name in memory.outputs
+
+        def call_merge() -> None:
+            rows = standalone.merged_rows(arrays[source])
+            if not is_output and rows.flags.c_contiguous:
+                memory.bind(out_name, rows.reshape(shape))
+                return
+            if not is_output:
+                memory.restore(out_name)
+            np.copyto(arrays[out_name].reshape(rows.shape), rows)
+
+        return Step(k, call_merge, reads, memory.own[out_name], {"impl": "view-or-copy"})
+
+    def _opaque(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory) -> Step:
+        own, arrays = memory.own, memory.arrays
+        out_name = k.out
+        reads = [own[n] for n in dict.fromkeys(k.reads)]
+        direct = _direct_opaque(k, tensors)
+        if direct is not None:  # fp32 in and out: the implementation reads the bound arrays and writes out
+            write, order = direct
+
+            def call() -> None:
+                write([arrays[n] for n in order], arrays[out_name])
+
+            return Step(k, call, reads, own[k.out], {"impl": "opaque-in-place"})
+        return self._converted(k, tensors, memory)
+
+    def _converted(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory) -> Step:
+        """A kernel computed by the reference's numpy form: its loads widened from storage, the result stored."""
+        names = list(dict.fromkeys(k.reads))
+        own, arrays = memory.own, memory.arrays
+        out_name, dtype = k.out, k.body.type.dtype
+        reads = [own[n] for n in names]
+
+        def call_converted() -> None:
+            mem = {n: from_storage(arrays[n], tensors[n].dtype) for n in names}
+            value = eval_expr(k.body, mem, np.float32, {})
+            out = arrays[out_name]
+            if value.shape != out.shape:
+                raise BackendError(f"{k.describe()} computed shape {list(value.shape)}, expected {list(out.shape)}")
+            to_storage(value, dtype, out)
+
+        return Step(k, call_converted, reads, own[k.out], {"impl": "numpy-reference"})
+
+
+def _direct_opaque(k: Kernel, tensors: Mapping[str, TensorType]) -> tuple[Callable[..., None], list[str]] | None:
+    """(writer, loaded tensors in argument order) for a kernel that is one Opaque node over loads with every
+    tensor in fp32, whose implementation can write into a buffer; else None (the converting route)."""
+    body = k.body
+    if body.op != "Opaque" or not all(isinstance(a, Load) for a in body.args):
+        return None
+    order = [a.tensor for a in body.args]  # type: ignore[union-attr]
+    if body.type.dtype != "fp32" or any(tensors[n].dtype != "fp32" for n in order):
+        return None
+    return opaque_writer(body.attr_dict), order
+
+
+def _gemm_block(mm: gemm.MatMul, epilogue: Callable[[int, int, int], None], tile: np.ndarray,
+                widen_a: Callable[[int, int], np.ndarray], b32: np.ndarray, bounds: list[tuple[int, int]]) -> None:
+    """One block of a GEMM's rows: the GEMM library computes each tile of rows, the generated epilogue
+    (``epilogue(r0, r1, cols)``) stores it."""
+    cols = tile.shape[1]
+    for r0, r1 in bounds:
+        mm(widen_a(r0, r1), b32, tile[: r1 - r0])
+        epilogue(r0, r1, cols)
+
+
+def _split_epilogue(pool: parallel.WorkerPool, threads: int, fn: Callable[..., None], ptrs: list[int | None],
+                    tile_ptr: int, out: int, cols: int, itemsize: int) -> Callable[[int, int, int], None]:
+    """A tile's epilogue with its rows split across the pool (the tile pointer offset to each part's rows)."""
+    row_bytes = cols * itemsize
+
+    def run(r0: int, r1: int, cols: int) -> None:
+        parts = parallel.split(r1 - r0, parallel.loop_parts(threads, (r1 - r0) * cols))
+        pool.run_kernel(fn, len(ptrs) + 1, [[*[tile_ptr + s * row_bytes if p is None else p for p in ptrs],
+                                             out, r0 + s, r0 + e, cols] for s, e in parts])
+
+    return run
+
+
