@@ -9,7 +9,7 @@ import shutil
 
 from backends.cpu.backend import CpuBackend
 from backends.cpu.calibrate import calibrate_cpu
-from backends.cpu.codegen import CompilerUnavailable
+from backends.cpu.compiler import CompilerUnavailable
 from planner.backend import BackendPlugin, BackendUnavailable, Calibration
 from planner.core.cost import DeviceSpec
 from planner.core.errors import UsageError

@@ -39,15 +39,9 @@ from backends.cpu.buffers import (
     shared_buffers,
     typed_view,
 )
-from backends.cpu.codegen import (
-    CodegenError,
-    Compiler,
-    CompilerUnavailable,
-    generate,
-    narrow_source,
-    widen_source,
-)
+from backends.cpu.codegen import CodegenError, generate, narrow_source, widen_source
 from backends.cpu.compiled import CpuCompiledPlan
+from backends.cpu.compiler import Compiler, CompilerUnavailable
 from backends.cpu.memory import (
     Memory,
     Step,

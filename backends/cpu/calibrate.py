@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backends.cpu.codegen import Compiler, generate, noop_source
+from backends.cpu.codegen import generate, noop_source
+from backends.cpu.compiler import Compiler
 from backends.cpu.memory import blas_threads_from_env, cache_bytes, gemm_tile_rows, limit_blas_threads
 from planner.core.cost import DeviceSpec
 from planner.core.graph import TensorType

@@ -16,10 +16,7 @@ from backends.cpu import gemm, parallel
 from backends.cpu.buffers import (
     aligned_empty,
 )
-from backends.cpu.codegen import (
-    rows_cols,
-    widen_source,
-)
+from backends.cpu.codegen import rows_cols, widen_source
 from backends.cpu.memory import (
     BLAS_IMPLS,
     Memory,

@@ -60,7 +60,7 @@ import numpy as np
 from threadpoolctl import threadpool_info, threadpool_limits
 
 from backends.cpu.buffers import aligned_empty, padded_matrix
-from backends.cpu.codegen import cache_dir
+from backends.cpu.compiler import cache_dir
 from backends.cpu.parallel import torch_threads
 from planner.backend import BackendError
 from planner.core.dtypes import DTYPES

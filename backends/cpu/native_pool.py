@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from backends.codegen import CodegenError
 from backends.cpu import parallel
-from backends.cpu.codegen import Compiler
+from backends.cpu.compiler import Compiler
 
 log = logging.getLogger(__name__)
 

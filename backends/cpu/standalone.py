@@ -15,7 +15,7 @@ import numpy as np
 
 from backends.codegen import CodegenError
 from backends.cpu import parallel
-from backends.cpu.codegen import PRELUDE, SYMBOL
+from backends.cpu.prelude import PRELUDE, SYMBOL
 from planner.core.dtypes import DTYPES, numpy_dtype
 from planner.core.plans import Expr, Load
 

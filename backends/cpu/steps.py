@@ -18,14 +18,8 @@ from backends.cpu.buffers import (
     HeldWeights,
     aligned_empty,
 )
-from backends.cpu.codegen import (
-    CKernel,
-    Compiler,
-    generate,
-    narrow_source,
-    rows_cols,
-    widen_source,
-)
+from backends.cpu.codegen import CKernel, generate, narrow_source, rows_cols, widen_source
+from backends.cpu.compiler import Compiler
 from backends.cpu.memory import Memory, Step, from_storage, gemm_tile_rows, storage_dtype, to_storage, weights_fact
 from planner.backend import (
     BackendError,

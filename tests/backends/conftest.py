@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from backends.cpu.codegen import Compiler, CompilerUnavailable
+from backends.cpu.compiler import Compiler, CompilerUnavailable
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,9 @@ import subprocess
 import numpy as np
 import pytest
 
-from backends.cpu.codegen import (
-    PRELUDE,
-    CodegenError,
-    Compiler,
-    CompilerUnavailable,
-    generate,
-    noop_source,
-)
+from backends.cpu.codegen import CodegenError, generate, noop_source
+from backends.cpu.compiler import Compiler, CompilerUnavailable
+from backends.cpu.prelude import PRELUDE
 from planner.backend import BackendError, BackendUnavailable
 from planner.core import examples
 from planner.core.cost import device_from_json, load_device
@@ -541,12 +536,12 @@ def test_fma_contraction_is_an_option_within_the_fp32_tolerance(tmp_path):
 
 
 def test_a_hanging_compiler_is_a_clear_error_not_a_hang(tmp_path, monkeypatch):
-    import backends.cpu.codegen as codegen
+    import backends.cpu.compiler as compiler_module
 
     cc = tmp_path / "hanging-cc"
     cc.write_text("#!/bin/sh\nsleep 60\n")
     cc.chmod(0o755)
-    monkeypatch.setattr(codegen, "PROBE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(compiler_module, "PROBE_TIMEOUT_S", 0.5)
     with pytest.raises(CompilerUnavailable, match="did not finish within 0.5 s"):
         Compiler(cc=str(cc))
 
@@ -554,35 +549,35 @@ def test_a_hanging_compiler_is_a_clear_error_not_a_hang(tmp_path, monkeypatch):
 def test_the_compiler_probe_runs_once_per_compiler_and_a_tampered_record_is_ignored(tmp_path, monkeypatch, compiler):
     """The probe's answer is kept in the kernel cache: a new process (the in-process memo cleared) runs no
     compiler before its first kernel; a record whose flags the probe could not have chosen is ignored."""
-    import backends.cpu.codegen as codegen
+    import backends.cpu.compiler as compiler_module
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     runs: list[list[str]] = []
-    real_run = codegen._run
-    monkeypatch.setattr(codegen, "_run", lambda cmd, *a: (runs.append(cmd), real_run(cmd, *a))[1])
-    codegen._probe.cache_clear()
-    first = codegen._probe(compiler.cc)
-    assert runs and (first[0], first[1]) in codegen.PROBE_ATTEMPTS
+    real_run = compiler_module._run
+    monkeypatch.setattr(compiler_module, "_run", lambda cmd, *a: (runs.append(cmd), real_run(cmd, *a))[1])
+    compiler_module._probe.cache_clear()
+    first = compiler_module._probe(compiler.cc)
+    assert runs and (first[0], first[1]) in compiler_module.PROBE_ATTEMPTS
     runs.clear()
-    codegen._probe.cache_clear()
-    assert codegen._probe(compiler.cc) == first and runs == []
+    compiler_module._probe.cache_clear()
+    assert compiler_module._probe(compiler.cc) == first and runs == []
     (record,) = (tmp_path / "fusion-planner" / "cpu").glob("probe-*.json")
     record.write_text(json.dumps({"flags": [*first[0], "-fplugin=/tmp/evil.so"], "libs": [], "version": "x"}))
-    codegen._probe.cache_clear()
-    assert codegen._probe(compiler.cc) == first and runs  # probed again, the injected flag never used
-    codegen._probe.cache_clear()
+    compiler_module._probe.cache_clear()
+    assert compiler_module._probe(compiler.cc) == first and runs  # probed again, the injected flag never used
+    compiler_module._probe.cache_clear()
 
 
 def test_a_hanging_kernel_build_is_a_clear_error(tmp_path, monkeypatch, compiler):
-    import backends.cpu.codegen as codegen
+    import backends.cpu.compiler as compiler_module
 
-    shutil_which = codegen.shutil.which(compiler.cc)
+    shutil_which = compiler_module.shutil.which(compiler.cc)
     assert shutil_which
     cc = tmp_path / "slow-cc"
     cc.write_text(f'#!/bin/sh\ncase "$*" in *kernel.c*) sleep 60;; esac\nexec {shutil_which} "$@"\n')
     cc.chmod(0o755)
     slow = Compiler(cc=str(cc), directory=tmp_path / "cache")
-    monkeypatch.setattr(codegen, "BUILD_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(compiler_module, "BUILD_TIMEOUT_S", 0.5)
     with pytest.raises(CodegenError, match="did not finish within 0.5 s"):
         slow.build(noop_source())
 

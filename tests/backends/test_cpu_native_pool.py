@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from backends.cpu import native_pool, parallel
-from backends.cpu.codegen import Compiler
+from backends.cpu.compiler import Compiler
 from planner.backend import BackendUnavailable
 from planner.core import examples
 from planner.core.cost import load_device

@@ -300,7 +300,7 @@ def _kernel_sources(graph) -> list[str]:  # noqa: ANN001
 
 
 def test_batched_builds_compile_each_kernel_once_and_load_like_single_builds(tmp_path) -> None:  # noqa: ANN001
-    from backends.cpu.codegen import Compiler
+    from backends.cpu.compiler import Compiler
 
     sources = _kernel_sources(examples.ew_chain(3, 64))
     assert len(sources) >= 4
@@ -321,7 +321,8 @@ def test_batched_builds_compile_each_kernel_once_and_load_like_single_builds(tmp
 
 
 def test_a_failed_or_altered_batch_costs_nothing_but_time(tmp_path, caplog) -> None:  # noqa: ANN001
-    from backends.cpu.codegen import PRELUDE, Compiler
+    from backends.cpu.compiler import Compiler
+    from backends.cpu.prelude import PRELUDE
 
     good = _kernel_sources(examples.ew_chain(1, 64))
     bad = PRELUDE + "void fp_kernel(const float* t0, float* out, int64_t r0, int64_t r1, int64_t cols) { nonsense; }\n"

@@ -1,0 +1,162 @@
+"""The C the CPU backend's kernels share: the compiler flags they are built with, the prelude every source starts
+with (the helpers the op table's snippets call, 16-bit conversions, 16-lane vectors), and how a pointer
+parameter is indexed."""
+
+from __future__ import annotations
+
+SYMBOL = "fp_kernel"
+#: -fno-trapping-math: nothing here reads floating-point exception flags, and without it gcc 12 will not
+#: if-convert a select (ReLU) followed by arithmetic, so such loops stay scalar and branchy
+BASE_FLAGS = ("-O3", "-fPIC", "-shared", "-fno-trapping-math")
+#: FMA contraction of a*x + b (fp contract fast) or none; see Compiler.fma and docs/backends.md
+CONTRACT_FLAGS = {True: "-ffp-contract=fast", False: "-ffp-contract=off"}
+NATIVE_FLAGS = ("-march=native",)
+#: x86 only: on AVX-512 targets gcc otherwise keeps 256-bit vectors; fused chains of a dozen or more ops
+#: are bound by vector throughput, and 512-bit vectors ran them 1.6x faster here (docs/backends.md)
+WIDE_VECTOR_FLAGS = ("-mprefer-vector-width=512",)
+#: glibc's vector math library for tanhf/erff/expf (see PRELUDE), used when it links
+VECTOR_MATH = (("-fno-math-errno", "-DFP_VECTOR_MATH=1"), ("-lmvec",))
+
+#: index kinds of a pointer parameter: the output's layout, a row vector
+#: broadcast over rows (a bias), or the fp32 GEMM tile of a GEMM+epilogue kernel
+INDEX = {
+    "full": "{p}[r * cols + c]",
+    "col": "{p}[c]",
+    "row": "{p}[r]",  # one value per row (a row kernel's per-row operand)
+    "tile": "{p}[(r - r0) * cols + c]",
+    "wrap": "{p}[(r % {period}) * cols + c]",  # a tile of the output's trailing dims: its rows repeat
+    "group": "{p}[(r / {period}) * cols + c]",  # one row per group of {period} output rows (an attention mask)
+    # RotateHalf's input: the other half's column, negated in the first half; the loop over a row runs in
+    # two halves, each filling in its shift and sign (see _loop_function), so both stay contiguous loads
+    "rot": "{p}[r * cols + c + FP_ROT_SHIFT]",
+}
+
+PRELUDE = r"""#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(FP_VECTOR_MATH) && defined(__x86_64__) && defined(__GLIBC__)
+/* glibc declares these SIMD variants (libmvec) only under -ffast-math, which
+   would also break the IEEE rounding the conversions below rely on. */
+float tanhf(float) __attribute__((__simd__("notinbranch")));
+float erff(float) __attribute__((__simd__("notinbranch")));
+float expf(float) __attribute__((__simd__("notinbranch")));
+#endif
+
+static inline float fp_bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t fp_f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+/* ReLU as a bit mask, not a branch: gcc threads a branch into every later op of a fused chain
+   (both paths, predicated), which made long chains 1.5-2x slower on AVX2; this keeps NaN and -0. */
+static inline float fp_relu(float x) { return fp_bits_f32(fp_f32_bits(x) & ~(-(uint32_t)(x < 0.0f))); }
+
+/* torch.maximum / torch.minimum as bit masks too: NaN if either operand is NaN, the second operand
+   when they compare equal (so max(-0, +0) = +0 and max(+0, -0) = -0, as torch and numpy answer). */
+static inline float fp_pick(float a, float b, uint32_t take_a) {
+    uint32_t m = -take_a;
+    return fp_bits_f32((fp_f32_bits(a) & m) | (fp_f32_bits(b) & ~m));
+}
+static inline float fp_max(float a, float b) { return fp_pick(a, b, (uint32_t)((a > b) | (a != a))); }
+static inline float fp_min(float a, float b) { return fp_pick(a, b, (uint32_t)((a < b) | (a != a))); }
+
+/* A row reduction's 16 partial results as one vector (GCC/clang vector extensions): gcc vectorises
+   neither the NaN-keeping max of a loop-carried partial nor the loop around it otherwise. */
+typedef float fp_v16 __attribute__((vector_size(64)));
+typedef int32_t fp_v16i __attribute__((vector_size(64)));
+static inline fp_v16 fp_v16_load(const float* p) { fp_v16 v; memcpy(&v, p, 64); return v; }
+static inline fp_v16 fp_v16_fill(float x) { fp_v16 v; for (int j = 0; j < 16; ++j) v[j] = x; return v; }
+static inline fp_v16 fp_v16_add(fp_v16 a, fp_v16 b) { return a + b; }
+static inline fp_v16 fp_v16_max(fp_v16 a, fp_v16 b) {
+    fp_v16i m = (a > b) | (a != a);
+    return (fp_v16)(((fp_v16i)a & m) | ((fp_v16i)b & ~m));
+}
+static inline float fp_v16_hadd(fp_v16 v) {
+    float p[16];
+    memcpy(p, &v, 64);
+    for (int h = 8; h > 0; h /= 2) for (int j = 0; j < h; ++j) p[j] = p[j] + p[j + h];
+    return p[0];
+}
+static inline float fp_v16_hmax(fp_v16 v) {
+    float p[16];
+    memcpy(p, &v, 64);
+    for (int h = 8; h > 0; h /= 2) for (int j = 0; j < h; ++j) p[j] = fp_max(p[j], p[j + h]);
+    return p[0];
+}
+
+static inline float fp_bf16_to_f32(uint16_t h) { return fp_bits_f32((uint32_t)h << 16); }
+
+/* Branch-free conversions (so loops vectorise); the fp16 pair follows
+   Maratyszcza's FP16 library (MIT) and needs IEEE round-to-nearest-even float
+   arithmetic without flush-to-zero, which these flags guarantee. */
+static inline uint16_t fp_f32_to_bf16(float f) {
+    uint32_t u = fp_f32_bits(f);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;      /* round to nearest even */
+    uint32_t qnan = (u >> 16) | 0x40u;                                /* NaN stays a (quiet) NaN */
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? qnan : rounded);
+}
+
+static inline float fp_f16_to_f32(uint16_t h) {
+    uint32_t w = (uint32_t)h << 16, sign = w & 0x80000000u, two_w = w + w;
+    float normal = fp_bits_f32((two_w >> 4) + (0xe0u << 23)) * 0x1.0p-112f;
+    float subnormal = fp_bits_f32((two_w >> 17) | (126u << 23)) - 0.5f;
+    uint32_t bits = two_w < (1u << 27) ? fp_f32_bits(subnormal) : fp_f32_bits(normal);
+    return fp_bits_f32(sign | bits);
+}
+
+static inline uint16_t fp_f32_to_f16(float f) {
+    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;             /* overflows to inf where fp16 does */
+    uint32_t w = fp_f32_bits(f), shl1_w = w + w, sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xff000000u;
+    bias = bias < 0x71000000u ? 0x71000000u : bias;
+    base = fp_bits_f32((bias >> 1) + 0x07800000u) + base;              /* the add rounds to fp16 precision */
+    uint32_t bits = fp_f32_bits(base);
+    uint32_t nonsign = ((bits >> 13) & 0x7c00u) + (bits & 0x0fffu);
+    return (uint16_t)((sign >> 16) | (shl1_w > 0xff000000u ? 0x7e00u : nonsign));
+}
+
+/* erf as a rational function (the coefficients of Eigen's and XLA's float erf), x clamped to [-4, 4] where
+   erf is +-1 in fp32: inline arithmetic, so a loop of it vectorises with no vector-math call (libmvec's erff
+   ran GELU over a 128x3072 tile 2.5x slower than a ReLU); max error 4.4e-7 against fp64 erf, NaN stays NaN. */
+static inline float fp_erf(float x) {
+    const float c = x > 4.0f ? 4.0f : (x < -4.0f ? -4.0f : x), c2 = c * c;
+    float p = -2.72614225801306e-10f;
+    p = p * c2 + 2.77068142495902e-08f;
+    p = p * c2 - 2.10102402082508e-06f;
+    p = p * c2 - 5.69250639462346e-05f;
+    p = p * c2 - 7.34990630326855e-04f;
+    p = p * c2 - 2.95459980854025e-03f;
+    p = p * c2 - 1.60960333262415e-02f;
+    float q = -1.45660718464996e-05f;
+    q = q * c2 - 2.13374055278905e-04f;
+    q = q * c2 - 1.68282697438203e-03f;
+    q = q * c2 - 7.37332916720468e-03f;
+    q = q * c2 - 1.42647390514189e-02f;
+    return c * p / q;
+}
+
+/* tanh as a rational function too (Eigen's float tanh, x clamped to +-7.905 where tanh is +-1 in fp32; near 0
+   the ratio's leading terms give x within 1.3e-7 relative): the tanh GELU of a 128x3072 tile, fp32, one core,
+   171 -> 142 us against libmvec's tanhf; max error 3.9e-7 against fp64 tanh, NaN stays NaN. */
+static inline float fp_tanh(float x) {
+    const float c = x > 7.90531110763549805f ? 7.90531110763549805f : (x < -7.90531110763549805f ? -7.90531110763549805f : x);
+    const float c2 = c * c;
+    float p = -2.76076847742355e-16f;
+    p = p * c2 + 2.00018790482477e-13f;
+    p = p * c2 - 8.60467152213735e-11f;
+    p = p * c2 + 5.12229709037114e-08f;
+    p = p * c2 + 1.48572235717979e-05f;
+    p = p * c2 + 6.37261928875436e-04f;
+    p = p * c2 + 4.89352455891786e-03f;
+    float q = 1.19825839466702e-06f;
+    q = q * c2 + 1.18534705686654e-04f;
+    q = q * c2 + 2.26843463243900e-03f;
+    q = q * c2 + 4.89352518554385e-03f;
+    return c * p / q;
+}
+
+/* Cast's rounding in registers: the value a store of that dtype would keep */
+static inline float fp_round_bf16(float x) { return fp_bf16_to_f32(fp_f32_to_bf16(x)); }
+static inline float fp_round_f16(float x) { return fp_f16_to_f32(fp_f32_to_f16(x)); }
+"""
+
+#: per storage dtype: C element type, load conversion, store conversion
