@@ -12,16 +12,11 @@ from planner.cli import main
 from planner.core.examples import ew_chain
 from planner.core.ops import OPS, OpDef, same_shape
 from planner.egraph.candidates import build_candidates
-from planner.rules.check import (
-    UnsoundRuleError,
-    arg_sorts,
-    check_rule,
-    check_text,
-    prepare,
-    rules_of,
-)
+from planner.rules.check import UnsoundRuleError, check_rule, check_text
 from planner.rules.files import RuleFileError, shipped_rules
 from planner.rules.load import load_rules, user_rules
+from planner.rules.prepare import prepare
+from planner.rules.terms import arg_sorts, rules_of
 
 BAD = sorted((FIXTURES / "bad_rules").glob("*.egg"))
 GOOD = sorted((FIXTURES / "good_rules").glob("*.egg"))
