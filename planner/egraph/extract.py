@@ -23,7 +23,7 @@ import itertools
 import json
 import logging
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
@@ -255,12 +255,15 @@ class Extractor:
     _unfused: dict[str, Option] | None = None
     _chain: bool | None = None
     _capped: dict[str, None] = field(default_factory=dict)  # values whose bodies the body cap cut, in order
+    #: stored class -> the value class it stores (the child of its K node)
+    _stored_value: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # each class's bodies are dropped once every e-node reading it has used them: they are the bulk of
         # the extractor's memory (a 64-op region cap gives a chain's node up to 64 bodies of up to 64 ops),
         # and a class asked for again after that is only computed again
         self._names = {c: self.view.value_node.get(c, c) for c in self.view.classes}
+        self._stored_value = {s: n.children[0] for s in self.view.stored for n in self.view.classes[s] if n.op == "K"}
         self._uses = collections.Counter(c for nodes in self.view.classes.values() for n in nodes for c in n.children)
         for cls in sorted(self.view.stored - self.view.inputs, key=self.view.order.__getitem__):
             opts = self._options_for(cls)
@@ -336,7 +339,7 @@ class Extractor:
         g, e, r, op_kind = self._node_facts(v, idx)
         if len(parts) == 1 and parts[0].assign and v not in parts[0].assign:  # a chain: one child in registers
             p = parts[0]
-            if len(p.assign) >= self.max_region_ops:
+            if len(p.assign) >= self.max_region_ops or self._loads_own(p.leaves, (v,)):
                 return None
             assign = p.assign.copy()
             assign[v] = idx
@@ -373,7 +376,15 @@ class Extractor:
             assign[v] = idx
             gemm, ew, regs, kind = gemm + g, ew + e, regs + r, _KERNEL_OF_OP.get(op_kind, kind)
         leaves = parts[0].leaves if len(parts) == 1 else frozenset[str]().union(*(p.leaves for p in parts))
+        if self._loads_own(leaves, assign):
+            return None
         return _Body(assign, leaves, n_mm, n_red, gemm, ew, regs, kind)
+
+    def _loads_own(self, leaves: frozenset[str], computed: Collection[str]) -> bool:
+        """Would a kernel computing ``computed`` in registers also read one of them from memory? Never a better
+        kernel than the one using its register value throughout, and not the same numbers: ``x - x`` reading one
+        operand stored in fp16 and the other in fp32 registers is the store's rounding error, not zero."""
+        return any(self._stored_value.get(leaf) in computed for leaf in leaves)
 
     def _options_for(self, cls: str) -> list[Option]:
         opts: dict[Any, Option] = {}
