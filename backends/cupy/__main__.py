@@ -20,7 +20,7 @@ from typing import Any
 
 from backends.cupy import c05, calibrate, facts
 from backends.cupy.bundle import BundleError, generated_kernels, load_bundle
-from backends.cupy.codegen import CudaKernel
+from backends.cupy.kernel import CudaKernel
 from backends.cupy.runner import best_timed, make_executor, time_bundle, write_measured
 from planner.backend import BackendUnavailable
 from planner.core import limits

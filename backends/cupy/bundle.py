@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from backends.cupy.codegen import CodegenError, CudaKernel, cuda_kernel_from_json, generate
+from backends.cupy.codegen import CodegenError, generate
+from backends.cupy.kernel import CudaKernel, cuda_kernel_from_json
 from planner.core.cost import KernelCost
 from planner.core.files import read_limited
 from planner.core.graph import GraphError, TensorType, tensor_type

@@ -17,11 +17,7 @@ from a sanitised tensor name.  Shapes are compile-time constants.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import re
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from backends.codegen import (
@@ -32,175 +28,30 @@ from backends.codegen import (
     is_rotated,
     is_row_kernel,
     loads,
-    nodes_to_emit,
     row_level,
     row_read,
     row_width,
-    snippet,
     tile_rows,
 )
+from backends.cupy.kernel import (
+    BLOCK,
+    CTYPE,
+    FROM_FLOAT,
+    GEMM_THREADS,
+    GEMM_TILE,
+    PRELUDE,
+    RAW,
+    TO_FLOAT,
+    CudaKernel,
+    emit_body,
+    kernel_name,
+    shape_salt,
+)
+from backends.cupy.standalone import standalone_kernel
 from planner.core.dtypes import DTYPES
 from planner.core.graph import TensorType
 from planner.core.kinds import KernelKind
-from planner.core.ops import op_def
-from planner.core.plans import Expr, Kernel, Load, expr_to_json
-
-BLOCK = 256
-GEMM_TILE = (128, 128, 32)  # BM, BN, BK
-GEMM_THREADS = 256
-
-CTYPE = {"fp32": "float", "fp16": "__half", "bf16": "__nv_bfloat16"}
-TO_FLOAT = {"fp32": "{}", "fp16": "__half2float({})", "bf16": "__bfloat162float({})"}
-FROM_FLOAT = {"fp32": "{}", "fp16": "__float2half_rn({})", "bf16": "__float2bfloat16_rn({})"}
-RAW = {4: "unsigned int", 8: "uint2", 16: "uint4"}
-
-PRELUDE = """#include <cuda_fp16.h>
-#include <cuda_bf16.h>
-#ifndef FP_PRELUDE
-#define FP_PRELUDE
-__host__ __device__ __forceinline__ float fp_relu(float x) { return x < 0.0f ? 0.0f : x; }
-__host__ __device__ __forceinline__ float fp_max(float a, float b) { return (a > b || a != a) ? a : b; }
-__host__ __device__ __forceinline__ float fp_min(float a, float b) { return (a < b || a != a) ? a : b; }
-__host__ __device__ __forceinline__ float fp_erf(float x) { return erff(x); }
-__host__ __device__ __forceinline__ float fp_tanh(float x) { return tanhf(x); }
-__host__ __device__ __forceinline__ float fp_round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
-__host__ __device__ __forceinline__ float fp_round_f16(float x) { return __half2float(__float2half_rn(x)); }
-__host__ __device__ __forceinline__ float fp_bits_f32(unsigned int u) { union { unsigned int u; float f; } v = {u}; return v.f; }
-__host__ __device__ __forceinline__ float fp_neg_inf() { return fp_bits_f32(0xff800000u); }
-#endif
-"""
-
-
-@dataclass(frozen=True)
-class CudaKernel:
-    """One generated kernel: source, parameter order and launch shape."""
-
-    name: str
-    kind: str  # a KernelKind: elementwise or gemm_epilogue
-    source: str
-    params: tuple[str, ...]  # tensor names in parameter order; the output is last
-    block: int
-    #: elementwise: grid = min(grid_per_sm * SMs, work_blocks); gemm: fixed (x, y)
-    grid: tuple[int, int]
-    grid_per_sm: int = 0
-    vec: int = 1
-
-    @property
-    def digest(self) -> str:
-        return hashlib.sha256(self.source.encode()).hexdigest()[:16]
-
-    def grid_for(self, sm_count: int) -> tuple[int, int]:
-        if self.grid_per_sm:
-            return (max(1, min(self.grid_per_sm * sm_count, self.grid[0])), 1)
-        return self.grid
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "name": self.name,
-            "kind": self.kind,
-            "source": self.source,
-            "params": list(self.params),
-            "block": self.block,
-            "grid": list(self.grid),
-            "grid_per_sm": self.grid_per_sm,
-            "vec": self.vec,
-        }
-
-
-def cuda_kernel_from_json(d: dict) -> CudaKernel:
-    return CudaKernel(
-        name=str(d["name"]),
-        kind=str(d["kind"]),
-        source=str(d["source"]),
-        params=tuple(str(p) for p in d["params"]),
-        block=int(d["block"]),
-        grid=(int(d["grid"][0]), int(d["grid"][1])),
-        grid_per_sm=int(d.get("grid_per_sm", 0)),
-        vec=int(d.get("vec", 1)),
-    )
-
-
-def sanitize(name: str, limit: int = 40) -> str:
-    """A C identifier fragment from arbitrary text: [A-Za-z0-9_] only, bounded length."""
-    s = re.sub(r"[^A-Za-z0-9_]", "_", name)[:limit]
-    return s or "t"
-
-
-_NAME_TAG: dict[str, str] = {KernelKind.ELEMENTWISE: "ew", KernelKind.STANDALONE: "sa"}
-
-
-def kernel_name(kind: str, out: str, salt: str) -> str:
-    h = hashlib.sha256(f"{kind}:{out}:{salt}".encode()).hexdigest()[:8]
-    return f"fp_{_NAME_TAG.get(kind, 'gemm')}_{sanitize(out)}_{h}"
-
-
-# ---------------------------------------------------------------- expression emitter
-
-LeafFn = Callable[[int, int], str]  # (param index, lane) -> variable holding the loaded value
-
-
-def emit_body(
-    body: Expr,
-    lanes: int,
-    leaf_var: Callable[[str, int], str],
-    fixed: dict[int, Sequence[str]] | None = None,
-    indent: str = "    ",
-    rotated_var: Callable[[str, int], str] | None = None,
-) -> tuple[list[str], list[str]]:
-    """Statements computing ``body`` for ``lanes`` independent elements, and the result vars.
-
-    ``fixed`` maps ``id(expr)`` to per-lane variables already holding its value
-    (the GEMM accumulator); ``rotated_var`` names a tensor's value read rotated (``RotateHalf``'s input).
-    """
-    fixed = dict(fixed or {})
-    vars_of: dict[int, list[str]] = {k: list(v) for k, v in fixed.items()}
-    lines: list[str] = []
-    position = {id(e): j for j, e in enumerate(body.walk())}  # names stay those of the node's place in the body
-    for e in nodes_to_emit(body, given=vars_of):
-        j = position[id(e)]
-        out = [f"t{j}_{lane}" for lane in range(lanes)]
-        leaf = leaf_var
-        if is_rotated(e):
-            if rotated_var is None:
-                raise CodegenError(f"RotateHalf {e.node!r}: this kernel form cannot read a rotated input")
-            leaf = rotated_var
-        for lane in range(lanes):
-            args = [leaf(a.tensor, lane) if isinstance(a, Load) else vars_of[id(a)][lane] for a in e.args]
-            lines.append(f"{indent}float {out[lane]} = {snippet(e, args)};")
-        temps = op_def(e.op).probe_temps(e.attr_dict)
-        if temps > 0:
-            lines += _probe(out, temps, f"q{j}", indent)
-        vars_of[id(e)] = out
-    return lines, vars_of[id(body)]
-
-
-def _probe(values: list[str], temps: int, tag: str, indent: str) -> list[str]:
-    """C-05's fat probe: ``temps`` chained temporaries per lane, all live at once.
-
-    The chain runs forward; the sink consumes it backwards and across lanes, so
-    every temporary of every lane is live when the chain ends.  The value is
-    unchanged unless the bounded sink equals 3e38, which it cannot reach.
-    """
-    lanes = len(values)
-    lines = []
-    for lane, v in enumerate(values):
-        prev = v
-        for t in range(temps):
-            a = 1.0 - 1.0 / (64.0 + t)
-            lines.append(f"{indent}float {tag}_{t}_{lane} = fmaf({prev}, {a!r}f, {0.001 * (t + 1)!r}f);")
-            prev = f"{tag}_{t}_{lane}"
-    for lane in range(lanes):
-        lines.append(f"{indent}float {tag}_s_{lane} = 0.0f;")
-    for t in reversed(range(temps)):
-        for lane in range(lanes):
-            other = (lane + 1) % lanes
-            lines.append(
-                f"{indent}{tag}_s_{lane} = fmaf({tag}_s_{lane}, 0.5f, {tag}_{t}_{lane} * {tag}_{t}_{other});"
-            )
-    for lane, v in enumerate(values):
-        lines.append(f"{indent}{v} = ({tag}_s_{lane} == 3.0e38f) ? {tag}_s_{lane} : {v};")
-    return lines
-
+from planner.core.plans import Expr, Kernel, Load
 
 # ---------------------------------------------------------------- elementwise
 
@@ -258,7 +109,7 @@ def elementwise_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
     index = {t: i for i, t in enumerate(leaves)}
     params = [f"const {CTYPE[tensors[t].dtype]}* __restrict__ p{index[t]}" for t in leaves]
     params.append(f"{CTYPE[out_t.dtype]}* __restrict__ out")
-    name = kernel_name(KernelKind.ELEMENTWISE, k.out, _shape_salt(k, tensors))
+    name = kernel_name(KernelKind.ELEMENTWISE, k.out, shape_salt(k, tensors))
     src = [PRELUDE, f'extern "C" __global__ void {name}({", ".join(params)}) {{']
     src.append(f"  const long long N = {n}LL;")
     src.append("  const long long stride = (long long)blockDim.x * gridDim.x;")
@@ -296,10 +147,6 @@ class _Reads:
         return f"b{self.index[t]}_{lane}"
 
 
-def _shape_salt(k: Kernel, tensors: dict[str, TensorType]) -> str:
-    """What makes two kernels writing the same tensor differ: body, shapes and dtypes."""
-    shapes = ",".join(f"{t}:{tensors[t].shape}:{tensors[t].dtype}" for t in (*k.reads, k.out) if t in tensors)
-    return shapes + json.dumps(expr_to_json(k.body), sort_keys=True)
 
 
 def _vector_loop(body: Expr, reads: _Reads, out_t: TensorType, vec: int) -> list[str]:
@@ -457,7 +304,7 @@ def gemm_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
     lines += stmts
     params = [f"const {CTYPE[tensors[t].dtype]}* __restrict__ p{index[t]}" for t in leaves]
     params.append(f"{CTYPE[out_t.dtype]}* __restrict__ out")
-    name = kernel_name(KernelKind.GEMM_EPILOGUE, k.out, _shape_salt(k, tensors))
+    name = kernel_name(KernelKind.GEMM_EPILOGUE, k.out, shape_salt(k, tensors))
     bm, bn, bk = GEMM_TILE
     src = PRELUDE + _GEMM_TEMPLATE.format(
         threads=GEMM_THREADS,
@@ -511,115 +358,13 @@ def row_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
     lines = emitter.output(body, lambda value, at: f"out[{at}] = {FROM_FLOAT[out_t.dtype].format(value)};")
     params = [f"const {CTYPE[tensors[t].dtype]}* __restrict__ p{index[t]}" for t in leaves]
     params.append(f"{CTYPE[out_t.dtype]}* __restrict__ out")
-    name = kernel_name(KernelKind.ELEMENTWISE, k.out, _shape_salt(k, tensors))
+    name = kernel_name(KernelKind.ELEMENTWISE, k.out, shape_salt(k, tensors))
     src = [PRELUDE, f'extern "C" __global__ void {name}({", ".join(params)}) {{',
            "  const long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x;",
            f"  if (r >= {rows}LL) return;", *(f"  {line}" for line in lines), "}"]
     grid = (max(1, -(-rows // ROW_BLOCK)), 1)
     return CudaKernel(name, KernelKind.ELEMENTWISE, "\n".join(src) + "\n", (*leaves, k.out), ROW_BLOCK, grid)
 
-
-# ---------------------------------------------------------------- standalone kernels
-# attention's layouts, batched products and the fused attention, each one thread per output element (or per
-# query row) in a grid-stride loop: no shared memory, no barrier, the same arithmetic as the C backend's
-
-STANDALONE_BLOCK = 128
-
-
-def _grid_stride(total: int, lines: list[str]) -> list[str]:
-    return [f"  for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < {total}LL;",
-            "       e += (long long)blockDim.x * gridDim.x) {", *(f"    {line}" for line in lines), "  }"]
-
-
-def _layout_lines(body: Expr, shape: tuple[int, ...], out_shape: tuple[int, ...]) -> list[str]:
-    """``out[e] = p0[source index]`` for Heads, Merge and GroupRepeat (see ``core.ops``: copies of the bits)."""
-    a = body.attr_dict
-    heads = int(a["heads"])
-    if body.op == "Heads":
-        seq, offset, width = int(a["seq"]), int(a["offset"]), int(a["width"])
-        dh, cols = width // heads, shape[-1]
-        return [f"const long long d = e % {dh}, s = (e / {dh}) % {seq}, g = e / {dh * seq};",
-                f"out[e] = p0[((g / {heads}) * {seq} + s) * {cols} + {offset} + (g % {heads}) * {dh} + d];"]
-    if body.op == "Merge":
-        _, seq, d = shape
-        return [f"const long long col = e % {heads * d}, row = e / {heads * d};",
-                f"out[e] = p0[(((row / {seq}) * {heads} + col / {d}) * {seq} + row % {seq}) * {d} + col % {d}];"]
-    group = math.prod(out_shape[1:])  # GroupRepeat: each output group copies input group g / heads
-    return [f"out[e] = p0[(e / {group * heads}) * {group} + e % {group}];"]
-
-
-def _product_lines(body: Expr, shapes: list[tuple[int, ...]], load: Callable[[int, str], str],
-                   store: Callable[[str], str]) -> list[str]:
-    """One element of a batched product: BatchScores (q @ k^T, causal: keys after the query are -inf) or
-    BatchApply (p @ v), summed in fp32."""
-    (g_, s_, k_), b_shape = shapes
-    if body.op == "BatchScores":
-        t_ = b_shape[1]
-        causal = bool(body.attr_dict.get("causal", 0))
-        head = [f"const long long t = e % {t_}, i = (e / {t_}) % {s_}, g = e / {s_ * t_};"]
-        if causal:
-            head.append(f"if (t > i) {{ {store('fp_neg_inf()')} continue; }}")
-        a_at, b_at = f"(g * {s_} + i) * {k_} + x", f"(g * {t_} + t) * {k_} + x"
-    else:
-        n_ = b_shape[2]
-        head = [f"const long long n = e % {n_}, i = (e / {n_}) % {s_}, g = e / {s_ * n_};"]
-        a_at, b_at = f"(g * {s_} + i) * {k_} + x", f"(g * {k_} + x) * {n_} + n"
-    return [*head, "float acc = 0.0f;", f"for (long long x = 0; x < {k_}; ++x) acc += {load(0, a_at)} * {load(1, b_at)};",
-            store("acc")]
-
-
-def _attention_lines(body: Expr, shapes: list[tuple[int, ...]], load: Callable[[int, str], str],
-                     store_at: Callable[[str, str], str]) -> list[str]:
-    """One query row of softmax(scale * q@k^T [+ mask]) @ v with an online softmax: the running max, sum and
-    output are rescaled as the max grows; a key whose score is -inf (hidden) adds nothing, so a query whose
-    every key is hidden gives 0/0 (NaN) as the unfused form does; a NaN score makes its row NaN."""
-    (_, s_, d_), (_, t_, _), (_, _, e_) = shapes[:3]
-    a = body.attr_dict
-    scale, causal = float(a["scale"]), bool(a.get("causal", 0))
-    mask = f" + {load(3, f'g * {t_} + j')}" if body.op == "MaskedAttention" else ""
-    last = f"(i + 1 < {t_} ? i + 1 : {t_})" if causal else f"{t_}"
-    return [f"const long long i = e % {s_}, g = e / {s_};",
-            f"float acc[{e_}];", f"for (int c = 0; c < {e_}; ++c) acc[c] = 0.0f;",
-            "float m = fp_neg_inf(), l = 0.0f;",
-            f"for (long long j = 0; j < {last}; ++j) {{",
-            "  float dot = 0.0f;",
-            f"  for (long long x = 0; x < {d_}; ++x) dot += {load(0, f'(g * {s_} + i) * {d_} + x')} * "
-            f"{load(1, f'(g * {t_} + j) * {d_} + x')};",
-            f"  const float sc = {scale!r}f * dot{mask};",
-            "  if (sc == fp_neg_inf()) continue;",
-            "  const float mn = fp_max(m, sc), alpha = expf(m - mn), pj = expf(sc - mn);",
-            "  l = l * alpha + pj;",
-            f"  for (int c = 0; c < {e_}; ++c) acc[c] = acc[c] * alpha + pj * {load(2, f'(g * {t_} + j) * {e_} + c')};",
-            "  m = mn;",
-            "}",
-            f"for (int c = 0; c < {e_}; ++c) {store_at(f'(g * {s_} + i) * {e_} + c', 'acc[c] / l')}"]
-
-
-def standalone_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
-    """A standalone kernel (one standalone op over loaded tensors) as CUDA."""
-    body = k.body
-    if not all(isinstance(a, Load) for a in body.args):
-        raise CodegenError(f"standalone kernel {k.describe()} reads computed values: no CUDA form")
-    ins = [a.tensor for a in body.args if isinstance(a, Load)]
-    out_t = tensors.get(k.out, body.type)
-    shapes = [tuple(tensors[t].shape) for t in ins]
-    load = lambda i, at: TO_FLOAT[tensors[ins[i]].dtype].format(f"p{i}[{at}]")  # noqa: E731
-    store_at = lambda at, v: f"out[{at}] = {FROM_FLOAT[out_t.dtype].format(v)};"  # noqa: E731
-    if body.op in ("Heads", "Merge", "GroupRepeat"):
-        total, lines = math.prod(out_t.shape), _layout_lines(body, shapes[0], tuple(out_t.shape))
-    elif body.op in ("BatchScores", "BatchApply"):
-        total, lines = math.prod(out_t.shape), _product_lines(body, shapes, load, lambda v: store_at("e", v))
-    elif body.op in ("Attention", "MaskedAttention"):
-        total, lines = math.prod(out_t.shape[:-1]), _attention_lines(body, shapes, load, store_at)
-    else:
-        raise CodegenError(f"standalone op {body.op} has no CUDA form")
-    params = [f"const {CTYPE[tensors[t].dtype]}* __restrict__ p{i}" for i, t in enumerate(ins)]
-    params.append(f"{CTYPE[out_t.dtype]}* __restrict__ out")
-    name = kernel_name(KernelKind.STANDALONE, k.out, _shape_salt(k, tensors))
-    src = [PRELUDE, f'extern "C" __global__ void {name}({", ".join(params)}) {{', *_grid_stride(total, lines), "}"]
-    work = max(1, -(-total // STANDALONE_BLOCK))
-    return CudaKernel(name, KernelKind.STANDALONE, "\n".join(src) + "\n", (*ins, k.out), STANDALONE_BLOCK,
-                      (work, 1), grid_per_sm=8)
 
 
 def generate(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:

@@ -24,7 +24,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from backends.cupy.codegen import CodegenError, CudaKernel, generate
+from backends.cupy.codegen import CodegenError, generate
+from backends.cupy.kernel import CudaKernel
 from planner.core.cost import DeviceSpec, kernel_cost
 from planner.core.plans import Kernel, Plan
 

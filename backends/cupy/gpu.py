@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from backends.cupy.bundle import BundleKernel, Candidate, CublasCall
-from backends.cupy.codegen import CudaKernel
+from backends.cupy.kernel import CudaKernel
 from backends.cupy.nvrtc import compile_options
 from planner.backend import BackendUnavailable
 from planner.core.dtypes import numpy_dtype

@@ -26,8 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from backends.cupy.codegen import CudaKernel
 from backends.cupy.facts import NvccError, Resources, parse_resource_usage
+from backends.cupy.kernel import CudaKernel
 from planner.backend import BackendUnavailable
 
 try:

@@ -5,7 +5,7 @@ import re
 import pytest
 from gpu_bundles import example_kernels
 
-from backends.cupy.codegen import CodegenError, elementwise_kernel, generate, sanitize
+from backends.cupy.codegen import CodegenError, elementwise_kernel, generate
 from backends.cupy.facts import (
     Resources,
     annotate_candidates,
@@ -13,6 +13,7 @@ from backends.cupy.facts import (
     occupancy,
     parse_resource_usage,
 )
+from backends.cupy.kernel import sanitize
 from planner.core.cost import load_device
 from planner.core.examples import ew_chain, mlp_epilogue
 from planner.core.graph import GraphBuilder

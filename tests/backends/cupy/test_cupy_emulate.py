@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from backends.cupy.codegen import CTYPE, generate
+from backends.cupy.codegen import generate
+from backends.cupy.kernel import CTYPE
 from planner.core.dtypes import numpy_dtype
 from planner.core.examples import ew_chain, layer_norm, mlp_epilogue, rms_norm, rope, softmax
 from planner.core.reference import execute_plan, random_inputs

@@ -1,0 +1,119 @@
+"""CUDA kernels of standalone ops: attention's head layouts and batched products, and the fused attention kernel
+(an online softmax: the scores are never stored)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from backends.codegen import (
+    CodegenError,
+)
+from backends.cupy.kernel import CTYPE, FROM_FLOAT, PRELUDE, TO_FLOAT, CudaKernel, kernel_name, shape_salt
+from planner.core.graph import TensorType
+from planner.core.kinds import KernelKind
+from planner.core.plans import Expr, Kernel, Load
+
+# ---------------------------------------------------------------- standalone kernels
+# attention's layouts, batched products and the fused attention, each one thread per output element (or per
+# query row) in a grid-stride loop: no shared memory, no barrier, the same arithmetic as the C backend's
+
+STANDALONE_BLOCK = 128
+
+
+def _grid_stride(total: int, lines: list[str]) -> list[str]:
+    return [f"  for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < {total}LL;",
+            "       e += (long long)blockDim.x * gridDim.x) {", *(f"    {line}" for line in lines), "  }"]
+
+
+def _layout_lines(body: Expr, shape: tuple[int, ...], out_shape: tuple[int, ...]) -> list[str]:
+    """``out[e] = p0[source index]`` for Heads, Merge and GroupRepeat (see ``core.ops``: copies of the bits)."""
+    a = body.attr_dict
+    heads = int(a["heads"])
+    if body.op == "Heads":
+        seq, offset, width = int(a["seq"]), int(a["offset"]), int(a["width"])
+        dh, cols = width // heads, shape[-1]
+        return [f"const long long d = e % {dh}, s = (e / {dh}) % {seq}, g = e / {dh * seq};",
+                f"out[e] = p0[((g / {heads}) * {seq} + s) * {cols} + {offset} + (g % {heads}) * {dh} + d];"]
+    if body.op == "Merge":
+        _, seq, d = shape
+        return [f"const long long col = e % {heads * d}, row = e / {heads * d};",
+                f"out[e] = p0[(((row / {seq}) * {heads} + col / {d}) * {seq} + row % {seq}) * {d} + col % {d}];"]
+    group = math.prod(out_shape[1:])  # GroupRepeat: each output group copies input group g / heads
+    return [f"out[e] = p0[(e / {group * heads}) * {group} + e % {group}];"]
+
+
+def _product_lines(body: Expr, shapes: list[tuple[int, ...]], load: Callable[[int, str], str],
+                   store: Callable[[str], str]) -> list[str]:
+    """One element of a batched product: BatchScores (q @ k^T, causal: keys after the query are -inf) or
+    BatchApply (p @ v), summed in fp32."""
+    (g_, s_, k_), b_shape = shapes
+    if body.op == "BatchScores":
+        t_ = b_shape[1]
+        causal = bool(body.attr_dict.get("causal", 0))
+        head = [f"const long long t = e % {t_}, i = (e / {t_}) % {s_}, g = e / {s_ * t_};"]
+        if causal:
+            head.append(f"if (t > i) {{ {store('fp_neg_inf()')} continue; }}")
+        a_at, b_at = f"(g * {s_} + i) * {k_} + x", f"(g * {t_} + t) * {k_} + x"
+    else:
+        n_ = b_shape[2]
+        head = [f"const long long n = e % {n_}, i = (e / {n_}) % {s_}, g = e / {s_ * n_};"]
+        a_at, b_at = f"(g * {s_} + i) * {k_} + x", f"(g * {k_} + x) * {n_} + n"
+    return [*head, "float acc = 0.0f;", f"for (long long x = 0; x < {k_}; ++x) acc += {load(0, a_at)} * {load(1, b_at)};",
+            store("acc")]
+
+
+def _attention_lines(body: Expr, shapes: list[tuple[int, ...]], load: Callable[[int, str], str],
+                     store_at: Callable[[str, str], str]) -> list[str]:
+    """One query row of softmax(scale * q@k^T [+ mask]) @ v with an online softmax: the running max, sum and
+    output are rescaled as the max grows; a key whose score is -inf (hidden) adds nothing, so a query whose
+    every key is hidden gives 0/0 (NaN) as the unfused form does; a NaN score makes its row NaN."""
+    (_, s_, d_), (_, t_, _), (_, _, e_) = shapes[:3]
+    a = body.attr_dict
+    scale, causal = float(a["scale"]), bool(a.get("causal", 0))
+    mask = f" + {load(3, f'g * {t_} + j')}" if body.op == "MaskedAttention" else ""
+    last = f"(i + 1 < {t_} ? i + 1 : {t_})" if causal else f"{t_}"
+    return [f"const long long i = e % {s_}, g = e / {s_};",
+            f"float acc[{e_}];", f"for (int c = 0; c < {e_}; ++c) acc[c] = 0.0f;",
+            "float m = fp_neg_inf(), l = 0.0f;",
+            f"for (long long j = 0; j < {last}; ++j) {{",
+            "  float dot = 0.0f;",
+            f"  for (long long x = 0; x < {d_}; ++x) dot += {load(0, f'(g * {s_} + i) * {d_} + x')} * "
+            f"{load(1, f'(g * {t_} + j) * {d_} + x')};",
+            f"  const float sc = {scale!r}f * dot{mask};",
+            "  if (sc == fp_neg_inf()) continue;",
+            "  const float mn = fp_max(m, sc), alpha = expf(m - mn), pj = expf(sc - mn);",
+            "  l = l * alpha + pj;",
+            f"  for (int c = 0; c < {e_}; ++c) acc[c] = acc[c] * alpha + pj * {load(2, f'(g * {t_} + j) * {e_} + c')};",
+            "  m = mn;",
+            "}",
+            f"for (int c = 0; c < {e_}; ++c) {store_at(f'(g * {s_} + i) * {e_} + c', 'acc[c] / l')}"]
+
+
+def standalone_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
+    """A standalone kernel (one standalone op over loaded tensors) as CUDA."""
+    body = k.body
+    if not all(isinstance(a, Load) for a in body.args):
+        raise CodegenError(f"standalone kernel {k.describe()} reads computed values: no CUDA form")
+    ins = [a.tensor for a in body.args if isinstance(a, Load)]
+    out_t = tensors.get(k.out, body.type)
+    shapes = [tuple(tensors[t].shape) for t in ins]
+    load = lambda i, at: TO_FLOAT[tensors[ins[i]].dtype].format(f"p{i}[{at}]")  # noqa: E731
+    store_at = lambda at, v: f"out[{at}] = {FROM_FLOAT[out_t.dtype].format(v)};"  # noqa: E731
+    if body.op in ("Heads", "Merge", "GroupRepeat"):
+        total, lines = math.prod(out_t.shape), _layout_lines(body, shapes[0], tuple(out_t.shape))
+    elif body.op in ("BatchScores", "BatchApply"):
+        total, lines = math.prod(out_t.shape), _product_lines(body, shapes, load, lambda v: store_at("e", v))
+    elif body.op in ("Attention", "MaskedAttention"):
+        total, lines = math.prod(out_t.shape[:-1]), _attention_lines(body, shapes, load, store_at)
+    else:
+        raise CodegenError(f"standalone op {body.op} has no CUDA form")
+    params = [f"const {CTYPE[tensors[t].dtype]}* __restrict__ p{i}" for i, t in enumerate(ins)]
+    params.append(f"{CTYPE[out_t.dtype]}* __restrict__ out")
+    name = kernel_name(KernelKind.STANDALONE, k.out, shape_salt(k, tensors))
+    src = [PRELUDE, f'extern "C" __global__ void {name}({", ".join(params)}) {{', *_grid_stride(total, lines), "}"]
+    work = max(1, -(-total // STANDALONE_BLOCK))
+    return CudaKernel(name, KernelKind.STANDALONE, "\n".join(src) + "\n", (*ins, k.out), STANDALONE_BLOCK,
+                      (work, 1), grid_per_sm=8)
+
+
