@@ -44,7 +44,8 @@ from planner.core.graph import Graph  # noqa: E402
 from planner.core.machine import cpu_model  # noqa: E402
 from planner.egraph.candidates import build_candidates  # noqa: E402
 from planner.registry import get_backend  # noqa: E402
-from planner.search.engine import SearchOptions, SearchResult, search  # noqa: E402
+from planner.search.engine import search  # noqa: E402
+from planner.search.results import SearchOptions, SearchResult  # noqa: E402
 from planner.search.searchlog import SearchLog  # noqa: E402
 
 

@@ -34,7 +34,7 @@ from planner.model.plancache import PlanCache
 from planner.pipeline import Planned, PlanOptions, plan_graph
 from planner.registry import get_backend
 from planner.rules.load import load_rules
-from planner.search.engine import SearchOptions
+from planner.search.results import SearchOptions
 from planner.search.searchlog import SearchLog
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ class PlanResult:
 
             def verdict(p: Plan) -> str:
                 e = meas.get(p.key)
-                return "-" if e is None else str(e.verdict)
+                return "-" if e is None else e.verdict_text
 
             extra = [("meas_us", measured), ("verdict", verdict)]
             tried = [e.plan for e in self.search_result.entries if e.verdict != Verdict.NOT_TIMED]

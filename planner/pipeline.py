@@ -33,7 +33,8 @@ from planner.model.plancache import PlanCache
 from planner.model.stack import ModelPlan, plan_model
 from planner.rules.files import RuleFile
 from planner.rules.load import rules_hash
-from planner.search.engine import INTERRUPTED, SearchError, SearchOptions, SearchResult, search
+from planner.search.engine import SearchError, search
+from planner.search.results import SearchOptions, SearchResult
 from planner.search.searchlog import SearchLog
 from planner.torch import need_evaluator
 
@@ -136,7 +137,7 @@ def plan_graph(
                              k=options.k, seed=options.seed)
     with progress() as (slog, tick):
         result = search(cands, backend, inputs, options=options.search, log=slog, on_candidate=tick)
-    if cache is not None and result.stop != INTERRUPTED:  # an interrupted search decided less than asked
+    if cache is not None and not result.interrupted:  # an interrupted search decided less than asked
         canonical = {g: c for c, g in whole.renaming().items()}
         store = compose_plan(whole.graph, [rename_kernel(k, canonical) for k in result.best.kernels], result.best.key)
         cache.store(key, store, whole.graph, options.spec)

@@ -29,8 +29,9 @@ from planner.model.stack import ModelPlan
 from planner.pipeline import Planned, PlanOptions, plan_graph
 from planner.registry import backend_names, get_backend
 from planner.rules.load import load_rules
-from planner.search.engine import INTERRUPTED, SearchError, SearchOptions, SearchResult
+from planner.search.engine import SearchError
 from planner.search.plots import plot_best_so_far, plot_predicted_vs_measured
+from planner.search.results import SearchOptions, SearchResult
 from planner.search.searchlog import SearchLog, env_flag, fmt_us
 
 
@@ -119,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         print_result(result)
         if out_dir is not None:
             print("wrote " + ", ".join(str(p) for p in written))
-    return 130 if result.stop == INTERRUPTED else 0  # the shell's code for Ctrl-C, after the best so far
+    return 130 if result.interrupted else 0  # the shell's code for Ctrl-C, after the best so far
 
 
 def _wants_search_evidence(args: argparse.Namespace) -> bool:
@@ -186,7 +187,7 @@ def print_result(result: SearchResult) -> None:
         return f"{e.meas_us:,.2f}" + ("+" if e.stopped_early else "")
 
     def verdict_col(p: Plan) -> str:
-        v = meas[p.key].verdict
+        v = meas[p.key].verdict_text
         return v if len(v) <= 48 else v[:45] + "..."
 
     tried = [e.plan for e in result.entries if e.verdict != Verdict.NOT_TIMED or e.verified]

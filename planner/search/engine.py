@@ -34,21 +34,18 @@ import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from planner.backend import Backend, BackendError, BackendUnavailable, CompiledPlan
-from planner.core.errors import UsageError
-from planner.core.kinds import Verdict, is_rejected, rejected
+from planner.core.kinds import Verdict
 from planner.core.plans import Plan
 from planner.core.reference import execute_graph, random_inputs
-from planner.core.report import Count, count_json, log10_count
 from planner.core.tolerance import check_outputs
 from planner.egraph.candidates import CandidateSet
 from planner.egraph.extract import Option, kernel_sig
 from planner.search.mutate import Mutator
+from planner.search.results import Entry, SearchOptions, SearchResult, Stop, StopKind, spearman
 from planner.search.searchlog import SearchLog
 from planner.torch import need_evaluator
 
@@ -66,185 +63,6 @@ ELITE = 8
 
 class SearchError(RuntimeError):
     """No candidate could be verified and timed (every one was rejected)."""
-
-
-@dataclass
-class SearchOptions:
-    max_candidates: int = 64  # candidates besides the unfused baseline
-    time_budget_s: float = 60.0
-    early_stop: float = 1.5
-    warmup: int = 2
-    repeats: int = 7
-    seed: int = 0
-    rtol: float | None = None  # override the dtype's tolerance
-    atol: float | None = None
-
-    def validate(self) -> None:
-        if self.max_candidates < 1:
-            raise UsageError(f"max candidates must be at least 1, got {self.max_candidates}")
-        if not self.time_budget_s > 0:
-            raise UsageError(f"time budget must be positive, got {self.time_budget_s}")
-        if not self.early_stop >= 1.0:
-            raise UsageError(f"early stop factor must be at least 1.0, got {self.early_stop}")
-        if self.warmup < 0 or self.repeats < 1:
-            raise UsageError(f"need warmup >= 0 and repeats >= 1, got {self.warmup} and {self.repeats}")
-        for name in ("rtol", "atol"):
-            v = getattr(self, name)
-            if v is not None and not (math.isfinite(v) and v >= 0):
-                raise UsageError(f"{name} must be a finite non-negative number, got {v}")
-
-
-@dataclass
-class Entry:
-    """One candidate's fate."""
-
-    plan: Plan
-    source: str  # "unfused baseline", "model order", "mutant: <operator> <tensors>", "sample"
-    verdict: str = Verdict.NOT_TIMED  # a Verdict, or "rejected: <reason>" (kinds.rejected)
-    meas_us: float | None = None
-    samples_us: list[float] = field(default_factory=list)
-    stopped_early: bool = False
-    compile_s: float | None = None
-    verified: bool = False
-    max_abs: float | None = None
-    max_rel: float | None = None
-    facts: list[dict[str, Any]] = field(default_factory=list)
-    choice: dict[str, Option] | None = field(default=None, repr=False)
-    #: the median of the final interleaved re-measurement (the unfused plan and the finalists only)
-    confirm_us: float | None = None
-    #: a plan not run for its kernels' times: their sum (µs), from the plans timed before it
-    bound_us: float | None = None
-
-    @property
-    def est_us(self) -> float:
-        return self.plan.est_us
-
-    @property
-    def timed(self) -> bool:
-        return self.meas_us is not None
-
-    def to_json(self) -> dict[str, Any]:
-        d = self.plan.to_json()
-        for kj, facts in zip(d["kernels"], self.facts, strict=False):
-            kj.update(facts)
-        d.update(
-            meas_us=None if self.meas_us is None else round(self.meas_us, 4),
-            verdict=self.verdict,
-            verified=self.verified,
-            source=self.source,
-            stopped_early=self.stopped_early,
-            samples_us=[round(s, 4) for s in self.samples_us],
-            compile_s=None if self.compile_s is None else round(self.compile_s, 4),
-            max_abs_err=_json_float(self.max_abs),
-            max_rel_err=_json_float(self.max_rel),
-        )
-        if self.confirm_us is not None:
-            d["confirm_us"] = round(self.confirm_us, 4)
-        if self.bound_us is not None:
-            d["bound_us"] = round(self.bound_us, 4)
-        return d
-
-
-@dataclass
-class SearchResult:
-    graph: str
-    backend: str
-    measures: bool
-    device: str
-    space: Count
-    enumerated: bool
-    best: Plan
-    unfused: Plan
-    entries: list[Entry]
-    log_lines: list[str]
-    speedup_vs_unfused: float | None
-    spearman: float | None
-    elapsed_s: float
-    stop: str
-    options: SearchOptions
-
-    @property
-    def best_entry(self) -> Entry:
-        return next(e for e in self.entries if e.plan.key == self.best.key)
-
-    @property
-    def unfused_entry(self) -> Entry:
-        return next(e for e in self.entries if e.plan.key == self.unfused.key)
-
-    @property
-    def timed(self) -> list[Entry]:
-        """Timed entries in the order they were timed."""
-        return [e for e in self.entries if e.timed]
-
-    @property
-    def rejected(self) -> list[Entry]:
-        return [e for e in self.entries if is_rejected(e.verdict)]
-
-    @property
-    def bounded(self) -> list[Entry]:
-        """Candidates not run: their kernels timed in earlier plans already lose (see the module docstring)."""
-        return [e for e in self.entries if e.verdict == Verdict.BOUNDED]
-
-    def best_so_far(self) -> list[float]:
-        """Best fully-timed median after each timed candidate (for the plot)."""
-        out: list[float] = []
-        best = float("inf")
-        for e in self.timed:
-            if not e.stopped_early:
-                best = min(best, e.meas_us or best)
-            out.append(best)
-        return out
-
-    def to_json(self) -> dict[str, Any]:
-        cands = []
-        for e in self.entries:
-            d = e.to_json()
-            d["best"] = e.plan.key == self.best.key
-            cands.append(d)
-        return {
-            "graph": self.graph,
-            "backend": self.backend,
-            "measures": self.measures,
-            "device": self.device,
-            "space": count_json(self.space),
-            "space_log10": round(log10_count(self.space), 4),
-            "enumerated": self.enumerated,
-            "options": {k: _json_float(v) if isinstance(v, float) else v for k, v in vars(self.options).items()},
-            "elapsed_s": round(self.elapsed_s, 4),
-            "stop": self.stop,
-            "timed": len(self.timed),
-            "rejected": len(self.rejected),
-            "bounded": len(self.bounded),
-            "speedup_vs_unfused": None if self.speedup_vs_unfused is None else round(self.speedup_vs_unfused, 4),
-            "spearman": None if self.spearman is None else round(self.spearman, 4),
-            "best": self.best_entry.to_json(),
-            "unfused": self.unfused_entry.to_json(),
-            "candidates": cands,
-            "log": self.log_lines,
-        }
-
-
-def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
-    """Spearman rank correlation (average ranks for ties); None below 3 points or for constant data."""
-    if len(xs) != len(ys):
-        raise ValueError("spearman needs two sequences of equal length")
-    if len(xs) < 3:
-        return None
-    rx, ry = _ranks(np.asarray(xs, dtype=float)), _ranks(np.asarray(ys, dtype=float))
-    if rx.std() == 0 or ry.std() == 0:
-        return None
-    return float(np.corrcoef(rx, ry)[0, 1])
-
-
-def _ranks(a: np.ndarray) -> np.ndarray:
-    order = np.argsort(a, kind="mergesort")
-    ranks = np.empty(len(a), dtype=float)
-    ranks[order] = np.arange(len(a), dtype=float)
-    for v in np.unique(a):  # ties share their average rank
-        tie = a == v
-        if tie.sum() > 1:
-            ranks[tie] = ranks[tie].mean()
-    return ranks
 
 
 class _Run:
@@ -270,15 +88,15 @@ class _Run:
         self.tried = 0  # candidates besides the baseline
         self.t0 = time.perf_counter()
         self.on_candidate = on_candidate
-        self.stop = ""
+        self.stop: Stop | None = None
 
     # -- budgets
     def budget_left(self) -> bool:
         if self.tried >= self.opts.max_candidates:
-            self.stop = self.stop or f"max candidates ({self.opts.max_candidates})"
+            self.stop = self.stop or Stop(StopKind.MAX_CANDIDATES, str(self.opts.max_candidates))
             return False
         if time.perf_counter() - self.t0 >= self.opts.time_budget_s:
-            self.stop = self.stop or f"time budget ({self.opts.time_budget_s:g}s)"
+            self.stop = self.stop or Stop(StopKind.TIME_BUDGET, f"{self.opts.time_budget_s:g}s")
             return False
         return True
 
@@ -316,7 +134,7 @@ class _Run:
         if reason is not None:
             self._reject(entry, reason)
             return
-        bound = math.inf if baseline or self.best is None else self.best.meas_us * self.opts.early_stop  # type: ignore[operator]
+        bound = math.inf if baseline or self.best is None else self.best.time_us * self.opts.early_stop
         stop_if = _Stopper(bound, deadline=self.t0 + self.opts.time_budget_s)
         entry.verified = True
         try:
@@ -361,7 +179,7 @@ class _Run:
             timing = compiled.time(self.inputs, warmup=0, repeats=1)
         except BackendError:
             return False
-        if not timing.samples_us or timing.median_us < self.best.meas_us:  # type: ignore[operator]
+        if not timing.samples_us or timing.median_us < self.best.time_us:
             return False
         entry.samples_us = list(timing.samples_us)
         entry.meas_us = timing.median_us
@@ -378,7 +196,7 @@ class _Run:
             return [best]
         close = sorted((e for e in self.entries if e is not best and e.verdict == Verdict.TIMED and not e.stopped_early
                         and e.meas_us is not None and e.meas_us <= best.meas_us * FINAL_MARGIN),
-                       key=lambda e: e.meas_us)  # type: ignore[arg-type, return-value]
+                       key=lambda e: e.time_us)
         return [best, *close[: FINALISTS - 1]]
 
     def final_round(self, base: Entry, finalists: list[Entry], rounds: int = 5) -> tuple[Entry, float]:
@@ -395,10 +213,10 @@ class _Run:
                 samples[id(e)] += compiled.time(self.inputs, warmup=1, repeats=3).samples_us
         for e in contenders:
             e.confirm_us = float(np.median(samples[id(e)]))
-        winner = min(finalists, key=lambda e: e.confirm_us)  # type: ignore[arg-type, return-value]
+        winner = min(finalists, key=lambda e: e.confirmed_us)
         if len(finalists) > 1:
-            self.slog.final_round([(e.plan, e.confirm_us) for e in finalists], winner.plan)  # type: ignore[misc]
-        return winner, base.confirm_us / winner.confirm_us  # type: ignore[operator]
+            self.slog.final_round([(e.plan, e.confirmed_us) for e in finalists], winner.plan)
+        return winner, base.confirmed_us / winner.confirmed_us
 
     def _verify(self, entry: Entry, outs: Sequence[np.ndarray]) -> str | None:
         reason, entry.max_abs, entry.max_rel = check_outputs(
@@ -413,8 +231,7 @@ class _Run:
         return reason
 
     def _reject(self, entry: Entry, reason: str) -> None:
-        entry.verdict = rejected(reason)
-        entry.meas_us = None
+        entry.reject(reason)
         self.slog.rejected(reason, entry.plan, _origin(entry))
 
     def _record(self, entry: Entry) -> None:
@@ -423,12 +240,12 @@ class _Run:
         if self.best is None:
             self.best = entry
             self.slog.start(entry.plan, entry.est_us, meas, _origin(entry))
-        elif meas < self.best.meas_us and not entry.stopped_early:  # type: ignore[operator]
-            gain = self.best.meas_us / meas  # type: ignore[operator]
+        elif meas < self.best.time_us and not entry.stopped_early:
+            gain = self.best.time_us / meas
             self.best = entry
             self.slog.faster(entry.plan, entry.est_us, meas, gain, _origin(entry))
         else:
-            ratio = meas / self.best.meas_us  # type: ignore[operator]
+            ratio = meas / self.best.time_us
             stopped = len(entry.samples_us) if entry.stopped_early else None
             self.slog.slower(entry.plan, ratio, entry.est_us, meas, stopped, _origin(entry))
 
@@ -440,7 +257,7 @@ class _Run:
         stall = 0
         while self.budget_left():
             if stall >= STALL_LIMIT:
-                self.stop = f"no new candidate in {STALL_LIMIT} tries"
+                self.stop = Stop(StopKind.STALLED, str(STALL_LIMIT))
                 return
             room = min(GENERATION, self.opts.max_candidates - self.tried)
             generation, stall = self._breed(mutator, rng, room, stall)
@@ -457,7 +274,7 @@ class _Run:
         ex = self.cands.extractor
         elite = sorted(
             (e for e in self.entries if e.timed and not e.stopped_early and e.choice is not None),
-            key=lambda e: e.meas_us,  # type: ignore[arg-type, return-value]
+            key=lambda e: e.time_us,
         )[:ELITE]
         out: list[tuple[Plan, dict[str, Option], str]] = []
         keys = set(self.seen)
@@ -467,7 +284,7 @@ class _Run:
                 source = "sample"
             else:
                 a, b = rng.choice(elite), rng.choice(elite)
-                parent = a if a.meas_us <= b.meas_us else b  # type: ignore[operator]
+                parent = a if a.time_us <= b.time_us else b
                 assert parent.choice is not None
                 mutant = mutator.random_mutant(parent.choice, rng, exclude=keys)
                 if mutant is None:
@@ -521,35 +338,36 @@ def search(
             run.consider(plan, cands.choices.get(plan.key), "model order")
         else:
             if cands.complete:
-                run.stop = run.stop or "every candidate tried"
+                run.stop = run.stop or Stop(StopKind.EXHAUSTED)
             else:
                 run.evolve(random.Random(opts.seed))
     except KeyboardInterrupt:  # Ctrl-C: the best plan so far is still a verified plan
         if run.best is None:
             raise
-        run.stop = INTERRUPTED
+        run.stop = Stop(StopKind.INTERRUPTED)
         logging.getLogger(__name__).warning("search interrupted: keeping the best plan found so far")
     for plan in cands.plans:  # the rest of the cost-model list, for the record
         if plan.key not in run.seen:
             run.entries.append(Entry(plan, "model order", choice=cands.choices.get(plan.key)))
     elapsed = time.perf_counter() - run.t0
     if run.best is None:
-        verified = [e for e in run.entries if e.verified and not is_rejected(e.verdict)]
+        verified = [e for e in run.entries if e.verified and not e.rejected]
         if not verified:
-            reasons = "; ".join(sorted({e.verdict for e in run.entries if is_rejected(e.verdict)}))
+            reasons = "; ".join(sorted({e.verdict_text for e in run.entries if e.rejected}))
             raise SearchError(f"every candidate was rejected ({reasons})")
         # a verify-only backend: the model's favourite among the verified candidates
         run.best = min(verified, key=lambda e: e.plan.sort_key())
     base = run.entries[0]
     speedup = None
-    if base.timed and run.best.timed and run.stop != INTERRUPTED:
+    stop = run.stop or Stop(StopKind.DONE)
+    if base.timed and run.best.timed and stop.kind != StopKind.INTERRUPTED:
         run.best, speedup = run.final_round(base, run.finalists())
     run.best.verdict = Verdict.BEST
     timed = [e for e in run.entries if e.timed]
-    rho = spearman([e.est_us for e in timed], [e.meas_us for e in timed])  # type: ignore[misc]
-    n_rejected = sum(is_rejected(e.verdict) for e in run.entries)
+    rho = spearman([e.est_us for e in timed], [e.time_us for e in timed])
+    n_rejected = sum(e.rejected for e in run.entries)
     n_bounded = sum(e.verdict == Verdict.BOUNDED for e in run.entries)
-    slog.footer(elapsed, run.best.plan, speedup, len(timed), n_rejected, rho, run.stop or "done", n_bounded)
+    slog.footer(elapsed, run.best.plan, speedup, len(timed), n_rejected, rho, str(stop), n_bounded)
     return SearchResult(
         graph=cands.graph.name,
         backend=backend.name,
@@ -564,16 +382,9 @@ def search(
         speedup_vs_unfused=speedup,
         spearman=rho,
         elapsed_s=elapsed,
-        stop=run.stop or "done",
+        stop=stop,
         options=opts,
     )
-
-
-def _json_float(x: float | None) -> float | str | None:
-    """Strict JSON has no Infinity/NaN: those become strings."""
-    if x is None or math.isfinite(x):
-        return x
-    return str(x)
 
 
 def _origin(entry: Entry) -> str:
@@ -586,8 +397,6 @@ FINAL_MARGIN = 1.15
 #: at most this many plans (the best included) in that final round
 FINALISTS = 3
 
-#: SearchResult.stop of a search ended by Ctrl-C (its best is not kept in the plan cache)
-INTERRUPTED = "interrupted (Ctrl-C)"
 
 
 class _Stopper:

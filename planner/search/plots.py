@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from planner.search.engine import SearchResult
+from planner.search.results import SearchResult
 
 
 def _pyplot() -> Any:

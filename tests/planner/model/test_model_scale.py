@@ -280,7 +280,7 @@ def test_segments_share_the_time_budget(monkeypatch):
     from backends.reference import ReferenceBackend
     from planner.core.cost import load_device
     from planner.rules.load import load_rules
-    from planner.search.engine import SearchOptions
+    from planner.search.results import SearchOptions
 
     budgets = []
     real = pipeline.search

@@ -21,8 +21,9 @@ from planner.core.errors import UsageError
 from planner.core.reference import execute_graph, execute_plan, random_inputs
 from planner.core.tolerance import allclose_report
 from planner.egraph.candidates import build_candidates
-from planner.search.engine import SearchOptions, search, spearman
+from planner.search.engine import search
 from planner.search.mutate import OPERATORS, Mutator
+from planner.search.results import SearchOptions, StopKind, spearman
 from planner.search.searchlog import SearchLog
 
 FAST = dict(warmup=0, repeats=2)
@@ -144,7 +145,7 @@ def test_broken_candidate_is_rejected_never_chosen(mlp, mode):
     assert backend.victims == [victim_key]
     (bad,) = [e for e in res.entries if e.plan.key == victim_key]
     expected = {"wrong": "rejected: tolerance: output res", "nan": "rejected: NaN/Inf", "crash": "rejected: ZeroDivisionError"}
-    assert bad.verdict.startswith(expected[mode]) and bad.meas_us is None
+    assert bad.verdict_text.startswith(expected[mode]) and bad.rejected and bad.meas_us is None
     assert res.best.key != victim_key
     assert any(ln.startswith("Rejected ") for ln in res.log_lines)
     json.dumps(res.to_json(), allow_nan=False)  # strict JSON even with inf errors
@@ -191,11 +192,11 @@ def _best_before(res, entry):
 
 def test_budgets(chain):
     res = search(chain, EstimateBackend(chain.spec), options=SearchOptions(max_candidates=3, **FAST))
-    assert len(res.timed) == 4 and res.stop == "max candidates (3)"
+    assert len(res.timed) == 4 and str(res.stop) == "max candidates (3)" and res.stop.kind == StopKind.MAX_CANDIDATES
     # a spent budget still compares the cost model's favourite with the baseline, and nothing more
     res = search(chain, EstimateBackend(chain.spec), options=SearchOptions(time_budget_s=1e-9, **FAST))
     favourite = next(p for p in chain.plans if p.key != chain.unfused.key)
-    assert [e.plan.key for e in res.timed] == [chain.unfused.key, favourite.key] and res.stop.startswith("time budget")
+    assert [e.plan.key for e in res.timed] == [chain.unfused.key, favourite.key] and res.stop.kind == StopKind.TIME_BUDGET
     assert res.best.key == favourite.key and res.speedup_vs_unfused > 1.0
     for bad in (dict(max_candidates=0), dict(time_budget_s=0), dict(early_stop=0.5), dict(repeats=0)):
         with pytest.raises(UsageError):
@@ -327,7 +328,6 @@ def test_ctrl_c_keeps_the_best_plan_so_far_and_caches_nothing(chain, tmp_path):
     from planner.model.plancache import PlanCache
     from planner.pipeline import PlanOptions, plan_graph
     from planner.rules.load import load_rules
-    from planner.search.engine import INTERRUPTED
 
     class Interrupting(TimedReferenceBackend):
         compiled = 0
@@ -340,13 +340,14 @@ def test_ctrl_c_keeps_the_best_plan_so_far_and_caches_nothing(chain, tmp_path):
 
     res = search(chain, Interrupting(chain.spec), options=SearchOptions(max_candidates=8, **FAST),
                  log=SearchLog(enabled=False))
-    assert res.stop == INTERRUPTED and res.best_entry.verdict == "best" and len(res.timed) == 3
-    assert res.log_lines[-1].endswith(f"stopped: {INTERRUPTED}")
+    assert res.interrupted and res.stop.kind == StopKind.INTERRUPTED
+    assert res.best_entry.verdict == "best" and len(res.timed) == 3
+    assert res.log_lines[-1].endswith("stopped: interrupted (Ctrl-C)")
     Interrupting.compiled = 0
     cache = PlanCache(tmp_path)
     options = PlanOptions("timed-reference", chain.spec, tuple(load_rules()), search=SearchOptions(max_candidates=8, **FAST))
     planned = plan_graph(chain.graph, options, Interrupting(chain.spec), cache=cache)
-    assert planned.search.stop == INTERRUPTED and not list(tmp_path.glob("*.json"))
+    assert planned.search.interrupted and not list(tmp_path.glob("*.json"))
 
 
 def test_repeats_obey_the_time_budget(chain):

@@ -1,0 +1,248 @@
+"""What a search is given and what it gives back: its options, each candidate's fate (:class:`Entry`), why the
+search stopped (:class:`Stop`) and the result (:class:`SearchResult`), all as JSON as ``results.json`` holds them."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from planner.core.errors import UsageError
+from planner.core.kinds import Verdict, rejected
+from planner.core.plans import Plan
+from planner.core.report import Count, count_json, log10_count
+from planner.egraph.extract import Option
+
+
+@dataclass
+class SearchOptions:
+    max_candidates: int = 64  # candidates besides the unfused baseline
+    time_budget_s: float = 60.0
+    early_stop: float = 1.5
+    warmup: int = 2
+    repeats: int = 7
+    seed: int = 0
+    rtol: float | None = None  # override the dtype's tolerance
+    atol: float | None = None
+
+    def validate(self) -> None:
+        if self.max_candidates < 1:
+            raise UsageError(f"max candidates must be at least 1, got {self.max_candidates}")
+        if not self.time_budget_s > 0:
+            raise UsageError(f"time budget must be positive, got {self.time_budget_s}")
+        if not self.early_stop >= 1.0:
+            raise UsageError(f"early stop factor must be at least 1.0, got {self.early_stop}")
+        if self.warmup < 0 or self.repeats < 1:
+            raise UsageError(f"need warmup >= 0 and repeats >= 1, got {self.warmup} and {self.repeats}")
+        for name in ("rtol", "atol"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v >= 0):
+                raise UsageError(f"{name} must be a finite non-negative number, got {v}")
+
+
+
+class StopKind(StrEnum):
+    """Why a search stopped."""
+
+    MAX_CANDIDATES = "max candidates"
+    TIME_BUDGET = "time budget"
+    STALLED = "no new candidate"
+    EXHAUSTED = "every candidate tried"
+    INTERRUPTED = "interrupted (Ctrl-C)"
+    DONE = "done"
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Why a search stopped, with the bound it reached (``detail``): printed as the log and files show it."""
+
+    kind: StopKind
+    detail: str = ""
+
+    def __str__(self) -> str:
+        if self.kind == StopKind.STALLED:
+            return f"no new candidate in {self.detail} tries"
+        return f"{self.kind} ({self.detail})" if self.detail else str(self.kind)
+
+
+@dataclass
+class Entry:
+    """One candidate's fate."""
+
+    plan: Plan
+    source: str  # "unfused baseline", "model order", "mutant: <operator> <tensors>", "sample"
+    verdict: Verdict = Verdict.NOT_TIMED
+    reason: str = ""  # why it was rejected (verdict REJECTED)
+    meas_us: float | None = None
+    samples_us: list[float] = field(default_factory=list)
+    stopped_early: bool = False
+    compile_s: float | None = None
+    verified: bool = False
+    max_abs: float | None = None
+    max_rel: float | None = None
+    facts: list[dict[str, Any]] = field(default_factory=list)
+    choice: dict[str, Option] | None = field(default=None, repr=False)
+    #: the median of the final interleaved re-measurement (the unfused plan and the finalists only)
+    confirm_us: float | None = None
+    #: a plan not run for its kernels' times: their sum (µs), from the plans timed before it
+    bound_us: float | None = None
+
+    @property
+    def est_us(self) -> float:
+        return self.plan.est_us
+
+    @property
+    def timed(self) -> bool:
+        return self.meas_us is not None
+
+    @property
+    def time_us(self) -> float:
+        """The measured median of a timed entry."""
+        if self.meas_us is None:
+            raise ValueError(f"candidate {self.plan.key} was not timed")
+        return self.meas_us
+
+    @property
+    def confirmed_us(self) -> float:
+        """The final round's median of a finalist."""
+        if self.confirm_us is None:
+            raise ValueError(f"candidate {self.plan.key} was not in the final round")
+        return self.confirm_us
+
+    @property
+    def rejected(self) -> bool:
+        return self.verdict == Verdict.REJECTED
+
+    @property
+    def verdict_text(self) -> str:
+        """The verdict as files and tables show it: ``rejected: <reason>`` for a rejected candidate."""
+        return rejected(self.reason) if self.rejected else str(self.verdict)
+
+    def reject(self, reason: str) -> None:
+        self.verdict, self.reason, self.meas_us = Verdict.REJECTED, reason, None
+
+    def to_json(self) -> dict[str, Any]:
+        d = self.plan.to_json()
+        for kj, facts in zip(d["kernels"], self.facts, strict=False):
+            kj.update(facts)
+        d.update(
+            meas_us=None if self.meas_us is None else round(self.meas_us, 4),
+            verdict=self.verdict_text,
+            verified=self.verified,
+            source=self.source,
+            stopped_early=self.stopped_early,
+            samples_us=[round(s, 4) for s in self.samples_us],
+            compile_s=None if self.compile_s is None else round(self.compile_s, 4),
+            max_abs_err=json_float(self.max_abs),
+            max_rel_err=json_float(self.max_rel),
+        )
+        if self.confirm_us is not None:
+            d["confirm_us"] = round(self.confirm_us, 4)
+        if self.bound_us is not None:
+            d["bound_us"] = round(self.bound_us, 4)
+        return d
+
+
+@dataclass
+class SearchResult:
+    graph: str
+    backend: str
+    measures: bool
+    device: str
+    space: Count
+    enumerated: bool
+    best: Plan
+    unfused: Plan
+    entries: list[Entry]
+    log_lines: list[str]
+    speedup_vs_unfused: float | None
+    spearman: float | None
+    elapsed_s: float
+    stop: Stop
+    options: SearchOptions
+
+    @property
+    def best_entry(self) -> Entry:
+        return next(e for e in self.entries if e.plan.key == self.best.key)
+
+    @property
+    def unfused_entry(self) -> Entry:
+        return next(e for e in self.entries if e.plan.key == self.unfused.key)
+
+    @property
+    def timed(self) -> list[Entry]:
+        """Timed entries in the order they were timed."""
+        return [e for e in self.entries if e.timed]
+
+    @property
+    def rejected(self) -> list[Entry]:
+        return [e for e in self.entries if e.rejected]
+
+    @property
+    def interrupted(self) -> bool:
+        """Ended by Ctrl-C: it decided less than it was asked to (its best is not kept in the plan cache)."""
+        return self.stop.kind == StopKind.INTERRUPTED
+
+    @property
+    def bounded(self) -> list[Entry]:
+        """Candidates not run: their kernels timed in earlier plans already lose (see the module docstring)."""
+        return [e for e in self.entries if e.verdict == Verdict.BOUNDED]
+
+    def best_so_far(self) -> list[float]:
+        """Best fully-timed median after each timed candidate (for the plot)."""
+        out: list[float] = []
+        best = float("inf")
+        for e in self.timed:
+            if not e.stopped_early:
+                best = min(best, e.meas_us or best)
+            out.append(best)
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        cands = []
+        for e in self.entries:
+            d = e.to_json()
+            d["best"] = e.plan.key == self.best.key
+            cands.append(d)
+        return {
+            "graph": self.graph,
+            "backend": self.backend,
+            "measures": self.measures,
+            "device": self.device,
+            "space": count_json(self.space),
+            "space_log10": round(log10_count(self.space), 4),
+            "enumerated": self.enumerated,
+            "options": {k: json_float(v) if isinstance(v, float) else v for k, v in vars(self.options).items()},
+            "elapsed_s": round(self.elapsed_s, 4),
+            "stop": str(self.stop),
+            "timed": len(self.timed),
+            "rejected": len(self.rejected),
+            "bounded": len(self.bounded),
+            "speedup_vs_unfused": None if self.speedup_vs_unfused is None else round(self.speedup_vs_unfused, 4),
+            "spearman": None if self.spearman is None else round(self.spearman, 4),
+            "best": self.best_entry.to_json(),
+            "unfused": self.unfused_entry.to_json(),
+            "candidates": cands,
+            "log": self.log_lines,
+        }
+
+
+
+def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    """Spearman rank correlation (scipy's, average ranks for ties); None below 3 points or for constant data."""
+    if len(xs) != len(ys):
+        raise ValueError("spearman needs two sequences of equal length")
+    if len(xs) < 3 or len(set(xs)) < 2 or len(set(ys)) < 2:
+        return None
+    from scipy.stats import spearmanr  # on first use: scipy.stats takes 0.4 s to import, a command's whole start
+
+    return float(spearmanr(xs, ys).statistic)
+
+
+def json_float(x: float | None) -> float | str | None:
+    """Strict JSON has no Infinity/NaN: those become strings."""
+    if x is None or math.isfinite(x):
+        return x
+    return str(x)
