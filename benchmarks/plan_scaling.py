@@ -13,6 +13,7 @@ import math
 import time
 from pathlib import Path
 
+from planner.core.cost import load_device
 from planner.core.examples import ew_chain, mlp_stack
 from planner.core.machine import describe
 from planner.core.report import Count, log10_count
@@ -24,7 +25,7 @@ def measure(graph, repeats: int) -> dict:
     best = None
     for _ in range(repeats):
         t0 = time.perf_counter()
-        c = build_candidates(graph, "h200")
+        c = build_candidates(graph, load_device("h200"))
         total = time.perf_counter() - t0
         row = {
             "ops": len(graph.ops),
@@ -51,7 +52,7 @@ def main() -> None:
     ap.add_argument("--out", default="docs/results/plan_scaling.md")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    build_candidates(ew_chain(2, 64), "h200")  # warm imports
+    build_candidates(ew_chain(2, 64), load_device("h200"))  # warm imports
     rows = []
     for k in (2, 4, 8, 16, 32, 64):
         rows.append((f"ew-chain k={k}", measure(ew_chain(k, 2**24), args.repeats)))

@@ -64,10 +64,11 @@ def _specs() -> dict[str, tuple[Callable[[], Any], Callable[[Any], bool] | None]
 
 def build(name: str) -> dict[str, Any]:
     from backends.cupy.bundle import export_bundle
+    from planner.core.cost import load_device
     from planner.egraph.candidates import build_candidates
 
     make, keep = _specs()[name]
-    cands = build_candidates(make(), "h200")
+    cands = build_candidates(make(), load_device("h200"))
     plans = [p for p in cands.plans if keep is None or keep(p)]
     return export_bundle(cands, seed=0, plans=plans)
 
@@ -111,11 +112,12 @@ def example_kernels() -> dict[str, tuple[str, Any, Any]]:
     """Every generated CUDA kernel of the examples' candidates, by source digest: (graph name, Kernel, CudaKernel);
     built once a process (the nvcc and the NVRTC tests share it)."""
     from backends.cupy.codegen import generate
+    from planner.core.cost import load_device
     from planner.egraph.candidates import build_candidates
 
     out = {}
     for g in example_graphs():
-        cands = build_candidates(g, "h200", cap=256, k=8)
+        cands = build_candidates(g, load_device("h200"), cap=256, k=8)
         for p in cands.plans:
             for k in p.kernels:
                 if k.kind == "cublaslt":  # a library call

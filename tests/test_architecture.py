@@ -161,3 +161,24 @@ def test_the_old_spellings_work_for_one_release_and_say_so():
     for argv in (["-m", "fusion_planner", "--help"], ["-m", "planner", "--help"]):
         out = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0 and "explain" in out.stdout, out.stderr
+
+
+def test_the_wheel_holds_the_three_packages_the_rule_files_and_the_entry_points(tmp_path):
+    """What `pip install` of the distribution installs outside the repository: the packages, the .egg rule files as
+    package data, the backend plugins' entry points, the CLI and the torch.compile backend."""
+    import zipfile
+
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                          str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (wheel,) = tmp_path.glob("fusion_planner-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names if n.endswith(".py")} == {*PACKAGES, "fusion_planner"}
+    shipped = {p.name for p in (ROOT / "rewrite_rules").glob("*.egg")}
+    assert {n.split("/")[-1] for n in names if n.startswith("rewrite_rules/") and n.endswith(".egg")} == shipped
+    (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+    text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    for line in ("[planner.backends]", "cpu = backends.cpu:PLUGIN", "cupy = backends.cupy:PLUGIN",
+                 "fusion-planner = planner.cli:main", "fusion_planner = planner.dynamo:dynamo_backend"):
+        assert line in text, text
+    assert not any(n.startswith(("tests/", "benchmarks/", "docs/")) for n in names)

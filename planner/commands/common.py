@@ -131,7 +131,7 @@ def candidates_from_args(args: argparse.Namespace, graph: Graph) -> CandidateSet
     if len(graph.ops) > limits.max_segment_ops:
         raise UsageError(f"{graph.name} has {len(graph.ops):,} ops, more than one e-graph holds (--max-segment-ops "
                          f"{limits.max_segment_ops:,}); this command lists one e-graph's candidates: give a smaller graph")
-    return build_candidates(graph, args.device, rules=load_rules(args.rules), limits=limits, cap=args.cap, k=args.top,
+    return build_candidates(graph, load_device(args.device), rules=load_rules(args.rules), limits=limits, cap=args.cap, k=args.top,
                             seed=args.seed)
 
 

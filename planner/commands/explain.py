@@ -12,6 +12,7 @@ from planner.commands.common import (
     graph_from_args,
     limits_from_args,
 )
+from planner.core.cost import DeviceSpec, load_device
 from planner.core.errors import UsageError
 from planner.core.graph import Graph
 from planner.core.report import TABLE_PARTS, count_text, ledger_table
@@ -47,11 +48,11 @@ def _asked(args: argparse.Namespace) -> list[ExplainColumn]:
 def run(args: argparse.Namespace) -> int:
     graph = graph_from_args(args)
     limits = limits_from_args(args)
+    spec = load_device(args.device)
     if len(graph.ops) > limits.max_segment_ops:
-        return _explain_segments(args, graph, limits)
-    cands = build_candidates(
-        graph, args.device, rules=load_rules(args.rules), limits=limits, cap=args.cap, k=args.top, seed=args.seed
-    )
+        return _explain_segments(args, graph, spec, limits)
+    cands = build_candidates(graph, spec, rules=load_rules(args.rules), limits=limits, cap=args.cap, k=args.top,
+                             seed=args.seed)
     extra = []
     for column in _asked(args):
         column.annotate(cands)
@@ -72,13 +73,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _explain_segments(args: argparse.Namespace, graph: Graph, limits: Limits) -> int:
+def _explain_segments(args: argparse.Namespace, graph: Graph, spec: DeviceSpec, limits: Limits) -> int:
     """A graph longer than one e-graph may hold: each segment's best plan by the cost model, composed, beside
     the unfused plan (the candidates of a whole graph this size are not listed)."""
     for column in _asked(args):
         raise UsageError(f"{column.flag} lists one e-graph's candidates; {graph.name} has {len(graph.ops):,} ops, more "
                          f"than --max-segment-ops {limits.max_segment_ops:,}")
-    mp = plan_model(graph, args.device, rules=load_rules(args.rules), limits=limits, cap=args.cap, k=args.top,
+    mp = plan_model(graph, spec, rules=load_rules(args.rules), limits=limits, cap=args.cap, k=args.top,
                     seed=args.seed)
     plans = [mp.plan, mp.unfused]
     if args.json:

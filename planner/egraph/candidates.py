@@ -106,7 +106,7 @@ def _region_seed(graph: Graph, ex: Extractor, spec: DeviceSpec, rules, limits) -
 
 def build_candidates(
     graph: Graph,
-    device: str | DeviceSpec | None = None,
+    spec: DeviceSpec,
     *,
     rules: Sequence[RuleFile] | None = None,
     limits: Limits | None = None,
@@ -123,7 +123,6 @@ def build_candidates(
     exact local search), its one-kernel neighbours and seeded uniform samples are costed and
     the best ``k`` kept. The unfused plan is always kept.
     """
-    spec = device if isinstance(device, DeviceSpec) else load_device(device)
     limits = limits or Limits()
     rules = load_rules() if rules is None else list(rules)
     user = [rf.path for rf in rules if not rf.shipped]
@@ -193,7 +192,7 @@ def planner_problem(rule_file: RuleFile) -> str | None:
     rules = [*load_rules(), rule_file]
     for graph in (ew_chain(3, 64), mlp_epilogue(16, 16, 16, "fp32"), transformer(1, 32, 8, "fp32")):
         try:
-            cands = build_candidates(graph, "h200", rules=rules, cap=64, k=2)
+            cands = build_candidates(graph, load_device("h200"), rules=rules, cap=64, k=2)
             x = random_inputs(graph, 0)
             problem, _, _ = check_outputs(cands.best, execute_plan(cands.best, x), execute_graph(graph, x))
         except Exception as exc:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from planner.core.cost import DeviceSpec, load_device
+from planner.core.cost import DeviceSpec
 from planner.core.graph import Graph
 from planner.core.plans import Kernel, Plan, compose_plan, rename_kernel
 from planner.core.regions import Region, boundaries, split_regions
@@ -102,7 +102,7 @@ class ModelPlan:
 
 def plan_model(
     graph: Graph,
-    device: str | DeviceSpec | None = None,
+    spec: DeviceSpec,
     *,
     backend: str = "model",
     choose: Chooser = cost_model_choice,
@@ -118,7 +118,6 @@ def plan_model(
     """Plan a whole model; ``dedup=False`` plans the graph as one e-graph instead (in segments, none
     sharing a plan, when it is longer than the segment limit).  ``regions``: the graph's
     ``split_regions`` under these limits, when the caller has them already."""
-    spec = device if isinstance(device, DeviceSpec) else load_device(device)
     rules = load_rules() if rules is None else list(rules)
     limits = limits or Limits()
     t0 = time.perf_counter()

@@ -402,7 +402,7 @@ def _fused_kernels():
     graphs += [examples.rms_norm(16, 768, dtype, residual=False) for dtype in ("bf16", "fp16")]  # Casts, fp32 rows
     graphs += [examples.rms_norm(16, 768, dtype, residual=False) for dtype in ("bf16", "fp16")]  # Casts in a row kernel
     for g in graphs:
-        cands = build_candidates(g, "h200", cap=64, k=8)
+        cands = build_candidates(g, load_device("h200"), cap=64, k=8)
         tensors = {n.id: (n.type.shape, n.type.dtype) for n in g.nodes}
         for p in cands.plans:
             for k in p.kernels:
@@ -460,7 +460,7 @@ def test_relu_keeps_nan_like_torch_and_the_reference(compiler):
     b.op("a", "Affine", ["r"], {"a": 2.0, "b": 1.0})
     g = b.build(["a"])
     x = {"x": np.array([[np.nan, -1, 0, 1, np.inf, -np.inf, -0.0, 3]] * 2, dtype=np.float32)}
-    fused = [p for p in build_candidates(g, "h200").plans if len(p.kernels) == 1][0]
+    fused = [p for p in build_candidates(g, load_device("h200")).plans if len(p.kernels) == 1][0]
     got = cpu_backend().compile(fused).run(x)[0]
     want = execute_graph(g, x)[0]
     np.testing.assert_array_equal(got, want)
@@ -477,7 +477,7 @@ def test_gelu_and_tanh_use_inline_rational_functions_within_a_few_ulp(compiler, 
     b = GraphBuilder(op)
     b.input("x", (1, x.size), "fp32")
     g = b.build([b.op("y", op, ["x"])])
-    plan = build_candidates(g, "h200").unfused
+    plan = build_candidates(g, load_device("h200")).unfused
     body = generate(plan.kernels[0].body, {n.id: (n.type.shape, n.type.dtype) for n in g.nodes}).source
     body = body.split("void fp_kernel")[1]
     assert ("fp_erf(" in body or "fp_tanh(" in body) and "erff(" not in body and "tanhf(" not in body
@@ -510,7 +510,7 @@ def test_affine_identity_terms_are_not_computed(compiler):
     want = execute_graph(g, x)[0]
     assert np.signbit(want[0, 0]) and not np.signbit(want[0, 1])
     np.testing.assert_array_equal(want, torch_like)
-    fused = [p for p in build_candidates(g, "h200").plans if len(p.kernels) == 1][0]
+    fused = [p for p in build_candidates(g, load_device("h200")).plans if len(p.kernels) == 1][0]
     got = cpu_backend().compile(fused).run(x)[0]
     assert np.array_equal(got.view(np.uint32), torch_like.view(np.uint32))
 
@@ -523,7 +523,7 @@ def test_fma_contraction_is_an_option_within_the_fp32_tolerance(tmp_path):
     assert "-ffp-contract=off" in strict.flags and "-ffp-contract=fast" in fused.flags
     assert strict.key("x") != fused.key("x")  # never one cached object for both
     g = examples.ew_chain(8, 4096, "fp32")
-    plan = [p for p in build_candidates(g, "h200", cap=512).plans if len(p.kernels) == 1][0]
+    plan = [p for p in build_candidates(g, load_device("h200"), cap=512).plans if len(p.kernels) == 1][0]
     x = random_inputs(g, 0)
     from backends.cpu.backend import CpuBackend
 
@@ -617,7 +617,7 @@ def test_every_norm_and_softmax_plan_matches_the_reference(width, dtype):
     """LayerNorm (with the residual add before it) and softmax in every plan the extractor offers, the
     one-row-kernel plan among them, on 1 and 2 threads: widths below, at and off the 16 partial sums."""
     for g in (examples.layer_norm(7, width, dtype), examples.softmax(7, width, dtype)):
-        plans = build_candidates(g, "seed-k4", cap=64).plans
+        plans = build_candidates(g, load_device("seed-k4"), cap=64).plans
         assert min(len(p.kernels) for p in plans) == 1
         x = random_inputs(g, seed=width)
         want = execute_graph(g, x)[0]
@@ -632,7 +632,7 @@ def test_a_norm_computed_in_fp32_between_casts_matches_the_reference_in_every_pl
     """LLaMA's RMSNorm of a 16-bit residual stream: statistics in fp32 between two Casts. The one-kernel plan
     reads and writes 16 bits (no fp32 copy of the rows); every plan, on 1 and 2 threads, equals the reference."""
     g = examples.rms_norm(9, 40, dtype)
-    plans = build_candidates(g, "seed-k4", cap=64).plans
+    plans = build_candidates(g, load_device("seed-k4"), cap=64).plans
     one = min(plans, key=lambda p: len(p.kernels))
     (k,) = one.kernels
     assert k.ops.count("Cast") == 2 and k.cost.bytes == 2 * (3 * 9 * 40 + 40)
@@ -650,7 +650,7 @@ def test_a_cast_kernel_widens_and_narrows_exactly(compiler):
     wide = b.op("wide", "Cast", ["x"], {"dtype": "fp32"})
     g = b.build([wide, b.op("half", "Cast", [b.op("y", "Affine", [wide], {"a": 1.001, "b": 0.0})], {"dtype": "fp16"})])
     x = random_inputs(g, seed=1)
-    unfused = build_candidates(g, "seed-k4").unfused
+    unfused = build_candidates(g, load_device("seed-k4")).unfused
     got = cpu_backend().compile(unfused).run(x)
     want = execute_graph(g, x)
     assert np.array_equal(got[0], want[0]) and got[0].dtype == np.float32
@@ -659,7 +659,7 @@ def test_a_cast_kernel_widens_and_narrows_exactly(compiler):
 
 def test_row_kernel_is_one_kernel_reading_each_tensor_once():
     g = examples.layer_norm(128, 768)
-    one = min(build_candidates(g, "seed-k4").plans, key=lambda p: len(p.kernels))
+    one = min(build_candidates(g, load_device("seed-k4")).plans, key=lambda p: len(p.kernels))
     (k,) = one.kernels
     assert k.kind == "elementwise" and {"RowMean", "SubRow", "Rsqrt", "BiasMul", "Add"} <= set(k.ops)
     compiled = cpu_backend().compile(one)
@@ -670,7 +670,7 @@ def test_row_max_keeps_nan_and_softmax_of_a_nan_row_is_nan():
     g = examples.softmax(3, 20)
     x = {"x": np.random.default_rng(0).standard_normal((3, 20)).astype(np.float32)}
     x["x"][1, 7] = np.nan
-    one = min(build_candidates(g, "seed-k4").plans, key=lambda p: len(p.kernels))
+    one = min(build_candidates(g, load_device("seed-k4")).plans, key=lambda p: len(p.kernels))
     got = cpu_backend().compile(one).run(x)[0]
     assert np.isnan(got[1]).all() and not np.isnan(got[[0, 2]]).any()
     np.testing.assert_allclose(got[[0, 2]], execute_graph(g, x)[0][[0, 2]], rtol=1e-5)
@@ -681,7 +681,7 @@ def test_row_kernel_loops_are_vectorised(compiler):
     if "Free Software Foundation" not in about:
         pytest.skip(f"the vectorisation report is gcc's; this compiler is {compiler.version}")
     g = examples.layer_norm(64, 768)
-    one = min(build_candidates(g, "seed-k4").plans, key=lambda p: len(p.kernels))
+    one = min(build_candidates(g, load_device("seed-k4")).plans, key=lambda p: len(p.kernels))
     ck = generate(one.kernels[0].body, {n.id: (n.type.shape, n.type.dtype) for n in g.nodes})
     report = compiler.vectorisation_report(ck.source)
     src = ck.source.splitlines()
@@ -697,7 +697,7 @@ def test_row_kernel_loops_are_vectorised(compiler):
 def test_a_reduction_input_nothing_else_reads_gets_no_row_buffer():
     """RMSNorm's ``x * x`` feeds its mean alone: computed in the partials' loop, not stored and read back."""
     g = examples.rms_norm(5, 256, "fp32")
-    one = min(build_candidates(g, "seed-k4").plans, key=lambda p: len(p.kernels))
+    one = min(build_candidates(g, load_device("seed-k4")).plans, key=lambda p: len(p.kernels))
     ck = generate(one.kernels[0].body, {n.id: (n.type.shape, n.type.dtype) for n in g.nodes})
     assert ck.row_width == 256 and "float row" not in ck.source.split("row kernel")[1]
     x = random_inputs(g, seed=3)
@@ -709,7 +709,7 @@ def test_rows_longer_than_the_buffer_limit_reduce_in_the_loop():
     from backends.cpu.codegen import ROW_BUFFER_LIMIT
 
     g = examples.layer_norm(3, ROW_BUFFER_LIMIT + 24, "fp16", residual=False)  # the mean reads x itself
-    one = min(build_candidates(g, "seed-k4").plans, key=lambda p: len(p.kernels))
+    one = min(build_candidates(g, load_device("seed-k4")).plans, key=lambda p: len(p.kernels))
     x = random_inputs(g, seed=1)
     got = cpu_backend().compile(one).run(x)[0]
     assert close(got, execute_graph(g, x)[0], "fp16")
@@ -724,7 +724,7 @@ def test_a_gemms_right_operand_is_read_in_place_in_either_order():
     from backends.cpu.memory import gemm_b_only
 
     g = examples.mlp_epilogue(48, 40, 32, "fp32")
-    cands = build_candidates(g, "h200")
+    cands = build_candidates(g, load_device("h200"))
     plan = next(p for p in cands.plans if len(p.kernels) == 2)
     assert gemm_b_only(plan) == {"w"}
     inputs = random_inputs(g)
@@ -744,7 +744,7 @@ def test_a_gemms_right_operand_is_read_in_place_in_either_order():
     mm = b.op("mm", "MatMul", ["x", "w"])
     out = b.op("out", "Add", [mm, "w"])
     g2 = b.build([out])
-    plan2 = next(p for p in build_candidates(g2, "h200").plans if len(p.kernels) == 1)
+    plan2 = next(p for p in build_candidates(g2, load_device("h200")).plans if len(p.kernels) == 1)
     assert gemm_b_only(plan2) == frozenset()
     x, w = np.eye(8, dtype=np.float32) * 2, np.arange(64, dtype=np.float32).reshape(8, 8)
     (got2,) = cpu_backend().compile(plan2).run({"x": x, "w": np.asfortranarray(w)})
@@ -928,7 +928,7 @@ def test_every_rope_plan_matches_the_reference(dtype, norm):
     """x*cos + rotate_half(x)*sin over heads in every plan: the tables read at the row modulo their rows, the
     rotated input read in two half loops (elementwise) or at (c + d/2) % d (inside a row kernel), 1 and 2 threads."""
     g = examples.rope(2, 6, 48, 3, dtype, norm)
-    plans = build_candidates(g, "seed-k4", cap=64).plans
+    plans = build_candidates(g, load_device("seed-k4"), cap=64).plans
     one = min(plans, key=lambda p: len(p.kernels))
     assert len(one.kernels) == 2 and {"RotateHalf", "TileMul"} <= set(one.kernels[1].ops)  # Heads, then one kernel
     x = random_inputs(g, seed=4)
@@ -946,7 +946,7 @@ def test_a_rotated_read_in_a_gemm_epilogue_matches_the_reference():
     b.input("y", (10, 8), "fp32")
     out = b.op("out", "Add", [b.op("mm", "MatMul", ["a", "w"]), b.op("rot", "RotateHalf", ["y"])])
     g = b.build([out])
-    plans = build_candidates(g, "seed-k4", cap=64).plans
+    plans = build_candidates(g, load_device("seed-k4"), cap=64).plans
     fused = [p for p in plans if len(p.kernels) == 1]
     assert fused and fused[0].kernels[0].kind == "gemm_epilogue"
     x = random_inputs(g, seed=2)
@@ -968,7 +968,7 @@ def test_a_held_weight_is_copied_once_into_padded_rows(library, threads, monkeyp
     from backends.cpu.buffers import ALIGN
 
     g = examples.mlp_epilogue(48, 40, 32, "fp32")
-    plan = next(p for p in build_candidates(g, "h200").plans if len(p.kernels) == 2)
+    plan = next(p for p in build_candidates(g, load_device("h200")).plans if len(p.kernels) == 2)
     inputs = random_inputs(g)
     (want,) = execute_graph(g, inputs, "device")
     monkeypatch.setenv(gemm.WEIGHTS_ENV, "padded")
@@ -1007,7 +1007,7 @@ def test_a_product_alone_is_written_by_the_library_into_the_output(library, thre
     b.input("x", (80, 24), "fp32")
     b.input("w", (24, 40), "fp32")
     g = b.build([b.op("y", "MatMul", ["x", "w"])])
-    plan = build_candidates(g, "h200").plans[0]  # one kernel, a gemm_epilogue or cublaslt one
+    plan = build_candidates(g, load_device("h200")).plans[0]  # one kernel, a gemm_epilogue or cublaslt one
     assert [k.body.op for k in plan.kernels] == ["MatMul"]
     compiled = CpuBackend(SPEC, threads=threads, gemm_library=library).compile(plan)
     assert compiled.kernel_facts[0]["impl"] == f"{library}-gemm" and "scratch_bytes" not in compiled.kernel_facts[0]
@@ -1031,7 +1031,7 @@ def test_a_torch_gemm_keeps_operand_views_only_while_the_arrays_stay(threads, ep
     b.input("bias", (32,), "fp32")
     mm = b.op("mm", "MatMul", ["x", "w"])
     g = b.build([b.op("y", "BiasAdd", [mm, "bias"]) if epilogue else mm])
-    plan = min(build_candidates(g, "h200").plans, key=lambda p: len(p.kernels))
+    plan = min(build_candidates(g, load_device("h200")).plans, key=lambda p: len(p.kernels))
     compiled = CpuBackend(SPEC, threads=threads, gemm_library="torch").compile(plan)
     assert compiled.kernel_facts[0]["impl"] == ("torch-gemm+c-epilogue" if epilogue else "torch-gemm")
     rng = np.random.default_rng(0)

@@ -81,7 +81,7 @@ def test_gemm_epilogue_kernel_uses_tensor_cores_and_shared_memory(generated, res
 
 def test_vector_width_follows_dtype_and_bias_alignment():
     def fused(g):
-        c = build_candidates(g, "h200")
+        c = build_candidates(g, load_device("h200"))
         return next(p for p in c.plans if len(p.kernels) == 1 or p.partition == (1, 3))
 
     p32 = fused(ew_chain(2, 4096, "fp32"))
@@ -89,7 +89,7 @@ def test_vector_width_follows_dtype_and_bias_alignment():
     p16 = fused(ew_chain(2, 4096, "fp16"))
     assert generate(p16.kernels[0], p16.tensors).vec == 8
     # bias of 12 columns: 8-wide fp16 vectors would straddle rows -> scalar path only
-    mlp = build_candidates(mlp_epilogue(8, 12, 16, "fp16"), "h200")
+    mlp = build_candidates(mlp_epilogue(8, 12, 16, "fp16"), load_device("h200"))
     ew = next(k for p in mlp.plans for k in p.kernels if k.kind == "elementwise" and "BiasAdd" in k.ops)
     c = elementwise_kernel(ew, mlp.plans[0].tensors)
     assert c.vec == 1
@@ -102,7 +102,7 @@ def test_graph_names_never_reach_the_source():
     b.op("layer.0.Weird_Stage", "Relu", ["Secret.input_name"])
     b.op("layer.0.out", "GeluTanh", ["layer.0.Weird_Stage"])
     g = b.build(["layer.0.out"])
-    p = next(p for p in build_candidates(g, "h200").plans if len(p.kernels) == 1)
+    p = next(p for p in build_candidates(g, load_device("h200")).plans if len(p.kernels) == 1)
     c = generate(p.kernels[0], p.tensors)
     for name in ("Secret", "Weird_Stage", "layer.0"):
         assert name not in c.source.replace(c.name, "")
@@ -113,14 +113,14 @@ def test_graph_names_never_reach_the_source():
 
 
 def test_opaque_and_library_kernels_are_not_generated():
-    cands = build_candidates(mlp_epilogue(64, 64, 64, "fp16"), "h200")
+    cands = build_candidates(mlp_epilogue(64, 64, 64, "fp16"), load_device("h200"))
     lt = next(k for p in cands.plans for k in p.kernels if k.kind == "cublaslt")
     with pytest.raises(CodegenError, match="cublaslt"):
         generate(lt, cands.plans[0].tensors)
 
 
 def test_custom_gemm_rejects_fp32_with_a_clear_error():
-    cands = build_candidates(mlp_epilogue(64, 64, 64, "fp32"), "h200")
+    cands = build_candidates(mlp_epilogue(64, 64, 64, "fp32"), load_device("h200"))
     k = next(k for p in cands.plans for k in p.kernels if k.kind == "gemm_epilogue")
     with pytest.raises(CodegenError, match="fp16 or bf16"):
         generate(k, cands.plans[0].tensors)
@@ -162,7 +162,7 @@ def test_analytic_occupancy(device, regs, block, smem, blocks):
 @pytest.mark.nvcc
 def test_measured_registers_recost_only_where_the_spec_asks():
     g = mlp_epilogue(256, 256, 256, "fp16")
-    seed = build_candidates(g, "seed-k4")
+    seed = build_candidates(g, load_device("seed-k4"))
     before = {p.key: p.est_us for p in seed.plans}
     annotate_candidates(seed)
     assert {p.key: p.est_us for p in seed.plans} == before
@@ -170,7 +170,7 @@ def test_measured_registers_recost_only_where_the_spec_asks():
     assert custom and all({"regs", "spill_bytes", "occupancy"} <= set(k.facts) for k in custom)
     seed_fused = next(p for p in seed.plans if p.partition == (4,) and p.kernels[0].kind == "gemm_epilogue")
     assert seed_fused.kernels[0].cost.regs == 160  # the seed's table, not the compiled kernel's count
-    h = annotate_candidates(build_candidates(g, "h200"))
+    h = annotate_candidates(build_candidates(g, load_device("h200")))
     fused = next(p for p in h.plans if p.partition == (4,))
     (k,) = fused.kernels
     assert k.cost.regs == k.facts["regs"]  # measured, not the op table's 160
@@ -180,7 +180,7 @@ def test_measured_registers_recost_only_where_the_spec_asks():
 def test_plan_with_facts_recosts_from_gpu_style_records():
     from backends.cupy.facts import plan_with_facts
 
-    cands = build_candidates(mlp_epilogue(256, 256, 256, "fp16"), "h200")
+    cands = build_candidates(mlp_epilogue(256, 256, 256, "fp16"), load_device("h200"))
     plan = next(p for p in cands.plans if p.partition == (1, 3) and p.kernels[0].kind == "cublaslt")
     facts = [{"kind": "cublaslt"}, {"kind": "elementwise", "regs": 250, "spill_bytes": 64, "occupancy": 1}]
     out = plan_with_facts(H200, plan, facts)
@@ -188,7 +188,7 @@ def test_plan_with_facts_recosts_from_gpu_style_records():
     ew = out.kernels[1]
     assert ew.cost.regs == 250 and ew.cost.spills and ew.facts["occupancy"] == 1
     assert ew.cost.est_us > plan.kernels[1].cost.est_us  # spill penalty from the measured spill bytes
-    seed = build_candidates(mlp_epilogue(256, 256, 256, "fp16"), "seed-k4")
+    seed = build_candidates(mlp_epilogue(256, 256, 256, "fp16"), load_device("seed-k4"))
     splan = next(p for p in seed.plans if p.partition == (1, 3) and p.kernels[0].kind == "cublaslt")
     assert plan_with_facts(load_device("seed-k4"), splan, facts).kernels[1].cost == splan.kernels[1].cost
     with pytest.raises(ValueError, match="fact records"):

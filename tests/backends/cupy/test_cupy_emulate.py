@@ -17,6 +17,7 @@ import pytest
 
 from backends.cupy.codegen import generate
 from backends.cupy.kernel import CTYPE
+from planner.core.cost import load_device
 from planner.core.dtypes import numpy_dtype
 from planner.core.examples import ew_chain, layer_norm, mlp_epilogue, rms_norm, rope, softmax
 from planner.core.reference import execute_plan, random_inputs
@@ -96,7 +97,7 @@ def _masked_softmax(groups: int, seq: int, keys: int, dtype: str):
 
 
 def _plan(graph, pred):
-    return next(p for p in build_candidates(graph, "h200").plans if pred(p))
+    return next(p for p in build_candidates(graph, load_device("h200")).plans if pred(p))
 
 
 @pytest.mark.parametrize(
@@ -287,7 +288,7 @@ def test_generated_attention_kernels_match_the_reference(dtype, causal, masked, 
 
     graph = attention(batch=2, seq=9, d_model=24, heads=3, dtype=dtype, causal=causal, masked=masked)
     attn_ops = {"Attention", "MaskedAttention"}
-    plans = build_candidates(graph, "h200").plans
+    plans = build_candidates(graph, load_device("h200")).plans
     plan = next(p for p in plans if any(k.body.op in attn_ops for k in p.kernels) == fused)
     assert {"standalone"} <= {k.kind for k in plan.kernels}
     inputs = random_inputs(graph, seed=5)

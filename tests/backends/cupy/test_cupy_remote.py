@@ -20,6 +20,7 @@ from backends.cupy.bundle import (
 )
 from backends.cupy.runner import MeasuredError, NumpyExecutor, load_measured, time_bundle
 from planner.cli import main
+from planner.core.cost import load_device
 from planner.core.examples import ew_chain, mlp_epilogue, mlp_stack
 from planner.core.plans import expr_from_json
 from planner.core.reference import execute_graph, execute_plan, random_inputs
@@ -47,7 +48,7 @@ def bundle_file(tmp_path_factory):
 
 def test_bundle_is_self_contained_and_reproduces_every_plan(bundle_file):
     """The JSON alone re-executes every candidate bit-for-bit like the in-memory plan."""
-    cands = build_candidates(mlp_epilogue(24, 40, 36, "fp16"), "h200")
+    cands = build_candidates(mlp_epilogue(24, 40, 36, "fp16"), load_device("h200"))
     bundle = load_bundle(bundle_file)
     assert [c.plan.key for c in bundle.candidates] == [p.key for p in cands.plans]
     inputs = bundle.make_inputs()
@@ -100,7 +101,7 @@ def _first_affine(body):
 def test_a_wrong_kernel_is_rejected_not_timed(tmp_path):
     """A kernel that computes something else (a planner bug, its device code made from the wrong body)
     is verified, rejected and not timed; the others still are."""
-    cands = build_candidates(ew_chain(2, 64, "fp32"), "h200")
+    cands = build_candidates(ew_chain(2, 64, "fp32"), load_device("h200"))
     bad = cands.plans[0]
     data = export_bundle(cands)
     raw = data["candidates"][0]["kernels"][0]
@@ -120,7 +121,7 @@ def test_device_code_that_is_not_its_bodys_is_refused(tmp_path):
     call was edited is refused when it is read, by the runner's command with exit 2."""
     from backends.cupy.__main__ import main as runner_main
 
-    data = export_bundle(build_candidates(mlp_epilogue(24, 40, 36, "fp32"), "h200"))
+    data = export_bundle(build_candidates(mlp_epilogue(24, 40, 36, "fp32"), load_device("h200")))
     edits = {
         "source": lambda k: k["cuda"].update(source=k["cuda"]["source"] + "\n__device__ int evil;"),
         "block": lambda k: k["cuda"].update(block=k["cuda"]["block"] * 2),
@@ -285,7 +286,7 @@ def test_the_remote_runner_draws_the_same_inputs_and_checks_like_the_search():
     """One input recipe and one output check: a deep fp16 stack's candidates get the same verdicts
     from the runner (numpy executor) as from the local check with the fp64-oracle allowance."""
     graph = mlp_stack(6, 32, 8, "fp16")
-    cands = build_candidates(graph, "h200", cap=16, k=8)
+    cands = build_candidates(graph, load_device("h200"), cap=16, k=8)
     bundle = bundle_from_json(json.loads(json.dumps(export_bundle(cands))))
     inputs = random_inputs(graph, 0)
     for name, x in bundle.make_inputs().items():

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from planner.core.cost import load_device
 from planner.core.examples import ew_chain, heavy, mlp_epilogue, transformer
 from planner.core.graph import Graph, GraphBuilder, GraphError, graph_from_json
 from planner.core.inputs import random_inputs
@@ -91,7 +92,7 @@ def test_mutated_graph_files_load_or_are_refused_by_name(doc):
         return
     # a graph that loads can be planned and executed (small limits keep the case fast)
     try:
-        cands = build_candidates(graph, "h200", limits=Limits(max_iterations=4, max_nodes=5000, time_limit_s=5),
+        cands = build_candidates(graph, load_device("h200"), limits=Limits(max_iterations=4, max_nodes=5000, time_limit_s=5),
                                  cap=16, k=4)
         execute_graph(graph, random_inputs(graph, 0))
         assert cands.plans
@@ -207,7 +208,7 @@ def test_mutated_plan_files_load_or_are_refused_by_name(doc):
 def _bundle_seeds() -> list[dict]:
     from backends.cupy.bundle import export_bundle
 
-    return [json.loads(json.dumps(export_bundle(build_candidates(g, "h200", cap=8, k=4))))
+    return [json.loads(json.dumps(export_bundle(build_candidates(g, load_device("h200"), cap=8, k=4))))
             for g in (ew_chain(2, 64), mlp_epilogue(8, 16, 8, "fp32"))]
 
 

@@ -11,6 +11,7 @@ from backends.cupy.__main__ import main as runner_main
 from backends.cupy.bundle import BundleError, export_bundle, load_bundle
 from planner.cli import main
 from planner.core import limits
+from planner.core.cost import load_device
 from planner.core.errors import UsageError
 from planner.core.examples import ew_chain
 from planner.core.graph import GraphBuilder, GraphError, load_graph
@@ -95,7 +96,7 @@ def test_deep_bodies_are_refused_by_their_limit_not_by_recursion(tmp_path) -> No
     with limits.input_limits(limits.InputLimits(depth=400)):
         plan, _, _, _ = load_plan(plan_path)
     assert sum(1 for _ in plan.kernels[0].body.walk()) == 300
-    bundle = export_bundle(build_candidates(ew_chain(2, 64, "fp32"), "h200"))
+    bundle = export_bundle(build_candidates(ew_chain(2, 64, "fp32"), load_device("h200")))
     bundle["candidates"][0]["kernels"][0]["body"] = _deep_body(300)
     path = tmp_path / "b.json"
     path.write_text(json.dumps(bundle))
@@ -105,7 +106,7 @@ def test_deep_bodies_are_refused_by_their_limit_not_by_recursion(tmp_path) -> No
 
 def test_the_runner_takes_the_same_limits(tmp_path, capsys) -> None:
     path = tmp_path / "b.json"
-    path.write_text(json.dumps(export_bundle(build_candidates(ew_chain(2, 64, "fp32"), "h200"))))
+    path.write_text(json.dumps(export_bundle(build_candidates(ew_chain(2, 64, "fp32"), load_device("h200")))))
     out = str(tmp_path / "m.json")
     assert runner_main(["time", str(path), "-o", out, "--executor", "numpy", "--max-file-bytes", "1000"]) == 2
     assert "--max-file-bytes" in capsys.readouterr().err

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from _fuzz import draw_op
 
+from planner.core.cost import load_device
 from planner.core.examples import fusable_ops, op_example
 from planner.core.graph import Graph, GraphBuilder
 from planner.core.kinds import KernelKind
@@ -59,7 +60,7 @@ def _ops_of(plan: Plan) -> list[list[str]]:
 
 def _fused(name: str, graph: Graph) -> tuple[list[Plan], list[Plan]]:
     """(every candidate, those in which ``name`` shares a kernel with another op)."""
-    plans = build_candidates(graph, "h200", cap=256, k=32).plans
+    plans = build_candidates(graph, load_device("h200"), cap=256, k=32).plans
     return plans, [p for p in plans if any(name in ops and len(ops) > 1 for ops in _ops_of(p))]
 
 

@@ -2,6 +2,7 @@
 
 import pytest
 
+from planner.core.cost import load_device
 from planner.core.examples import ew_chain, heavy, mlp_epilogue
 from planner.egraph.candidates import build_candidates
 
@@ -16,7 +17,7 @@ def _by_partition(cands, custom_only=True):
 
 
 def test_mlp_epilogue_4096_tables():
-    cands = build_candidates(mlp_epilogue(4096, 4096, 4096, "fp16"), "seed-k4")
+    cands = build_candidates(mlp_epilogue(4096, 4096, 4096, "fp16"), load_device("seed-k4"))
     custom = _by_partition(cands)
     assert len(custom) == 8
     assert sum(1 for p in cands.plans if all(k.kind != "cublaslt" for k in p.kernels)) == 8
@@ -40,7 +41,7 @@ def test_mlp_epilogue_4096_tables():
 
 
 def test_decode_shape():
-    cands = build_candidates(mlp_epilogue(16, 4096, 4096, "fp16"), "seed-k4")
+    cands = build_candidates(mlp_epilogue(16, 4096, 4096, "fp16"), load_device("seed-k4"))
     custom = _by_partition(cands)
     assert custom[(1, 1, 1, 1)].est_us == pytest.approx(97.5, rel=0.01)
     assert custom[(4,)].est_us == pytest.approx(80.8, rel=0.01)
@@ -48,7 +49,7 @@ def test_decode_shape():
 
 
 def test_heavy_fusion_loses():
-    cands = build_candidates(heavy(), "seed-k4")
+    cands = build_candidates(heavy(), load_device("seed-k4"))
     parts = _by_partition(cands)
     assert parts[(1, 1)].est_us == pytest.approx(1210, rel=0.01)
     assert 1800 * 0.99 <= parts[(2,)].est_us <= 1810 * 1.01
@@ -60,7 +61,7 @@ def test_ew_chain_every_partition():
     g = ew_chain(8, 2**24)
     m = len(g.ops)
     assert m == 12
-    cands = build_candidates(g, "seed-k4")
+    cands = build_candidates(g, load_device("seed-k4"))
     parts = {p.partition for p in cands.plans}
     assert len(parts) == len(cands.plans) == 2 ** (m - 1)
     naive_stage_plan = (2, 1, 2, 1, 2, 1, 2, 1)  # one kernel per seed stage (affine+relu on even s)
@@ -68,7 +69,7 @@ def test_ew_chain_every_partition():
 
 
 def test_erf_gelu_never_becomes_cublaslt_gelu():
-    cands = build_candidates(mlp_epilogue(64, 64, 64, "fp16", gelu="erf"), "seed-k4")
+    cands = build_candidates(mlp_epilogue(64, 64, 64, "fp16", gelu="erf"), load_device("seed-k4"))
     epilogues = {k.epilogue for p in cands.plans for k in p.kernels if k.kind == "cublaslt"}
     assert epilogues == {"DEFAULT", "BIAS"}
     assert len(cands.plans) == 14

@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 
+from planner.core.cost import load_device
 from planner.core.dtypes import round_to
 from planner.core.tolerance import TOLERANCES, allclose_report, tolerance
 
@@ -55,7 +56,7 @@ def test_a_non_finite_reference_on_finite_inputs_verifies_nothing():
     from planner.egraph.candidates import build_candidates
 
     graph = ew_chain(2, 8)
-    plan = build_candidates(graph, "h200").unfused
+    plan = build_candidates(graph, load_device("h200")).unfused
     ref = np.full(8, np.inf, dtype=np.float32)
     reason, _, _ = check_outputs(plan, [ref.copy()], [ref])
     assert reason is not None and "NaN or infinite on finite inputs" in reason and "overflows" in reason

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from planner.core.cost import load_device
 from planner.core.examples import ew_chain, mlp_epilogue, mlp_stack
 from planner.core.graph import GraphBuilder
 from planner.core.ops import OPS
@@ -24,7 +25,7 @@ def _fanout_graph():
 
 def test_shared_store_written_once_and_register_value_recomputed():
     g = _fanout_graph()
-    cands = build_candidates(g, "seed-k4")
+    cands = build_candidates(g, load_device("seed-k4"))
     x = random_inputs(g, 3)
     ref = execute_graph(g, x)[0]
     for p in cands.plans:
@@ -43,31 +44,31 @@ def test_shared_store_written_once_and_register_value_recomputed():
 
 def test_limits_hit_still_gives_a_valid_plan(caplog):
     g = ew_chain(6, 256)
-    cands = build_candidates(g, "seed-k4", limits=Limits(max_iterations=1))
+    cands = build_candidates(g, load_device("seed-k4"), limits=Limits(max_iterations=1))
     assert cands.limit_hit and "iteration limit" in cands.limit_hit
     assert any("iteration limit" in n for n in cands.notes)
     x = random_inputs(g, 0)
     np.testing.assert_allclose(execute_plan(cands.best, x)[0], execute_graph(g, x)[0], rtol=1e-5)
-    node_limited = build_candidates(g, "seed-k4", limits=Limits(max_nodes=5))
+    node_limited = build_candidates(g, load_device("seed-k4"), limits=Limits(max_nodes=5))
     assert node_limited.limit_hit and "node limit" in node_limited.limit_hit
 
 
 def test_region_bound_limits_kernel_size():
-    cands = build_candidates(ew_chain(8, 64), "seed-k4", limits=Limits(max_region_ops=3))
+    cands = build_candidates(ew_chain(8, 64), load_device("seed-k4"), limits=Limits(max_region_ops=3))
     assert max(max(p.partition) for p in cands.plans) == 3
 
 
 def test_a_torch_sized_chain_fits_one_kernel_by_default():
     """``a*x + b`` stages imported from torch are two ops each: an 8-stage chain is 20 ops, which the
     default kernel-size bound must still allow as one kernel (it was 16, so the best plan had two)."""
-    cands = build_candidates(ew_chain(14, 64), "seed-k4")
+    cands = build_candidates(ew_chain(14, 64), load_device("seed-k4"))
     assert [21] in [list(p.partition) for p in cands.plans]
     assert len(cands.best.kernels) == 1
 
 
 def test_sampling_is_seeded_distinct_and_valid():
     g = mlp_stack(6, 16, 4, "fp32")
-    cands = build_candidates(g, "h200", cap=50, k=10)
+    cands = build_candidates(g, load_device("h200"), cap=50, k=10)
     assert not cands.complete and len(cands.plans) >= 10
     ex = cands.extractor
     a = [ex.key(c) for c in ex.sample(12, seed=7)]
@@ -86,14 +87,14 @@ def test_sampling_is_seeded_distinct_and_valid():
 
 def test_dp_best_matches_exhaustive_on_small_space():
     g = mlp_stack(2, 16, 4, "fp16")
-    full = build_candidates(g, "h200", cap=100_000)
+    full = build_candidates(g, load_device("h200"), cap=100_000)
     assert full.complete
     ex = full.extractor
     assert ex.cost(ex.dp_best()) == pytest.approx(full.best.est_us)
 
 
 def test_ties_break_on_launches_then_registers():
-    cands = build_candidates(mlp_epilogue(16, 4096, 4096), "seed-k4")
+    cands = build_candidates(mlp_epilogue(16, 4096, 4096), load_device("seed-k4"))
     tied = [p for p in cands.plans if p.launches == 2]
     regs = [p.reg_peak for p in tied if round(p.est_us, 6) == round(tied[0].est_us, 6)]
     assert regs == sorted(regs)
@@ -103,7 +104,7 @@ def test_a_chain_enumerates_every_partition_exactly_once():
     """An elementwise chain of n ops has 2^(n-1) plans: one per choice of where to store."""
     g = ew_chain(4, 256)
     n = len(g.ops)
-    cands = build_candidates(g, "seed-k4", cap=100_000)
+    cands = build_candidates(g, load_device("seed-k4"), cap=100_000)
     assert cands.complete and g.is_chain()
     partitions = [p.partition for p in cands.plans]
     assert len(partitions) == len(set(partitions)) == 2 ** (n - 1)
@@ -113,7 +114,7 @@ def test_a_chain_enumerates_every_partition_exactly_once():
 
 def test_the_dp_plan_computes_the_graph():
     g = mlp_stack(3, 16, 4, "fp32")
-    cands = build_candidates(g, "h200", cap=20, k=5)
+    cands = build_candidates(g, load_device("h200"), cap=20, k=5)
     ex = cands.extractor
     x = random_inputs(g, 2)
     np.testing.assert_allclose(execute_plan(ex.plan_of(ex.dp_best()), x)[0], execute_graph(g, x)[0],
@@ -133,9 +134,9 @@ def test_plan_counts_are_exact_up_to_10_34_and_rounded_past_it():
     """A chain's space is its compositions: exact while below 10^34, then to 34 significant digits
     (counts of millions of digits are never made into integers)."""
     small_graph, big_graph = ew_chain(50, 64, "fp32"), ew_chain(80, 64, "fp32")
-    small = build_candidates(small_graph, "h200", limits=Limits(max_region_ops=64))
+    small = build_candidates(small_graph, load_device("h200"), limits=Limits(max_region_ops=64))
     assert small.space == _compositions(len(small_graph.ops), 64) and isinstance(small.space, int)
-    big = build_candidates(big_graph, "h200", limits=Limits(max_region_ops=64))
+    big = build_candidates(big_graph, load_device("h200"), limits=Limits(max_region_ops=64))
     exact = _compositions(len(big_graph.ops), 64)
     assert exact > 10**34 and not isinstance(big.space, int)
     assert abs(big.space - exact) <= exact // 10**32

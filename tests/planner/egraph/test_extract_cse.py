@@ -2,6 +2,7 @@
 
 from testpaths import FIXTURES
 
+from planner.core.cost import load_device
 from planner.core.graph import GraphBuilder
 from planner.core.reference import execute_graph, execute_plan, random_inputs
 from planner.core.tolerance import allclose_report
@@ -15,7 +16,7 @@ def test_two_identical_nodes_share_a_class_and_both_outputs_are_planned():
     b.op("n1", "Relu", ["x"])  # the same term as n0: egglog's class_data lists "$n1, $n2"
     b.op("n2", "Silu", ["n1"])
     graph = b.build(["n0", "n2"])
-    cands = build_candidates(graph, "seed-k4")
+    cands = build_candidates(graph, load_device("seed-k4"))
     inputs = random_inputs(graph, seed=1)
     want = execute_graph(graph, inputs)
     for plan in cands.plans:
@@ -36,7 +37,7 @@ def test_values_a_user_rule_creates_are_typed_and_planned():
     b.op("m", "Mul", ["x", "a"])
     graph = b.build(["m"])
     rules = load_rules([FIXTURES / "good_rules" / "distribute.egg"])
-    cands = build_candidates(graph, "seed-k4", rules=rules)
+    cands = build_candidates(graph, load_device("seed-k4"), rules=rules)
     assert any(k.ops.count("Mul") == 2 for p in cands.plans for k in p.kernels)  # the rule's form is a candidate
     inputs = random_inputs(graph, seed=3)
     (want,) = execute_graph(graph, inputs)

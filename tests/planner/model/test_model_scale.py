@@ -8,6 +8,7 @@ from _graphs import long_chain
 from testpaths import ROOT
 
 from planner.cli import main
+from planner.core.cost import load_device
 from planner.core.examples import ew_chain, mlp_epilogue, mlp_stack, transformer
 from planner.core.reference import execute_graph, execute_plan, random_inputs
 from planner.core.regions import split_regions
@@ -31,8 +32,8 @@ def test_small_chains_stay_one_region():
 
 
 def test_four_layer_plan_equals_one_layer_plan_layer_by_layer():
-    one = plan_model(mlp_stack(1, 32, 4), "h200")
-    four = plan_model(mlp_stack(4, 32, 4), "h200")
+    one = plan_model(mlp_stack(1, 32, 4), load_device("h200"))
+    four = plan_model(mlp_stack(4, 32, 4), load_device("h200"))
     per_layer = len(one.plan.kernels)
     assert len(four.plan.kernels) == 4 * per_layer
     shape = [(k.kind, k.epilogue, k.ops) for k in one.plan.kernels]
@@ -46,8 +47,8 @@ def test_four_layer_plan_equals_one_layer_plan_layer_by_layer():
 
 @pytest.mark.parametrize("mlp", ["gelu", "swiglu"])
 def test_four_layer_transformer_plan_equals_one_layer_plan(mlp):
-    one = plan_model(transformer(1, 32, 8, "fp32", mlp), "h200")
-    four = plan_model(transformer(4, 32, 8, "fp32", mlp), "h200")
+    one = plan_model(transformer(1, 32, 8, "fp32", mlp), load_device("h200"))
+    four = plan_model(transformer(4, 32, 8, "fp32", mlp), load_device("h200"))
     n = len(one.plan.kernels)
     assert len(four.plan.kernels) == 4 * n
     shape = [(k.kind, k.epilogue, k.ops) for k in one.plan.kernels]
@@ -60,17 +61,17 @@ def test_four_layer_transformer_plan_equals_one_layer_plan(mlp):
 
 def test_limits_hit_in_a_region_is_logged_and_the_plan_stays_valid(caplog):
     g = transformer(2, 32, 8, "fp32")
-    mp = plan_model(g, "h200", limits=Limits(max_iterations=1))
+    mp = plan_model(g, load_device("h200"), limits=Limits(max_iterations=1))
     assert "saturation stopped early: iteration limit (1)" in caplog.text
     x = random_inputs(g, 1)
     np.testing.assert_allclose(execute_plan(mp.plan, x)[0], execute_graph(g, x)[0], rtol=1e-4, atol=1e-4)
-    full = plan_model(g, "h200")
+    full = plan_model(g, load_device("h200"))
     assert mp.plan.est_us >= full.plan.est_us  # fewer rewrites: never a better plan than the full search
 
 
 @pytest.mark.parametrize("graph", [mlp_stack(4, 16, 4, "fp32"), transformer(3, 32, 8, "fp32", "swiglu")])
 def test_composite_plan_executes_like_the_unfused_graph(graph):
-    mp = plan_model(graph, "h200")
+    mp = plan_model(graph, load_device("h200"))
     x = random_inputs(graph, 2)
     ref = execute_graph(graph, x)[0]
     np.testing.assert_allclose(execute_plan(mp.plan, x)[0], ref, rtol=1e-4, atol=1e-4)
@@ -82,28 +83,28 @@ def test_composite_plan_executes_like_the_unfused_graph(graph):
 def test_cache_hit_and_corrupt_entry_rebuilt(tmp_path, caplog):
     g = mlp_stack(3, 16, 4)
     cache = PlanCache(tmp_path)
-    first = plan_model(g, "h200", cache=cache)
+    first = plan_model(g, load_device("h200"), cache=cache)
     assert first.cache_hits == 0
-    second = plan_model(g, "h200", cache=cache)
+    second = plan_model(g, load_device("h200"), cache=cache)
     assert second.cache_hits == 1 and second.plan.key == first.plan.key
     # tamper with the entry: a changed kernel kind breaks the checksum
     (entry,) = tmp_path.glob("*.json")
     data = json.loads(entry.read_text())
     data["plan"]["kernels"][0]["kind"] = "elementwise"  # sha256 no longer matches
     entry.write_text(json.dumps(data))
-    third = plan_model(g, "h200", cache=cache)
+    third = plan_model(g, load_device("h200"), cache=cache)
     assert third.cache_hits == 0 and cache.rebuilt
     assert "corrupt or stale" in caplog.text
     assert third.plan.key == first.plan.key
     entry.write_text("{truncated")
-    assert plan_model(g, "h200", cache=cache).cache_hits == 0
-    assert plan_model(g, "h200", cache=cache).cache_hits == 1
+    assert plan_model(g, load_device("h200"), cache=cache).cache_hits == 0
+    assert plan_model(g, load_device("h200"), cache=cache).cache_hits == 1
     # another device spec is another key
-    assert plan_model(g, "seed-k4", cache=cache).cache_hits == 0
+    assert plan_model(g, load_device("seed-k4"), cache=cache).cache_hits == 0
 
 
 def test_cache_clear_cli(tmp_path, capsys):
-    plan_model(mlp_stack(2, 16, 4), "h200", cache=PlanCache(tmp_path))
+    plan_model(mlp_stack(2, 16, 4), load_device("h200"), cache=PlanCache(tmp_path))
     assert list(tmp_path.glob("*.json"))
     assert main(["cache", "clear", "--cache-dir", str(tmp_path)]) == 0
     assert "removed 1" in capsys.readouterr().out
@@ -112,7 +113,7 @@ def test_cache_clear_cli(tmp_path, capsys):
 
 def test_dedup_off_plans_the_whole_graph():
     g = mlp_stack(2, 16, 4)
-    mp = plan_model(g, "h200", dedup=False)
+    mp = plan_model(g, load_device("h200"), dedup=False)
     assert not mp.dedup and len(mp.regions) == 1
     x = random_inputs(g, 0)
     np.testing.assert_allclose(execute_plan(mp.plan, x)[0], execute_graph(g, x)[0], rtol=1e-2, atol=1e-2)
@@ -190,14 +191,14 @@ def test_fp16_transformer_composite_passes_the_reference_check():
     from planner.core.tolerance import check_outputs
 
     g = transformer(4, 64, 8, "fp16")
-    mp = plan_model(g, "h200")
+    mp = plan_model(g, load_device("h200"))
     x = random_inputs(g, 0)
     problem, _, _ = check_outputs(mp.plan, execute_plan(mp.plan, x), execute_graph(g, x))
     assert problem is None
 
 
 def _cache_with_entry(root):
-    plan_model(mlp_stack(2, 16, 4), "h200", cache=PlanCache(root))
+    plan_model(mlp_stack(2, 16, 4), load_device("h200"), cache=PlanCache(root))
     (entry,) = root.glob("*.json")
     return entry
 
@@ -245,24 +246,24 @@ def test_a_cache_that_cannot_be_written_keeps_the_result(tmp_path, caplog):
     not_a_dir.write_text("")
     g = mlp_stack(2, 16, 4)
     with caplog.at_level("WARNING"):
-        mp = plan_model(g, "h200", cache=PlanCache(not_a_dir))
+        mp = plan_model(g, load_device("h200"), cache=PlanCache(not_a_dir))
     assert mp.plan.kernels and "could not store the plan" in caplog.text and not_a_dir.read_text() == ""
 
 
 def test_a_cache_others_may_write_to_is_not_read(tmp_path, caplog):
     root = tmp_path / "shared"
     g = mlp_stack(2, 16, 4)
-    plan_model(g, "h200", cache=PlanCache(root))
-    assert plan_model(g, "h200", cache=PlanCache(root)).cache_hits == 1
+    plan_model(g, load_device("h200"), cache=PlanCache(root))
+    assert plan_model(g, load_device("h200"), cache=PlanCache(root)).cache_hits == 1
     root.chmod(0o777)
     with caplog.at_level("WARNING"):
-        assert plan_model(g, "h200", cache=PlanCache(root)).cache_hits == 0
+        assert plan_model(g, load_device("h200"), cache=PlanCache(root)).cache_hits == 0
     assert "others may write to it" in caplog.text
 
 
 def test_a_graph_past_the_segment_limit_is_planned_in_segments(caplog):
     g = long_chain(300)
-    mp = plan_model(g, "h200", limits=Limits(max_segment_ops=64))
+    mp = plan_model(g, load_device("h200"), limits=Limits(max_segment_ops=64))
     assert len(mp.regions) >= 5 and all(len(r.ops) <= 64 for r in mp.regions)
     assert mp.notes and "max_segment_ops=64" in mp.notes[0] and "no kernel spans a cut" in mp.notes[0]
     x = random_inputs(g, 0)
@@ -270,9 +271,9 @@ def test_a_graph_past_the_segment_limit_is_planned_in_segments(caplog):
     assert len(mp.plan.kernels) < len(mp.unfused.kernels) == 300
     assert all(len(k.ops) <= 64 for k in mp.plan.kernels)
     # --no-dedup searches each segment on its own: none shares another's plan
-    whole = plan_model(g, "h200", limits=Limits(max_segment_ops=64), dedup=False)
+    whole = plan_model(g, load_device("h200"), limits=Limits(max_segment_ops=64), dedup=False)
     assert not whole.dedup and len(whole.unique) == len(whole.regions) and whole.notes
-    assert plan_model(g, "h200", limits=Limits(max_segment_ops=300)).notes == []
+    assert plan_model(g, load_device("h200"), limits=Limits(max_segment_ops=300)).notes == []
 
 
 def test_segments_share_the_time_budget(monkeypatch):

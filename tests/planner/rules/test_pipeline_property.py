@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, Phase, assume, event, given, note, settings
 from hypothesis import strategies as st
 from testpaths import FIXTURES
 
+from planner.core.cost import load_device
 from planner.core.graph import graph_from_json
 from planner.core.reference import execute_graph, execute_plan, random_inputs
 from planner.core.tolerance import check_outputs
@@ -36,7 +37,7 @@ def test_every_candidate_agrees_with_the_unfused_plan(graph: dict, seed: int) ->
 def check_candidates(graph_json: dict, seed: int, rules: list[RuleFile] | None = None) -> None:
     note(f"graph JSON:\n{json.dumps(graph_json, indent=1)}")
     graph = graph_from_json(graph_json)
-    cands = build_candidates(graph, "seed-k4", rules=rules, cap=64, k=8, seed=seed)
+    cands = build_candidates(graph, load_device("seed-k4"), rules=rules, cap=64, k=8, seed=seed)
     inputs = random_inputs(graph, seed=seed)
     unfused = cands.unfused
     want = execute_plan(unfused, inputs)

@@ -9,6 +9,7 @@ import pytest
 from testpaths import FIXTURES
 
 from planner.cli import main
+from planner.core.cost import load_device
 from planner.core.examples import ew_chain
 from planner.core.ops import OPS, OpDef, same_shape
 from planner.egraph.candidates import build_candidates
@@ -236,7 +237,7 @@ def test_plans_with_a_user_rule_compute_what_the_graph_computes():
     from planner.core.tolerance import allclose_report
 
     graph = ew_chain(4, 37, "fp16")
-    cands = build_candidates(graph, "seed-k4", rules=load_rules([FIXTURES / "good_rules" / "affine.egg"]), cap=256)
+    cands = build_candidates(graph, load_device("seed-k4"), rules=load_rules([FIXTURES / "good_rules" / "affine.egg"]), cap=256)
     assert any(p.notation() == "[5]" for p in cands.plans)
     inputs = random_inputs(graph, seed=2)
     (want,) = execute_plan(cands.unfused, inputs)
@@ -338,9 +339,9 @@ def test_a_user_rule_that_leaves_no_plan_is_a_named_error(tmp_path, monkeypatch)
     monkeypatch.setattr(candidates, "view_egraph", broken)
     user = user_rules([FIXTURES / "good_rules" / "affine.egg"])
     with pytest.raises(RuleFileError, match=r"affine\.egg: with these rules ew-chain.* has no valid plan: no kernel"):
-        build_candidates(ew_chain(2, 64), "h200", rules=shipped_rules() + user)
+        build_candidates(ew_chain(2, 64), load_device("h200"), rules=shipped_rules() + user)
     with pytest.raises(ExtractionError):  # the shipped rules alone: a planner bug, not the user's
-        build_candidates(ew_chain(2, 64), "h200", rules=shipped_rules())
+        build_candidates(ew_chain(2, 64), load_device("h200"), rules=shipped_rules())
 
 
 def test_a_norm_over_each_heads_slice_is_refused_not_passed(tmp_path):

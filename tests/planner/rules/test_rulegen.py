@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from testpaths import FIXTURES
 
+from planner.core.cost import load_device
 from planner.core.graph import GraphBuilder
 from planner.core.ops import OPS, OpDef, register_op, same_shape
 from planner.core.reference import execute_graph, execute_plan, random_inputs
@@ -112,7 +113,7 @@ def test_a_new_op_fuses_into_one_kernel_that_runs_on_the_cpu(new_op):
     from planner.backend import BackendUnavailable
 
     graph = _chain()
-    cands = build_candidates(graph, "h200")
+    cands = build_candidates(graph, load_device("h200"))
     one = [p for p in cands.plans if len(p.kernels) == 1]
     assert one and one[0].kernels[0].kind == "elementwise"
     assert cands.best.key == one[0].key  # the cost model prefers the fused kernel
@@ -135,7 +136,7 @@ def test_a_new_op_becomes_a_gemm_epilogue_and_its_rules_are_checked(new_op):
     b.op("mm", "MatMul", ["a", "w"])
     b.op("sq", "Abs", ["mm"])
     graph = b.build(["sq"])
-    kinds = {tuple(k.kind for k in p.kernels) for p in build_candidates(graph, "h200").plans}
+    kinds = {tuple(k.kind for k in p.kernels) for p in build_candidates(graph, load_device("h200")).plans}
     assert ("gemm_epilogue",) in kinds
     results = [r for r in check_files(examples=20) if "(Abs " in r.rule.text]
     assert {r.rule.path for r in results} == {"generated:elementwise", "generated:epilogue", "generated:limits"}

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner.core import examples
+from planner.core.cost import load_device
 from planner.core.errors import UsageError
 from planner.core.reference import execute_graph, execute_plan, random_inputs
 from planner.core.tolerance import allclose_report
@@ -31,17 +32,17 @@ FAST = dict(warmup=0, repeats=2)
 
 @pytest.fixture(scope="module")
 def chain():
-    return build_candidates(examples.ew_chain(4, 512), "seed-k4")
+    return build_candidates(examples.ew_chain(4, 512), load_device("seed-k4"))
 
 
 @pytest.fixture(scope="module")
 def mlp():
-    return build_candidates(examples.mlp_epilogue(16, 32, 24, "fp32"), "h200")
+    return build_candidates(examples.mlp_epilogue(16, 32, 24, "fp32"), load_device("h200"))
 
 
 @pytest.fixture(scope="module")
 def stack():
-    return build_candidates(examples.mlp_stack(2, 16, 8, "fp16"), "h200", cap=16, k=4)
+    return build_candidates(examples.mlp_stack(2, 16, 8, "fp16"), load_device("h200"), cap=16, k=4)
 
 
 def _equal_to_graph(cands, plan) -> bool:
@@ -286,7 +287,7 @@ def test_plan_of_a_deep_fp16_transformer_is_verified_and_exits_0(capsys):
 
 
 def test_search_keeps_fused_candidates_of_a_deep_fp16_graph():
-    cands = build_candidates(examples.transformer(2, 256, 64, "fp16"), "h200")
+    cands = build_candidates(examples.transformer(2, 256, 64, "fp16"), load_device("h200"))
     plain = search(cands, EstimateBackend(cands.spec), options=SearchOptions(max_candidates=3, **FAST))
     assert not plain.rejected and plain.best.key != cands.unfused.key
     # (random_inputs scales GEMM weights by K^-1/2, so these activations stay tame; the

@@ -21,6 +21,7 @@ from torch import nn  # noqa: E402
 
 import planner.torch.importer  # noqa: E402
 from planner.api import allclose_report  # noqa: E402
+from planner.core.cost import load_device  # noqa: E402
 from planner.core.ops import OpError  # noqa: E402
 from planner.core.report import kernels_text  # noqa: E402
 from planner.torch.errors import TorchImportError  # noqa: E402
@@ -244,7 +245,7 @@ def test_parameters_are_bound_at_call_time() -> None:
 def test_parameters_are_converted_once_and_again_only_when_they_change(backend, monkeypatch) -> None:
     """A call converts only its inputs; the cpu backend reads fp32 inputs in place (no copy at all); a
     parameter updated in place, or replaced, is converted again; rebind() forgets every bound parameter."""
-    import backends.cpu.backend as cpu
+    import backends.cpu.compiled as cpu  # where a compiled plan copies its inputs into its buffers
 
     m, x = _model("mlp-relu", torch.float32)
     result = planner.plan(m, (x,), backend=backend, max_candidates=2)
@@ -333,7 +334,7 @@ def test_primitive_ops_and_a_written_out_gelu_import_as_fusable_ops() -> None:
     result = planner.plan(m, (x,), backend="cpu", max_candidates=8)
     ops = {n.op for n in result.graph.ops}
     assert "Opaque" not in ops and {"Tanh", "Sigmoid", "Exp", "Sqrt", "Rsqrt", "Square", "Mul", "Div"} <= ops
-    assert min(len(p.kernels) for p in build_candidates(result.graph, "seed-k4").plans) == 1
+    assert min(len(p.kernels) for p in build_candidates(result.graph, load_device("seed-k4")).plans) == 1
     with torch.no_grad():
         _assert_close(result(x), m(x))
     chain = planner.plan(nn.Sequential(nn.Tanh(), nn.Sigmoid()), (x,), backend="reference")
@@ -424,7 +425,7 @@ def test_norms_and_softmax_import_as_row_ops_and_fuse_into_one_row_kernel() -> N
     ops = {n.op for n in result.graph.ops}
     assert "Opaque" not in ops
     assert {"RowMean", "RowMax", "RowSum", "SubRow", "MulRow", "DivRow", "BiasMul", "Exp", "Rsqrt"} <= ops
-    assert min(len(p.kernels) for p in build_candidates(result.graph, "seed-k4").plans) == 1
+    assert min(len(p.kernels) for p in build_candidates(result.graph, load_device("seed-k4")).plans) == 1
     with torch.no_grad():
         _assert_close(result(x, r), m(x, r))
 
@@ -445,7 +446,7 @@ def test_a_norm_written_another_way_fuses_through_the_primitives() -> None:
     m, x = OtherRMS().eval(), torch.randn(3, 7, 40)
     result = planner.plan(m, (x,), backend="cpu", max_candidates=4)
     assert [n.op for n in result.graph.ops] == ["Square", "RowMean", "Affine", "Sqrt", "DivRow", "BiasMul"]
-    assert min(len(p.kernels) for p in build_candidates(result.graph, "seed-k4").plans) == 1
+    assert min(len(p.kernels) for p in build_candidates(result.graph, load_device("seed-k4")).plans) == 1
     with torch.no_grad():
         _assert_close(result(x), m(x))
 
