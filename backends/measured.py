@@ -11,7 +11,6 @@ reference's: the numerics were checked where the kernels ran.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from backends.cupy.runner import MeasuredError, load_measured
@@ -19,6 +18,7 @@ from backends.model import ReplayedPlan
 from planner.backend import Backend, BackendError, BackendPlugin, CompiledPlan
 from planner.core.cost import DeviceSpec
 from planner.core.errors import UsageError
+from planner.core.files import read_json
 from planner.core.graph import Graph
 from planner.core.kinds import is_rejected
 from planner.core.plans import Plan
@@ -32,7 +32,7 @@ class MeasuredBackend(Backend):
         self.path = str(path)
         self.results = load_measured(path)
         #: the graph the remote runner timed (plan keys do not encode shapes, so callers must compare it)
-        head = json.loads(Path(path).read_text())
+        head = read_json(path, MeasuredError, "measured-results file")
         self.graph_name = str(head.get("graph") or "")
         self.graph_sha256 = str(head.get("graph_sha256") or "")
         executors = {m.executor for m in self.results.values()}

@@ -12,12 +12,12 @@ import logging
 import os
 import re
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from backends import process
 from backends.codegen import (
     CodegenError,
 )
@@ -30,6 +30,7 @@ from backends.cpu.prelude import (
     VECTOR_MATH,
     WIDE_VECTOR_FLAGS,
 )
+from planner.core.env import env_seconds
 from planner.core.files import untrusted_dir
 
 log = logging.getLogger(__name__)
@@ -68,19 +69,21 @@ class CompilerUnavailable(RuntimeError):
     """No working C compiler on this machine."""
 
 
-#: seconds the compiler may take to print its version or build the probe, and to build one kernel
+#: seconds the compiler may take to print its version or build the probe, and (``$FUSION_PLANNER_CC_TIMEOUT``
+#: overrides it) to build one kernel or a batch
 PROBE_TIMEOUT_S = 60.0
-BUILD_TIMEOUT_S = float(os.environ.get("FUSION_PLANNER_CC_TIMEOUT", "300"))
+BUILD_TIMEOUT_S = 300.0
+TIMEOUT_HINT = " (FUSION_PLANNER_CC_TIMEOUT sets the kernel limit)"
 
 
-def _run(cmd: list[str], timeout: float, what: str, error: type[Exception]) -> subprocess.CompletedProcess[str]:
-    """Run the compiler with a timeout: a hanging compiler is an error naming the step, never a hang."""
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired:
-        raise error(f"{what} did not finish within {timeout:g} s (FUSION_PLANNER_CC_TIMEOUT sets the kernel limit)") from None
-    except OSError as exc:
-        raise error(f"{what} could not run: {exc}") from None
+def build_timeout_s() -> float:
+    return env_seconds("FUSION_PLANNER_CC_TIMEOUT", BUILD_TIMEOUT_S)
+
+
+def _run(cmd: list[str], timeout: float, what: str, error: type[Exception]) -> process.Finished:
+    """Run the compiler with a timeout, in its own process group: a hanging compiler (or a child of it) is an
+    error naming the step, never a hang."""
+    return process.run(cmd, timeout, what, error, TIMEOUT_HINT)
 
 
 Probe = tuple[tuple[str, ...], tuple[str, ...], str]
@@ -168,6 +171,7 @@ class Compiler:
 
     def __post_init__(self) -> None:
         self.cc = self.cc or os.environ.get("CC", "cc")
+        self.build_timeout_s = build_timeout_s()  # a bad $FUSION_PLANNER_CC_TIMEOUT is named here, before any build
         if self.fma is None:
             self.fma = os.environ.get("FUSION_PLANNER_CPU_FMA", "1").strip().lower() not in ("0", "off", "false", "no")
         flags, self.libs, self.version = _probe(self.cc)
@@ -205,7 +209,7 @@ class Compiler:
             src.write_text(source)
             tmp = Path(d) / "kernel.so"
             r = _run([shutil.which(self.cc) or self.cc, *self.flags, *extra, "-o", str(tmp), str(src), *self.libs, "-lm"],
-                     BUILD_TIMEOUT_S, f"{self.cc} on a generated kernel", CodegenError)
+                     self.build_timeout_s, f"{self.cc} on a generated kernel", CodegenError)
             if r.returncode != 0:
                 raise CodegenError(f"{self.cc} failed on a generated kernel: {r.stderr.strip()[:2000]}")
             seal = _seal(tmp)
@@ -220,9 +224,9 @@ class Compiler:
         with tempfile.TemporaryDirectory() as d:
             src = Path(d) / "kernel.c"
             src.write_text(source)
-            r = subprocess.run([shutil.which(self.cc) or self.cc, *self.flags, "-fopt-info-vec-optimized",
-                                "-o", str(Path(d) / "kernel.so"), str(src), *self.libs, "-lm"],
-                               capture_output=True, text=True)
+            r = _run([shutil.which(self.cc) or self.cc, *self.flags, "-fopt-info-vec-optimized",
+                      "-o", str(Path(d) / "kernel.so"), str(src), *self.libs, "-lm"],
+                     self.build_timeout_s, f"{self.cc} reporting vectorisation", CodegenError)
         return r.stderr if r.returncode == 0 else ""
 
     def load(self, source: str) -> tuple[ctypes.CDLL, str]:
@@ -286,11 +290,16 @@ class Compiler:
         groups = [items[i::max(1, jobs)] for i in range(max(1, min(jobs, len(items))))]
         with tempfile.TemporaryDirectory(dir=self.directory) as d:
             runs = [self._start_batch(Path(d), group) for group in groups]
-            built = sum(len(group) for proc, tmp, group in runs if self._finish_batch(proc, tmp, group, BUILD_TIMEOUT_S))
+            try:
+                built = sum(len(group) for run, tmp, group in runs if self._finish_batch(run, tmp, group, self.build_timeout_s))
+            finally:
+                for run, _, _ in runs:  # a timeout ended the loop: the other batches go too
+                    if run.proc.poll() is None:
+                        run.kill()
         self.compiled += built
         return built
 
-    def _start_batch(self, d: Path, group: list[tuple[str, str]]) -> tuple[subprocess.Popen[str], Path, list[tuple[str, str]]]:
+    def _start_batch(self, d: Path, group: list[tuple[str, str]]) -> tuple[process.Running, Path, list[tuple[str, str]]]:
         parts = [PRELUDE]
         for key, src in group:
             parts.append(_renamed(src[len(PRELUDE):], key))
@@ -298,23 +307,13 @@ class Compiler:
         c_file, tmp = d / f"{digest}.c", d / f"{digest}.so"
         c_file.write_text("\n".join(parts))
         cmd = [shutil.which(self.cc) or self.cc, *self.flags, "-o", str(tmp), str(c_file), *self.libs, "-lm"]
-        try:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        except OSError as exc:
-            raise CodegenError(f"{self.cc} could not run: {exc}") from None
-        return proc, tmp, group
+        return process.Running(cmd, f"{self.cc} on a batch of {len(group)} kernels", CodegenError), tmp, group
 
-    def _finish_batch(self, proc: subprocess.Popen[str], tmp: Path, group: list[tuple[str, str]], timeout: float) -> bool:
-        try:
-            _, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            raise CodegenError(f"{self.cc} on a batch of {len(group)} kernels did not finish within {timeout:g} s "
-                               "(FUSION_PLANNER_CC_TIMEOUT sets the limit)") from None
-        if proc.returncode != 0:  # one bad kernel must not cost the others: each is built alone on first use
+    def _finish_batch(self, run: process.Running, tmp: Path, group: list[tuple[str, str]], timeout: float) -> bool:
+        done = run.finish(timeout, TIMEOUT_HINT)
+        if done.returncode != 0:  # one bad kernel must not cost the others: each is built alone on first use
             log.warning("%s failed on a batch of %d kernels; they will be compiled one by one: %s",
-                        self.cc, len(group), err.strip()[:500])
+                        self.cc, len(group), done.stderr.strip()[:500])
             return False
         assert self.directory is not None
         name = f"b{tmp.stem}.so"

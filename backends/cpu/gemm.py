@@ -64,6 +64,8 @@ from backends.cpu.compiler import cache_dir
 from backends.cpu.parallel import torch_threads
 from planner.backend import BackendError
 from planner.core.dtypes import DTYPES
+from planner.core.env import env_choice
+from planner.core.errors import UsageError
 from planner.core.machine import cpu_model
 
 log = logging.getLogger(__name__)
@@ -86,11 +88,11 @@ MatMul = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
 def library_from_env(choice: str | None = None) -> str:
     """The GEMM library a backend uses: ``choice``, else ``$FUSION_PLANNER_CPU_GEMM``, else ``auto``."""
     what = "gemm_library" if choice else GEMM_ENV
-    value = (choice or os.environ.get(GEMM_ENV) or "auto").strip().lower()
+    if choice is not None and choice.strip().lower() not in ("auto", *LIBRARIES):
+        raise UsageError(f"gemm_library={choice[:40]!r}: expected auto, {', '.join(LIBRARIES)}")
+    value = env_choice(GEMM_ENV, ("auto", *LIBRARIES), "auto", given=choice)
     if value == "auto":
         return measured_library() if "torch" in sys.modules else "numpy"
-    if value not in LIBRARIES:
-        raise BackendError(f"{what}={value!r}: expected auto, numpy or torch")
     if value == "torch":
         try:
             import torch  # noqa: F401  (optional dependency)
@@ -135,9 +137,7 @@ def torch_mm(dtype: str = "fp32", keep: tuple[bool, bool, bool] = (False, False,
 def native_16bit(dtype: str) -> bool:
     """Does torch multiply ``dtype`` in the CPU's own instructions here, so a GEMM need not widen it to fp32?
     (torch is imported: the caller uses the torch library.)"""
-    value = (os.environ.get(GEMM_16BIT_ENV) or "auto").strip().lower()
-    if value not in ("auto", "native", "widen"):
-        raise BackendError(f"{GEMM_16BIT_ENV}={value!r}: expected auto, native or widen")
+    value = env_choice(GEMM_16BIT_ENV, ("auto", "native", "widen"), "auto")
     if value == "widen" or dtype not in _NATIVE_16BIT:
         return False
     if value == "native":
@@ -249,12 +249,8 @@ LAYOUT_FILE = "gemm-weights.json"
 
 def weight_layout(library: str) -> str:
     """How fp32 weights are stored for ``library``'s products: ``padded`` or ``given`` (module docstring)."""
-    value = (os.environ.get(WEIGHTS_ENV) or "auto").strip().lower()
-    if value == "auto":
-        return measured_weight_layout(library)
-    if value not in WEIGHT_LAYOUTS:
-        raise BackendError(f"{WEIGHTS_ENV}={value!r}: expected auto, padded or given")
-    return value
+    value = env_choice(WEIGHTS_ENV, ("auto", *WEIGHT_LAYOUTS), "auto")
+    return measured_weight_layout(library) if value == "auto" else value
 
 
 def _layout_key(library: str) -> dict[str, Any]:
@@ -408,9 +404,7 @@ def aligned_copy(x: np.ndarray) -> np.ndarray:
 
 def weight_layout_16bit(dtype: str) -> str:
     """How 16-bit weights torch multiplies natively are held: ``packed`` or ``given`` (module docstring)."""
-    value = (os.environ.get(WEIGHTS_16BIT_ENV) or "auto").strip().lower()
-    if value not in ("auto", *WEIGHT_LAYOUTS_16BIT):
-        raise BackendError(f"{WEIGHTS_16BIT_ENV}={value!r}: expected auto, packed or given")
+    value = env_choice(WEIGHTS_16BIT_ENV, ("auto", *WEIGHT_LAYOUTS_16BIT), "auto")
     if value == "given":
         return value
     error = packing_error(dtype)

@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from planner.backend import BackendError
+from planner.core.env import env_count
 
 #: fewest output elements a worker gets: below this, handing work to a thread costs more than it saves
 MIN_ELEMENTS_PER_THREAD = 1 << 15
@@ -46,16 +47,7 @@ def available_cores() -> int:
 
 def count_from_env(name: str) -> int | None:
     """The non-negative integer in environment variable ``name``; None when it is unset or empty."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        n = int(raw)
-    except ValueError:
-        raise BackendError(f"{name} must be an integer, got {raw!r}") from None
-    if n < 0:
-        raise BackendError(f"{name} must be >= 0, got {n}")
-    return n
+    return env_count(name)
 
 
 def threads_from_env() -> int:

@@ -24,7 +24,7 @@ import numpy as np
 from backends.cupy.codegen import CodegenError, generate
 from backends.cupy.kernel import CudaKernel, cuda_kernel_from_json
 from planner.core.cost import KernelCost
-from planner.core.files import read_limited
+from planner.core.files import read_json
 from planner.core.graph import GraphError, TensorType, tensor_type
 from planner.core.inputs import RECIPE, input_scales, seeded_inputs
 from planner.core.kinds import KernelKind, OpKind
@@ -311,24 +311,41 @@ def _bundle_from_json(data: Any, source: str) -> Bundle:
         tensors=tensors,
         inputs=names,
         outputs=outputs,
-        seed=int(_need(inputs, "seed", f"{source}.inputs")),
-        scales={str(k): float(v) for k, v in (inputs.get("scales") or {}).items()},
+        seed=_seed(_need(inputs, "seed", f"{source}.inputs"), f"{source}.inputs.seed"),
+        scales=_scales(inputs.get("scales") or {}, f"{source}.inputs.scales"),
         reference=ref,
         graph_sha256=str(data.get("graph_sha256", "")),
         candidates=cands,
     )
 
 
-def read_json(path: str | Path) -> Any:
+def _seed(v: Any, where: str) -> int:
+    """The recipe's seed: an integer numpy's generators take (non-negative, 64 bits)."""
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**63:
+        raise BundleError(f"{where}: the input seed must be an integer from 0 to 2**63-1, got {str(v)[:40]}")
+    return v
+
+
+def _scales(v: Any, where: str) -> dict[str, float]:
+    """Each input's scale: finite and positive. A zero scale draws all-zero inputs, on which every candidate
+    "verifies" (GELU(0) = ReLU(0) = 0): the check could not fail."""
+    if not isinstance(v, Mapping):
+        raise BundleError(f"{where}: must be an object of input name to scale")
+    out = {}
+    for k, x in v.items():
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not (math.isfinite(x) and x > 0):
+            raise BundleError(f"{where}.{str(k)[:40]}: a scale must be a positive finite number, got {str(x)[:40]}")
+        out[str(k)] = float(x)
+    return out
+
+
+def read_bundle_json(path: str | Path) -> Any:
     """An exported file's JSON, with the input-file limits of every other file the planner reads."""
-    try:
-        return json.loads(read_limited(path, BundleError, "candidates bundle"))
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise BundleError(f"{path}: not JSON ({str(exc)[:200]})") from None
+    return read_json(path, BundleError, "candidates bundle")
 
 
 def load_bundle(path: str | Path) -> Bundle:
-    return bundle_from_json(read_json(path), str(path))
+    return bundle_from_json(read_bundle_json(path), str(path))
 
 
 def variant_candidate(v: Any, i: int) -> Candidate:
@@ -342,7 +359,7 @@ def variant_candidate(v: Any, i: int) -> Candidate:
 
 def generated_kernels(path: str | Path) -> list[CudaKernel]:
     """Every generated kernel of an exported file: a candidates bundle, or a C-05 bundle (its ``variants``)."""
-    data = read_json(path)
+    data = read_bundle_json(path)
     if isinstance(data, dict) and "variants" in data:
         cands = [variant_candidate(v, i) for i, v in enumerate(data["variants"])]
     else:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from backends.cupy.backend import plan_candidate
-from backends.cupy.bundle import BundleError, Candidate, plan_to_json, read_json, variant_candidate
+from backends.cupy.bundle import BundleError, Candidate, plan_to_json, read_bundle_json, variant_candidate
 from backends.cupy.verify import allclose_report
 from planner.core.cost import DeviceSpec
 from planner.core.reference import execute_plan
@@ -65,7 +65,7 @@ def write_json(data: dict[str, Any], path: str | Path) -> None:
 
 
 def load_c05(path: str | Path) -> dict[str, Any]:
-    data = read_json(path)
+    data = read_bundle_json(path)
     if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("variants"), list):
         raise BundleError(f"{path}: not a C-05 bundle (schema {SCHEMA!r} with a list of 'variants' expected)")
     return data

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -27,7 +26,7 @@ from typing import Any
 
 from planner.backend import BackendUnavailable
 from planner.core.cost import DeviceSpec, DeviceSpecError
-from planner.core.files import read_limited
+from planner.core.files import read_json
 
 SCHEMA = "fusion-planner/gpu-calibration/1"
 COPY_MIB = (64, 512, 2048)
@@ -146,7 +145,4 @@ def spec_from_measured(data: Any, base: DeviceSpec, source: str = "<json>", name
 
 
 def load_measured_file(path: str) -> Any:
-    try:
-        return json.loads(read_limited(Path(path), DeviceSpecError, "calibration file", limit=2**20))
-    except json.JSONDecodeError as exc:
-        raise DeviceSpecError(f"calibration file {path}: not JSON ({exc})") from None
+    return read_json(Path(path), DeviceSpecError, "calibration file", limit=2**20)

@@ -18,12 +18,12 @@ import logging
 import os
 import re
 import shutil
-import subprocess
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from backends import process
 from backends.cupy.codegen import CodegenError, generate
 from backends.cupy.kernel import CudaKernel
 from planner.core.cost import DeviceSpec, kernel_cost
@@ -70,14 +70,17 @@ def nvcc_version() -> str:
     exe = shutil.which("nvcc")
     if exe is None:
         raise NvccError("nvcc is not on PATH")
-    out = subprocess.run([exe, "--version"], capture_output=True, text=True, check=True).stdout
+    done = process.run([exe, "--version"], 60.0, "nvcc --version", NvccError)
+    if done.returncode != 0:
+        raise NvccError(f"nvcc --version failed: {done.stderr.strip()[:300]}")
+    out = done.stdout
     return out.strip().splitlines()[-1]
 
 
 def nvcc_available() -> bool:
     try:
         nvcc_version()
-    except (NvccError, OSError, subprocess.CalledProcessError):
+    except (NvccError, OSError):
         return False
     return True
 
@@ -145,7 +148,7 @@ def _run_nvcc(source: str, arch: str, names: str) -> str:
         src = Path(tmp) / "k.cu"
         src.write_text(source)
         cmd = ["nvcc", f"-arch={arch}", "-cubin", "--resource-usage", "-o", str(Path(tmp) / "k.cubin"), str(src)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        proc = process.run(cmd, 600.0, f"nvcc on kernel(s) {names[:200]}", NvccError)
     if proc.returncode != 0:
         raise NvccError(f"nvcc rejected kernel(s) {names[:300]}:\n{proc.stderr.strip()[:2000]}")
     log.debug("nvcc compiled %s", names)

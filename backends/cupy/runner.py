@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from backends.cupy.bundle import Bundle, Candidate
-from planner.core.files import read_limited
+from planner.core.files import read_json
 from planner.core.kinds import Verdict, rejected
 from planner.core.machine import cpu_model
 from planner.core.reference import execute_plan
@@ -245,11 +245,7 @@ class Measurement:
 def load_measured(path: str | Path) -> dict[str, Measurement]:
     """``measured.json`` (from ``python -m backends.cupy time``) as ``{plan_key: Measurement}``."""
     p = Path(path)
-    try:
-        data = json.loads(read_limited(p, MeasuredError, "measured-results file"))
-    except json.JSONDecodeError as exc:
-        raise MeasuredError(f"{p}: not JSON ({exc})") from None
-    return measured_from_json(data, str(p))
+    return measured_from_json(read_json(p, MeasuredError, "measured-results file"), str(p))
 
 
 def measured_from_json(data: Any, source: str) -> dict[str, Measurement]:

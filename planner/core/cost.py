@@ -8,14 +8,13 @@ register peak is the max over kernels.  ``docs/cost-model.md`` has the tables.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from planner.core.dtypes import DTYPES
-from planner.core.files import read_limited
+from planner.core.files import read_json
 from planner.core.kinds import KernelKind
 
 
@@ -124,11 +123,7 @@ def load_device(name_or_file: str | None) -> DeviceSpec:
         )
     if not p.is_file():
         raise DeviceSpecError(f"device {key!r}: {p} is not a regular file")
-    try:
-        data = json.loads(read_limited(p, DeviceSpecError, "device file", limit=2**20))
-    except json.JSONDecodeError as exc:
-        raise DeviceSpecError(f"device file {p}: {exc}") from None
-    return device_from_json(data, str(p))
+    return device_from_json(read_json(p, DeviceSpecError, "device file", limit=2**20), str(p))
 
 
 def device_from_json(data: Any, source: str = "<json>") -> DeviceSpec:

@@ -20,7 +20,7 @@ from typing import Any
 
 from planner.core import limits
 from planner.core.dtypes import DTYPES
-from planner.core.files import read_limited
+from planner.core.files import read_json
 from planner.core.ops import OpError, op_def
 from planner.core.shapes import Shape
 from planner.core.torch_allowlist import loading_file
@@ -359,9 +359,4 @@ def torch_names(graph: Graph) -> frozenset[str]:
 
 def load_graph(path: str | Path) -> Graph:
     p = Path(path)
-    text = read_limited(p, GraphError, "graph file")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise GraphError(f"{p}: malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
-    return graph_from_json(data, str(p))
+    return graph_from_json(read_json(p, GraphError, "graph file"), str(p))

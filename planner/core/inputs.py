@@ -19,11 +19,13 @@ converts back with ``.long()`` right before the Opaque call that takes them, an 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from planner.core.dtypes import round_to
+from planner.core.errors import UsageError
 from planner.core.graph import Graph, TensorType
 from planner.core.kinds import OpKind
 from planner.core.ops import op_def
@@ -77,6 +79,11 @@ def seeded_inputs(
     index_rows: Mapping[str, int] | None = None,
 ) -> RecipeInputs:
     """The recipe itself, for a graph or for a bundle that carries names, types and scales."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**63:
+        raise UsageError(f"the input seed must be an integer from 0 to 2**63-1, got {str(seed)[:40]}")
+    zero = [n for n in names if not (math.isfinite(scales.get(n, 1.0)) and scales.get(n, 1.0) > 0)]
+    if zero:  # all-zero inputs "verify" every candidate (GELU(0) = ReLU(0) = 0): the check could not fail
+        raise UsageError(f"input {zero[0]!r} has scale {scales[zero[0]]}: the recipe draws inputs of a positive scale")
     rng = np.random.default_rng(seed)
     out = RecipeInputs()
     for name in names:

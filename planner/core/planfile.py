@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.core.cost import DeviceSpec, DeviceSpecError, KernelCost, device_from_json
-from planner.core.files import read_limited
+from planner.core.files import read_json
 from planner.core.graph import Graph, GraphError, TensorType, graph_from_json, torch_names
 from planner.core.kinds import KernelKind, OpKind
 from planner.core.ops import CUBLASLT_EPILOGUES, OPS, OpError, op_def
@@ -80,11 +80,7 @@ def save_plan(path: str | Path, plan: Plan, graph: Graph, spec: DeviceSpec, meta
 def load_plan(path: str | Path, expect_graph: Graph | None = None) -> tuple[Plan, Graph, DeviceSpec, dict[str, Any]]:
     """(plan, graph, device spec, meta) from a plan file; raises PlanFileError."""
     p = Path(path)
-    try:
-        doc = json.loads(read_limited(p, PlanFileError, "plan file"))
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise PlanFileError(f"plan file {p}: not readable JSON ({exc})") from None
-    return plan_from_document(doc, str(p), expect_graph)
+    return plan_from_document(read_json(p, PlanFileError, "plan file"), str(p), expect_graph)
 
 
 def plan_from_document(

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -211,9 +212,26 @@ def check_torch_call(impl: str, call_text: Any) -> dict[str, Any]:
         item = step.get("item", -1)
         if isinstance(item, bool) or not isinstance(item, int) or not -1 <= item < 1024:
             raise OpError(f"{where}: 'item' must be an integer from -1 to 1023")
+        if "out" not in step:
+            raise OpError(f"{where}: needs its result's shape, 'out'")
+        _shape(step["out"], f"{where}: 'out'")
+        _shape_list(step.get("shapes", []), f"{where}: 'shapes'")
+        for key, value in kwargs["$dict"].items():
+            tagged_device = key == "device" and isinstance(value, dict) and set(value) == {"$device"}
+            if key in REFUSED_KWARGS and not tagged_device:
+                raise OpError(f"{where}: the keyword {key!r} is refused ({REFUSED_KWARGS[key]})")
         _check_value(step["args"], where, n_in, j, 0, budget)
         _check_value(kwargs, where, n_in, j, 0, budget)
     return call
+
+
+#: keywords a step may not pass, and why
+REFUSED_KWARGS = {
+    "out": "a step writes its own result; out= would write into memory the planner owns",
+    "device": "a step runs on the host; say so with a {\"$device\": ...} tag, not a device name",
+}
+#: a plain string naming a device a torch-backed step must not reach (its steps run on the host)
+_DEVICE_NAME = re.compile(r"(cuda|meta|mps|xla|xpu|hip|hpu|mtia|lazy|vulkan|ipu|privateuseone)(:\d+)?", re.I)
 
 
 def _at(where: str, exc: UnlistedTorchOp) -> UnlistedTorchOp:
@@ -238,6 +256,8 @@ def _check_value(v: Any, where: str, n_in: int, step: int, depth: int, budget: l
         raise OpError(f"{where}: the call description has more than {MAX_VALUES} values")
     if depth > MAX_DEPTH:
         raise OpError(f"{where}: arguments nest deeper than {MAX_DEPTH}")
+    if isinstance(v, str) and _DEVICE_NAME.fullmatch(v.strip()):
+        raise OpError(f"{where}: names the device {v[:20]!r}; a torch-backed step runs on the host")
     if v is None or isinstance(v, (bool, str)):
         return
     if isinstance(v, int):

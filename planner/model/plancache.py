@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.core.cost import DeviceSpec
-from planner.core.files import read_limited, untrusted_dir
+from planner.core.files import read_json, untrusted_dir
 from planner.core.graph import Graph
 from planner.core.planfile import PLAN_FORMAT, PlanFileError, plan_document, plan_from_document
 from planner.core.plans import Plan
@@ -61,7 +61,7 @@ class PlanCache:
         if not self.read or not p.exists() or not self._trusted():
             return None
         try:
-            doc = json.loads(read_limited(p, PlanFileError, "plan cache entry"))
+            doc = read_json(p, PlanFileError, "plan cache entry")
             plan, _, cached_spec, meta = plan_from_document(doc, p.name, expect_graph=region)
             if meta.get("cache_key") != key or meta.get("cache_version") != CACHE_VERSION:
                 raise PlanFileError("cache key or version mismatch")
@@ -148,10 +148,8 @@ _ENTRY_NAME = re.compile(r"^[0-9a-f]{32}(\.json|\.[A-Za-z0-9_]+\.tmp)$")
 def _is_entry(p: Path) -> bool:
     """Is ``p`` a plan file written by this cache (its meta names the key in its file name)?"""
     try:
-        if p.stat().st_size > 64 * 2**20:
-            return False
-        doc = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
+        doc = read_json(p, PlanFileError, "plan cache entry", limit=64 * 2**20)
+    except PlanFileError:  # not a regular file, too large, not JSON: not one the cache wrote
         return False
     meta = doc.get("meta") if isinstance(doc, dict) else None
     return (

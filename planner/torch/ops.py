@@ -409,16 +409,47 @@ def _run_steps(impl: str, steps: Sequence[tuple[str, Callable[..., Any], Decoded
     with torch.no_grad():
         for j, (name, fn, args, kwargs, item) in enumerate(steps):
             try:
-                out = fn(*args(ts, results), **kwargs(ts, results))
+                pos, kw = args(ts, results), kwargs(ts, results)
+                if name.startswith(PYTHON_OPERATOR):
+                    _bounded_operator(fn, pos)
+                out = fn(*pos, **kw)
                 if item >= 0:
                     out = out[item]
-            except (TypeError, ValueError, IndexError, RuntimeError) as exc:  # the recorded call does not fit
+            except OpError as exc:
+                raise OpError(f"Opaque[{impl}] step {j} ({name}): {exc}") from None
+            except Exception as exc:  # the recorded call does not fit: any exception is the step's, by name
                 raise OpError(f"Opaque[{impl}] step {j} ({name}) failed: {_one_line(exc)}") from None
+            if isinstance(out, torch.Tensor) and out.device.type != "cpu":
+                raise OpError(f"Opaque[{impl}] step {j} ({name}) gave a tensor on {out.device}; steps run on the host")
             results.append(out)
     out = results[-1]
     if not isinstance(out, torch.Tensor):
         raise OpError(f"Opaque[{impl}] returned {type(out).__name__}, not a tensor")
     return out
+
+
+#: the prefix of the Python operators a step may call (on tensors, or on the Python numbers of a shape)
+PYTHON_OPERATOR = "torch.operator."
+#: the largest exponent, and the bits of the largest product, of a Python-number operator in a step
+MAX_EXPONENT = 64
+MAX_PRODUCT_BITS = 128
+
+
+def _bounded_operator(fn: Callable[..., Any], args: Sequence[Any]) -> None:
+    """Refuse a Python operator on plain Python values whose result could take unbounded time or memory:
+    sequence repetition, a huge power or product (``10 ** 10**9``, ``[0] * 4e9``). Tensors are bounded by
+    their shapes, which the graph limits already bound."""
+    plain = [a for a in args if not isinstance(a, torch.Tensor)]
+    if any(isinstance(a, (list, tuple, str, bytes, dict)) for a in plain):
+        raise OpError("a Python operator on a sequence is refused (its size would be unbounded)")
+    if len(plain) != 2 or not all(isinstance(a, (int, float)) for a in plain):
+        return
+    a, b = plain
+    if fn is operator.pow and (abs(b) > MAX_EXPONENT or abs(a) >= 2**MAX_EXPONENT):
+        raise OpError(f"the power {str(a)[:20]} ** {str(b)[:20]} is refused (exponent at most {MAX_EXPONENT})")
+    if fn is operator.mul and isinstance(a, int) and isinstance(b, int) and (
+            abs(a).bit_length() + abs(b).bit_length() > MAX_PRODUCT_BITS):
+        raise OpError(f"a product of {MAX_PRODUCT_BITS} bits or more is refused")
 
 
 def _one_line(exc: BaseException) -> str:

@@ -7,6 +7,7 @@ import hashlib
 import json
 import random
 import re
+import shutil
 import subprocess
 
 import numpy as np
@@ -19,6 +20,7 @@ from planner.backend import BackendError, BackendUnavailable
 from planner.core import examples
 from planner.core.cost import device_from_json, load_device
 from planner.core.dtypes import numpy_dtype
+from planner.core.errors import UsageError
 from planner.core.graph import Graph, GraphBuilder, TensorType
 from planner.core.ops import OPS
 from planner.core.plans import Expr, Load, Plan
@@ -370,7 +372,7 @@ def test_blas_threads_are_pinned_while_plans_run(monkeypatch) -> None:
     with limit_blas_threads(1, backend.controller):
         assert numpy_blas_threads() == [1]
     monkeypatch.setenv("FUSION_PLANNER_BLAS_THREADS", "two")
-    with pytest.raises(BackendError, match="FUSION_PLANNER_BLAS_THREADS"):
+    with pytest.raises(UsageError, match="FUSION_PLANNER_BLAS_THREADS"):
         CpuBackend(SPEC)
     monkeypatch.setenv("FUSION_PLANNER_BLAS_THREADS", "0")
     assert cpu_backend().blas_threads is None
@@ -576,10 +578,53 @@ def test_a_hanging_kernel_build_is_a_clear_error(tmp_path, monkeypatch, compiler
     cc = tmp_path / "slow-cc"
     cc.write_text(f'#!/bin/sh\ncase "$*" in *kernel.c*) sleep 60;; esac\nexec {shutil_which} "$@"\n')
     cc.chmod(0o755)
+    monkeypatch.setenv("FUSION_PLANNER_CC_TIMEOUT", "0.5")
     slow = Compiler(cc=str(cc), directory=tmp_path / "cache")
-    monkeypatch.setattr(compiler_module, "BUILD_TIMEOUT_S", 0.5)
     with pytest.raises(CodegenError, match="did not finish within 0.5 s"):
         slow.build(noop_source())
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_compiler_whose_child_hangs_is_killed_with_its_whole_process_group(batched, tmp_path, monkeypatch, compiler):
+    """gcc runs cc1, as and ld: a driver whose child holds the pipes must not hang the build past its timeout
+    (killing the driver alone, then reading the pipes again, waited for ever); no child outlives the kill."""
+    import time
+
+    real = shutil.which(compiler.cc)
+    assert real
+    marker = tmp_path / "child.pid"
+    cc = tmp_path / "forking-cc"
+    cc.write_text(f'#!/bin/sh\ncase "$*" in *--version*|*probe.c*) exec {real} "$@";; '
+                  f'*) sleep 60 & echo $! > {marker}; wait;; esac\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("FUSION_PLANNER_CC_TIMEOUT", "0.5")
+    forking = Compiler(cc=str(cc), directory=tmp_path / "cache")
+    t0 = time.perf_counter()
+    kernel = PRELUDE + "\nvoid fp_kernel(float* restrict out, int64_t r0, int64_t r1, int64_t cols) { (void)out; }\n"
+    with pytest.raises(CodegenError, match="did not finish within 0.5 s"):
+        forking.build_many([kernel]) if batched else forking.build(kernel)
+    assert time.perf_counter() - t0 < 20
+    child = int(marker.read_text())
+    time.sleep(0.2)
+    assert _dead(child)
+
+
+def _dead(pid: int) -> bool:
+    """Gone, or a zombie no one reaped yet (a container's first process may not)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "inf"])
+def test_a_bad_compiler_timeout_is_a_usage_error_naming_the_variable(value, monkeypatch, compiler):
+    from planner.core.errors import UsageError
+
+    monkeypatch.setenv("FUSION_PLANNER_CC_TIMEOUT", value)
+    with pytest.raises(UsageError, match="FUSION_PLANNER_CC_TIMEOUT"):
+        Compiler(cc=compiler.cc)
 
 
 def test_a_poisoned_kernel_cache_heals(tmp_path, caplog, compiler):
@@ -778,7 +823,7 @@ def test_16_bit_gemms_in_torchs_native_product_match_the_widened_ones(dtype, gel
         assert close(got, want, dtype), mode
         assert (compiled.memory.arrays["w"].base is w_t.T.base) == (mode == "native")
     monkeypatch.setenv("FUSION_PLANNER_CPU_GEMM_16BIT", "sometimes")
-    with pytest.raises(BackendError, match="FUSION_PLANNER_CPU_GEMM_16BIT='sometimes'"):
+    with pytest.raises(UsageError, match="FUSION_PLANNER_CPU_GEMM_16BIT='sometimes'"):
         CpuBackend(SPEC, threads=1, gemm_library="torch").compile(plan)
 
 
@@ -889,7 +934,7 @@ def test_packed_16_bit_weights_are_chosen_by_measurement_and_refused_where_torch
     with pytest.raises(BackendError, match="FUSION_PLANNER_CPU_WEIGHTS_16BIT=packed, but .*no bf16 units"):
         gemm.weight_layout_16bit("bf16")
     monkeypatch.setenv(gemm.WEIGHTS_16BIT_ENV, "folded")
-    with pytest.raises(BackendError, match="FUSION_PLANNER_CPU_WEIGHTS_16BIT='folded'"):
+    with pytest.raises(UsageError, match="FUSION_PLANNER_CPU_WEIGHTS_16BIT='folded'"):
         gemm.weight_layout_16bit("bf16")
 
 

@@ -51,7 +51,7 @@ def test_thread_count_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert threads_from_env() == parallel.available_cores()
     for bad in ("two", "-1"):
         monkeypatch.setenv("FUSION_PLANNER_THREADS", bad)
-        with pytest.raises(BackendError, match="FUSION_PLANNER_THREADS"):
+        with pytest.raises(UsageError, match="FUSION_PLANNER_THREADS"):
             threads_from_env()
     for bad_count in (0, -2, 1.5, True):
         with pytest.raises(BackendError, match="positive integer"):
@@ -139,7 +139,7 @@ def test_the_gemm_library_is_chosen_checked_and_in_the_cache_key(monkeypatch) ->
     from backends.cpu import gemm
 
     monkeypatch.setenv(gemm.GEMM_ENV, "mkl")
-    with pytest.raises(BackendError, match="FUSION_PLANNER_CPU_GEMM='mkl'"):
+    with pytest.raises(UsageError, match="FUSION_PLANNER_CPU_GEMM='mkl'"):
         cpu(1)
     monkeypatch.setenv(gemm.GEMM_ENV, "numpy")
     assert cpu(1).gemm_library == "numpy"
@@ -385,7 +385,7 @@ def test_auto_pads_weights_only_where_it_measured_faster_once_per_library(monkey
     finally:
         gemm.measured_weight_layout.cache_clear()
     monkeypatch.setenv(gemm.WEIGHTS_ENV, "diagonal")
-    with pytest.raises(BackendError, match="FUSION_PLANNER_CPU_WEIGHTS='diagonal'"):
+    with pytest.raises(UsageError, match="FUSION_PLANNER_CPU_WEIGHTS='diagonal'"):
         cpu(1)
     region = whole_graph_region(examples.ew_chain(2, 1000))
     keys = set()
