@@ -294,7 +294,13 @@ def _check_value(v: Any, where: str, n_in: int, step: int, depth: int, budget: l
         _named(x, LAYOUTS, "layout", where)
     elif tag == "$tensor":
         _check_tensor(x, where)
-    elif tag not in ("$ellipsis", "$device"):
+    elif tag == "$device":  # a step runs on the host whatever device it names
+        if not isinstance(x, str) or len(x) > 32:
+            raise OpError(f"{where}: $device needs a device name")
+    elif tag == "$ellipsis":  # the importer writes 0
+        if x not in (0, None) or isinstance(x, bool):
+            raise OpError(f"{where}: $ellipsis takes 0")
+    else:
         raise OpError(f"{where}: unknown tag {tag!r}; known: {', '.join(_TAGS)}")
 
 

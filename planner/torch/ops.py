@@ -440,8 +440,8 @@ def _bounded_operator(fn: Callable[..., Any], args: Sequence[Any]) -> None:
     sequence repetition, a huge power or product (``10 ** 10**9``, ``[0] * 4e9``). Tensors are bounded by
     their shapes, which the graph limits already bound."""
     plain = [a for a in args if not isinstance(a, torch.Tensor)]
-    if any(isinstance(a, (list, tuple, str, bytes, dict)) for a in plain):
-        raise OpError("a Python operator on a sequence is refused (its size would be unbounded)")
+    if fn is operator.mul and any(isinstance(a, (list, tuple, str, bytes)) for a in plain):
+        raise OpError("repeating a Python sequence is refused (its size would be unbounded)")
     if len(plain) != 2 or not all(isinstance(a, (int, float)) for a in plain):
         return
     a, b = plain

@@ -288,6 +288,23 @@ import contextlib, io, json, os, resource, signal, sys, tempfile
 cap, timeout = int(sys.argv[1]), int(sys.argv[2])
 resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 from planner.cli import main
+from planner.core.graph import load_graph
+from planner.core.reference import execute_graph, random_inputs
+from planner.errors import USER_ERRORS
+from planner.torch import need_evaluator
+
+
+def reference(path):
+    # the graph run on the numpy reference directly, as `run` and the composite check do: 0, or 2 for a
+    # named refusal; anything else escapes
+    try:
+        graph = load_graph(path)
+        need_evaluator(graph)
+        execute_graph(graph, random_inputs(graph, 0))
+    except USER_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 class Hang(Exception):
     pass
@@ -302,13 +319,13 @@ for i, doc in enumerate(json.load(open(sys.argv[3]))):
     path = os.path.join(folder, f"case{i}.json")
     with open(path, "w") as f:
         json.dump(doc, f)
-    for cmd in (["explain", "--graph", path],
+    for cmd in (["explain", "--graph", path], ["reference", path],
                 ["plan", "--graph", path, "--backend", "reference", "--no-cache", "--max-candidates", "2"]):
         err = io.StringIO()
         signal.alarm(timeout)
         try:
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-                rc = main(cmd)
+                rc = reference(cmd[1]) if cmd[0] == "reference" else main(cmd)
         except Hang:
             rc = "hang"
         except SystemExit as exc:
@@ -324,24 +341,89 @@ print(json.dumps(results))
 """
 
 
-def test_mutated_graphs_through_the_cli_end_in_0_1_or_2_without_hang_under_a_memory_cap(tmp_path):
+def _through_the_cli(cases: list[dict], tmp_path) -> None:
     """Each case as a user runs it (explain, then plan on the reference backend), in one child process
     under an address-space cap, with a per-case alarm: exit 0, 1 or 2, never a traceback or a hang."""
-    cases: list[dict] = []
-
-    @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
-              database=None)
-    @given(mutated())
-    def collect(doc):
-        cases.append(doc)
-
-    collect()
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     cap, per_case = 6 * 2**30, 60
     done = subprocess.run([sys.executable, "-c", CLI_CHILD, str(cap), str(per_case), str(tmp_path / "cases.json")],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(results) == 2 * len(cases)
+    assert len(results) == 3 * len(cases)
     bad = [r for r in results if r[2] not in (0, 1, 2)]
     assert not bad, bad[:5]
+
+
+def _collect(strategy, n: int) -> list[dict]:
+    cases: list[dict] = []
+
+    @settings(max_examples=n, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
+    @given(strategy)
+    def collect(doc):
+        cases.append(doc)
+
+    collect()
+    return cases
+
+
+def test_mutated_graphs_through_the_cli_end_in_0_1_or_2_without_hang_under_a_memory_cap(tmp_path):
+    _through_the_cli(_collect(mutated(), 100), tmp_path)
+
+
+# ---------------------------------------------------------------- torch-backed call steps
+
+#: steps of a torch-backed Opaque node as the importer records them, to mutate
+STEP_SEEDS = [
+    {"impl": "torch.softmax", "args": [{"$in": 0}, -1], "kwargs": {"$dict": {}}, "item": -1, "shapes": [[4, 8]],
+     "out": [4, 8]},
+    {"impl": "torch.nn.functional.layer_norm", "args": [{"$in": 0}, {"$tuple": [8]}],
+     "kwargs": {"$dict": {"eps": 1e-5}}, "item": -1, "shapes": [[4, 8]], "out": [4, 8]},
+    {"impl": "torch.operator.mul", "args": [{"$in": 0}, 2.0], "kwargs": {"$dict": {}}, "item": -1, "shapes": [[4, 8]],
+     "out": [4, 8]},
+    {"impl": "torch.zeros_like", "args": [{"$in": 0}], "kwargs": {"$dict": {"device": {"$device": "cpu"}}},
+     "item": -1, "shapes": [[4, 8]], "out": [4, 8]},
+]
+#: what a hostile file puts into a step
+STEP_JUNK = st.one_of(
+    JUNK, st.sampled_from([
+        {"$in": 0}, {"$in": 7}, {"$step": 0}, {"$device": "cuda"}, "cuda", "meta", "cuda:1", {"$dtype": "float64"},
+        {"$tensor": {"dtype": "float32", "shape": [2], "data": [1.0, 2.0]}}, [0] * 3, 10**9, -(2**63),
+        "torch.operator.pow", "torch.operator.mul", "torch.operator.floordiv", "torch.Tensor.to", "torch.full_like",
+        {"$dict": {"out": {"$in": 0}}}, {"$slice": [0, None, 0]}, {"$ellipsis": None},
+    ]),
+)
+#: steps of Python-number arithmetic a file could ask for: unbounded, or raising what torch calls do not
+SCALAR_STEPS = [
+    {"impl": f"torch.operator.{op}", "args": args, "kwargs": {"$dict": {}}, "item": -1, "shapes": [], "out": []}
+    for op, args in (("floordiv", [1, 0]), ("mod", [7, 0]), ("pow", [10, 10**9]), ("mul", [[0], 4 * 10**9]),
+                     ("truediv", [1.0, 0]), ("pow", [2.0, 4096.0]), ("mul", [2**62, 2**62]))
+]
+
+
+@st.composite
+def mutated_steps(draw):
+    """A graph of one torch-backed node whose call is one to three mutated steps (the last must give the value)."""
+    steps = [copy.deepcopy(draw(st.sampled_from(STEP_SEEDS))) for _ in range(draw(st.integers(1, 3)))]
+    if draw(st.booleans()):
+        steps.insert(draw(st.integers(0, len(steps) - 1)), copy.deepcopy(draw(st.sampled_from(SCALAR_STEPS))))
+    for _ in range(draw(st.integers(0, 2))):
+        _, container, key = draw(st.sampled_from(list(_paths(steps))))
+        if draw(st.booleans()):
+            container[key] = draw(STEP_JUNK)
+        elif isinstance(container, dict):
+            del container[key]
+    call = json.dumps({"steps": steps, "in": [[4, 8]], "out": [4, 8]})
+    return {"format": "fusion-planner-graph", "version": 1, "name": "steps",
+            "nodes": [{"id": "x", "op": "In", "shape": [4, 8], "dtype": "fp32"},
+                      {"id": "y", "op": "Opaque", "inputs": ["x"], "attrs": {"impl": "torch.softmax", "call": call},
+                       "shape": [4, 8], "dtype": "fp32"},
+                      {"id": "z", "op": "Relu", "inputs": ["y"], "shape": [4, 8], "dtype": "fp32"}],
+            "outputs": ["z"]}
+
+
+def test_mutated_torch_steps_through_the_cli_end_in_0_1_or_2_without_hang_under_a_memory_cap(tmp_path):
+    """Torch-backed steps from a file are checked before they run, bounded when they run, and any failure of
+    theirs is an OpError naming the step: no traceback, no hang, whatever a file puts into them."""
+    pytest.importorskip("torch")
+    _through_the_cli(_collect(mutated_steps(), 80), tmp_path)

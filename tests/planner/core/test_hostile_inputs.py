@@ -170,7 +170,7 @@ def test_malformed_or_hostile_steps_are_refused_when_loaded(name, tmp_path):
 
 REFUSED_WHEN_RUN = {
     "a power of a billion": (_step("torch.operator.pow", [10, 10**9], out=[]), "exponent at most"),
-    "four billion list items": (_step("torch.operator.mul", [[0], 4_000_000_000], out=[]), "on a sequence"),
+    "four billion list items": (_step("torch.operator.mul", [[0], 4_000_000_000], out=[]), "repeating a Python sequence"),
     "a division by zero": (_step("torch.operator.floordiv", [1, 0], out=[]), "ZeroDivisionError"),
 }
 
