@@ -8,6 +8,7 @@ inputs, and returns a :class:`PlanResult` that executes it.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -71,9 +72,20 @@ class PlanResult:
     vs_eager: float | None = None
     #: the plan as the backend built it (kernel facts; ``execute()`` on the cpu backend), None on reference
     compiled: CompiledPlan | None = field(default=None, repr=False)
+    #: a planned module's guard (``planner.torch.guards.CallGuard``): which plan runs a call, or eager torch
+    guard: Any = field(default=None, repr=False)
+    #: compare every byte of the bound parameters each call, not a sample (``BoundInputs``)
+    exact_weights: bool = False
 
     def __call__(self, *inputs: Any) -> Any:
-        """Execute the chosen plan; torch tensors in and out for a module, numpy arrays for a Graph."""
+        """Execute the chosen plan; torch tensors in and out for a module, numpy arrays for a Graph. A planned
+        module's guard first checks that the module and the inputs' layout are what a plan was made for."""
+        if self.guard is not None:
+            return self.guard(inputs)
+        return self.call_plan(inputs)
+
+    def call_plan(self, inputs: Sequence[Any]) -> Any:
+        """Execute this plan, unguarded."""
         assert self._runner is not None
         if self.imported is None:
             (feed,) = inputs
@@ -81,8 +93,8 @@ class PlanResult:
         if self._bound is None:
             from planner.torch.importer import BoundInputs
 
-            self._bound = BoundInputs(self.imported, self.module)
-        return self.imported.wrap_outputs(self._runner(self._bound.feed(inputs)))
+            self._bound = BoundInputs(self.imported, self.module, exact=self.exact_weights)
+        return self.imported.wrap_outputs(self._runner(self._bound.feed(inputs)), self.imported.check_args(inputs))
 
     @property
     def bound(self) -> Any:
@@ -90,10 +102,12 @@ class PlanResult:
         return self._bound
 
     def rebind(self) -> None:
-        """Convert the module's parameters again on the next call (after a change torch cannot see,
-        such as writing ``param.data`` in place; in-place updates and replaced tensors are seen anyway)."""
-        if self._bound is not None:
-            self._bound.rebind()
+        """Convert the module's parameters again on the next call, in every plan kept for the module (a write
+        that bypasses torch's version counter and misses the sampled bytes is seen after this)."""
+        plans = self.guard.plans.values() if self.guard is not None else [self]
+        for p in plans:
+            if p is not None and p._bound is not None:
+                p._bound.rebind()
 
     def check(self, expected: Any, *inputs: Any) -> list[tuple[float, float]]:
         """Run the plan on ``inputs`` and compare with ``expected`` (eager torch outputs).
@@ -232,6 +246,8 @@ def plan(
     cache: bool = True,
     allow_torch_ops: Sequence[str] = (),
     threads: int | None = None,
+    on_change: str | None = "replan",
+    exact_weights: bool = False,
     **search_opts: Any,
 ) -> PlanResult:
     """Plan a torch module (or an IR graph) and return the executable :class:`PlanResult`.
@@ -250,6 +266,11 @@ def plan(
     (exact canonical names the caller trusts; docs/security.md).
     ``threads``: the cpu backend's worker threads (default ``$FUSION_PLANNER_THREADS``, else every
     available core); the search times on that many and the plan runs on that many.
+    A planned ``nn.Module`` is guarded (``planner.torch.guards``): each call checks that the module and its
+    inputs' layouts are what its plan was made for; when they are not, ``on_change`` decides: ``replan`` (plan
+    again, through the plan cache, up to 8 plans), ``eager`` (run the module eagerly) or ``error`` (raise
+    ``GuardError``); None: no guard (the caller vouches that nothing changes). Parameters are bound again when
+    they are replaced or written (``exact_weights``: compare every byte each call, not a sample; docs/torch.md).
     """
     if allow_torch_ops:
         from planner.torch.ops import allow_torch_ops as allow  # torch is optional
@@ -274,7 +295,7 @@ def plan(
             module = module_or_graph
             imported = import_module(module, args)
         graph = imported.graph
-        bound = BoundInputs(imported, module)  # the search's feed; the plan's calls reuse its parameters
+        bound = BoundInputs(imported, module, exact=exact_weights)  # the search's feed; the plan's calls reuse it
         feed = bound.feed(args)
         import torch
 
@@ -294,7 +315,7 @@ def plan(
     runner, compiled = _runner(backend, best, be, stored=imported is not None)
     result = PlanResult(graph, best, planned.candidates, backend, spec, planned.log_lines, imported, module,
                         planned.search, runner, model_plan=planned.model, planned=planned, _bound=bound,
-                        compiled=compiled)
+                        compiled=compiled, exact_weights=exact_weights)
     log.info("%s: chose %s (%s) on %s", graph.name, best.notation(), best.composition(), backend)
     if verify and module is not None and args is not None:
         import torch
@@ -307,7 +328,30 @@ def plan(
             line = f"vs eager torch: {result.vs_eager:.2f}x (interleaved re-measurement of both end-to-end calls)"
             result.log.append(line)
             SearchLog().emit(line)  # the search trail's last line under SEARCH_LOG=1
+    if on_change is not None and imported is not None and isinstance(module, _nn_module()) and args is not None:
+        result.guard = module_guard(result, module, args, on_change, functools.partial(
+            plan, module, backend=backend, device=spec, rules=rules, limits=limits, cap=cap, k=k, verify=verify,
+            dedup=dedup, cache=cache, threads=threads, on_change=None, exact_weights=exact_weights, **search_opts))
     return result
+
+
+def _nn_module() -> type:
+    import torch  # a module was planned: torch is imported
+
+    return torch.nn.Module
+
+
+def module_guard(result: PlanResult, module: Any, args: Sequence[Any], on_change: str,
+                 replan: Callable[..., PlanResult]) -> Any:
+    """The guard of a planned module: what its plan assumed, and how to plan it again for other inputs."""
+    from planner.torch.guards import CallGuard, ModuleState, input_signature
+
+    assert result.imported is not None
+    keys = tuple(dict.fromkeys(str(k) for b in result.imported.bindings if b.source in ("state", "packed")
+                               for k in (b.key if b.source == "packed" else (b.key,))))  # type: ignore[union-attr]
+    guard = CallGuard(module, lambda new_args: replan(new_args), on_change, ModuleState.record(module, keys), keys)
+    guard.plans[input_signature(args)] = result
+    return guard
 
 
 def versus_eager(result: PlanResult, module: Any, args: Sequence[Any], rounds: int = 5) -> float:

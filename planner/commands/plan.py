@@ -178,6 +178,8 @@ def print_result(result: SearchResult) -> None:
         + (f", {len(result.bounded)} slower by their kernels" if result.bounded else "")
         + f" in {result.elapsed_s:.2f}s ({result.stop})"
     )
+    if result.verification:
+        print(f"verification: {result.verification}")
     meas = {e.plan.key: e for e in result.entries}
 
     def meas_col(p: Plan) -> str:

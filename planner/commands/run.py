@@ -12,7 +12,7 @@ from planner.core.errors import UsageError
 from planner.core.planfile import PlanFileError, load_plan
 from planner.core.reference import execute_graph, random_inputs
 from planner.core.report import TABLE_PARTS
-from planner.core.tolerance import check_outputs
+from planner.core.tolerance import check_outputs, check_tolerance_override
 from planner.registry import backend_names, get_backend
 from planner.search.searchlog import fmt_us
 from planner.torch import need_evaluator
@@ -45,6 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.warmup < 0 or args.repeats < 1:
         raise UsageError("need --warmup >= 0 and --repeats >= 1")
+    check_tolerance_override(args.rtol, args.atol)
     given = None
     if args.example or args.graph or args.torch:
         given = graph_from_args(args)

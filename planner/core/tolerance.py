@@ -16,17 +16,71 @@ the same infinity where an infinity).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
 from planner.core.dtypes import DTYPES
+from planner.core.errors import UsageError
 from planner.core.plans import Load, Plan
 
 #: (rtol, atol) per storage dtype (planner.core.dtypes), and "fp64", the oracle's exact-arithmetic check:
 #: mathematical equality up to fp64 reassociation noise
 TOLERANCES: dict[str, tuple[float, float]] = {**{d.name: (d.rtol, d.atol) for d in DTYPES.values()},
                                                "fp64": (1e-9, 1e-9)}
+
+
+#: the loosest relative or absolute tolerance a caller may ask for: past it, a check passes whatever a
+#: candidate computes (``--rtol 1e30`` "verified" every candidate)
+MAX_TOLERANCE = 0.25
+
+
+def check_tolerance_override(rtol: float | None, atol: float | None) -> None:
+    """Refuse a tolerance override that is not a finite number in [0, MAX_TOLERANCE]."""
+    for name, v in (("rtol", rtol), ("atol", atol)):
+        if v is not None and not (math.isfinite(v) and 0 <= v <= MAX_TOLERANCE):
+            raise UsageError(f"{name} must be a number from 0 to {MAX_TOLERANCE} (a looser check could not fail), "
+                             f"got {v}")
+
+
+def vacuous_inputs(inputs: Mapping[str, np.ndarray]) -> str | None:
+    """Why a check on these inputs could not fail, or None: an input NaN or infinite everywhere (every
+    comparison is NaN against NaN), or every input of more than one element constant (all zeros: GELU(0) =
+    ReLU(0) = 0 for every candidate)."""
+    arrays = {name: _values(x) for name, x in inputs.items()}
+    for name, a in arrays.items():
+        if a.size and not np.isfinite(a).any():
+            return f"input {name!r} is NaN or infinite everywhere: every comparison would pass or fail alike"
+    varied = [a for a in arrays.values() if a.size > 1]
+    if varied and all(a.min() == a.max() for a in varied):
+        return ("every input is constant (all of one value, such as zeros): different computations agree on "
+                "it, so the check could not tell them apart")
+    return None
+
+
+def _values(x: np.ndarray) -> np.ndarray:
+    """An input's values as numbers numpy compares (a 16-bit array of ml_dtypes' bf16 as fp32)."""
+    a = np.asarray(x)
+    return a if a.dtype.kind in "fiu" else a.astype(np.float32)
+
+
+def vacuous_reference(names: Sequence[str], expected: Sequence[np.ndarray]) -> str | None:
+    """Why a check against these reference outputs could not fail, or None: an output NaN or infinite
+    everywhere."""
+    for name, want in zip(names, expected, strict=True):
+        w = np.asarray(want)
+        if w.size and not np.isfinite(w).any():
+            return f"the reference output {name!r} is NaN or infinite everywhere on these inputs"
+    return None
+
+
+def verification_text(plan: Plan, rtol: float | None, atol: float | None, inputs: str) -> str:
+    """What the output check of ``plan``'s candidates compares, in one line: each output, its shape and the
+    tolerance it is judged by, against the reference executor on ``inputs``."""
+    outs = ", ".join(f"{o} {list(plan.tensors[o].shape)} ({_tol_text(working_dtype(plan, o), rtol, atol)})"
+                     for o in plan.outputs)
+    return f"every output against the numpy reference on {inputs}: {outs}"
 
 
 def tolerance(dtype: str) -> tuple[float, float]:

@@ -38,10 +38,11 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from planner.backend import Backend, BackendError, BackendUnavailable, CompiledPlan
+from planner.core.errors import UsageError
 from planner.core.kinds import Verdict
 from planner.core.plans import Plan
 from planner.core.reference import execute_graph, random_inputs
-from planner.core.tolerance import check_outputs
+from planner.core.tolerance import check_outputs, vacuous_inputs, vacuous_reference, verification_text
 from planner.egraph.candidates import CandidateSet
 from planner.egraph.extract import Option, kernel_sig
 from planner.search.mutate import Mutator
@@ -78,7 +79,13 @@ class _Run:
         on_candidate: Callable[[int, int], None] | None,
     ) -> None:
         self.cands, self.backend, self.inputs, self.opts, self.slog = cands, backend, inputs, opts, slog
+        graph_inputs = {n.id: inputs[n.id] for n in cands.graph.inputs if n.id in inputs}
+        problem = vacuous_inputs(graph_inputs)
         self.expected = execute_graph(cands.graph, inputs, "device")
+        problem = problem or vacuous_reference(cands.graph.outputs, self.expected)
+        if problem:
+            raise UsageError(f"{cands.graph.name}: no candidate can be verified: {problem}; plan with inputs of "
+                             "varied finite values")
         self.finite_inputs = all(bool(np.isfinite(v).all()) for v in inputs.values())
         self.oracle: list[np.ndarray] | None = None  # fp64 values, computed on the first tolerance miss
         self.entries: list[Entry] = []
@@ -319,7 +326,8 @@ def search(
     opts.validate()
     need_evaluator(cands.graph)
     slog = log if log is not None else SearchLog()
-    inputs = inputs if inputs is not None else random_inputs(cands.graph, seed=opts.seed)
+    drawn = inputs is None
+    inputs = random_inputs(cands.graph, seed=opts.seed) if inputs is None else inputs
     slog.header(cands.graph.name, cands.space, cands.complete, backend.name, cands.spec.name)
     run = _Run(cands, backend, inputs, opts, slog, on_candidate)
     ex = cands.extractor
@@ -384,6 +392,8 @@ def search(
         elapsed_s=elapsed,
         stop=stop,
         options=opts,
+        verification=verification_text(unfused, opts.rtol, opts.atol,
+                                       f"seeded inputs (seed {opts.seed})" if drawn else "the given inputs"),
     )
 
 

@@ -13,6 +13,7 @@ from planner.core.errors import UsageError
 from planner.core.kinds import Verdict, rejected
 from planner.core.plans import Plan
 from planner.core.report import Count, count_json, log10_count
+from planner.core.tolerance import check_tolerance_override
 from planner.egraph.extract import Option
 
 
@@ -36,10 +37,7 @@ class SearchOptions:
             raise UsageError(f"early stop factor must be at least 1.0, got {self.early_stop}")
         if self.warmup < 0 or self.repeats < 1:
             raise UsageError(f"need warmup >= 0 and repeats >= 1, got {self.warmup} and {self.repeats}")
-        for name in ("rtol", "atol"):
-            v = getattr(self, name)
-            if v is not None and not (math.isfinite(v) and v >= 0):
-                raise UsageError(f"{name} must be a finite non-negative number, got {v}")
+        check_tolerance_override(self.rtol, self.atol)
 
 
 
@@ -162,6 +160,8 @@ class SearchResult:
     elapsed_s: float
     stop: Stop
     options: SearchOptions
+    #: what each candidate's check compared, for the report ("verified" means this check could have failed)
+    verification: str = ""
 
     @property
     def best_entry(self) -> Entry:
@@ -217,6 +217,7 @@ class SearchResult:
             "options": {k: json_float(v) if isinstance(v, float) else v for k, v in vars(self.options).items()},
             "elapsed_s": round(self.elapsed_s, 4),
             "stop": str(self.stop),
+            "verification": self.verification,
             "timed": len(self.timed),
             "rejected": len(self.rejected),
             "bounded": len(self.bounded),

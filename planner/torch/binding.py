@@ -61,6 +61,10 @@ class OutputSpec:
     index: int  # position in graph.outputs
     shape: tuple[int, ...]  # torch shape
     dtype: torch.dtype
+    #: the flattened call input this output is (or a view of), as eager torch returns it: the very tensor
+    arg: int | None = None
+    #: the earlier output this one is a view of in eager torch (``y, y.view(-1)``)
+    view_of: int | None = None
 
 
 @dataclass(frozen=True)
@@ -86,19 +90,34 @@ class ImportedModule:
                 _check_arg(i, t, shape, dtype)
         return flat
 
-    def wrap_outputs(self, arrays: Sequence[np.ndarray]) -> Any:
+    def wrap_outputs(self, arrays: Sequence[np.ndarray], flat_args: Sequence[Any] = ()) -> Any:
+        """The module's return value from the plan's output arrays: outputs that share memory in eager torch
+        (``y`` and ``y.view(-1)``, or a call input returned as it is) share it here too."""
         leaves = []
+        bases: dict[int, torch.Tensor] = {}
         for o in self.outputs:
-            arr = arrays[o.index]
-            t = torch.from_numpy(arr if arr.flags.c_contiguous else np.ascontiguousarray(arr))
-            if t.dtype == torch.uint16 and o.dtype in BITS_16:  # a 16-bit output handed out as its bits
-                t = t.view(o.dtype)
-            elif t.dtype != o.dtype:
-                t = t.to(o.dtype)
-            leaves.append(t if t.shape == o.shape else t.reshape(o.shape))
+            if o.arg is not None and o.arg < len(flat_args):  # the call input itself, or a view of it
+                t = flat_args[o.arg]
+                leaves.append(t if t.shape == o.shape else t.view(o.shape))
+                continue
+            if o.view_of is not None:  # a view of an earlier output
+                t = leaves[o.view_of]
+                leaves.append(t if t.shape == o.shape else t.view(o.shape))
+                continue
+            base = bases.get(o.index)
+            if base is None:
+                bases[o.index] = base = self._tensor(arrays[o.index], o.dtype)
+            leaves.append(base if base.shape == o.shape else base.view(o.shape))
         if len(leaves) == 1 and self.out_tree.is_leaf():  # one tensor returned: no pytree rebuild
             return leaves[0]
         return pytree.tree_unflatten(leaves, self.out_tree)
+
+    @staticmethod
+    def _tensor(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.from_numpy(arr if arr.flags.c_contiguous else np.ascontiguousarray(arr))
+        if t.dtype == torch.uint16 and dtype in BITS_16:  # a 16-bit output handed out as its bits
+            return t.view(dtype)
+        return t if t.dtype == dtype else t.to(dtype)
 
 
 def _check_arg(i: int, t: Any, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -132,29 +151,78 @@ def graph_inputs_from_module(
     return BoundInputs(imported, module).feed(args)
 
 
+@dataclass
+class Held:
+    """A parameter or buffer as it was when bound: the tensor, its version, its memory and a sample of its bytes."""
+
+    tensor: torch.Tensor
+    version: int
+    ptr: int
+    array: np.ndarray  # what the plan reads
+    sample: Sampler
+
+    def fresh(self, t: torch.Tensor) -> bool:
+        return t is self.tensor and t._version == self.version and t.data_ptr() == self.ptr and self.sample.same(t)
+
+
+class Sampler:
+    """Bytes of a tensor at fixed offsets, spread over its memory (or all of them, ``exact``): a write through
+    ``.data`` bypasses torch's version counter, and a derived copy of the weight (a converted, padded or packed
+    form) would keep the old values; a write that changes the weight (``.data.copy_``, ``.mul_``, ``.zero_``)
+    changes sampled bytes. A write to a few elements between the samples is seen only with ``exact``."""
+
+    SAMPLES = 64
+
+    def __init__(self, t: torch.Tensor, exact: bool = False) -> None:
+        self.exact = exact
+        self.view = self._bytes(t)
+        n = self.view.size
+        self.index = None if exact or n <= self.SAMPLES else np.linspace(0, n - 1, self.SAMPLES).astype(np.intp)
+        self.seen = self._take()
+
+    @staticmethod
+    def _bytes(t: torch.Tensor) -> np.ndarray:
+        d = t.detach()
+        if not (d.is_cpu and d.is_contiguous()):
+            d = d.cpu().contiguous()  # a copy: compared each call (such a parameter is rare)
+        return d.reshape(-1).view(torch.uint8).numpy()
+
+    def _take(self) -> bytes:
+        return (self.view if self.index is None else self.view[self.index]).tobytes()
+
+    def same(self, t: torch.Tensor) -> bool:
+        if not (t.is_cpu and t.is_contiguous()):
+            self.view = self._bytes(t)
+        return self._take() == self.seen
+
+
 class BoundInputs:
     """A planned module's graph inputs, its parameters and buffers converted once.
 
-    Each call converts only the call inputs. A parameter or buffer that changed since it was
-    converted, in place (torch's version counter moved) or replaced by another tensor, is
-    converted again. Bound arrays are read-only: views of the tensor's own memory where it is
-    stored as the kernels read it (eager torch and the plan then share one copy of the weights
-    in memory and in cache), converted copies otherwise. An update that bypasses the version
-    counter (``param.data`` written in place) is not seen in a copy: call :meth:`rebind` after one.
+    Each call converts only the call inputs. A parameter or buffer that changed since it was converted is
+    converted again: replaced by another tensor, updated in place (torch's version counter moved), given new
+    memory (``param.data = ...``), or written through ``.data`` (which bypasses the version counter: a sample of
+    its bytes changed; ``exact`` compares every byte). Bound arrays are read-only: views of the tensor's own
+    memory where it is stored as the kernels read it (eager torch and the plan then share one copy of the
+    weights in memory and in cache), converted copies otherwise.
     """
 
-    def __init__(self, imported: ImportedModule, module: nn.Module | Mapping[str, torch.Tensor] | None) -> None:
+    def __init__(self, imported: ImportedModule, module: nn.Module | Mapping[str, torch.Tensor] | None,
+                 exact: bool = False) -> None:
         self.imported = imported
         self.module = module
-        self._bound: dict[str, tuple[torch.Tensor, int, np.ndarray]] = {}
-        self._packed: dict[str, tuple[list[torch.Tensor], list[int], np.ndarray]] = {}
+        self.exact = exact
+        self._bound: dict[str, Held] = {}
+        self._packed: dict[str, list[Held]] = {}
         self._owners: dict[str, tuple[Any, str]] = {}  # key -> (the submodule holding it, its attribute name)
         self.conversions = 0  # parameters and buffers converted so far (tests count them)
 
     def rebind(self) -> None:
-        """Forget every bound parameter: the next call converts them all again."""
+        """Forget every bound parameter and the submodules found for them: the next call finds and converts
+        them all again."""
         self._bound.clear()
         self._packed.clear()
+        self._owners.clear()
 
     def feed(self, args: Sequence[Any]) -> dict[str, np.ndarray]:
         flat = self.imported.check_args(args)
@@ -190,11 +258,11 @@ class BoundInputs:
         if t is None:
             raise TorchImportError(f"module has no parameter or buffer {b.key!r} (graph input {b.name!r})")
         bound = self._bound.get(b.name)
-        if bound is not None and bound[0] is t and bound[1] == t._version:
-            return bound[2]
+        if bound is not None and bound.fresh(t):
+            return bound.array
         arr = to_numpy(t, b.transpose)  # a view where the tensor's memory has the stored layout
         arr.setflags(write=False)
-        self._bound[b.name] = (t, t._version, arr)
+        self._bound[b.name] = Held(t, t._version, t.data_ptr(), arr, Sampler(t, self.exact))
         self.conversions += 1
         return arr
 
@@ -207,15 +275,14 @@ class BoundInputs:
             missing = keys[[t is None for t in tensors].index(True)]
             raise TorchImportError(f"module has no parameter or buffer {missing!r} (packed graph input {b.name!r})")
         ts: list[torch.Tensor] = tensors  # type: ignore[assignment]
-        versions = [t._version for t in ts]
         held = self._packed.get(b.name)
-        if held is not None and held[1] == versions and all(x is y for x, y in zip(held[0], ts, strict=True)):
-            return held[2]
+        if held is not None and len(held) == len(ts) and all(h.fresh(t) for h, t in zip(held, ts, strict=True)):
+            return held[0].array
         with torch.no_grad():
             packed = torch.cat([t.detach() for t in ts], 0)  # (sum N_i, K): nn.Linear's layout, read transposed
         arr = to_numpy(packed, b.transpose)
         arr.setflags(write=False)
-        self._packed[b.name] = (ts, versions, arr)
+        self._packed[b.name] = [Held(t, t._version, t.data_ptr(), arr, Sampler(t, self.exact)) for t in ts]
         self.conversions += 1
         return arr
 

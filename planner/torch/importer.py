@@ -91,8 +91,10 @@ def import_module(module: nn.Module | torch.export.ExportedProgram, example_inpu
     """Trace ``module`` on ``example_inputs`` and map it to the IR (see the module docstring)."""
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     _check_example_inputs(module, args)
+    state = _state_versions(module)
     try:
         gm, ph_values, tracer, sources, out_spec = trace(module, args, strategy)
+        _refuse_state_writes(module, state)
         if sources is None:
             sources = [("arg", i) for i in range(len(ph_values))]
         name = type(module).__name__ if isinstance(module, nn.Module) else "exported"
@@ -100,6 +102,36 @@ def import_module(module: nn.Module | torch.export.ExportedProgram, example_inpu
     except TorchImportError:
         _check_inputs_fit(module, args)  # the module itself failing on them is the error to report
         raise
+
+
+StateVersions = dict[str, tuple[torch.Tensor, int, torch.Tensor | None]]
+
+
+def _state_versions(module: Any) -> StateVersions:
+    """Each parameter's and buffer's version counter, and a copy of each buffer to restore: a forward that writes
+    a buffer through the module (``self.count.add_(1)``) does it while fx traces, with no node in the graph."""
+    if not isinstance(module, nn.Module):
+        return {}
+    out: StateVersions = {n: (p, p._version, None) for n, p in module.named_parameters()}
+    out.update((n, (b, b._version, b.detach().clone())) for n, b in module.named_buffers())
+    return out
+
+
+def _refuse_state_writes(module: Any, before: StateVersions) -> None:
+    """Refuse a module whose forward wrote one of its parameters or buffers while it was traced (a plan writes
+    only its outputs: the write would be lost), after putting a written buffer back as it was."""
+    written = [name for name, (t, version, _) in before.items() if t._version != version]
+    if not written:
+        return
+    with torch.no_grad():
+        for name in written:
+            t, _, copy = before[name]
+            if copy is not None:
+                t.copy_(copy)
+    raise TorchImportError(
+        f"{type(module).__name__}.forward writes the module's parameter or buffer {written[0]!r} in place; a plan "
+        "writes only its outputs, so that write would be lost: return the new value instead, or run the module "
+        "eagerly")
 
 
 def _check_inputs_fit(module: nn.Module | torch.export.ExportedProgram, args: tuple[Any, ...]) -> None:

@@ -29,6 +29,17 @@ from planner.torch.tracing import INPLACE_OPERATORS, mutated_input_of
 
 log = logging.getLogger(__name__)
 
+#: calls that copy: an in-place write to their result leaves their input alone
+CLONES = frozenset({torch.clone, torch.ops.aten.clone.default})
+#: views that keep the elements in their order: an output that is one of another shares its memory as a view
+RESHAPES = frozenset({"view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "squeeze", "unsqueeze",
+                      "contiguous", "detach", "alias"})
+#: calls (by their last name) whose result is a view of their first input's memory
+VIEWS = frozenset({"view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "squeeze", "unsqueeze",
+                   "transpose", "permute", "t", "T", "mT", "narrow", "select", "getitem", "movedim", "swapaxes",
+                   "swapdims", "split", "chunk", "unbind", "expand", "expand_as", "diagonal", "as_strided",
+                   "detach", "contiguous", "alias", "view_as_real", "view_as_complex"})
+
 #: a torch call's lowering: ``(importer, node, args, kwargs, concrete) -> value`` (None: keep the call as a step)
 Lowering = Callable[["Importer", fx.Node, Any, Any, Any], Any]
 #: the lowering of a call of an ``nn.Module`` kept as a leaf by the tracer
@@ -226,19 +237,92 @@ class Importer:
             oid = self.use(v, f"out{i}")
             if oid not in outs:
                 outs.append(oid)
-            specs.append(OutputSpec(outs.index(oid), tuple(v.shape), v.dtype))
+            arg, view_of = self.output_alias(leaf, leaves[:i])
+            specs.append(OutputSpec(outs.index(oid), tuple(v.shape), v.dtype, arg, view_of))
         return outs, specs, tree
+
+    def output_alias(self, leaf: Any, earlier: Sequence[Any]) -> tuple[int | None, int | None]:
+        """(the call input, or the earlier output, whose memory output ``leaf`` is in eager torch): outputs that
+        share memory there share it in the plan's results too. Only through reshapes (the elements in their
+        order): an output that is a transposed or sliced view of another, or of an input, is refused."""
+        node = leaf if isinstance(leaf, fx.Node) else None
+        strided: fx.Node | None = None
+        while node is not None:
+            found: tuple[int | None, int | None] | None = None
+            if node is not leaf and node in earlier:
+                found = (None, earlier.index(node))
+            elif node.op == "placeholder":
+                held = self.env.get(node)
+                ok = isinstance(held, Traced) and held.source is not None and held.source[0] == "arg"
+                found = (int(held.source[1]), None) if ok else (None, None)  # type: ignore[union-attr]
+            if found is not None:
+                if strided is not None and found != (None, None):
+                    raise TorchImportError(
+                        f"{self.where(strided)}: an output is a strided view ({strided.target}) of another output or "
+                        "of an input in eager torch, sharing its memory; a plan's outputs cannot: return a copy "
+                        "(.contiguous()) or one of the two")
+                return found
+            first = node.args[0] if node.args else None
+            if not (isinstance(first, fx.Node) and self.aliases_first_input(node, first)):
+                return None, None
+            if not self.reshapes(node):
+                strided = strided or node
+            node = first
+        return None, None
+
+    def reshapes(self, node: fx.Node) -> bool:
+        """Does ``node`` keep its input's elements in their order (a reshape, not a transpose or a slice)?"""
+        name = str(node.target) if node.op == "call_method" else torch_fn_name(node.target) or ""
+        target = ("method", node.target) if node.op == "call_method" else node.target
+        return IMPORTER_TABLE.get(target) in ("view", "same", "to", "dropout") or name.rsplit(".", 1)[-1] in RESHAPES
 
     def arg(self, a: Any) -> Any:
         return fx.node.map_arg(a, lambda n: self.env[n])
 
     def call(self, node: fx.Node) -> Any:
-        """Map one call; an in-place op is mapped out of place and rebinds the tensor it mutated."""
-        out = self._call(node)
+        """Map one call; an in-place op is mapped out of place and rebinds the tensor it mutated. An in-place write
+        into the memory of a call input, a parameter or a buffer is refused: a plan writes only its outputs, so
+        eager torch's write would be lost."""
         mutated = self.mutated_input(node)
+        written = self.written_source(mutated) if mutated is not None else None
+        if written is not None:
+            kind = "call input" if written.op == "placeholder" else "parameter or buffer"
+            raise TorchImportError(
+                f"{self.where(node)} writes the module's {kind} {written.name!r} in place; a plan writes only its "
+                "outputs, so that write would be lost: return the new value instead, or run the module eagerly")
+        out = self._call(node)
         if mutated is not None and isinstance(out, (Traced, torch.Tensor)):
             self.env[mutated] = out
         return out
+
+    def written_source(self, node: fx.Node) -> fx.Node | None:
+        """The placeholder or attribute whose memory ``node``'s tensor is (through views, ``contiguous``, ``detach``,
+        in-place results: not through a ``clone``), or None for a value the module computed."""
+        while node.op not in ("placeholder", "get_attr"):
+            first = node.args[0] if node.args else None
+            if not isinstance(first, fx.Node) or not self.aliases_first_input(node, first):
+                return None
+            node = first
+        return node
+
+    def aliases_first_input(self, node: fx.Node, first: fx.Node) -> bool:
+        """Is ``node``'s result (a view of) the memory of its first input, as eager torch computes it?"""
+        if node.op not in ("call_method", "call_function"):
+            return False
+        name = str(node.target) if node.op == "call_method" else torch_fn_name(node.target) or ""
+        if node.target in CLONES or name.rsplit(".", 1)[-1] in ("clone", "copy"):
+            return False
+        if self.mutated_input(node) is not None:
+            return True  # an in-place op returns the tensor it wrote
+        target = ("method", node.target) if node.op == "call_method" else node.target
+        kind = IMPORTER_TABLE.get(target)
+        if kind in ("view", "expand", "same", "dropout"):
+            return True
+        if kind == "to":  # .to(dtype), .float(): the tensor itself when it is of that dtype already
+            a, b = self.values.get(node), self.values.get(first)
+            return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+        return name.rsplit(".", 1)[-1] in VIEWS
+
 
     def mutated_input(self, node: fx.Node) -> fx.Node | None:
         return mutated_input_of(self.gm, node)

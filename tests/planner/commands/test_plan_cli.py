@@ -213,7 +213,7 @@ def test_out_dir_of_a_layer_stack_has_per_region_plots(fake_backend, tmp_path):
         (["--time-limit", "nan"], "--time-limit must be a positive number"),
         (["--time-limit", "inf"], "--time-limit must be a positive number"),
         (["--time-budget", "nan"], "time budget"),
-        (["--rtol", "nan"], "rtol must be a finite"),
+        (["--rtol", "nan"], "rtol must be a number from 0 to"),
         (["--graph", "/dev/zero"], "not a regular file"),
         (["--device", "/dev/zero"], "is not a regular file"),
         (["--out", "/proc/1/no-such-dir"], "cannot write there"),

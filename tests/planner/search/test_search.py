@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from planner.core import examples
 from planner.core.cost import load_device
 from planner.core.errors import UsageError
+from planner.core.graph import GraphBuilder
 from planner.core.reference import execute_graph, execute_plan, random_inputs
 from planner.core.tolerance import allclose_report
 from planner.egraph.candidates import build_candidates
@@ -399,3 +400,39 @@ def test_plans_whose_timed_kernels_already_lose_are_not_run(chain):
     exhaustive = search(chain, EstimateBackend(chain.spec), options=opts)  # no kernel times: every plan runs
     assert not any(e.verdict == Verdict.BOUNDED for e in exhaustive.entries)
     assert res.best.key == exhaustive.best.key
+
+
+# ---------------------------------------------------------------- verification that could fail
+
+
+@pytest.mark.parametrize("flag, value", [("--rtol", "1e30"), ("--atol", "1e30"), ("--rtol", "nan"), ("--atol", "-1")])
+def test_a_tolerance_past_its_ceiling_is_refused_with_exit_2(flag, value, capsys):
+    from planner.cli import main
+
+    assert main(["plan", "--example", "ew-chain", "--k", "2", "--n", "64", "--backend", "model", "--no-cache",
+                 flag, value]) == 2
+    assert "a looser check could not fail" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["nan", "zeros", "ones"])
+def test_example_inputs_on_which_no_check_could_fail_are_refused(kind, chain):
+    value = {"nan": np.nan, "zeros": 0.0, "ones": 1.0}[kind]
+    inputs = {n.id: np.full(n.type.shape, value, dtype=np.float32) for n in chain.graph.inputs}
+    with pytest.raises(UsageError, match="no candidate can be verified"):
+        search(chain, EstimateBackend(chain.spec), inputs, options=SearchOptions(**FAST))
+
+
+def test_a_graph_undefined_everywhere_is_refused_not_verified_vacuously():
+    b = GraphBuilder("undefined")
+    b.input("x", (4, 8), "fp32")
+    y = b.op("y", "Sqrt", [b.op("neg", "Neg", [b.op("sq", "Square", [b.op("e", "Exp", ["x"])])])])
+    cands = build_candidates(b.build([y]), load_device("h200"))
+    with pytest.raises(UsageError, match="NaN or infinite everywhere"):
+        search(cands, EstimateBackend(cands.spec), options=SearchOptions(**FAST))
+
+
+def test_the_report_says_what_was_verified(chain):
+    res = search(chain, EstimateBackend(chain.spec), options=SearchOptions(**FAST))
+    assert res.verification.startswith("every output against the numpy reference on seeded inputs (seed 0)")
+    assert all(o in res.verification for o in chain.graph.outputs)
+    assert res.to_json()["verification"] == res.verification

@@ -548,8 +548,8 @@ def test_integer_inputs_plan_when_only_torch_calls_read_them() -> None:
         _assert_close(result(ids), lm(ids))
         other = torch.randint(0, 50, (2, 16))
         _assert_close(result(other), lm(other))
-    with pytest.raises(TorchImportError, match="made for .* int64"):
-        result(ids.float())  # planned for int64 ids
+    with pytest.raises(RuntimeError, match="indices"):  # float ids: no plan can be made; eager torch's own error
+        result(ids.float())
     with pytest.raises(TorchImportError, match="exact only below"):
         result(torch.full((2, 16), 2**24))
 
@@ -628,11 +628,14 @@ def test_bad_example_inputs(model: nn.Module, inputs, needle: str) -> None:
         planner.plan(model, inputs, backend="reference")
 
 
-def test_calling_with_other_shapes_is_refused() -> None:
+def test_calling_with_other_shapes_plans_them_or_is_refused_by_choice() -> None:
+    from planner.torch.guards import GuardError
+
     m, x = _model("mlp-relu", torch.float32)
-    result = planner.plan(m, (x,), backend="reference")
-    with pytest.raises(TorchImportError, match="plan again"):
-        result(torch.randn(3, 6, 16))
+    other = torch.randn(3, 6, 16)
+    _assert_close(planner.plan(m, (x,), backend="reference")(other), m(other))
+    with pytest.raises(GuardError, match=r"other inputs than inputs \[3, 6, 16\] float32"):
+        planner.plan(m, (x,), backend="reference", on_change="error")(other)
 
 
 def test_torch_compile_backend_matches_eager() -> None:

@@ -1,0 +1,243 @@
+"""What a plan of a module assumed, checked before each call, as torch.compile's guards do.
+
+A plan is the module's computation traced once: Python attributes it read (``self.scale``, ``ln.eps``), the
+``training`` flags, the submodules it called and the layouts of the parameters and buffers it reads are baked
+into it. :class:`ModuleState` records them when the plan is made; :meth:`ModuleState.changed` names the first
+that differs now (a replaced submodule, an attribute set, ``train()``, a parameter of another shape). The call
+inputs' layouts are the plan's :class:`InputSignature`. Tensors replaced by others of the same layout, or written
+in place, are :class:`planner.torch.binding.BoundInputs`' business: they are bound again, not re-planned.
+
+What is not guarded: global variables and closures the forward reads, and hooks registered after planning
+(docs/torch.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from planner.torch.errors import TorchImportError
+
+log = logging.getLogger(__name__)
+
+_MISSING = object()
+#: Python values an attribute guard compares (a tensor attribute is bound, not guarded)
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain(v: Any, depth: int = 0) -> bool:
+    if isinstance(v, _PLAIN):
+        return True
+    return isinstance(v, (tuple, list)) and depth < 2 and len(v) <= 16 and all(_plain(x, depth + 1) for x in v)
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a is b or (type(a) is type(b) and a == b)
+
+
+@dataclass(frozen=True)
+class ModuleState:
+    """A module tree as its plan assumed it: each submodule edge, each plain attribute, each state tensor's
+    layout."""
+
+    #: (parent, its path, child name, the child)
+    edges: tuple[tuple[nn.Module, str, str, nn.Module], ...]
+    #: (module, its path, attribute, value)
+    attrs: tuple[tuple[nn.Module, str, str, Any], ...]
+    #: (owner module, the tensor's path, attribute, shape, dtype, device)
+    tensors: tuple[tuple[nn.Module, str, str, tuple[int, ...], torch.dtype, torch.device], ...]
+
+    @classmethod
+    def record(cls, module: nn.Module, state_keys: Sequence[str] = ()) -> ModuleState:
+        edges, attrs = [], []
+        for path, m in module.named_modules(remove_duplicate=False):
+            edges += [(m, path, name, child) for name, child in m._modules.items() if child is not None]
+            attrs += [(m, path, k, v) for k, v in vars(m).items() if not k.startswith("_") and _plain(v)]
+        tensors = []
+        for key in state_keys:
+            path, _, name = key.rpartition(".")
+            owner = module.get_submodule(path)
+            t = getattr(owner, name, None)
+            if isinstance(t, torch.Tensor):
+                tensors.append((owner, key, name, tuple(t.shape), t.dtype, t.device))
+        return cls(tuple(edges), tuple(attrs), tuple(tensors))
+
+    def changed(self) -> str | None:
+        """What differs from when the plan was made (the first thing found), or None."""
+        for parent, path, name, child in self.edges:
+            if parent._modules.get(name) is not child:
+                return f"submodule {_join(path, name)} was replaced"
+        for m, path, k, v in self.attrs:
+            now = m.__dict__.get(k, _MISSING)
+            if not _same(now, v):
+                was = "removed" if now is _MISSING else f"set to {_short(now)}"
+                return f"{_join(path, k)} was {_short(v)} when planned, is {was} now"
+        for owner, key, name, shape, dtype, device in self.tensors:
+            t = getattr(owner, name, None)
+            if not isinstance(t, torch.Tensor):
+                return f"parameter or buffer {key} is gone"
+            if tuple(t.shape) != shape or t.dtype != dtype or t.device != device:
+                return (f"parameter or buffer {key} is {list(t.shape)} {_dtype(t.dtype)} on {t.device}, planned for "
+                        f"{list(shape)} {_dtype(dtype)} on {device}")
+        return None
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _dtype(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+#: the layout of one call input a plan is made for
+ArgLayout = tuple[Any, ...]
+
+
+def input_signature(args: Sequence[Any]) -> tuple[ArgLayout, ...]:
+    """The call inputs' layouts a plan is made for: each tensor's shape, dtype, device and whether it is
+    contiguous; another Python value as itself (it was baked into the plan)."""
+    flat = list(args) if all(type(a) is torch.Tensor for a in args) else pytree.tree_flatten(tuple(args))[0]
+    out: list[ArgLayout] = []
+    for a in flat:
+        if isinstance(a, torch.Tensor):
+            out.append((tuple(a.shape), a.dtype, a.device.type, a.is_contiguous()))
+        else:
+            out.append(("value", repr(a)[:200]))
+    return tuple(out)
+
+
+def unplannable(args: Sequence[Any]) -> str | None:
+    """Why no plan can take these call inputs, whatever their shapes (a plan runs on the host and computes no
+    gradients), or None."""
+    flat = list(args) if all(type(a) is torch.Tensor for a in args) else pytree.tree_flatten(tuple(args))[0]
+    for i, a in enumerate(flat):
+        if not isinstance(a, torch.Tensor):
+            continue
+        if a.device.type != "cpu":
+            return f"input {i} is on {a.device}; a plan takes host tensors: pass it with .cpu()"
+        if a.requires_grad and torch.is_grad_enabled():
+            return (f"input {i} requires grad, but a plan computes no gradients: call it under torch.no_grad() or "
+                    "torch.inference_mode(), or pass the input detached")
+    return None
+
+
+def describe_signature(sig: Sequence[ArgLayout]) -> str:
+    parts = []
+    for a in sig:
+        if a and a[0] == "value":
+            parts.append(str(a[1]))
+        else:
+            shape, dtype, device, contiguous = a
+            parts.append(f"{list(shape)} {_dtype(dtype)}" + ("" if device == "cpu" else f" on {device}")
+                         + ("" if contiguous else " (strided)"))
+    return ", ".join(parts)
+
+
+#: what a planned module does when it finds the module changed: plan again, run eagerly, or raise
+ON_CHANGE = ("replan", "eager", "error")
+#: plans one planned module keeps (one per input layout, for the module as it is) before it runs eagerly
+MAX_PLANS = 8
+
+
+class GuardError(RuntimeError):
+    """The module, or the layout of a call's inputs, differs from what the plan was made for (on_change='error')."""
+
+
+class Planned(Protocol):
+    """A plan of the module for one input layout, callable without guards."""
+
+    def call_plan(self, inputs: Sequence[Any]) -> Any: ...
+
+
+@dataclass
+class CallGuard:
+    """Decides, before each call of a planned module, which plan runs it: the module is what its plans assumed
+    (:class:`ModuleState`) and a plan was made for these inputs' layout: that plan; otherwise, by
+    ``on_change``: plan again (``replan(args)``, through the plan cache; at most :data:`MAX_PLANS` plans), run
+    eagerly, or raise :class:`GuardError`. Never a wrong answer: a plan that cannot be made means eager torch
+    runs the call, and says why once."""
+
+    module: nn.Module
+    replan: Callable[[tuple[Any, ...]], Planned]
+    on_change: str
+    state: ModuleState
+    state_keys: tuple[str, ...]
+    plans: dict[tuple[ArgLayout, ...], Planned | None] = field(default_factory=dict)
+    #: what the guard decided, newest last: (reason, action)
+    events: list[tuple[str, str]] = field(default_factory=list)
+    eager_since: str | None = None  # the module is run eagerly from then on (on_change='eager', or a plan limit)
+
+    def __post_init__(self) -> None:
+        if self.on_change not in ON_CHANGE:
+            raise ValueError(f"on_change must be one of {', '.join(ON_CHANGE)}, got {self.on_change!r}")
+
+    def __call__(self, args: tuple[Any, ...]) -> Any:
+        if self.eager_since is None:
+            changed = self.state.changed()
+            if changed is not None:
+                self._module_changed(changed)
+        if self.eager_since is not None:
+            return self._eager(args)
+        refusal = unplannable(args)
+        if refusal is not None:
+            raise TorchImportError(refusal)
+        sig = input_signature(args)
+        if sig not in self.plans:
+            self._new_layout(sig, args)
+        chosen = self.plans.get(sig)
+        return self._eager(args) if chosen is None else chosen.call_plan(args)
+
+    def _module_changed(self, reason: str) -> None:
+        if self.on_change == "error":
+            raise GuardError(f"the module changed since it was planned: {reason}; plan it again, or plan with "
+                             "on_change='replan'")
+        if self.on_change == "eager":
+            self._note(reason, "runs eagerly from now on")
+            self.eager_since = reason
+            return
+        self._note(reason, "plans again", logging.INFO)
+        self.plans.clear()
+        self.state = ModuleState.record(self.module, self.state_keys)
+
+    def _new_layout(self, sig: tuple[ArgLayout, ...], args: tuple[Any, ...]) -> None:
+        why = f"inputs {describe_signature(sig)}"
+        if self.on_change == "error":
+            raise GuardError(f"the plan was made for other inputs than {why}; plan again for them, or plan with "
+                             "on_change='replan'")
+        if len(self.plans) >= MAX_PLANS:
+            self._note(why, f"runs eagerly: {MAX_PLANS} plans are kept already")
+            self.plans[sig] = None
+            return
+        if self.on_change == "eager":
+            self._note(why, "runs eagerly (on_change='eager')")
+            self.plans[sig] = None
+            return
+        try:
+            self.plans[sig] = self.replan(args)
+            self._note(why, "planned for them", logging.INFO)
+        except Exception as exc:  # a plan that cannot be made: eager torch runs these calls, never a wrong answer
+            self._note(why, f"runs eagerly: planning failed ({type(exc).__name__}: {str(exc)[:200]})")
+            self.plans[sig] = None
+
+    def _eager(self, args: tuple[Any, ...]) -> Any:
+        with torch.no_grad():
+            return self.module(*args)
+
+    def _note(self, reason: str, action: str, level: int = logging.WARNING) -> None:
+        self.events.append((reason, action))
+        log.log(level, "planned module: %s: %s", reason, action)
+
+
+__all__ = ["CallGuard", "GuardError", "ModuleState", "describe_signature", "input_signature"]

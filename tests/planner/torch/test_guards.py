@@ -1,0 +1,167 @@
+"""A planned module is never silently wrong: what its plan assumed is guarded, as torch.compile guards, and a
+change gives eager torch's answer (a new plan, or eager torch itself), a named refusal, or an error by choice."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+import planner  # noqa: E402
+from planner.torch.errors import TorchImportError  # noqa: E402
+from planner.torch.guards import MAX_PLANS, GuardError  # noqa: E402
+
+FAST = dict(backend="cpu", max_candidates=3, warmup=0, repeats=2)
+
+
+class Mlp(nn.Module):
+    def __init__(self, dtype=torch.float32) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(16, 32).to(dtype)
+        self.ln = nn.LayerNorm(32).to(dtype)
+        self.l2 = nn.Linear(32, 16).to(dtype)
+        self.scale = 0.5
+
+    def forward(self, x):
+        return self.l2(torch.relu(self.ln(self.l1(x)))) * self.scale
+
+
+def _planned(dtype=torch.float32, **opts):
+    torch.manual_seed(0)
+    m = Mlp(dtype).eval()
+    x = torch.randn(4, 16, dtype=dtype)
+    return m, x, planner.plan(m, (x,), **{**FAST, **opts})
+
+
+def _agrees(result, m, x) -> None:
+    with torch.no_grad():
+        want = m(x)
+    got = result(x)
+    tol = 1e-4 if x.dtype == torch.float32 else 3e-2
+    assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * float(want.abs().max()) + tol), \
+        float((got.float() - want.float()).abs().max())
+
+
+CHANGES = {
+    "a replaced submodule": lambda m: setattr(m, "l1", nn.Linear(16, 32).to(m.l1.weight.dtype)),
+    "weight.data set": lambda m: setattr(m.l1.weight, "data", torch.randn_like(m.l1.weight)),
+    "weight.data.copy_": lambda m: m.l1.weight.data.copy_(torch.randn_like(m.l1.weight)),
+    "weight.data.mul_(0)": lambda m: m.l2.weight.data.mul_(0),
+    "a new Parameter": lambda m: setattr(m.l2, "bias", nn.Parameter(torch.randn_like(m.l2.bias))),
+    "an attribute": lambda m: setattr(m, "scale", 5.0),
+    "a norm's eps": lambda m: setattr(m.ln, "eps", 0.5),
+    "train()": lambda m: m.train(),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_every_change_gives_eager_torchs_answer(change, dtype):
+    m, x, result = _planned(dtype)
+    _agrees(result, m, x)
+    CHANGES[change](m)
+    _agrees(result, m, x)
+
+
+def test_a_structural_change_under_eager_runs_the_module_and_says_so():
+    m, x, result = _planned(on_change="eager")
+    m.scale = 3.0
+    _agrees(result, m, x)
+    assert result.guard.eager_since and "scale was 0.5" in result.guard.events[-1][0]
+
+
+def test_a_structural_change_under_error_raises_naming_it():
+    m, x, result = _planned(on_change="error")
+    m.ln.eps = 0.1
+    with pytest.raises(GuardError, match=r"ln\.eps was 1e-05 when planned"):
+        result(x)
+    with pytest.raises(GuardError, match="inputs"):
+        result(torch.randn(8, 16)) if (setattr(m.ln, "eps", 1e-5) or True) else None
+
+
+def test_new_input_shapes_get_plans_of_their_own_up_to_a_limit_then_eager():
+    m, x, result = _planned()
+    for rows in range(5, 5 + MAX_PLANS + 2):
+        _agrees(result, m, torch.randn(rows, 16))
+    plans = result.guard.plans
+    assert sum(p is not None for p in plans.values()) == MAX_PLANS and any(p is None for p in plans.values())
+    assert any("kept already" in action for _, action in result.guard.events)
+
+
+def test_a_weight_written_between_the_samples_is_seen_with_exact_weights_or_after_rebind():
+    m, x, result = _planned(exact_weights=True)
+    with torch.no_grad():
+        m.l1.weight.data[3, 5] += 1.0  # one element, through .data: no version bump
+    _agrees(result, m, x)
+    m2, x2, sampled = _planned()
+    with torch.no_grad():
+        m2.l1.weight.data[3, 5] += 1.0
+    sampled.rebind()
+    _agrees(sampled, m2, x2)
+
+
+class Counting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.zeros(1))
+
+    def forward(self, x):
+        self.count.add_(1)
+        return torch.relu(x)
+
+
+class InPlaceInput(nn.Module):
+    def forward(self, x):
+        x.mul_(2)
+        return torch.relu(x)
+
+
+class InPlaceView(nn.Module):
+    def forward(self, x):
+        x.view(-1).add_(1)
+        return x * 3
+
+
+class InPlaceClone(nn.Module):
+    def forward(self, x):
+        y = x.clone()
+        y.add_(1)
+        return torch.relu(y)
+
+
+@pytest.mark.parametrize("module, name", [(Counting(), "count"), (InPlaceInput(), "x"), (InPlaceView(), "x")])
+def test_a_write_to_an_input_or_a_buffer_is_refused_at_planning_naming_it(module, name):
+    with pytest.raises(TorchImportError, match=rf"writes the module's .*{name!r} in place"):
+        planner.plan(module, (torch.randn(4, 8),), backend="reference")
+
+
+def test_an_in_place_write_to_a_copy_is_planned():
+    x = torch.randn(4, 8)
+    result = planner.plan(InPlaceClone(), (x,), backend="reference")
+    assert torch.equal(result(x), InPlaceClone()(x))
+
+
+class Aliasing(nn.Module):
+    def forward(self, x):
+        y = torch.relu(x) + 1.0
+        return y, y.view(-1), x, x.view(2, -1)
+
+
+def test_outputs_that_share_memory_in_eager_torch_share_it_in_the_plan():
+    x = torch.randn(4, 8)
+    y, flat, same, viewed = planner.plan(Aliasing(), (x,), backend="cpu", max_candidates=2)(x)
+    assert flat.data_ptr() == y.data_ptr() and flat.shape == (32,)
+    assert same is x and viewed.data_ptr() == x.data_ptr() and viewed.shape == (2, 16)
+    assert torch.equal(y, torch.relu(x) + 1.0)
+
+
+class TransposedAlias(nn.Module):
+    def forward(self, x):
+        y = torch.relu(x) + 1.0
+        return y, y.t()
+
+
+def test_an_output_that_is_a_transposed_view_of_another_is_refused_naming_it():
+    with pytest.raises(TorchImportError, match="strided view"):
+        planner.plan(TransposedAlias(), (torch.randn(4, 8),), backend="reference")
