@@ -200,9 +200,13 @@ def _packed_projections(graph: Graph, imp: Importer) -> tuple[Graph, tuple[Bindi
     return graph, tuple(bindings)
 
 
-def import_fx_graph(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], name: str = "dynamo") -> ImportedModule:
-    """Import a graph captured by torch.compile: every placeholder is a call input."""
-    sources = [("arg", i) for i in range(len(example_inputs))]
+def import_fx_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], name: str = "dynamo") -> ImportedModule:
+    """Import a graph captured by torch.compile: every tensor placeholder is a call input; an integer one (a
+    size of a graph captured with dynamic shapes) is a constant of the plan, which is made for its value."""
+    sources: list[tuple[str, Any]] = []
+    for v in example_inputs:
+        sources.append(("arg", len([s for s in sources if s[0] == "arg"])) if isinstance(v, torch.Tensor)
+                       else ("const", v))
     return _import_graph(gm, list(example_inputs), sources, "dynamo", name)
 
 

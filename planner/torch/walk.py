@@ -219,6 +219,8 @@ class Importer:
 
     def source_value(self, node: fx.Node, source: tuple[str, Any]) -> Any:
         v = self.values[node]
+        if source[0] == "const":  # a size torch.compile passes as its own input: the plan is made for its value
+            return v
         if not isinstance(v, torch.Tensor):
             raise TorchImportError(f"input {node.name!r} is a {type(v).__name__}; only tensor inputs are supported")
         if not (source[0] == "arg" and v.dtype in INDEX_DTYPES):
