@@ -187,3 +187,19 @@ def test_scalar_steps_are_bounded_and_every_failure_is_a_named_op_error(name, tm
     assert time.perf_counter() - t0 < 60
     assert out.returncode in (1, 2) and message in out.stderr and "step 0" in out.stderr, out.stderr[-1500:]
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["inputs"].__setitem__("seed", -1), "seed must be an integer from 0"),
+    (lambda d: d["inputs"].__setitem__("scales", {k: 0.0 for k in d["inputs"]["names"]}), "positive finite"),
+])
+def test_a_bundle_with_a_bad_seed_or_zero_scales_is_refused_by_the_runner(edit, message, tmp_path):
+    bundle = tmp_path / "b.json"
+    out = cli("export-candidates", "--example", "ew-chain", "--k", "2", "--n", "64", "-o", str(bundle))
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(bundle.read_text())
+    edit(doc)
+    bundle.write_text(json.dumps(doc))
+    run = subprocess.run([sys.executable, "-m", "backends.cupy", "time", str(bundle), "-o", str(tmp_path / "m.json"),
+                          "--executor", "numpy"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr, run.stderr[-1500:]
