@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import random
 import time
 from collections.abc import Callable, Mapping
 
@@ -127,3 +129,40 @@ class VerifyOnlyBackend(Backend):
                 return execute_plan(self.plan, inputs, "device")
 
         return Untimed(plan)
+
+
+class NoisyTimed(TimedReference):
+    """Timings of a shared machine: each run takes the plan's true time (``truth``) times lognormal noise, and
+    now and then a spike (another process took the core)."""
+
+    def __init__(self, plan: Plan, truth_us: float, rng: random.Random, sigma: float, spikes: float) -> None:
+        super().__init__(plan)
+        self.truth_us, self.rng, self.sigma, self.spikes = truth_us, rng, sigma, spikes
+
+    def sample(self) -> float:
+        spike = self.rng.uniform(1.5, 3.0) if self.rng.random() < self.spikes else 1.0
+        return self.truth_us * math.exp(self.rng.gauss(0.0, self.sigma)) * spike
+
+    def time(self, inputs, *, warmup=2, repeats=7, stop_if=None) -> Timing:  # type: ignore[no-untyped-def]
+        samples: list[float] = []
+        for _ in range(repeats):
+            samples.append(self.sample())
+            if stop_if is not None and stop_if(float(np.median(samples))):
+                return Timing(samples, warmup, stopped_early=True)
+        return Timing(samples, warmup)
+
+
+class NoisyBackend(Backend):
+    """Runs plans with the reference executor and 'times' them as :class:`NoisyTimed`, seeded: ``truth`` gives
+    each plan's true time (µs)."""
+
+    name = "noisy"
+
+    def __init__(self, spec, truth: Callable[[Plan], float], *, seed: int = 0, sigma: float = 0.1,  # type: ignore[no-untyped-def]
+                 spikes: float = 0.05) -> None:
+        super().__init__(spec)
+        self.truth, self.sigma, self.spikes = truth, sigma, spikes
+        self.rng = random.Random(seed)
+
+    def compile(self, plan: Plan) -> CompiledPlan:
+        return NoisyTimed(plan, self.truth(plan), self.rng, self.sigma, self.spikes)

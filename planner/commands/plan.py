@@ -60,6 +60,10 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--early-stop", type=float, default=d.early_stop, help="stop timing above best x this factor")
     g.add_argument("--warmup", type=int, default=d.warmup, help="untimed runs per candidate")
     g.add_argument("--repeats", type=int, default=d.repeats, help="timed runs per candidate (median)")
+    g.add_argument("--max-rounds", type=int, default=d.max_rounds, metavar="N",
+                   help="interleaved rounds that may compare a candidate within the noise with the best (at least 8)")
+    g.add_argument("--confidence", type=float, default=d.confidence,
+                   help="confidence that separates two timings in those rounds (else a tie: the cost model's choice)")
     g.add_argument("--rtol", type=float, default=None, help="override the dtype's relative tolerance")
     g.add_argument("--atol", type=float, default=None, help="override the dtype's absolute tolerance")
     g.add_argument("--search-log", action="store_true", help="print the search log on stderr (as SEARCH_LOG=1)")
@@ -82,6 +86,8 @@ def options_from_args(args: argparse.Namespace) -> SearchOptions:
         seed=args.seed,
         rtol=args.rtol,
         atol=args.atol,
+        max_rounds=args.max_rounds,
+        confidence=args.confidence,
     )
     opts.validate()
     return opts

@@ -45,6 +45,7 @@ from planner.core.reference import execute_graph, random_inputs
 from planner.core.tolerance import check_outputs, vacuous_inputs, vacuous_reference, verification_text
 from planner.egraph.candidates import CandidateSet
 from planner.egraph.extract import Option, kernel_sig
+from planner.search.duel import Outcome, duel, noise, ratio_interval
 from planner.search.mutate import Mutator
 from planner.search.results import Entry, SearchOptions, SearchResult, Stop, StopKind, spearman
 from planner.search.searchlog import SearchLog
@@ -96,6 +97,8 @@ class _Run:
         self.t0 = time.perf_counter()
         self.on_candidate = on_candidate
         self.stop: Stop | None = None
+        self.best_compiled: CompiledPlan | None = None  # the best's compiled plan, for interleaved comparisons
+        self.band = 0.0  # a candidate within this fraction of the best is compared with it in rounds
 
     # -- budgets
     def budget_left(self) -> bool:
@@ -159,7 +162,7 @@ class _Run:
         for kernel, us in zip(entry.plan.kernels, timing.kernel_min_us or (), strict=False):
             sig = kernel_sig(kernel)
             self.kernel_min[sig] = min(us, self.kernel_min.get(sig, math.inf))
-        self._record(entry)
+        self._record(entry, compiled)
 
     def _bounded(self, entry: Entry) -> bool:
         """Record a candidate as slower, unrun, when the kernels it shares with plans timed before take longer
@@ -206,24 +209,42 @@ class _Run:
                        key=lambda e: e.time_us)
         return [best, *close[: FINALISTS - 1]]
 
-    def final_round(self, base: Entry, finalists: list[Entry], rounds: int = 5) -> tuple[Entry, float]:
+    def final_round(self, base: Entry, finalists: list[Entry]) -> tuple[Entry, float]:
         """The winner among ``finalists`` and its speedup over the unfused ``base``, from one interleaved
         re-measurement of all of them: they alternate round by round, so a machine that got busier during the
-        search slows each alike.  Medians over all rounds; 1.0 when the unfused plan wins."""
+        search slows each alike.  A runner-up displaces the best only when its per-round ratio to the best lies
+        below 1 with the search's confidence (as in a duel); 1.0 when the unfused plan wins."""
         contenders = list({id(e): e for e in [base, *finalists]}.values())
         if len(contenders) == 1:
             return base, 1.0
         plans = [(e, self.backend.compile(e.plan)) for e in contenders]
         samples: dict[int, list[float]] = {id(e): [] for e in contenders}
-        for _ in range(rounds):
-            for e, compiled in plans:
-                samples[id(e)] += compiled.time(self.inputs, warmup=1, repeats=3).samples_us
+        for r in range(FINAL_ROUNDS):
+            for e, compiled in plans[r % len(plans):] + plans[: r % len(plans)]:
+                timing = compiled.time(self.inputs, warmup=1, repeats=FINAL_REPEATS)
+                samples[id(e)].append(float(np.median(timing.samples_us)))
         for e in contenders:
             e.confirm_us = float(np.median(samples[id(e)]))
-        winner = min(finalists, key=lambda e: e.confirmed_us)
+        winner, evidence = self._final_winner(finalists, samples)
         if len(finalists) > 1:
-            self.slog.final_round([(e.plan, e.confirmed_us) for e in finalists], winner.plan)
+            self.slog.final_round([(e.plan, e.confirmed_us) for e in finalists], winner.plan, evidence)
         return winner, base.confirmed_us / winner.confirmed_us
+
+    def _final_winner(self, finalists: list[Entry], samples: dict[int, list[float]]) -> tuple[Entry, str]:
+        """The best, unless a runner-up beats it in the paired rounds beyond the noise (the clearest one)."""
+        best = finalists[0]
+        challengers = finalists[1:]
+        if not challengers:
+            return best, ""
+        per_test = 1.0 - (1.0 - self.opts.confidence) / len(challengers)
+        winner, evidence, lowest = best, "", math.inf
+        for e in challengers:
+            ratios = [a / b for a, b in zip(samples[id(e)], samples[id(best)], strict=True)]
+            med, low, high = ratio_interval(ratios, per_test)
+            if high < 1.0 - DUEL_MARGIN and med < lowest:
+                winner, lowest = e, med
+                evidence = f"ratio to the search's best {med:.3f} [{low:.3f}, {high:.3f}] in {len(ratios)} rounds"
+        return winner, evidence or "no runner-up beats the search's best beyond the noise"
 
     def _verify(self, entry: Entry, outs: Sequence[np.ndarray]) -> str | None:
         reason, entry.max_abs, entry.max_rel = check_outputs(
@@ -241,20 +262,53 @@ class _Run:
         entry.reject(reason)
         self.slog.rejected(reason, entry.plan, _origin(entry))
 
-    def _record(self, entry: Entry) -> None:
-        meas = entry.meas_us
-        assert meas is not None
-        if self.best is None:
-            self.best = entry
+    def _record(self, entry: Entry, compiled: CompiledPlan | None = None) -> None:
+        meas = entry.time_us
+        best = self.best
+        if best is None:
+            self._crown(entry, compiled)
             self.slog.start(entry.plan, entry.est_us, meas, _origin(entry))
-        elif meas < self.best.time_us and not entry.stopped_early:
-            gain = self.best.time_us / meas
-            self.best = entry
-            self.slog.faster(entry.plan, entry.est_us, meas, gain, _origin(entry))
+            if self.backend.measures:
+                spread = noise(entry.samples_us)
+                self.band = max(MIN_BAND, 2 * spread)
+                self.slog.noise_floor(spread, len(entry.samples_us), self.band)
+            return
+        stopped = len(entry.samples_us) if entry.stopped_early else None
+        close = not entry.stopped_early and abs(meas / best.time_us - 1) <= self.band
+        if not close or compiled is None or self.best_compiled is None or not self.backend.measures:
+            if meas < best.time_us and not entry.stopped_early:  # given figures, or far beyond the noise
+                self._crown(entry, compiled)
+                self.slog.faster(entry.plan, entry.est_us, meas, best.time_us / meas, _origin(entry))
+            else:
+                self.slog.slower(entry.plan, meas / best.time_us, entry.est_us, meas, stopped, _origin(entry))
+            return
+        self._duel(entry, compiled, best)
+
+    def _duel(self, entry: Entry, compiled: CompiledPlan, best: Entry) -> None:
+        """A candidate within the noise of the best: paired, interleaved rounds decide; a tie keeps the plan the
+        cost model prefers (fewer bytes, then launches)."""
+        incumbent = self.best_compiled
+        assert incumbent is not None
+        d = duel(lambda: self._once(compiled), lambda: self._once(incumbent), max_rounds=self.opts.max_rounds,
+                 confidence=self.opts.confidence, margin=DUEL_MARGIN)
+        entry.duel = f"{d.outcome}: {d.describe()} against {best.plan.key}"
+        evidence = d.describe()
+        if d.outcome == Outcome.FASTER:
+            self._crown(entry, compiled)
+            self.slog.faster(entry.plan, entry.est_us, entry.time_us, 1 / d.ratio, _origin(entry), evidence)
+        elif d.outcome == Outcome.SLOWER:
+            self.slog.slower(entry.plan, d.ratio, entry.est_us, entry.time_us, None, _origin(entry), evidence)
         else:
-            ratio = meas / self.best.time_us
-            stopped = len(entry.samples_us) if entry.stopped_early else None
-            self.slog.slower(entry.plan, ratio, entry.est_us, meas, stopped, _origin(entry))
+            if entry.plan.sort_key() < best.plan.sort_key():
+                self._crown(entry, compiled)
+            self.slog.tie(entry.plan, evidence, self.best.plan if self.best else best.plan, _origin(entry))
+
+    def _crown(self, entry: Entry, compiled: CompiledPlan | None) -> None:
+        self.best, self.best_compiled = entry, compiled
+
+    def _once(self, compiled: CompiledPlan) -> float:
+        """One timed run of a compiled plan (µs)."""
+        return compiled.time(self.inputs, warmup=0, repeats=1).samples_us[0]
 
     # -- the genetic phase
     def evolve(self, rng: random.Random) -> None:
@@ -402,10 +456,17 @@ def _origin(entry: Entry) -> str:
     return entry.source if entry.source.startswith(("mutant", "sample")) else ""
 
 
+#: the least relative difference from the best that still sends a candidate to interleaved rounds with it
+MIN_BAND = 0.02
 #: runners-up within this factor of the best's search timing are re-measured with it before one is chosen
 FINAL_MARGIN = 1.15
 #: at most this many plans (the best included) in that final round
 FINALISTS = 3
+#: the final round's interleaved rounds, and timed runs per plan in each (their median is the round's figure)
+FINAL_ROUNDS = 8
+FINAL_REPEATS = 3
+#: a duel (and the final round) calls a plan faster only when its time ratio's interval lies below 1 - this
+DUEL_MARGIN = 0.01
 
 
 

@@ -27,6 +27,10 @@ class SearchOptions:
     seed: int = 0
     rtol: float | None = None  # override the dtype's tolerance
     atol: float | None = None
+    #: a candidate within the noise of the best is compared with it in interleaved rounds, at most this many,
+    #: until this confidence separates them (planner.search.duel); a tie keeps the cost model's choice
+    max_rounds: int = 24
+    confidence: float = 0.95
 
     def validate(self) -> None:
         if self.max_candidates < 1:
@@ -38,6 +42,10 @@ class SearchOptions:
         if self.warmup < 0 or self.repeats < 1:
             raise UsageError(f"need warmup >= 0 and repeats >= 1, got {self.warmup} and {self.repeats}")
         check_tolerance_override(self.rtol, self.atol)
+        if self.max_rounds < 8:
+            raise UsageError(f"max rounds must be at least 8 (a confidence interval needs them), got {self.max_rounds}")
+        if not 0.5 <= self.confidence < 1.0:
+            raise UsageError(f"confidence must be in [0.5, 1), got {self.confidence}")
 
 
 
@@ -86,6 +94,8 @@ class Entry:
     confirm_us: float | None = None
     #: a plan not run for its kernels' times: their sum (µs), from the plans timed before it
     bound_us: float | None = None
+    #: its comparison with the best of its time, where it was within the noise (planner.search.duel)
+    duel: str | None = None
 
     @property
     def est_us(self) -> float:
@@ -140,6 +150,8 @@ class Entry:
             d["confirm_us"] = round(self.confirm_us, 4)
         if self.bound_us is not None:
             d["bound_us"] = round(self.bound_us, 4)
+        if self.duel is not None:
+            d["duel"] = self.duel
         return d
 
 

@@ -69,18 +69,30 @@ class SearchLog:
     def start(self, plan: Plan, est_us: float, meas_us: float, origin: str = "") -> None:
         self.emit(f"Start {self.label(plan)} | est {fmt_us(est_us)} | meas {fmt_us(meas_us)}{_origin(origin)}")
 
-    def faster(self, plan: Plan, est_us: float, meas_us: float, gain: float, origin: str = "") -> None:
+    def noise_floor(self, spread: float, samples: int, band: float) -> None:
+        self.emit(f"Noise floor ±{100 * spread / 2:.1f}% (interquartile range of the first plan's {samples} timings): "
+                  f"a candidate within {100 * band:.1f}% of the best is compared with it in interleaved rounds")
+
+    def faster(self, plan: Plan, est_us: float, meas_us: float, gain: float, origin: str = "", evidence: str = "") -> None:
+        tail = f" | {evidence}" if evidence else ""
         self.emit(
-            f"Faster {self.label(plan)} | est {fmt_us(est_us)} | meas {fmt_us(meas_us)} | x{gain:.2f} better{_origin(origin)}"
+            f"Faster {self.label(plan)} | est {fmt_us(est_us)} | meas {fmt_us(meas_us)} | x{gain:.2f} better{tail}"
+            f"{_origin(origin)}"
         )
 
     def slower(
-        self, plan: Plan, ratio: float, est_us: float, meas_us: float, stopped_after: int | None, origin: str = ""
+        self, plan: Plan, ratio: float, est_us: float, meas_us: float, stopped_after: int | None, origin: str = "",
+        evidence: str = "",
     ) -> None:
         tail = f" | stopped early after {stopped_after} runs" if stopped_after is not None else ""
+        tail += f" | {evidence}" if evidence else ""
         self.emit(
             f"Slower x{ratio:.2f} {self.label(plan)} | est {fmt_us(est_us)} | meas {fmt_us(meas_us)}{tail}{_origin(origin)}"
         )
+
+    def tie(self, plan: Plan, evidence: str, kept: Plan, origin: str = "") -> None:
+        self.emit(f"Tie {self.label(plan)} | {evidence} | kept {self.label(kept)}, the cost model's choice (fewer "
+                  f"bytes, launches){_origin(origin)}")
 
     def bounded(self, plan: Plan, ratio: float, est_us: float, bound_us: float, origin: str = "") -> None:
         self.emit(f"Bounded x{ratio:.2f} {self.label(plan)} | est {fmt_us(est_us)} | its timed kernels "
@@ -89,9 +101,10 @@ class SearchLog:
     def rejected(self, reason: str, plan: Plan, origin: str = "") -> None:
         self.emit(f"Rejected {reason} {self.label(plan)}{_origin(origin)}")
 
-    def final_round(self, finalists: list[tuple[Plan, float]], winner: Plan) -> None:
+    def final_round(self, finalists: list[tuple[Plan, float]], winner: Plan, evidence: str = "") -> None:
         rows = ", ".join(f"{self.label(p)} {fmt_us(us)}" for p, us in finalists)
-        self.emit(f"Final round (interleaved re-measurement): {rows} | best {self.label(winner)}")
+        tail = f" ({evidence})" if evidence else ""
+        self.emit(f"Final round (interleaved re-measurement): {rows} | best {self.label(winner)}{tail}")
 
     def footer(
         self,
