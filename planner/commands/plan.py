@@ -130,10 +130,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _wants_search_evidence(args: argparse.Namespace) -> bool:
-    """--out, --json and the search log report the search itself (results, plots, the
-    candidate table, the log); a cached choice has none of that, so such a run searches
-    again (and refreshes the cache entry)."""
-    return bool(args.out or args.json or args.search_log or env_flag("SEARCH_LOG"))
+    """--out and the search log report the search itself (results, plots, the log); a cached
+    choice has none of that, so such a run searches again (and refreshes the cache entry).
+    --json of a cached choice says so ("from_cache": true) and holds the plan, not a candidate list."""
+    return bool(args.out or args.search_log or env_flag("SEARCH_LOG"))
 
 
 def _out_dir(path: str | None) -> Path | None:

@@ -163,10 +163,22 @@ def test_a_cached_plan_does_not_hide_the_search_evidence(fake_backend, tmp_path,
     assert "plan from the cache" in capsys.readouterr().out  # a plain repeat uses the cache
     assert main([*run, "--search-log"]) == 0
     assert capsys.readouterr().err.splitlines()[-1].startswith("Searched in ")
-    assert main([*run, "--json"]) == 0
-    assert "candidates" in json.loads(capsys.readouterr().out)
     assert main([*run, "--out", str(tmp_path / "o")]) == 0
     assert (tmp_path / "o" / "results.json").exists() and (tmp_path / "o" / "best_so_far.png").exists()
+
+
+def test_json_reads_the_plan_cache_and_says_so(fake_backend, capsys, monkeypatch):
+    monkeypatch.delenv("SEARCH_LOG", raising=False)
+    run = ["plan", *CHAIN, "--max-candidates", "2", "--json"]
+    assert main(run) == 0
+    searched = json.loads(capsys.readouterr().out)
+    assert "candidates" in searched and "from_cache" not in searched
+    assert main(run) == 0
+    cached = json.loads(capsys.readouterr().out)
+    assert cached["from_cache"] is True and "candidates" not in cached and cached["cache_key"]
+    assert cached["best"]["plan"] == searched["best"]["plan"]
+    assert main([*run, "--no-cache"]) == 0
+    assert "candidates" in json.loads(capsys.readouterr().out)  # --no-cache searches again
 
 
 @pytest.mark.parametrize("cmd", [["plan", *CHAIN], ["explain", *CHAIN[:6]], ["run", "plan.json"], ["check-rules"]])
