@@ -237,7 +237,6 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
         raise BackendError(f"unknown kernel kind {k.kind!r}")
 
 
-
     def _elementwise(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory) -> Step:
         ck = generate(k.body, self._types(tensors), stream=self._streams(tensors[k.out]))
         fn, params, reads = self._bind(ck, memory.own)
@@ -275,24 +274,6 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
         return Step(k, call, reads, memory.own[k.out], {"impl": "c-loop", "threads": threads,
                                                         "streaming_stores": streams(ck.source),
                                                         "source_sha256": ck.digest[:16]})
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def layout_views(plan: Plan, torch_attention: Callable[[Kernel], bool]) -> tuple[dict[str, str], frozenset[str]]:

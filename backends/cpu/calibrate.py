@@ -76,8 +76,6 @@ class Calibration:
         )
 
 
-
-
 def _samples_us(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
     for _ in range(warmup):
         fn()

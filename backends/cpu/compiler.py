@@ -36,7 +36,6 @@ from planner.core.files import untrusted_dir
 log = logging.getLogger(__name__)
 
 
-
 def _seal(path: Path) -> str:
     """The size and SHA-256 of a built shared object, recorded beside it."""
     data = path.read_bytes()

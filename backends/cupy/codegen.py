@@ -147,8 +147,6 @@ class _Reads:
         return f"b{self.index[t]}_{lane}"
 
 
-
-
 def _vector_loop(body: Expr, reads: _Reads, out_t: TensorType, vec: int) -> list[str]:
     ind = "    "
     lines = [f"  for (long long v = tid; v < N / {vec}; v += stride) {{", f"{ind}const long long i0 = v * {vec};"]
@@ -364,7 +362,6 @@ def row_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
            f"  if (r >= {rows}LL) return;", *(f"  {line}" for line in lines), "}"]
     grid = (max(1, -(-rows // ROW_BLOCK)), 1)
     return CudaKernel(name, KernelKind.ELEMENTWISE, "\n".join(src) + "\n", (*leaves, k.out), ROW_BLOCK, grid)
-
 
 
 def generate(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:

@@ -93,8 +93,6 @@ class NumpyExecutor:
         return NumpyPrepared(cand, inputs, facts)
 
 
-
-
 def make_executor(name: str) -> Executor:
     if name == "numpy":
         return NumpyExecutor()

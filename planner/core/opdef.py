@@ -193,9 +193,6 @@ class OpDef:
         return int(self.regs(attrs))
 
 
-
-
-
 def example_operands(op: OpDef, first: Shape) -> tuple[Shape, ...] | None:
     """Shapes of the further inputs of an example of ``op`` whose first input has shape ``first`` (None: its
     shape rule gives none; a rule of the shapes module does)."""

@@ -267,7 +267,6 @@ class Extractor(KernelOptions):
                     yield trial
 
 
-
 def _prod(xs: Iterator[Decimal] | Sequence[Decimal] | Any) -> Decimal:
     out = Decimal(1)
     for x in xs:

@@ -354,7 +354,6 @@ class KernelOptions:
         return Expr(e.op, e.args, e.attrs, node_id, out_t)
 
 
-
 def kernel_sig(k: Kernel) -> str:
     """The signature of the option a kernel was built from (see ``Extractor._body_option``)."""
     if k.kind == KernelKind.CUBLASLT:

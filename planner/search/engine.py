@@ -469,7 +469,6 @@ FINAL_REPEATS = 3
 DUEL_MARGIN = 0.01
 
 
-
 class _Stopper:
     """``stop_if`` for CompiledPlan.time: after :data:`MIN_SAMPLES_BEFORE_STOP` samples, stop when the
     running median is above ``bound`` (``by_bound``: the candidate is slower) or the search's time budget

@@ -48,7 +48,6 @@ class SearchOptions:
             raise UsageError(f"confidence must be in [0.5, 1), got {self.confidence}")
 
 
-
 class StopKind(StrEnum):
     """Why a search stopped."""
 
@@ -240,7 +239,6 @@ class SearchResult:
             "candidates": cands,
             "log": self.log_lines,
         }
-
 
 
 def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:

@@ -39,7 +39,6 @@ def ir_dtype(dtype: torch.dtype, what: str) -> str:
         ) from None
 
 
-
 # ---------------------------------------------------------------- the imported module
 
 

@@ -386,48 +386,9 @@ class Importer:
         return self.emit(node, op, [self.use(x, node.name)], None, concrete.shape, concrete.dtype)
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
     # -- rows: reductions over the last dimension and what is made of them.  In a 16-bit graph an unfused
     # plan stores the row statistics in 16 bits, where torch keeps them in fp32; a fused row kernel keeps
     # them in fp32 registers, as torch does.  Both are candidates; the output check judges each.
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
     # -- everything else
@@ -540,8 +501,6 @@ class Importer:
         if rotate_half(p.steps, p.in_shapes, v.shape) and in_ir is not None and in_ir[-1] == v.shape[-1]:
             return self.emit(p.node, "RotateHalf", [p.inputs[0]], None, v.shape, v.dtype).id
         return None
-
-
 
 
 def renumber(step: dict[str, Any], inputs: Mapping[int, int], base: int) -> dict[str, Any]:

@@ -298,7 +298,6 @@ def test_the_remote_runner_draws_the_same_inputs_and_checks_like_the_search():
     assert remote == local and any(local.values())
 
 
-
 def test_a_candidate_whose_timing_fails_is_rejected_and_the_run_goes_on(bundle_file):
     """Timing (and graph capture) failures reject that candidate only; library handles are freed."""
     bundle = load_bundle(bundle_file)

@@ -390,7 +390,6 @@ def test_the_reported_speedup_alternates_the_finalists_and_unfused(chain):
     assert {r[0] for r in rounds} == measured  # and each leads some round
 
 
-
 def test_ctrl_c_keeps_the_best_plan_so_far_and_caches_nothing(chain, tmp_path):
     """An interrupt mid-search returns the best verified plan, marked interrupted; the pipeline does not
     cache it (it decided less than was asked)."""
