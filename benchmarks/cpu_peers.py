@@ -51,6 +51,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from noise import neighbour, pick_cores
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ("ew2", "ew4", "ew8", "mlp1024", "mlp64", "gpt2mlp", "gpt2conv1d", "block", "block-bf16", "attention",
              "layernorm", "softmax", "rmsnorm")
@@ -678,7 +680,7 @@ def ratio(peer_us: float, ours_us: float) -> str:
 
 
 def report(steady_rows: dict[str, list[dict[str, Any]]], streams: dict[str, dict[str, float]],
-           firsts: dict[str, dict[str, dict[str, Any]]], command: str) -> str:
+           firsts: dict[str, dict[str, dict[str, Any]]], command: str, noise_line: str) -> str:
     from planner.core.machine import cpu_model
 
     lines = [
@@ -688,7 +690,8 @@ def report(steady_rows: dict[str, list[dict[str, Any]]], streams: dict[str, dict
         f"Machine: {cpu_model()} ({platform.machine()}, {os.cpu_count()} CPUs), Python {platform.python_version()}  ",
         f"Date: {datetime.date.today().isoformat()}  ",
         f"Versions: {versions()}  ",
-        f"bf16 GEMMs and attention: {bf16_units()}",
+        f"bf16 GEMMs and attention: {bf16_units()}  ",
+        f"Noise: {noise_line}",
         "",
         "Method: benchmarks/cpu_peers.py's docstring. Times are medians in µs; a ratio is the best peer's time "
         "over ours (> 1: fusion-planner is faster). *bare*: the plan's kernels on inputs already in its buffers; "
@@ -802,6 +805,8 @@ def main() -> None:
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--modes", default="1,all", help="thread modes: 1 (one pinned thread), all (every core)")
     p.add_argument("--no-first-call", action="store_true", help="skip the cold/warm first-call processes")
+    p.add_argument("--noise", action="store_true",
+                   help="steady state beside a neighbour process streaming memory on another core (noise.py)")
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -814,12 +819,16 @@ def main() -> None:
             print(json.dumps(first_call(rest[0], rest[1])))
         return
     workloads = [w for w in args.workloads.split(",") if w]
-    cores = os.sched_getaffinity(0)
+    measured, busy = pick_cores()
     steady_rows: dict[str, list[dict[str, Any]]] = {}
     streams = {}
+    noise_line = "none (the machine as it was)"
     for mode in args.modes.split(","):
-        pinned = {max(cores)} if mode == "1" else None
-        with tempfile.TemporaryDirectory() as caches:  # steady state: warm caches of its own, not the user's
+        pinned = {measured} if mode == "1" else None
+        with (tempfile.TemporaryDirectory() as caches,  # steady state: warm caches of its own, not the user's
+              neighbour(busy if args.noise else None) as noisy):
+            if args.noise:
+                noise_line = noisy
             env = child_env(mode, Path(caches))
             streams[mode] = run_child(["--rounds", str(args.rounds), "--child", "stream"], env, pinned)
             steady_rows[mode] = []
@@ -838,7 +847,7 @@ def main() -> None:
                 firsts[wl][c] = {"cold": cold, "warm": warm}
                 print(f"[first] {wl} {c}: {cold['first_call_s']:.2f} s cold, {warm['first_call_s']:.2f} s warm", file=sys.stderr)
     command = "python benchmarks/cpu_peers.py " + " ".join(a for a in sys.argv[1:])
-    text = report(steady_rows, streams, firsts, command.strip())
+    text = report(steady_rows, streams, firsts, command.strip(), noise_line)
     if args.out:
         Path(args.out).write_text(text)
     print(text)

@@ -1,0 +1,23 @@
+"""Results files name the CPU and the vector units that decide a kernel's speed."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.core.machine import cpu_model, isa
+
+
+@pytest.mark.parametrize(("flags", "text"), [
+    ({"avx2", "fma"}, "AVX2, no AVX-512, no AMX"),
+    ({"avx2", "avx512f"}, "AVX-512, no AMX"),
+    ({"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, "AVX-512 with BF16, AMX"),
+    ({"sse2"}, "no AVX2, no AMX"),
+    (set(), "ISA unknown"),
+])
+def test_the_isa_line_tells_the_two_kinds_of_machine_apart(flags, text):
+    assert isa(flags) == text
+
+
+def test_this_machine_is_named_with_its_isa():
+    model = cpu_model()
+    assert model and ("AMX" in model or "ISA unknown" in model or "(" not in model)
