@@ -5,7 +5,8 @@ against a numpy reference computed on the GPU machine and timed it there.  This
 backend hands those results to the search as if they were measured here: a
 candidate the runner rejected is rejected with the runner's reason, a candidate
 the file does not hold is rejected as "not measured remotely", and a timed one
-reports the runner's samples and per-kernel facts.  Its outputs are the local
+reports the runner's samples and per-kernel facts (its CUDA-graph replay time instead where every timed
+candidate has one: ``backends.cupy.runner.ranks_by_graph``).  Its outputs are the local
 reference's: the numerics were checked where the kernels ran.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from backends.cupy.runner import MeasuredError, load_measured
+from backends.cupy.runner import MeasuredError, load_measured, ranks_by_graph
 from backends.model import ReplayedPlan
 from planner.backend import Backend, BackendError, BackendPlugin, CompiledPlan
 from planner.core.cost import DeviceSpec
@@ -35,8 +36,10 @@ class MeasuredBackend(Backend):
         head = read_json(path, MeasuredError, "measured-results file")
         self.graph_name = str(head.get("graph") or "")
         self.graph_sha256 = str(head.get("graph_sha256") or "")
+        self.by_graph = ranks_by_graph(self.results)
         executors = {m.executor for m in self.results.values()}
-        self.name = f"measured({', '.join(sorted(executors)) or 'empty'})"
+        timing = "CUDA-graph replays" if self.by_graph else "events"
+        self.name = f"measured({', '.join(sorted(executors)) or 'empty'}; {timing})"
 
     def fits(self, graph: Graph) -> None:
         """Plan keys name kernels, not shapes: another graph's timings would merge silently."""
@@ -55,6 +58,8 @@ class MeasuredBackend(Backend):
             raise BackendError(f"remote {m.verdict}")
         if m.meas_us is None:
             raise BackendError(f"remote verdict {m.verdict!r}: no timing")
+        if self.by_graph and m.graph_us is not None:
+            return ReplayedPlan(plan, [dict(k) for k in m.kernels], samples_us=[m.graph_us])
         return ReplayedPlan(plan, [dict(k) for k in m.kernels], samples_us=list(m.samples_us) or [m.meas_us])
 
 

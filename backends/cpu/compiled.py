@@ -86,7 +86,8 @@ class CpuCompiledPlan(CompiledPlan):
         self.loads = 0  # inputs copied into buffers so far (tests count them)
         self.packs = 0  # weights packed by oneDNN for this plan's calls (tests count them)
         self.binds = 0  # inputs the kernels read in place, without a copy
-        self._handed_out: dict[str, np.ndarray] = {}  # the fp32 output array each output got last
+        #: the output array each output got last, and the array owning its memory
+        self._handed_out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self.reused = 0  # output arrays reused because their caller had dropped them
 
     def _load_inputs(self, inputs: Mapping[str, np.ndarray]) -> None:
@@ -149,15 +150,23 @@ class CpuCompiledPlan(CompiledPlan):
     def _output_array(self, name: str) -> np.ndarray:
         """An array for output ``name`` no one else can see: the one handed out last time if the caller has
         dropped every reference to it (and to every view of it), else a new one.  Reusing it spares
-        the page faults of fresh memory, as torch's caching allocator does."""
+        the page faults of fresh memory, as torch's caching allocator does.  Each starts on a cache-line
+        boundary, as the plan's own buffers do: a kernel's (streaming) stores to an output numpy placed 16 bytes
+        off one ran the same plan 1.1-1.9x slower, depending on where each call's array fell."""
         spare = self._handed_out.get(name)
-        # references: the dict, ``spare`` and getrefcount's argument; a torch tensor or view adds one
-        if spare is not None and sys.getrefcount(spare) <= 3:
-            self.reused += 1
-            return spare
-        arr = np.empty_like(self.memory.own[name])  # owns its memory, so a view of it holds a reference to it
-        self._handed_out[name] = arr
-        return arr
+        if spare is not None:
+            arr, owner = spare
+            # arr: the dict's tuple, ``arr`` and getrefcount's argument; a torch tensor of it adds one. A numpy
+            # view of arr refers to the owner of its memory, ``owner``: arr's base, the tuple, ``owner`` and the
+            # argument, and one more for each view
+            if sys.getrefcount(arr) <= 3 and sys.getrefcount(owner) <= 4:
+                self.reused += 1
+                return arr
+        fresh = aligned_empty(self.memory.own[name].shape, self.memory.own[name].dtype)
+        base = fresh.base
+        assert isinstance(base, np.ndarray) and base.base is None  # numpy points every view at the memory's owner
+        self._handed_out[name] = (fresh, base)
+        return fresh
 
     def _widened(self, stored: np.ndarray, dtype: str) -> np.ndarray:
         """A fresh fp32 array of a stored output's values."""

@@ -3,10 +3,11 @@
 ``fusion-planner bench c05`` builds the plans (naive: one kernel per stage,
 fused, fat) with the planner and either measures them in-process or writes
 them with ``--export`` for a machine without egglog.  This module only needs
-the bundle: it verifies each plan against the numpy reference, times it with
-CUDA events (median of repeats), times naive again with the reference
-program's device-to-device copies (one before, one more after when k is odd),
-measures a plain device-to-device copy and prints the seed's two tables.
+the bundle: on a GPU it first runs the seed's own program (``backends.cupy.c05_seed``: its scalar-load kernels, its copies,
+its fat probe) for the reproduction table, then verifies each of the planner's plans against the numpy
+reference and times it with CUDA events (median of repeats) as extra, labelled rows: naive again with the
+seed program's device-to-device copies (one before; one more after when k is even, where the ping-pong leaves
+the result in the scratch buffer), measures a plain device-to-device copy and prints both tables.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ import numpy as np
 
 from backends.cupy.backend import plan_candidate
 from backends.cupy.bundle import BundleError, Candidate, plan_to_json, read_bundle_json, variant_candidate
+from backends.cupy.c05_seed import copies, run_seed
 from backends.cupy.verify import allclose_report
 from planner.core.cost import DeviceSpec
 from planner.core.reference import execute_plan
@@ -123,10 +126,12 @@ def gpu_row(tag: str, k: int, cand: Candidate, ex: Any, block: int, warmup: int,
         def copy() -> None:
             rt.memcpyAsync(dst.data.ptr, src.data.ptr, x.nbytes, rt.memcpyDeviceToDevice, prep.stream.ptr)
 
+        trailing = copies("naive", k) - 1  # the seed's rule: a last copy when k is even
+
         def with_copies() -> None:
             copy()
             prep.launch()
-            if k % 2:
+            for _ in range(trailing):
                 copy()
 
         row["with_copy_ms"] = statistics.median(gpu.event_times(with_copies, prep.stream, warmup, repeats)) / 1e3
@@ -144,11 +149,32 @@ def run_bundle(variants: list[tuple[str, int, Any]], data: dict[str, Any], ex: A
 
     cands = [(t, k, c if isinstance(c, Candidate) else _candidate(c)) for t, k, c in variants]
     result["machine"] = ex.machine()
-    result["gpu"] = [gpu_row(t, k, c, ex, data["block"], warmup, repeats) for t, k, c in cands]
+    result["seed"] = seed_rows([(t, k) for t, k, _ in cands], data["n"], warmup, repeats)
+    result["gpu"] = [_planner_row(t, k, c, ex, data["block"], warmup, repeats) for t, k, c in cands]
     copy_us = gpu.d2d_copy_us(data["n"] * 4, warmup, repeats)
     result["d2d_copy_us"] = copy_us
     result["d2d_copy_gbps"] = 2 * data["n"] * 4 / (copy_us * 1e-6) / 1e9
     return result
+
+
+def _planner_row(tag: str, k: int, cand: Candidate, ex: Any, block: int, warmup: int, repeats: int) -> dict[str, Any]:
+    try:
+        return gpu_row(tag, k, cand, ex, block, warmup, repeats) | {"source": "planner"}
+    except Exception as exc:  # one failing row is reported in its place; the table stays
+        log.warning("C-05 planner %s k=%d failed: %s", tag, k, exc)
+        return {"source": "planner", "tag": tag, "k": k, "error": f"{type(exc).__name__}: {exc}"}
+
+
+def seed_rows(runs: list[tuple[str, int]], n: int, warmup: int, repeats: int) -> list[dict[str, Any]]:
+    """The seed program's rows for each (mode, k); one that fails is a row with its error, not a lost table."""
+    rows = []
+    for tag, k in runs:
+        try:
+            rows.append(run_seed(tag, k, n=n, warmup=warmup, repeats=repeats))
+        except Exception as exc:  # a failing row is reported in its place
+            log.warning("C-05 seed %s k=%d failed: %s", tag, k, exc)
+            rows.append({"source": "seed", "tag": tag, "k": k, "error": f"{type(exc).__name__}: {exc}"})
+    return rows
 
 
 def _candidate(plan: Any) -> Candidate:
@@ -180,36 +206,68 @@ def print_offline(result: dict[str, Any]) -> None:
 
 
 def print_gpu(result: dict[str, Any]) -> None:
-    rows = result["gpu"]
     m = result["machine"]
-    n = result["n"]
-    copy_gbps = result["d2d_copy_gbps"]
     print(f"\nmeasured on {m['device']} ({m['sm_count']} SMs), CUDA events, median of repeats")
+    print("\nthe seed's program (its kernels, scalar loads; naive with its copies: one in, one out when k is even):")
+    print_rows(result, result.get("seed", []))
+    print("\nthe planner's kernels for the same chains (vectorised loads), extra rows:")
+    print_rows(result, result["gpu"])
+    print(f"device-to-device copy: {result['d2d_copy_gbps']:,.0f} GB/s (bytes read + written)")
+
+
+def _ms(row: dict[str, Any] | None, key: str = "median_ms") -> float | None:
+    return None if row is None or "error" in row or key not in row else float(row[key])
+
+
+def _cell(v: float | None, unit: str = "") -> str:
+    return "-" if v is None or math.isnan(v) else f"{v:.3f}{unit}"
+
+
+def c05_table(result: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]], list[str]]:
+    """(header, cells, failures) of one table of C-05 rows (the seed program's or the planner's): the sweep's
+    per-k table or the modes table; a failed row is listed among the failures, its cells shown as '-'."""
+    failures = [f"{r['tag']} k={r['k']}: {r['error'][:200]}" for r in rows if "error" in r]
+    by_k: dict[int, dict[str, Any]] = {}
+    for r in rows:
+        by_k.setdefault(r["k"], {})[r["tag"]] = r
     if result["mode"] == "sweep":
-        print(f"{'k':>2} {'naive ms':>9} {'naive+copy ms':>13} {'fused ms':>9} {'fused/naive':>11} "
-              f"{'(naive+copy)/fused':>18} {'bound k|k+1':>11} {'seed 5090':>9} {'fused BW/copy BW':>16}")
-        by_k: dict[int, dict[str, Any]] = {}
-        for r in rows:
-            by_k.setdefault(r["k"], {})[r["tag"]] = r
+        header = ["k", "naive ms", "naive+copy ms", "fused ms", "fused/naive", "(naive+copy)/fused", "seed RTX 5090",
+                  "fused BW / copy BW"]
+        cells = []
         for k, d in sorted(by_k.items()):
-            nv, fu = d["naive"], d["fused"]
+            nv = d.get("naive")
+            naive, fused = _ms(nv), _ms(d.get("fused"))
+            # the seed's naive run includes its copies; the planner's naive plan has them as an extra timing
+            with_copy = naive if nv is not None and nv.get("source") == "seed" else _ms(nv, "with_copy_ms")
             seed = SEED_SWEEP.get(k)
-            seed_s = f"{seed[0] / seed[1]:.2f}x" if seed else "-"
-            bw = 2 * n * 4 / (fu["median_ms"] * 1e-3) / 1e9
-            print(f"{k:>2} {nv['median_ms']:>9.3f} {nv['with_copy_ms']:>13.3f} {fu['median_ms']:>9.3f} "
-                  f"{nv['median_ms'] / fu['median_ms']:>10.2f}x {nv['with_copy_ms'] / fu['median_ms']:>17.2f}x "
-                  f"{f'{k}|{k + 1}':>11} {seed_s:>9} {bw / copy_gbps:>15.0%}")
-    else:
-        d = {r["tag"]: r for r in rows}
-        print(f"{'tag':<6} {'median ms':>9} {'blocks/SM':>9} {'regs':>5} {'relative':<30} seed 5090")
-        rel = {
-            "naive": f"with copies {d['naive']['with_copy_ms']:.3f} ms",
-            "fused": f"fused/naive {d['naive']['median_ms'] / d['fused']['median_ms']:.2f}x",
-            "fat": f"fat/fused {d['fat']['median_ms'] / d['fused']['median_ms']:.2f}x slower",
-        }
-        for tag in ("naive", "fused", "fat"):
-            r = d[tag]
-            s_ms, s_occ = SEED_MODES[tag]
-            print(f"{tag:<6} {r['median_ms']:>9.3f} {r['blocks_per_sm']:>9} {r['regs_max']:>5} {rel[tag]:<30} "
-                  f"{s_ms:.3f} ms, {s_occ} blocks/SM")
-    print(f"device-to-device copy: {copy_gbps:,.0f} GB/s (bytes read + written)")
+            bw = None if fused is None else 2 * result["n"] * 4 / (fused * 1e-3) / 1e9 / result["d2d_copy_gbps"]
+            cells.append([str(k), _cell(naive), _cell(with_copy), _cell(fused),
+                          _cell(None if naive is None or fused is None else naive / fused, "x"),
+                          _cell(None if with_copy is None or fused is None else with_copy / fused, "x"),
+                          f"{seed[0] / seed[1]:.2f}x" if seed else "-", "-" if bw is None else f"{bw:.0%}"])
+        return header, cells, failures
+    d = next(iter(by_k.values()), {})
+    times = {tag: _ms(d.get(tag)) for tag in ("naive", "fused", "fat")}
+    header = ["tag", "median ms", "blocks/SM", "regs", "relative", "seed RTX 5090"]
+    cells = []
+    for tag, ms in times.items():
+        if ms is None:
+            continue
+        row = d[tag]
+        other = times["naive"] if tag == "fused" else times["fused"]
+        rel = {"naive": f"with copies {_ms(row, 'with_copy_ms') or ms:.3f} ms",
+               "fused": f"fused/naive {(other or math.nan) / ms:.2f}x",
+               "fat": f"fat/fused {ms / (other or math.nan):.2f}x slower"}[tag]
+        s_ms, s_occ = SEED_MODES[tag]
+        cells.append([tag, f"{ms:.3f}", str(row["blocks_per_sm"]), str(row["regs_max"]), rel,
+                      f"{s_ms:.3f} ms, {s_occ} blocks/SM"])
+    return header, cells, failures
+
+
+def print_rows(result: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    header, cells, failures = c05_table(result, rows)
+    for f in failures:
+        print(f"  FAILED {f}")
+    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(header)]
+    for line in [header, *cells]:
+        print("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)))

@@ -240,6 +240,18 @@ class Measurement:
     executor: str
 
 
+def ranks_by_graph(measurements: Mapping[str, Measurement] | list[dict[str, Any]]) -> bool:
+    """Whether a file's candidates are ranked by their CUDA-graph replay time: when every timed one has it. A
+    replayed graph times the GPU's work alone; the event-timed runs include each launch's host work (nvmath's
+    Python call per cuBLASLt product), which dominates a launch-bound plan such as decode at M=16. Mixing the two
+    would favour whichever candidates were captured, so one missing capture ranks them all by events."""
+    items = list(measurements.values()) if isinstance(measurements, Mapping) else measurements
+    timed = [(m.meas_us, m.graph_us) if isinstance(m, Measurement) else (m.get("meas_us"), m.get("graph_us"))
+             for m in items]
+    timed = [t for t in timed if t[0] is not None]
+    return bool(timed) and all(g is not None for _, g in timed)
+
+
 def load_measured(path: str | Path) -> dict[str, Measurement]:
     """``measured.json`` (from ``python -m backends.cupy time``) as ``{plan_key: Measurement}``."""
     p = Path(path)

@@ -231,6 +231,7 @@ def test_an_output_array_is_reused_only_once_nothing_refers_to_it() -> None:
     out = compiled.run({"x": x})[0]
     assert compiled.reused == 1
     assert not np.shares_memory(out, kept) and not np.shares_memory(out, view)
+    assert all(a.ctypes.data % 64 == 0 for a in (kept, out))  # on a cache line, as the plan's own buffers
     torch = pytest.importorskip("torch")
     held = torch.from_numpy(out)  # a tensor over the array keeps it alive too
     del out

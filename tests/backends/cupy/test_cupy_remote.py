@@ -241,8 +241,34 @@ def test_plan_measured_merges_remote_results_into_the_search(bundle_file, tmp_pa
     assert res["best"]["plan"] == best["plan"]
     remote = sorted(m.meas_us for k, m in measured.items() if k not in (dropped, rejected_key))
     assert sorted(c["meas_us"] for c in timed) == pytest.approx(remote, rel=1e-4)
-    assert "measured(numpy)" in cap.err and "Searched in" in cap.err
+    assert "measured(numpy; events)" in cap.err and "Searched in" in cap.err
     assert dropped and rejected_key
+
+
+@pytest.mark.parametrize("all_captured", [True, False])
+def test_plans_are_ranked_by_their_cuda_graph_time_only_when_every_one_has_it(bundle_file, tmp_path, capsys,
+                                                                                all_captured):
+    """A launch-bound plan's event time is mostly host work: with a graph replay time for every candidate the
+    merge ranks by it (here the one with the slowest events has the fastest graph), else by events for all."""
+    from backends.cupy.__main__ import main as runner_main
+
+    out = tmp_path / "measured.json"
+    assert runner_main(["time", str(bundle_file), "-o", str(out), "--executor", "numpy", "--repeats", "2"]) == 0
+    raw = json.loads(out.read_text())
+    timed = [c for c in raw["candidates"] if c["meas_us"] is not None]
+    slowest = max(timed, key=lambda c: c["meas_us"])
+    for c in timed:
+        c["graph_us"] = 1.0 if c is slowest else 5.0
+    if not all_captured:
+        next(c for c in timed if c is not slowest)["graph_us"] = None
+    out.write_text(json.dumps(raw))
+    capsys.readouterr()
+    assert main(["plan", "--example", "mlp-epilogue", "--m", "24", "--n", "40", "--k", "36", "--measured", str(out),
+                 "--max-candidates", "32", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    best = next(c for c in res["candidates"] if c["verdict"] == "best")
+    assert (best["meas_us"] == 1.0) == all_captured  # the slowest by events, the fastest by its graph
+    assert res["backend"] == ("measured(numpy; CUDA-graph replays)" if all_captured else "measured(numpy; events)")
 
 
 def test_plan_measured_refuses_another_graphs_timings(bundle_file, tmp_path, capsys):
@@ -340,7 +366,11 @@ def test_the_device_phase_dry_runs_on_the_cpu_and_always_leaves_its_files(tmp_pa
     assert len(files) <= 8
     assert "Traceback" not in log
     assert "carried (run 'gpu_suite.sh prepare' here and carry" in log  # the missing wheels: one line
-    assert "PASS headers" in log or "FAIL headers" in log  # the smoke script ran first
+    assert "PASS headers" in log or "FAIL headers" in log  # the smoke script ran
+    # the main tables first (C-05, then the MLP plans beside torch), checks and calibration after them
+    order = [log.index(f"== {step} (") for step in ("c05 sweep", "time mlp_4096", "torch mlp_decode16", "report",
+                                                     "smoke", "calibrate", "gpu tests")]
+    assert order == sorted(order)
     for step in ("smoke", "calibrate", "time mlp_4096", "torch mlp_4096"):
         failed = [line for line in log.splitlines() if line.startswith(f"== {step} FAILED")]
         assert len(failed) == 1, step
