@@ -100,7 +100,7 @@ def import_module(module: nn.Module | torch.export.ExportedProgram, example_inpu
         name = type(module).__name__ if isinstance(module, nn.Module) else "exported"
         return _import_graph(gm, ph_values, sources, tracer, name, out_spec)
     except TorchImportError:
-        _check_inputs_fit(module, args)  # the module itself failing on them is the error to report
+        _check_inputs_fit(module, args, state)  # the module itself failing on them is the error to report
         raise
 
 
@@ -117,32 +117,53 @@ def _state_versions(module: Any) -> StateVersions:
     return out
 
 
-def _refuse_state_writes(module: Any, before: StateVersions) -> None:
-    """Refuse a module whose forward wrote one of its parameters or buffers while it was traced (a plan writes
-    only its outputs: the write would be lost), after putting a written buffer back as it was."""
-    written = [name for name, (t, version, _) in before.items() if t._version != version]
-    if not written:
-        return
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (a NaN equals itself)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.detach().contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def _restore_state(before: StateVersions) -> list[str]:
+    """Put every buffer written since ``before`` back as it was; the names of the parameters and buffers
+    written. A kernel may write a buffer without bumping its version (batch_norm's running statistics), so a
+    buffer's values are compared too."""
+    written = [name for name, (t, version, copy) in before.items()
+               if t._version != version or (copy is not None and not _same_bits(t, copy))]
     with torch.no_grad():
         for name in written:
             t, _, copy = before[name]
             if copy is not None:
                 t.copy_(copy)
+    return written
+
+
+def _refuse_state_writes(module: Any, before: StateVersions) -> None:
+    """Refuse a module whose forward wrote one of its parameters or buffers while it was traced (a plan writes
+    only its outputs: the write would be lost), after putting a written buffer back as it was."""
+    written = _restore_state(before)
+    if not written:
+        return
     raise TorchImportError(
         f"{type(module).__name__}.forward writes the module's parameter or buffer {written[0]!r} in place; a plan "
         "writes only its outputs, so that write would be lost: return the new value instead, or run the module "
         "eagerly")
 
 
-def _check_inputs_fit(module: nn.Module | torch.export.ExportedProgram, args: tuple[Any, ...]) -> None:
-    """Run the module eagerly (only once an import failed: the recorder has already run it once)."""
+def _check_inputs_fit(module: nn.Module | torch.export.ExportedProgram, args: tuple[Any, ...],
+                      state: StateVersions) -> None:
+    """Run the module eagerly (only once an import failed: the recorder has already run it once), on copies of
+    the caller's tensors and with any buffer it writes put back: planning never changes what it was given."""
     if not isinstance(module, nn.Module):
         return
+    copies = pytree.tree_map(lambda a: a.clone() if isinstance(a, torch.Tensor) else a, args)
     try:
         with torch.no_grad():
-            module(*args)
+            module(*copies)
     except Exception as exc:
         raise TorchImportError(f"example inputs do not fit {type(module).__name__}: {first_line(exc)}") from None
+    finally:
+        _restore_state(state)
 
 
 def _import_graph(gm: fx.GraphModule, ph_values: Sequence[Any], sources: list[tuple[str, Any]], tracer: str, name: str,

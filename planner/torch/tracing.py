@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.export.graph_signature import InputKind
+from torch.fx.operator_schemas import normalize_function
 from torch.utils import _pytree as pytree
 
 from planner.torch.errors import TorchImportError
@@ -21,6 +22,10 @@ log = logging.getLogger(__name__)
 #: in-place operators and their out-of-place forms (a traced ``x += y`` is mapped as ``x + y``)
 INPLACE_OPERATORS = {operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
                       operator.itruediv: operator.truediv}
+
+#: batch norms, whose running statistics a training call updates in place (no schema says so)
+BATCH_NORMS = frozenset({torch.nn.functional.batch_norm, torch.batch_norm, torch.ops.aten.batch_norm.default,
+                         torch.ops.aten.native_batch_norm.default, torch.ops.aten._native_batch_norm_legit.default})
 
 TORCH_DIR = os.path.dirname(torch.__file__)
 PLANNER_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -86,11 +91,39 @@ def _attr(root: nn.Module, path: str) -> Any:
     return obj
 
 
+def _written_by_schema(node: fx.Node) -> list[fx.Node]:
+    """The arguments an ATen operator's schema marks written (``Tensor(a!)``), as torch.export leaves them."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is None:
+        return []
+    out = []
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+            if isinstance(value, fx.Node):
+                out.append(value)
+    return out
+
+
+def written_inputs(gm: nn.Module, node: fx.Node) -> list[fx.Node]:
+    """Every node whose tensor ``node`` overwrites: its in-place input (:func:`mutated_input_of`), the arguments
+    an ATen schema marks written, and a training batch norm's running statistics."""
+    found = [m for m in (mutated_input_of(gm, node),) if m is not None] + _written_by_schema(node)
+    if node.op == "call_function" and node.target in BATCH_NORMS:
+        norm = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+        if norm is not None and norm.kwargs.get("training"):
+            found += [v for k in ("running_mean", "running_var") if isinstance(v := norm.kwargs.get(k), fx.Node)]
+    return list(dict.fromkeys(found))
+
+
 def mutated_input_of(gm: nn.Module, node: fx.Node) -> fx.Node | None:
-    """The node whose tensor an in-place call (``x.add_(y)``, ``x += y``, ``inplace=True``) overwrites."""
+    """The node whose tensor an in-place call (``x.add_(y)``, ``x += y``, ``inplace=True``, an ATen ``add_``)
+    overwrites."""
     first = node.args[0] if node.args else None
     if not isinstance(first, fx.Node):
         return None
+    if first in _written_by_schema(node):
+        return first
     if node.op == "call_method":
         name = str(node.target)
         inplace = name.endswith("_") and not name.startswith("_")
@@ -109,9 +142,15 @@ class Recorder(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm)
         self.values: dict[fx.Node, Any] = {}
-        # an in-place op later in the graph must not change a value recorded before it; without one,
-        # no value is copied (a copy of every activation cost as much as running the model again)
-        self.copy = any(mutated_input_of(gm, n) is not None for n in gm.graph.nodes)
+        # an in-place op later in the graph must not change a value recorded before it, nor the caller's tensors
+        # (run() then takes copies of them); without one, no value is copied (a copy of every activation cost
+        # as much as running the model again)
+        self.copy = any(written_inputs(gm, n) for n in gm.graph.nodes)
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        if self.copy:
+            args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+        return super().run(*args, **kwargs)
 
     def run_node(self, n: fx.Node) -> Any:
         v = super().run_node(n)
@@ -164,7 +203,7 @@ def trace(module: nn.Module | torch.export.ExportedProgram, args: tuple[Any, ...
 
 
 def _from_export(ep: torch.export.ExportedProgram, args: tuple[Any, ...]) -> tuple[fx.GraphModule, list[Any], str, Any, Any]:
-
+    _refuse_mutations(ep)
     state = {**ep.state_dict, **ep.constants}
     flat_args, _ = pytree.tree_flatten(args)
     values: list[Any] = []
@@ -182,6 +221,19 @@ def _from_export(ep: torch.export.ExportedProgram, args: tuple[Any, ...]) -> tup
             raise TorchImportError(f"exported program input {spec.arg.name!r} has unsupported kind {spec.kind.name}")
     # the exported graph returns a flat tuple; the module's own result structure (one tensor, a dict) is this spec
     return ep.graph_module, values, "export", sources, ep.call_spec.out_spec
+
+
+def _refuse_mutations(ep: torch.export.ExportedProgram) -> None:
+    """torch.export turns a forward's in-place write of a buffer or an input (a training BatchNorm's running
+    statistics and counter) into an extra output the caller is meant to copy back; a plan returns only the
+    module's outputs, so the write would be lost without a word: refuse it, naming what is written."""
+    sig = ep.graph_signature
+    written = [*sig.buffers_to_mutate.values(), *(f"input {name}" for name in sig.user_inputs_to_mutate.values())]
+    if written:
+        hint = (" (a BatchNorm in training mode updates its running statistics: call module.eval() to plan "
+                "inference)" if any("running_" in w or "num_batches_tracked" in w for w in written) else "")
+        raise TorchImportError(f"the module's forward writes {', '.join(sorted(written)[:4])} in place; a plan writes "
+                               f"only its outputs, so that write would be lost{hint}")
 
 
 def _untraceable(fx_exc: BaseException | None, export_exc: BaseException | None) -> TorchImportError:

@@ -25,7 +25,7 @@ from planner.torch.binding import INDEX_DTYPES, TORCH_DTYPES, Binding, OutputSpe
 from planner.torch.errors import TorchImportError
 from planner.torch.heads import head_merge, head_split, rotate_half
 from planner.torch.ops import IMPORTER_TABLE, encode_arg, resolve_torch_fn, torch_fn_name, trust_traced
-from planner.torch.tracing import INPLACE_OPERATORS, mutated_input_of
+from planner.torch.tracing import BATCH_NORMS, INPLACE_OPERATORS, mutated_input_of, written_inputs
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +172,8 @@ class Importer:
             return self.bindings[key].name
         tensor = v if isinstance(v, torch.Tensor) else None
         shape = tuple(v.shape)
+        if isinstance(v, Traced) and v.source is not None and v.source[0] == "state":
+            ir_dtype(v.dtype, f"buffer {name_base!r}")  # an integer buffer an op reads: refused, named
         dtype = "fp32" if isinstance(v, Traced) and v.dtype in INDEX_DTYPES else ir_dtype(v.dtype, f"tensor {name_base!r}")
         ir_shape = (shape[1], shape[0]) if transpose else flat_shape(shape)
         nid = self.fresh(name_base + (".T" if transpose else ""))
@@ -223,7 +225,9 @@ class Importer:
             return v
         if not isinstance(v, torch.Tensor):
             raise TorchImportError(f"input {node.name!r} is a {type(v).__name__}; only tensor inputs are supported")
-        if not (source[0] == "arg" and v.dtype in INDEX_DTYPES):
+        # an integer buffer (BatchNorm's num_batches_tracked) is refused where an op reads it, not here: most
+        # are never read in eval mode
+        if not (source[0] in ("arg", "state") and v.dtype in INDEX_DTYPES):
             ir_dtype(v.dtype, f"input {node.name!r}")
         name = str(source[1]) if source[0] == "state" else node.name
         return Traced(tuple(v.shape), v.dtype, source[0] == "arg", source=source, name=name)
@@ -286,12 +290,20 @@ class Importer:
         into the memory of a call input, a parameter or a buffer is refused: a plan writes only its outputs, so
         eager torch's write would be lost."""
         mutated = self.mutated_input(node)
-        written = self.written_source(mutated) if mutated is not None else None
-        if written is not None:
-            kind = "call input" if written.op == "placeholder" else "parameter or buffer"
-            raise TorchImportError(
-                f"{self.where(node)} writes the module's {kind} {written.name!r} in place; a plan writes only its "
-                "outputs, so that write would be lost: return the new value instead, or run the module eagerly")
+        for target in written_inputs(self.gm, node):
+            written = self.written_source(target)
+            if written is not None:
+                value = self.env.get(written)
+                state = written.op == "get_attr" or (isinstance(value, Traced) and value.source is not None
+                                                     and value.source[0] == "state")
+                kind = "parameter or buffer" if state else "call input"
+                hint = (" (a BatchNorm in training mode updates its running statistics: call module.eval() to plan "
+                        "inference)" if node.target in BATCH_NORMS or "running_" in written.name
+                        or "num_batches" in written.name else "")
+                raise TorchImportError(
+                    f"{self.where(node)} writes the module's {kind} {written.name!r} in place; a plan writes only "
+                    f"its outputs, so that write would be lost: return the new value instead, or run the module "
+                    f"eagerly{hint}")
         out = self._call(node)
         if mutated is not None and isinstance(out, (Traced, torch.Tensor)):
             self.env[mutated] = out

@@ -594,7 +594,8 @@ def test_a_loop_over_a_split_is_traced_by_fx_with_its_concrete_length() -> None:
     _assert_close(result(x), Att()(x))
     y = torch.randn(3, 8)
     before = y.clone()
-    assert import_module(InPlace(), (y.clone(),)).tracer == "export"
+    with pytest.raises(TorchImportError, match="writes the module's call input 'x' in place"):
+        import_module(InPlace(), (y,))  # traced by torch.export, whose ATen mul_ writes the input: refused
     assert torch.equal(y, before)
 
 
@@ -888,3 +889,38 @@ def test_a_16_bit_output_is_handed_out_as_the_bits_the_last_kernel_wrote(dtype):
     with torch.no_grad():
         ok, max_abs, _ = allclose_report(first.float().numpy(), m(x).float().numpy(), TORCH_DTYPES[dtype])
     assert ok, max_abs
+
+
+class _ConvBlock(nn.Module):
+    """A ResNet basic block's first half with its residual: Conv2d, BatchNorm2d, ReLU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn(self.conv(x)) + x)
+
+
+def test_an_eval_batchnorm_plans_though_its_integer_counter_is_a_buffer() -> None:
+    """num_batches_tracked (int64) is never read in eval mode: it no longer stops the import."""
+    torch.manual_seed(0)
+    block = _ConvBlock().eval()
+    with torch.no_grad():
+        block.bn.running_mean.uniform_(-0.5, 0.5)
+        block.bn.running_var.uniform_(0.5, 2.0)
+    x = torch.randn(2, 8, 16, 16)
+    result = planner.plan(block, (x,), backend="reference")
+    _assert_close(result(x), block(x))
+
+
+def test_a_training_batchnorm_is_refused_naming_the_buffer_it_writes() -> None:
+    """torch.export leaves the counter's ATen add_ and the running statistics' update inside batch_norm: both are
+    writes a plan would lose. Refused, with the hint to plan in eval mode, and the module left as it was."""
+    block = _ConvBlock().train()
+    x = torch.randn(2, 8, 16, 16)
+    before = {k: v.clone() for k, v in block.state_dict().items()}
+    with pytest.raises(TorchImportError, match=r"(num_batches_tracked|running_mean).*module\.eval\(\)"):
+        planner.plan(block, (x,), backend="reference")
+    assert all(torch.equal(v, before[k]) for k, v in block.state_dict().items())
