@@ -109,7 +109,7 @@ def written_inputs(gm: nn.Module, node: fx.Node) -> list[fx.Node]:
     """Every node whose tensor ``node`` overwrites: its in-place input (:func:`mutated_input_of`), the arguments
     an ATen schema marks written, and a training batch norm's running statistics."""
     found = [m for m in (mutated_input_of(gm, node),) if m is not None] + _written_by_schema(node)
-    if node.op == "call_function" and node.target in BATCH_NORMS:
+    if node.op == "call_function" and callable(node.target) and node.target in BATCH_NORMS:
         norm = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
         if norm is not None and norm.kwargs.get("training"):
             found += [v for k in ("running_mean", "running_var") if isinstance(v := norm.kwargs.get(k), fx.Node)]
