@@ -27,6 +27,7 @@ from planner.core.plans import Plan
 
 class MeasuredBackend(Backend):
     measures = True
+    replays = True
 
     def __init__(self, spec: DeviceSpec, path: str | Path) -> None:
         super().__init__(spec)

@@ -101,6 +101,14 @@ class Backend(ABC):
     name: str = "?"
     #: whether ``time`` measures real execution (False for the cost model)
     measures: bool = True
+    #: whether ``time`` replays figures taken earlier (measured elsewhere): timing again gives the same figures,
+    #: so the search neither duels nor re-measures on such a backend
+    replays: bool = False
+
+    @property
+    def times_live(self) -> bool:
+        """Does timing a plan again take new measurements here (so rounds and re-measurement mean something)?"""
+        return self.measures and not self.replays
 
     def __init__(self, spec: DeviceSpec) -> None:
         self.spec = spec

@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 from typing import NoReturn
 
 from planner.commands import cache, calibrate, check_rules, explain, plan, run
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Plan operator fusion with an e-graph and a three-ledger cost model.",
     )
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
+    p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     for mod in COMMAND_MODULES:
         mod.register(sub)
@@ -46,6 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
     for parser in sub.choices.values():  # every subcommand reads some input file
         limits.add_flags(parser)
     return p
+
+
+def package_version() -> str:
+    """The installed distribution's version (a checkout that was never installed says so)."""
+    try:
+        return metadata.version("fusion-planner")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
 
 
 def _allow_torch_ops(names: Sequence[str]) -> None:

@@ -202,7 +202,7 @@ class _Run:
         :data:`FINALISTS`: on a machine whose load drifts, timings minutes apart cannot tell them apart."""
         best = self.best
         assert best is not None and best.meas_us is not None
-        if not self.backend.measures:  # given figures (the cost model) do not drift
+        if not self.backend.times_live:  # given figures (the cost model, remote results) do not drift
             return [best]
         close = sorted((e for e in self.entries if e is not best and e.verdict == Verdict.TIMED and not e.stopped_early
                         and e.meas_us is not None and e.meas_us <= best.meas_us * FINAL_MARGIN),
@@ -268,14 +268,14 @@ class _Run:
         if best is None:
             self._crown(entry, compiled)
             self.slog.start(entry.plan, entry.est_us, meas, _origin(entry))
-            if self.backend.measures:
+            if self.backend.times_live:
                 spread = noise(entry.samples_us)
                 self.band = max(MIN_BAND, 2 * spread)
                 self.slog.noise_floor(spread, len(entry.samples_us), self.band)
             return
         stopped = len(entry.samples_us) if entry.stopped_early else None
         close = not entry.stopped_early and abs(meas / best.time_us - 1) <= self.band
-        if not close or compiled is None or self.best_compiled is None or not self.backend.measures:
+        if not close or compiled is None or self.best_compiled is None or not self.backend.times_live:
             if meas < best.time_us and not entry.stopped_early:  # given figures, or far beyond the noise
                 self._crown(entry, compiled)
                 self.slog.faster(entry.plan, entry.est_us, meas, best.time_us / meas, _origin(entry))

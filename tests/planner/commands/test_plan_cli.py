@@ -273,3 +273,12 @@ def test_a_body_nested_20000_deep_is_refused(out_dir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "plan file" in err and "Traceback" not in err and err.count("\n") == 1
 
+
+
+def test_version_prints_the_installed_version(capsys):
+    from importlib import metadata
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"fusion-planner {metadata.version('fusion-planner')}"
