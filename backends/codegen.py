@@ -229,17 +229,15 @@ class RowEmitter:
 
     def _vector_partials(self, acc: str, value: str, init: str, red: Reduction) -> list[str]:
         """One vector of 16 partials over a contiguous fp32 row (``value`` is an array read at ``c``), merged
-        pairwise in a tree at the end."""
+        pairwise in a tree of lane exchanges at the end (the C prelude's ``fp_v16_swap*``: in registers)."""
         assert red.vector is not None
-        part, lanes, w = self._name("part"), self._name("lane"), self.width
+        part, w = self._name("part"), self.width
         end = w // 16 * 16
         step = red.vector.format(a=part, b=f"fp_v16_load(&{value[:-2]}c0])")
         lines = [f"fp_v16 {part} = fp_v16_fill({init});",
                  f"for (long long c0 = 0; c0 < {end}; c0 += 16) {part} = {step};",
-                 f"float {lanes}[16];", f"memcpy({lanes}, &{part}, 64);",
-                 f"for (int h = 8; h > 0; h /= 2) for (int j = 0; j < h; ++j) "
-                 f"{lanes}[j] = {red.combine.format(a=f'{lanes}[j]', b=f'{lanes}[j + h]')};",
-                 f"float {acc} = {lanes}[0];"]
+                 *(f"{part} = {red.vector.format(a=part, b=f'fp_v16_swap{h}({part})')};" for h in (8, 4, 2, 1)),
+                 f"float {acc} = {part}[0];"]
         if w % 16:
             lines.append(f"for (long long c = {end}; c < {w}; ++c) {acc} = {red.combine.format(a=acc, b=value)};")
         return lines

@@ -178,7 +178,7 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
         """The generated sources ``compile`` will load for kernel ``k`` (as :meth:`_step` generates them)."""
         types = self._types(tensors)
         if k.kind == KernelKind.ELEMENTWISE:
-            return [generate(k.body, types, stream=self._streams(tensors[k.out])).source]
+            return [generate(k.body, types, stream=self._streams(k, tensors)).source]
         if k.kind in (KernelKind.GEMM_EPILOGUE, KernelKind.CUBLASLT):
             mm = find_matmul(k.body)
             tile_dtype = self._tile_dtype(k, tensors)
@@ -195,9 +195,16 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
             return [source, widen_source(dtype), narrow_source(dtype)]
         return []
 
-    def _streams(self, out: TensorType) -> bool:
-        """Is an elementwise output this large written with streaming stores?"""
-        return math.prod(out.shape) * storage_dtype(out.dtype).itemsize >= self.stream_bytes
+    def _streams(self, k: Kernel, tensors: Mapping[str, TensorType]) -> bool:
+        """Is an elementwise kernel's output written with streaming stores?  Where what it reads and writes
+        together passes the threshold (the last-level cache) and its output is at least an eighth of that: a
+        kernel whose arrays all fit in the cache finds its output's lines there on the next call (or the next
+        kernel finds them), which a streaming store would have sent to memory."""
+        def nbytes(name: str) -> int:
+            return math.prod(tensors[name].shape) * storage_dtype(tensors[name].dtype).itemsize
+
+        out = nbytes(k.out)
+        return out * 8 >= self.stream_bytes and out + sum(nbytes(r) for r in k.reads) >= self.stream_bytes
 
     @property
     def identity(self) -> str:
@@ -238,7 +245,7 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
 
 
     def _elementwise(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory) -> Step:
-        ck = generate(k.body, self._types(tensors), stream=self._streams(tensors[k.out]))
+        ck = generate(k.body, self._types(tensors), stream=self._streams(k, tensors))
         fn, params, reads = self._bind(ck, memory.own)
         names = [n for n in params if n is not None]
         out_name, addr, pool, rows, cols = k.out, memory.addr, self.pool, ck.rows, ck.cols

@@ -117,10 +117,10 @@ def cache_bytes() -> tuple[int, str]:
 
 
 def stream_bytes_default() -> int:
-    """``FUSION_PLANNER_STREAM_BYTES``, else an eighth of the last-level cache: an output that large would evict
-    most of what the cache holds anyway, so it skips the cache (and the read of each line before its write)."""
+    """``FUSION_PLANNER_STREAM_BYTES``, else the last-level cache: a kernel whose inputs and output pass it
+    cannot keep its output in the cache, so the output skips it (and the read of each line before its write)."""
     n = parallel.count_from_env("FUSION_PLANNER_STREAM_BYTES")
-    return cache_bytes()[0] // 8 if n is None else n
+    return cache_bytes()[0] if n is None else n
 
 
 def gemm_tile_rows(rows: int, cols: int, kdim: int, tile_bytes: int) -> int:
