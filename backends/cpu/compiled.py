@@ -153,20 +153,26 @@ class CpuCompiledPlan(CompiledPlan):
         the page faults of fresh memory, as torch's caching allocator does.  Each starts on a cache-line
         boundary, as the plan's own buffers do: a kernel's (streaming) stores to an output numpy placed 16 bytes
         off one ran the same plan 1.1-1.9x slower, depending on where each call's array fell."""
-        spare = self._handed_out.get(name)
+        spare = self._spare(name)
         if spare is not None:
-            arr, owner = spare
-            # arr: the dict's tuple, ``arr`` and getrefcount's argument; a torch tensor of it adds one. A numpy
-            # view of arr refers to the owner of its memory, ``owner``: arr's base, the tuple, ``owner`` and the
-            # argument, and one more for each view
-            if sys.getrefcount(arr) <= 3 and sys.getrefcount(owner) <= 4:
-                self.reused += 1
-                return arr
+            self.reused += 1
+            return spare
         fresh = aligned_empty(self.memory.own[name].shape, self.memory.own[name].dtype)
         base = fresh.base
         assert isinstance(base, np.ndarray) and base.base is None  # numpy points every view at the memory's owner
         self._handed_out[name] = (fresh, base)
         return fresh
+
+    def _spare(self, name: str) -> np.ndarray | None:
+        """The array last handed out for output ``name`` if the caller has dropped every reference to it."""
+        spare = self._handed_out.get(name)
+        if spare is None:
+            return None
+        arr, owner = spare
+        # arr: the dict's tuple, ``arr`` and getrefcount's argument; a torch tensor of it adds one. A numpy
+        # view of arr refers to the owner of its memory, ``owner``: arr's base, the tuple, ``owner`` and the
+        # argument, and one more for each view
+        return arr if sys.getrefcount(arr) <= 3 and sys.getrefcount(owner) <= 4 else None
 
     def _widened(self, stored: np.ndarray, dtype: str) -> np.ndarray:
         """A fresh fp32 array of a stored output's values."""
@@ -185,11 +191,21 @@ class CpuCompiledPlan(CompiledPlan):
             s.call()
 
     def execute(self) -> None:
-        """Run the kernels once on the inputs bound by the last ``run`` or ``time``, into the plan's own
-        output buffers: the plan's bare kernel time, without binding inputs or handing outputs out."""
-        self._own_outputs()
-        with self._pools():
-            self._execute()
+        """Run the kernels once on the inputs bound by the last ``run`` or ``time``: the plan's bare kernel time,
+        without binding inputs or handing outputs out.  An output goes where the last call handed it out if the
+        caller has dropped it (so the bare kernels and the calls write the same memory), else into the plan's own
+        buffer."""
+        for name in self._fresh_stored:
+            spare = self._spare(name)
+            if spare is None:
+                self.memory.restore(name)
+            else:
+                self.memory.bind(name, spare)
+        try:
+            with self._pools():
+                self._execute()
+        finally:
+            self._own_outputs()
 
     def _pools(self) -> contextlib.ExitStack:
         """BLAS at its pinned count and torch's pool at the plan's thread count while the plan runs."""

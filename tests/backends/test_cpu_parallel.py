@@ -239,6 +239,20 @@ def test_an_output_array_is_reused_only_once_nothing_refers_to_it() -> None:
     assert not np.shares_memory(again, held.numpy())
 
 
+def test_the_bare_kernels_write_where_the_last_call_handed_out_a_dropped_output() -> None:
+    graph = examples.ew_chain(2, 4096)
+    compiled = cpu(1).compile(build_candidates(graph, SPEC).best)
+    x = random_inputs(graph, seed=0)["x"]
+    want = compiled.run({"x": x})[0].copy()
+    address = compiled.run({"x": x})[0].ctypes.data  # handed out, then dropped
+    compiled.execute()  # the memory the calls write, not a buffer of its own: they see the same caches
+    out = compiled.run({"x": x})[0]
+    assert out.ctypes.data == address and np.array_equal(out, want)
+    out[:] = -1.0  # held by the caller: the bare kernels leave it alone
+    compiled.execute()
+    assert np.all(out == -1.0)
+
+
 def test_an_output_named_twice_gets_two_arrays_with_the_same_values() -> None:
     from planner.core.graph import GraphBuilder
 
@@ -287,8 +301,9 @@ def test_streaming_row_kernels_give_the_same_bits(workload: str, threads: int) -
     streamed = backend.compile(plan)
     assert streamed.kernel_facts[0]["streaming_stores"] and not plain.kernel_facts[0]["streaming_stores"]
     want = plain.run(inputs)[0]
-    assert np.array_equal(want, streamed.run(inputs)[0])
-    streamed.execute()  # into the plan's own (aligned) buffer
+    held = streamed.run(inputs)[0]
+    assert np.array_equal(want, held)
+    streamed.execute()  # into the plan's own (aligned) buffer: the caller holds the array the call handed out
     assert np.array_equal(want, streamed.buffers[plan.outputs[0]])
 
 
