@@ -22,10 +22,12 @@ byte ledger counts them.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 from threadpoolctl import ThreadpoolController
@@ -65,6 +67,17 @@ from planner.core.kinds import KernelKind
 from planner.core.plans import Kernel, Load, Plan
 
 log = logging.getLogger(__name__)
+
+
+@functools.cache
+def kernels_fingerprint() -> str:
+    """A digest of the code that generates and runs this backend's kernels (``backends/codegen.py`` and every
+    module of ``backends/cpu``): a plan chosen by timing one version's kernels is re-searched after an upgrade."""
+    here = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in [here.parent / "codegen.py", *sorted(here.glob("*.py"))]:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 class CpuBackend(GemmSteps, StandaloneSteps, Backend):
@@ -208,9 +221,11 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
 
     @property
     def identity(self) -> str:
-        """What the plan cache keys on besides the device: a choice timed on 1 thread may not be best on 8."""
+        """What the plan cache keys on besides the device: a choice timed on 1 thread may not be best on 8, nor
+        one timed with the kernels of another version of this backend (:func:`kernels_fingerprint`)."""
         packed = ",".join(sorted(d for d in gemm.DTYPES_16BIT if self._packs(d))) or "none"
-        return f"cpu threads={self.threads} gemm={self.gemm_library} weights={self.weights} packed={packed}"
+        return (f"cpu threads={self.threads} gemm={self.gemm_library} weights={self.weights} packed={packed} "
+                f"kernels={kernels_fingerprint()}")
 
     def _packs(self, dtype: str) -> bool:
         """Whether weights of ``dtype`` are packed, for the identity: a dtype this CPU cannot pack, where the

@@ -9,6 +9,7 @@ import threading
 import numpy as np
 import pytest
 
+from backends.cpu import backend as cpu_backend
 from backends.cpu import parallel
 from backends.cpu.parallel import WorkerPool, check_threads, split, threads_from_env
 from planner.backend import BackendError, BackendUnavailable
@@ -170,6 +171,13 @@ def test_thread_count_is_part_of_the_plan_cache_key() -> None:
     keys = {options.cache_key(region, cpu(t)) for t in (1, 2)}
     assert len(keys) == 2
     assert get_backend("cpu", SPEC, threads=2).identity.startswith("cpu threads=2 gemm=")
+
+
+def test_the_kernels_code_is_part_of_the_plan_cache_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = cpu(1).identity
+    assert f"kernels={cpu_backend.kernels_fingerprint()}" in before
+    monkeypatch.setattr(cpu_backend, "kernels_fingerprint", lambda: "another-version")
+    assert cpu(1).identity != before  # a plan timed with other kernels never answers
     with pytest.raises(UsageError, match="thread count"):
         get_backend("model", SPEC, threads=2)
 
