@@ -259,7 +259,11 @@ def load_factory(spec: str, kwargs: Mapping[str, Any] | None = None) -> tuple[An
     if mod_spec is None or mod_spec.loader is None:
         raise TorchImportError(f"cannot load {p} as a Python module")
     mod = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(mod)
+    try:
+        mod_spec.loader.exec_module(mod)
+    except Exception as exc:  # the user's file: one line naming it (its traceback at -v)
+        log.debug("loading %s failed", p, exc_info=True)
+        raise TorchImportError(f"{p} failed to load: {type(exc).__name__}: {exc}") from exc
     factory = getattr(mod, fname, None)
     if not callable(factory):
         raise TorchImportError(f"{p} has no callable {fname!r}")
@@ -268,7 +272,11 @@ def load_factory(spec: str, kwargs: Mapping[str, Any] | None = None) -> tuple[An
         inspect.signature(factory).bind(**kwargs)
     except TypeError as exc:
         raise TorchImportError(f"{spec} does not take the arguments {sorted(kwargs)}: {exc}") from None
-    out = factory(**kwargs)
+    try:
+        out = factory(**kwargs)
+    except Exception as exc:  # a wrong --torch-arg value, or the factory's own error: one line naming the call
+        log.debug("%s(**%r) failed", spec, kwargs, exc_info=True)
+        raise TorchImportError(f"{spec} called with {kwargs} raised {type(exc).__name__}: {exc}") from exc
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], nn.Module)):
         raise TorchImportError(f"{spec}: the factory must return (module, example_inputs)")
     return out

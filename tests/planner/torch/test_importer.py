@@ -707,6 +707,19 @@ def test_cli_bad_factory_exits_2(tmp_path: Path) -> None:
     assert main(["explain", "--torch", str(ROOT / "examples/mlp.py:nope")]) == 2
 
 
+def test_a_factory_or_model_file_that_raises_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    from planner.cli import main
+
+    assert main(["explain", "--torch", str(ROOT / "examples/mlp.py:build"), "--torch-arg", "hidden=abc"]) == 2
+    err = capsys.readouterr().err
+    assert "examples/mlp.py:build called with {'hidden': 'abc'} raised TypeError" in err and "Traceback" not in err
+    broken = tmp_path / "broken.py"
+    broken.write_text("import torch\nraise RuntimeError('no weights here')\n")
+    assert main(["explain", "--torch", f"{broken}:build"]) == 2
+    err = capsys.readouterr().err
+    assert "broken.py failed to load: RuntimeError: no weights here" in err and "Traceback" not in err
+
+
 def test_factory_arguments_reach_the_factory_and_bad_ones_are_named() -> None:
     from planner.torch.importer import factory_kwargs
 
