@@ -178,9 +178,10 @@ def _progress(force_log: bool) -> Iterator[tuple[SearchLog, Callable[[int, int],
 
 def print_result(result: SearchResult) -> None:
     scope = "enumerated" if result.enumerated else "sampled"
+    estimated = not result.measures and bool(result.timed)  # the model backend: every figure is an estimate
     print(
         f"{result.graph} on {result.device}, backend {result.backend}: {count_text(result.space)} candidate plans ({scope}); "
-        f"{len(result.timed)} timed, {len(result.rejected)} rejected"
+        f"{len(result.timed)} {'costed' if estimated else 'timed'}, {len(result.rejected)} rejected"
         + (f", {len(result.bounded)} slower by their kernels" if result.bounded else "")
         + f" in {result.elapsed_s:.2f}s ({result.stop})"
     )
@@ -196,23 +197,29 @@ def print_result(result: SearchResult) -> None:
 
     def verdict_col(p: Plan) -> str:
         v = meas[p.key].verdict_text
+        v = "costed" if estimated and v == "timed" else v
         return v if len(v) <= 48 else v[:45] + "..."
 
     tried = [e.plan for e in result.entries if e.verdict != Verdict.NOT_TIMED or e.verified]
-    print(ledger_table(tried, result.best.key, extra=[("meas_us", meas_col), ("verdict", verdict_col)]))
+    extra = [("verdict", verdict_col)] if estimated else [("meas_us", meas_col), ("verdict", verdict_col)]
+    print(ledger_table(tried, result.best.key, extra=extra))
     untried = len(result.entries) - len(tried)
     if untried:
         print(f"({untried:,} more candidates of the cost-model list were not tried; --json and results.json list them)")
     b = result.best_entry
     best_meas = fmt_us(b.meas_us) if b.meas_us is not None else f"not timed (backend {result.backend} only verifies)"
-    print(f"best: {b.plan.notation(TABLE_PARTS)} {b.plan.composition()}  est {fmt_us(b.est_us)}  meas {best_meas}")
+    print(f"best: {b.plan.notation(TABLE_PARTS)} {b.plan.composition()}  est {fmt_us(b.est_us)}"
+          + ("" if estimated else f"  meas {best_meas}"))
     if result.speedup_vs_unfused is not None:
-        print(f"speedup vs unfused (one kernel per op): {result.speedup_vs_unfused:.2f}x")
+        how = ", estimated" if estimated else ""
+        print(f"speedup vs unfused (one kernel per op{how}): {result.speedup_vs_unfused:.2f}x")
+    if estimated:
+        print(f"note: backend {result.backend} does not measure: every figure is the cost model's estimate "
+              "(--backend cpu measures)")
+        return
     rho = "n/a" if result.spearman is None else f"{result.spearman:.2f}"
     print(f"spearman rho (estimated vs measured, {len(result.timed)} timed): {rho}")
-    if not result.measures and result.timed:
-        print(f"note: backend {result.backend} does not measure; 'meas_us' is its model estimate")
-    elif not result.timed:
+    if not result.timed:
         print(f"note: backend {result.backend} only verifies; every candidate shown passed verification")
 
 

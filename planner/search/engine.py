@@ -382,7 +382,7 @@ def search(
     slog = log if log is not None else SearchLog()
     drawn = inputs is None
     inputs = random_inputs(cands.graph, seed=opts.seed) if inputs is None else inputs
-    slog.header(cands.graph.name, cands.space, cands.complete, backend.name, cands.spec.name)
+    slog.header(cands.graph.name, cands.space, cands.complete, backend.name, cands.spec.name, backend.measures)
     run = _Run(cands, backend, inputs, opts, slog, on_candidate)
     ex = cands.extractor
     unfused_choice = ex.unfused()

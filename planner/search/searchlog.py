@@ -47,6 +47,8 @@ class SearchLog:
         self.op_names = env_flag("SEARCH_OP_NAMES") if op_names is None else op_names
         self.write = write or (lambda line: print(line, file=sys.stderr, flush=True))
         self.lines: list[str] = []
+        #: the backend's figures are the cost model's estimates (``model``): no line says "meas" or "re-measurement"
+        self.estimated = False
 
     def emit(self, line: str) -> None:
         self.lines.append(line)
@@ -60,14 +62,15 @@ class SearchLog:
         return text
 
     # -- events
-    def header(self, graph: str, space: Count, enumerated: bool, backend: str, device: str) -> None:
+    def header(self, graph: str, space: Count, enumerated: bool, backend: str, device: str, measures: bool = True) -> None:
+        self.estimated = not measures
         scope = "enumerated" if enumerated else "sampled"
         self.emit(f"Search {graph} | space {count_text(space)} plans ({scope}) | backend {backend} | device {device}")
 
     # ``origin`` names where a candidate came from when it is not the cost-model list
     # (e.g. "mutant: swap-impl mm: ..." or "sample"); it ends the line
     def start(self, plan: Plan, est_us: float, meas_us: float, origin: str = "") -> None:
-        self.emit(f"Start {self.label(plan)} | est {fmt_us(est_us)} | meas {fmt_us(meas_us)}{_origin(origin)}")
+        self.emit(f"Start {self.label(plan)} | est {fmt_us(est_us)}{self._meas(meas_us)}{_origin(origin)}")
 
     def noise_floor(self, spread: float, samples: int, band: float) -> None:
         self.emit(f"Noise floor ±{100 * spread / 2:.1f}% (interquartile range of the first plan's {samples} timings): "
@@ -76,7 +79,7 @@ class SearchLog:
     def faster(self, plan: Plan, est_us: float, meas_us: float, gain: float, origin: str = "", evidence: str = "") -> None:
         tail = f" | {evidence}" if evidence else ""
         self.emit(
-            f"Faster {self.label(plan)} | est {fmt_us(est_us)} | meas {fmt_us(meas_us)} | x{gain:.2f} better{tail}"
+            f"Faster {self.label(plan)} | est {fmt_us(est_us)}{self._meas(meas_us)} | x{gain:.2f} better{tail}"
             f"{_origin(origin)}"
         )
 
@@ -87,7 +90,7 @@ class SearchLog:
         tail = f" | stopped early after {stopped_after} runs" if stopped_after is not None else ""
         tail += f" | {evidence}" if evidence else ""
         self.emit(
-            f"Slower x{ratio:.2f} {self.label(plan)} | est {fmt_us(est_us)} | meas {fmt_us(meas_us)}{tail}{_origin(origin)}"
+            f"Slower x{ratio:.2f} {self.label(plan)} | est {fmt_us(est_us)}{self._meas(meas_us)}{tail}{_origin(origin)}"
         )
 
     def tie(self, plan: Plan, evidence: str, kept: Plan, origin: str = "") -> None:
@@ -117,10 +120,15 @@ class SearchLog:
         stop: str,
         bounded: int = 0,
     ) -> None:
-        sp = f"{speedup:.2f}x vs unfused (interleaved re-measurement)" if speedup is not None else "no speedup measured"
-        rho = f"{spearman:.2f}" if spearman is not None else "n/a"
+        estimated = self.estimated and timed > 0  # a verify-only backend estimates nothing either
+        how = "estimated" if estimated else "interleaved re-measurement"
+        sp = f"{speedup:.2f}x vs unfused ({how})" if speedup is not None else "no speedup measured"
+        rho = "" if estimated else f" | spearman rho {spearman:.2f}" if spearman is not None else " | spearman rho n/a"
         skipped = f", {bounded} slower by their kernels" if bounded else ""
         self.emit(
             f"Searched in {fmt_duration(seconds)}: best {self.label(best)} | {sp} | "
-            f"{timed} timed, {rejected} rejected{skipped} | spearman rho {rho} | stopped: {stop}"
+            f"{timed} {'costed' if estimated else 'timed'}, {rejected} rejected{skipped}{rho} | stopped: {stop}"
         )
+
+    def _meas(self, meas_us: float) -> str:
+        return "" if self.estimated else f" | meas {fmt_us(meas_us)}"

@@ -63,6 +63,16 @@ def test_plan_text_output_and_log(fake_backend, capsys):
     assert err[0].startswith("Search ew-chain-k4-256-fp32") and err[-1].startswith("Searched in ")
 
 
+def test_the_model_backend_says_est_and_never_meas(capsys, tmp_path):
+    assert main(["plan", *CHAIN, "--backend", "model", "--search-log", "--cache-dir", str(tmp_path)]) == 0
+    cap = capsys.readouterr()
+    text = cap.out + cap.err
+    for word in ("meas_us", " meas ", "re-measurement", "spearman", "timed"):
+        assert word not in text, word
+    assert "est " in cap.err and "(estimated)" in cap.err.splitlines()[-1] and " costed, " in cap.err
+    assert "does not measure: every figure is the cost model's estimate" in cap.out
+
+
 def test_out_dir_files(out_dir):
     names = sorted(p.name for p in out_dir.iterdir())
     assert names == ["best_so_far.png", "plan.json", "predicted_vs_measured.png", "results.json"]
