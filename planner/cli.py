@@ -77,6 +77,16 @@ def _quiet_openmp() -> None:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+#: ``FUSION_PLANNER_LOGS=+egglog``: egglog's own log (its whole program, a line per declaration) at -v; otherwise
+#: only its warnings, so -v shows the planner's lines
+LOGS_ENV = "FUSION_PLANNER_LOGS"
+
+
+def _egglog_logging() -> None:
+    switches = os.environ.get(LOGS_ENV, "").replace(",", " ").split()
+    logging.getLogger("egglog").setLevel(logging.NOTSET if "+egglog" in switches else logging.WARNING)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     _quiet_openmp()
     parser = build_parser()
@@ -85,6 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
         format="%(levelname)s %(name)s: %(message)s",
     )
+    _egglog_logging()
     try:
         _allow_torch_ops(getattr(args, "allow_torch_op", None) or [])
         with limits.input_limits(limits.from_flags(args)):

@@ -168,6 +168,10 @@ def _build(graph: Graph, spec: DeviceSpec, rules: list[RuleFile], limits: Limits
     notes = list(ex.notes)
     if sat.limit_hit:
         notes.insert(0, f"saturation stopped at the {sat.limit_hit}; candidates are still valid")
+    log.info("%s: %d ops, %d e-nodes after %d iterations (%.2fs to build, %.2fs to saturate%s); %s plans in the space, "
+             "%d kept (%s) in %.2fs", graph.name, len(graph.ops), sat.enodes, sat.iterations, sat.build_s,
+             sat.saturate_s, f", stopped at the {sat.limit_hit}" if sat.limit_hit else "", f"{space:,}", len(plans),
+             "enumerated" if complete else "sampled around the cheapest", extract_s)
     for n in notes:
         log.info("%s", n)
     return CandidateSet(

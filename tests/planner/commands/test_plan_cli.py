@@ -292,3 +292,17 @@ def test_version_prints_the_installed_version(capsys):
         main(["--version"])
     assert exc.value.code == 0
     assert capsys.readouterr().out.strip() == f"fusion-planner {metadata.version('fusion-planner')}"
+
+
+def test_v_logs_the_planner_and_egglog_only_when_asked(monkeypatch, caplog):
+    import logging
+
+    monkeypatch.delenv("FUSION_PLANNER_LOGS", raising=False)
+    with caplog.at_level(logging.INFO):
+        assert main(["-v", "explain", "--example", "ew-chain", "--k", "2", "--n", "64"]) == 0
+    assert any(r.name == "planner.egraph.candidates" and "e-nodes after" in r.getMessage() for r in caplog.records)
+    assert logging.getLogger("egglog").level == logging.WARNING  # its program dump stays out of -v
+    monkeypatch.setenv("FUSION_PLANNER_LOGS", "+egglog")
+    assert main(["-v", "explain", "--example", "ew-chain", "--k", "2", "--n", "64"]) == 0
+    assert logging.getLogger("egglog").level == logging.NOTSET  # follows -v like every other logger
+
