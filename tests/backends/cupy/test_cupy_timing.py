@@ -1,0 +1,61 @@
+"""Offline checks of the GPU timing loop (cupy imports without a GPU; its CUDA calls are replaced here): each
+timed run is preceded by an L2 flush that its events do not time."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+gpu = pytest.importorskip("backends.cupy.gpu", exc_type=ImportError)
+
+
+class _Stream:
+    def __init__(self, order: list[str]) -> None:
+        self.order = order
+
+    def __enter__(self) -> _Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        self.order.append("sync")
+
+
+def _fake_cupy(order: list[str], l2_bytes: int) -> SimpleNamespace:
+    class Event:
+        def record(self, stream: object) -> None:
+            order.append("event")
+
+        def synchronize(self) -> None:
+            pass
+
+    class Scratch:
+        def __init__(self, n: int) -> None:
+            order.append(f"alloc {n}")
+
+        def fill(self, value: int) -> None:
+            order.append("flush")
+
+    cuda = SimpleNamespace(Event=Event, get_elapsed_time=lambda a, b: 0.002,
+                           Device=lambda: SimpleNamespace(attributes={"L2CacheSize": l2_bytes}))
+    return SimpleNamespace(cuda=cuda, empty=lambda n, dtype: Scratch(n), uint8="uint8")
+
+
+def test_each_timed_run_follows_an_untimed_flush_of_twice_the_l2(monkeypatch: pytest.MonkeyPatch) -> None:
+    order: list[str] = []
+    monkeypatch.setattr(gpu, "cp", _fake_cupy(order, 60 << 20))
+    stream = _Stream(order)
+    flush = gpu.l2_flusher(stream)
+    samples = gpu.event_times(lambda: order.append("run"), stream, warmup=2, repeats=3, before=flush)
+    assert samples == [2.0, 2.0, 2.0]
+    assert order == ["alloc 125829120", "run", "run", "sync", *["flush", "event", "run", "event"] * 3]
+
+
+def test_without_a_flush_the_runs_follow_each_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    order: list[str] = []
+    monkeypatch.setattr(gpu, "cp", _fake_cupy(order, 60 << 20))
+    gpu.event_times(lambda: order.append("run"), _Stream(order), warmup=0, repeats=2)
+    assert order == ["sync", "event", "run", "event", "event", "run", "event"]
