@@ -5,7 +5,7 @@ competitor for ``python -m backends.cupy time`` on the GPU machine (no
 egglog).  The graph is mlp-epilogue: ``gelu(x @ w + b) + r`` with the GELU form
 of the bundle's reference.  Both are verified against the bundle's numpy
 reference before they are timed with CUDA events (2 warm-ups after
-compilation, median of 7).
+compilation, median of 7, the L2 flushed before each timed call as for the plans).
 """
 
 from __future__ import annotations
@@ -35,11 +35,15 @@ def gelu_form(bundle) -> str:
 
 
 def event_median_us(torch, fn, warmup: int, repeats: int) -> float:
+    """Median µs of ``fn`` between CUDA events; each timed call follows an untimed memset of twice the L2, as the
+    planner's runs do (backends/cupy/gpu.py, ``l2_flusher``), so both sides are timed with a cold L2."""
+    scratch = torch.empty(2 * torch.cuda.get_device_properties(0).L2_cache_size, dtype=torch.uint8, device="cuda")
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     samples = []
     for _ in range(repeats):
+        scratch.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
