@@ -224,6 +224,9 @@ class GraphBuilder:
     def _add(self, node: Node) -> None:
         if node.id in self._nodes:
             raise GraphError(f"duplicate node id {node.id!r}")
+        if len(self._nodes) >= self._limits.graph_nodes:  # a built-in example or an importer's graph, as a file's
+            raise GraphError(f"graph {self.name!r}: more than {self._limits.graph_nodes:,} nodes "
+                             f"({limits.flag_of('graph_nodes')})")
         self._nodes[node.id] = node
 
 

@@ -113,3 +113,17 @@ def test_the_runner_takes_the_same_limits(tmp_path, capsys) -> None:
     assert runner_main(["time", str(path), "-o", out, "--executor", "numpy", "--max-elements", "16"]) == 2
     assert "limit of 16" in capsys.readouterr().err
     assert runner_main(["time", str(path), "-o", out, "--executor", "numpy", "-q"]) == 0
+
+
+def test_a_built_in_example_past_the_node_limit_stops_at_once(capsys) -> None:
+    rc = main(["explain", "--example", "ew-chain", "--k", "99999999999", "--n", "64"])  # 2e11 nodes: never built
+    assert rc == 2 and "more than 200,000 nodes (--max-graph-nodes" in capsys.readouterr().err
+    assert main(["explain", "--example", "transformer", "--layers", "40", "--d-model", "64", "--seq", "8",
+                 "--max-graph-nodes", "100"]) == 2
+    with limits.input_limits(limits.InputLimits(graph_nodes=3)):
+        b = GraphBuilder("tiny")
+        b.input("x", (4,), "fp32")
+        b.op("y", "Relu", ["x"])
+        b.op("z", "Relu", ["y"])
+        with pytest.raises(GraphError, match="more than 3 nodes"):
+            b.op("w", "Relu", ["z"])
