@@ -14,7 +14,7 @@ import math
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from planner.core import limits
 
@@ -37,7 +37,7 @@ def read_limited(path: str | Path, error: type[Exception], what: str = "file", l
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise error(f"{p}: not a regular file (a {what} is read from a regular file only)")
         with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(cap + 1)
+            data = _read_up_to(f, cap + 1)
     except OSError as exc:
         raise error(f"cannot read {what} {p}: {exc.strerror or exc}") from None
     finally:
@@ -49,6 +49,20 @@ def read_limited(path: str | Path, error: type[Exception], what: str = "file", l
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise error(f"{p}: not UTF-8 text (byte {exc.start})") from None
+
+
+def _read_up_to(f: BinaryIO, n: int) -> bytes:
+    """At most ``n`` bytes, a MiB at a time: ``f.read(n)`` allocates all ``n`` first (a limit of 100 GB raised
+    MemoryError on a 1 KB file)."""
+    chunks: list[bytes] = []
+    total = 0
+    while total < n:
+        chunk = f.read(min(1 << 20, n - total))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    return b"".join(chunks)
 
 
 def untrusted_dir(path: str | Path) -> str:

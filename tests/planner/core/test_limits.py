@@ -127,3 +127,11 @@ def test_a_built_in_example_past_the_node_limit_stops_at_once(capsys) -> None:
         b.op("z", "Relu", ["y"])
         with pytest.raises(GraphError, match="more than 3 nodes"):
             b.op("w", "Relu", ["z"])
+
+
+def test_a_file_limit_far_beyond_memory_reads_a_small_file(tmp_path) -> None:
+    g = _graph_file(tmp_path)
+    with limits.input_limits(limits.InputLimits(file_bytes=10**15)):  # f.read(limit + 1) would allocate a petabyte
+        assert load_graph(g).name.startswith("ew-chain")
+    with limits.input_limits(limits.InputLimits(file_bytes=5)), pytest.raises(GraphError, match="larger than 5 bytes"):
+        load_graph(g)
