@@ -17,7 +17,6 @@ import datetime
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +24,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 ROOT = Path(__file__).resolve().parent.parent
 
 import torch  # noqa: E402
+from cpu_peers import _time_us  # noqa: E402
 from torch import nn  # noqa: E402
 
 import planner  # noqa: E402
@@ -44,15 +44,6 @@ def _models() -> dict[str, tuple[nn.Module, torch.Tensor]]:
             "transformer block 128x768": (b.eval(), x)}
 
 
-def _time(fn: Callable[[], object], n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter_ns()
-        fn()
-        out.append((time.perf_counter_ns() - t0) / 1e3)
-    return out
-
-
 def measure(name: str, module: nn.Module, x: torch.Tensor, rounds: int) -> dict[str, float]:
     result = planner.plan(module, (x,), backend="cpu", threads=1, max_candidates=8, cache=False)
     guard, bound = result.guard, result.bound
@@ -67,11 +58,11 @@ def measure(name: str, module: nn.Module, x: torch.Tensor, rounds: int) -> dict[
     samples: dict[str, list[float]] = {k: [] for k in contenders}
     with torch.no_grad():
         for fn in contenders.values():
-            _time(fn, 3)
+            _time_us(fn, 3)
         for r in range(rounds):
             order = list(contenders)[r % len(contenders):] + list(contenders)[:r % len(contenders)]
             for k in order:
-                samples[k] += _time(contenders[k], 5)
+                samples[k] += _time_us(contenders[k], 5)
     out = {k: statistics.median(v) for k, v in samples.items()}
     out["guard share"] = (out["module and layout checks"]) / out["guarded call"]
     out["binding share"] = out["parameter byte samples"] / out["guarded call"]
