@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import sys
@@ -89,6 +90,9 @@ def graph_from_args(args: argparse.Namespace) -> Graph:
     if args.graph:
         return load_graph(args.graph)
     if getattr(args, "torch", None):
+        if importlib.util.find_spec("torch") is None:
+            raise UsageError("--torch needs PyTorch, which is not installed here: `make install` installs it "
+                             "(or pip install torch==2.13.0, then pip install -e '.[torch]')")
         from planner.torch.importer import factory_kwargs, graph_from_factory
 
         return graph_from_factory(args.torch, factory_kwargs(args.torch_arg))

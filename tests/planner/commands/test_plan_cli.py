@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -306,3 +307,12 @@ def test_v_logs_the_planner_and_egglog_only_when_asked(monkeypatch, caplog):
     assert main(["-v", "explain", "--example", "ew-chain", "--k", "2", "--n", "64"]) == 0
     assert logging.getLogger("egglog").level == logging.NOTSET  # follows -v like every other logger
 
+
+
+def test_torch_missing_is_one_line_naming_the_install(monkeypatch, capsys):
+    """``make explain`` installs no torch: --torch then says how to get it, exit 2, no traceback."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    assert main(["plan", "--torch", "examples/mlp.py:build", "--backend", "reference"]) == 2
+    err = capsys.readouterr().err
+    assert "--torch needs PyTorch" in err and "make install" in err and err.count("\n") == 1
