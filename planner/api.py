@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from planner.backend import Backend, CompiledPlan
-from planner.core.cost import DeviceSpec, load_device
+from planner.core.cost import DeviceSpec
 from planner.core.graph import Graph, load_graph
 from planner.core.kinds import Verdict
 from planner.core.planfile import save_plan
@@ -33,7 +33,7 @@ from planner.egraph.candidates import DEFAULT_CAP, DEFAULT_K, CandidateSet
 from planner.egraph.program import Limits
 from planner.model.plancache import PlanCache
 from planner.pipeline import Planned, PlanOptions, plan_graph
-from planner.registry import get_backend
+from planner.registry import device_for, get_backend
 from planner.rules.load import load_rules
 from planner.search.results import SearchOptions
 from planner.search.searchlog import SearchLog
@@ -278,7 +278,7 @@ def plan(
         allow(allow_torch_ops)
     if isinstance(module_or_graph, (str, Path)):
         module_or_graph = load_graph(module_or_graph)
-    spec = device if isinstance(device, DeviceSpec) else load_device(device)
+    spec = device_for(device, backend)
     imported, module, args, bound = None, None, None, None
     if isinstance(module_or_graph, Graph):
         graph = module_or_graph

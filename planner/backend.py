@@ -221,3 +221,6 @@ class BackendPlugin:
     commands: tuple[PluginCommand, ...] = ()
     explain_columns: tuple[ExplainColumn, ...] = ()
     calibration: Calibration | None = None
+    #: the device spec a search on this backend is costed with when the caller names none (the cpu backend: this
+    #: machine's calibrated spec); None: the planner's default (``planner.core.cost.DEFAULT_DEVICE``)
+    default_device: Callable[[], DeviceSpec] | None = None

@@ -14,7 +14,7 @@ from importlib import metadata
 from typing import Any
 
 from planner.backend import Backend, BackendPlugin, BackendUnavailable
-from planner.core.cost import DeviceSpec
+from planner.core.cost import DeviceSpec, load_device
 from planner.core.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,19 @@ def get_backend(name: str, spec: DeviceSpec, **options: Any) -> Backend:
         return p.create(spec, **given)
     except ImportError as exc:
         raise BackendUnavailable(f"backend {name!r} is not available on this machine ({exc}); try 'reference'") from exc
+
+
+def device_for(device: str | DeviceSpec | None, backend: str) -> DeviceSpec:
+    """The device spec a search on ``backend`` is costed with: ``device`` (a spec, a built-in name or a spec file)
+    when given, else the backend's own default (the cpu backend: this machine, calibrated once), else the
+    planner's default."""
+    if isinstance(device, DeviceSpec):
+        return device
+    if device is None:
+        default = plugin(backend).default_device
+        if default is not None:
+            return default()
+    return load_device(device)
 
 
 def auto_backend() -> str:

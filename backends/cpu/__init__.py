@@ -8,7 +8,7 @@ import os
 import shutil
 
 from backends.cpu.backend import CpuBackend
-from backends.cpu.calibrate import calibrate_cpu
+from backends.cpu.calibrate import calibrate_cpu, machine_spec, record_machine_spec
 from backends.cpu.compiler import CompilerUnavailable
 from planner.backend import BackendPlugin, BackendUnavailable, Calibration
 from planner.core.cost import DeviceSpec
@@ -25,7 +25,8 @@ def _calibration_args(parser: argparse.ArgumentParser) -> None:
 
 
 def calibrate(args: argparse.Namespace) -> tuple[DeviceSpec, str]:
-    """Measure this machine: triad bandwidth, an empty kernel's call, GEMM and vector FLOP/s."""
+    """Measure this machine: triad bandwidth, an empty kernel's call, GEMM and vector FLOP/s; the result also
+    becomes the spec a cpu search is costed with by default (``machine_spec``)."""
     try:
         cal = calibrate_cpu()
     except (CompilerUnavailable, BackendUnavailable) as exc:
@@ -33,13 +34,15 @@ def calibrate(args: argparse.Namespace) -> tuple[DeviceSpec, str]:
     gemm = "  ".join(f"{n}^3 {g:.1f}" for n, g in cal.gemm_gflops.items())
     line = (f"triad {cal.triad_gbps:.2f} GB/s | empty kernel {cal.launch_us:.3f} us | GEMM GFLOP/s {gemm} "
             f"(row-tiled {cal.tiled_gemm_gflops:.1f}) | vector {cal.vector_gflops:.2f} GFLOP/s | {cal.seconds:.1f} s")
+    record_machine_spec(cal.spec())
+    machine_spec.cache_clear()
     return cal.spec(args.name or "cpu-calibrated"), line
 
 
 PLUGIN = BackendPlugin(
     "cpu", CpuBackend, "generated C kernels, the GEMM library and a native worker pool on this machine's cores",
     options=frozenset({"threads"}), auto_rank=1, usable=compiler_found,
-    calibration=Calibration(_calibration_args, calibrate),
+    calibration=Calibration(_calibration_args, calibrate), default_device=machine_spec,
 )
 
 __all__ = ["PLUGIN", "CpuBackend", "compiler_found"]

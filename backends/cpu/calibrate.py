@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
+import json
 import logging
 import os
 import platform
@@ -26,13 +28,14 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from backends.cpu.codegen import generate, noop_source
-from backends.cpu.compiler import Compiler
+from backends.cpu.compiler import Compiler, cache_dir, keep_record
 from backends.cpu.memory import blas_threads_from_env, cache_bytes, gemm_tile_rows, limit_blas_threads
-from planner.core.cost import DeviceSpec
+from planner.core.cost import DeviceSpec, DeviceSpecError, device_from_json
 from planner.core.graph import TensorType
 from planner.core.machine import cpu_model
 from planner.core.plans import Expr, Load
@@ -200,3 +203,35 @@ def calibrate_cpu(*, triad_n: int = 1 << 23, gemm_sizes: tuple[int, ...] = GEMM_
     cal = dataclasses.replace(cal, seconds=time.perf_counter() - t0)
     log.info("calibration took %.1f s", cal.seconds)
     return cal
+
+
+#: the kernel cache's record of this machine's calibrated spec (:func:`machine_spec`)
+MACHINE_SPEC_FILE = "device-cpu.json"
+
+
+def _machine_key() -> dict[str, Any]:
+    """What a recorded calibration holds for: the CPU, its core count, numpy and the BLAS threads GEMMs ran on."""
+    return {"cpu": cpu_model(), "cpus": os.cpu_count(), "numpy": np.__version__,
+            "blas_threads": os.environ.get("FUSION_PLANNER_BLAS_THREADS") or "1"}
+
+
+def record_machine_spec(spec: DeviceSpec) -> None:
+    """Keep ``spec`` as this machine's calibrated spec (what ``fusion-planner calibrate --backend cpu`` refreshes)."""
+    keep_record(cache_dir() / MACHINE_SPEC_FILE, {"key": _machine_key(), "spec": spec.to_json()}, "the calibration")
+
+
+@functools.cache
+def machine_spec() -> DeviceSpec:
+    """This machine's calibrated spec, the one a cpu search is costed with unless told otherwise: read from the
+    kernel cache, else measured once (a few seconds) and kept there."""
+    path = cache_dir() / MACHINE_SPEC_FILE
+    try:
+        record = json.loads(path.read_text())
+        if record.get("key") == _machine_key():
+            return device_from_json(record["spec"], str(path))
+    except (OSError, ValueError, KeyError, AttributeError, DeviceSpecError) as exc:
+        log.debug("no usable calibration in %s (%s): measuring this machine", path, exc)
+    log.info("calibrating this machine once for the cost model (a few seconds; `fusion-planner calibrate` refreshes it)")
+    spec = calibrate_cpu().spec()
+    record_machine_spec(spec)
+    return spec

@@ -16,6 +16,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from backends import process
 from backends.codegen import (
@@ -62,6 +63,18 @@ def cache_dir() -> Path:
     """``$XDG_CACHE_HOME/fusion-planner/cpu``, else ``~/.cache/fusion-planner/cpu``."""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(root) / "fusion-planner" / "cpu"
+
+
+def keep_record(path: Path, record: dict[str, Any], what: str) -> None:
+    """Write a JSON ``record`` of a measurement (``what``) to ``path`` in the cache, atomically; a read-only cache
+    only warns (the measurement is made again by the next process)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            json.dump(record, f)
+        os.replace(f.name, path)
+    except OSError as exc:
+        log.warning("cannot keep %s in %s: %s", what, path, exc)
 
 
 class CompilerUnavailable(RuntimeError):

@@ -48,19 +48,16 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from threadpoolctl import threadpool_info, threadpool_limits
 
 from backends.cpu.buffers import aligned_empty, padded_matrix
-from backends.cpu.compiler import cache_dir
+from backends.cpu.compiler import cache_dir, keep_record
 from backends.cpu.parallel import torch_threads
 from planner.backend import BackendError
 from planner.core.dtypes import DTYPES
@@ -195,7 +192,7 @@ def _recorded(file: str, key: dict[str, Any], choices: tuple[str, ...], measure:
     except (OSError, ValueError, AttributeError):
         pass  # none yet, or unreadable: measure again
     choice, seconds = measure()
-    _write_record(path, {"key": key, "choice": choice, "seconds": seconds})
+    keep_record(path, {"key": key, "choice": choice, "seconds": seconds}, "the GEMM choice")
     return choice
 
 
@@ -227,16 +224,6 @@ def measured_library() -> str:
         return choice, seconds
 
     return _recorded(PROBE_FILE, _probe_key(), LIBRARIES, measure)
-
-
-def _write_record(path: Path, record: dict[str, Any]) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-            json.dump(record, f)
-        os.replace(f.name, path)
-    except OSError as exc:  # a read-only cache: measured again next process
-        log.warning("cannot keep the GEMM library choice in %s: %s", path, exc)
 
 
 # ---------------------------------------------------------------- the weights' layout

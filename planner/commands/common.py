@@ -52,7 +52,8 @@ def add_graph_args(p: argparse.ArgumentParser) -> None:
 
 def add_planning_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("planning")
-    g.add_argument("--device", default=None, help="built-in spec (seed-k4, h200, rtx5090) or a JSON spec file; default h200")
+    g.add_argument("--device", default=None, help="built-in spec (seed-k4, h200, rtx5090) or a JSON spec file; default: the backend's "
+                   "own (cpu: this machine, calibrated once), else h200")
     g.add_argument("--rules", action="append", default=[], metavar="FILE.egg", help="extra rule file (repeatable)")
     g.add_argument("--cap", type=int, default=DEFAULT_CAP, help="enumerate every plan up to this many")
     g.add_argument("--top", type=int, default=DEFAULT_K, help="plans to keep when the space is larger than --cap")

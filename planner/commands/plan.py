@@ -17,7 +17,7 @@ from planner.commands.common import (
     graph_from_args,
     limits_from_args,
 )
-from planner.core.cost import DeviceSpec, load_device
+from planner.core.cost import DeviceSpec
 from planner.core.errors import UsageError
 from planner.core.graph import Graph
 from planner.core.kinds import Verdict
@@ -27,7 +27,7 @@ from planner.core.report import TABLE_PARTS, count_text, ledger_table
 from planner.model.plancache import PlanCache
 from planner.model.stack import ModelPlan
 from planner.pipeline import Planned, PlanOptions, plan_graph
-from planner.registry import backend_names, get_backend
+from planner.registry import backend_names, device_for, get_backend
 from planner.rules.load import load_rules
 from planner.search.engine import SearchError
 from planner.search.plots import plot_best_so_far, plot_predicted_vs_measured
@@ -96,7 +96,7 @@ def options_from_args(args: argparse.Namespace) -> SearchOptions:
 def run(args: argparse.Namespace) -> int:
     opts = options_from_args(args)
     graph = graph_from_args(args)
-    spec = load_device(args.device)
+    spec = device_for(args.device, "measured" if args.measured else args.backend)
     if args.measured:
         backend = get_backend("measured", spec, source=args.measured, threads=args.threads)
     else:
