@@ -27,7 +27,7 @@ from planner.core.kinds import Verdict
 from planner.core.planfile import save_plan
 from planner.core.plans import Plan
 from planner.core.reference import execute_plan, random_inputs
-from planner.core.report import ledger_table
+from planner.core.report import kernels_text, ledger_table, region_title
 from planner.core.tolerance import allclose_report, least_precise, tolerance, working_dtype
 from planner.egraph.candidates import DEFAULT_CAP, DEFAULT_K, CandidateSet
 from planner.egraph.program import Limits
@@ -141,9 +141,9 @@ class PlanResult:
             return dtype
         return least_precise([dtype, working_dtype(self.plan, self.plan.outputs[self.imported.outputs[i].index])])
 
-    def table(self) -> str:
+    def table(self, all: bool = False) -> str:  # noqa: A002  (the CLI's --all)
         """Ledger table, the chosen plan starred: the tried candidates with measured times after a search,
-        else every costed candidate."""
+        else the costed candidates; at most 40 rows of 120 characters unless ``all``."""
         extra: list[tuple[str, Callable[[Plan], str]]] = []
         if self.search_result is not None:
             meas = {e.plan.key: e for e in self.search_result.entries}
@@ -158,15 +158,16 @@ class PlanResult:
 
             extra = [("meas_us", measured), ("verdict", verdict)]
             tried = [e.plan for e in self.search_result.entries if e.verdict != Verdict.NOT_TIMED]
-            return ledger_table(sorted(tried, key=Plan.sort_key), self.plan.key, extra) + self._speedups()
+            return ledger_table(sorted(tried, key=Plan.sort_key), self.plan.key, extra, full=all) + self._speedups()
         if self.model_plan is None:  # answered from the plan cache
             return ledger_table([self.plan], self.plan.key) + "\n(plan from the plan cache, not re-searched)"
         if self.candidates is None:  # region-wise: the composite plan and each region's choice
             lines = [ledger_table([self.plan], self.plan.key)]
             for u in self.model_plan.unique.values():
-                lines.append(f"region {u.key} x{u.instances}: {u.plan.composition()}  est {u.plan.est_us:,.2f} us")
+                lines.append(f"region {region_title(u.region)} x{u.instances}: {kernels_text(u.plan, None)}  "
+                             f"est {u.plan.est_us:,.2f} us")
             return "\n".join(lines)
-        return ledger_table(self.candidates.plans, self.plan.key)
+        return ledger_table(self.candidates.plans, self.plan.key, full=all)
 
     def _speedups(self) -> str:
         """The table's footer: the chosen plan against the unfused one and eager torch, both re-measured

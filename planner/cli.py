@@ -15,14 +15,14 @@ from collections.abc import Sequence
 from importlib import metadata
 from typing import NoReturn
 
-from planner.commands import cache, calibrate, check_rules, explain, plan, run
+from planner.commands import cache, calibrate, check_rules, explain, plan, plot, run
 from planner.commands.common import CliPlanning
 from planner.core import limits
 from planner.errors import USER_ERRORS, UsageError
 from planner.registry import plugins
 
 #: the planner's own subcommands, in --help order; each backend plugin adds its own after them
-COMMAND_MODULES = (explain, plan, run, cache, calibrate, check_rules)
+COMMAND_MODULES = (explain, plan, run, plot, cache, calibrate, check_rules)
 
 
 class ArgumentParser(argparse.ArgumentParser):

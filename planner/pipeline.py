@@ -26,6 +26,7 @@ from planner.core.graph import Graph
 from planner.core.plans import Plan, compose_plan, rename_kernel
 from planner.core.reference import execute_graph, random_inputs
 from planner.core.regions import Region, split_regions, whole_graph_region
+from planner.core.report import region_title
 from planner.core.tolerance import check_outputs
 from planner.egraph.candidates import DEFAULT_CAP, DEFAULT_K, CandidateSet, build_candidates
 from planner.egraph.program import Limits
@@ -39,12 +40,13 @@ from planner.search.searchlog import SearchLog
 from planner.torch import need_evaluator
 
 Tick = Callable[[int, int], None]
-#: a fresh search log (and progress tick) for each search the pipeline runs
-Progress = Callable[[], contextlib.AbstractContextManager[tuple[SearchLog, Tick | None]]]
+#: a fresh search log (and progress tick) for each search the pipeline runs, given what is searched (the graph's
+#: name, or a region's :func:`region_title`)
+Progress = Callable[[str], contextlib.AbstractContextManager[tuple[SearchLog, Tick | None]]]
 
 
 @contextlib.contextmanager
-def quiet_progress() -> Iterator[tuple[SearchLog, Tick | None]]:
+def quiet_progress(label: str = "") -> Iterator[tuple[SearchLog, Tick | None]]:
     """The default: a search log that prints only under SEARCH_LOG=1, no progress bar."""
     yield SearchLog(), None
 
@@ -135,7 +137,7 @@ def plan_graph(
             return Planned(graph, full, options, from_cache=True, cache_key=key)
     cands = build_candidates(graph, options.spec, rules=options.rules, limits=options.limits, cap=options.cap,
                              k=options.k, seed=options.seed)
-    with progress() as (slog, tick):
+    with progress(graph.name) as (slog, tick):
         result = search(cands, backend, inputs, options=options.search, log=slog, on_candidate=tick)
     if cache is not None and not result.interrupted:  # an interrupted search decided less than asked
         canonical = {g: c for c, g in whole.renaming().items()}
@@ -154,13 +156,15 @@ def _plan_regions(graph: Graph, regions: Sequence[Region], options: PlanOptions,
     searches: dict[str, SearchResult] = {}
     deadline = time.perf_counter() + options.search.time_budget_s
     pending = len({r.key for r in regions}) if options.dedup else len(regions)
+    titles = {r.graph.name: region_title(r) for r in regions}
 
     def choose(cands: CandidateSet) -> Plan:
         # --time-budget bounds the whole search: the regions still to search share what is left of it
         # (regions answered by the cache are counted as pending too, so a share is never too large)
         share = max(deadline - time.perf_counter(), 0.0) / max(pending - len(searches), 1)
         opts = dataclasses.replace(options.search, time_budget_s=max(share, MIN_REGION_BUDGET_S))
-        with progress() as (slog, tick):
+        region = titles.get(cands.graph.name, cands.graph.name)
+        with progress(f"region {len(searches) + 1}/{pending} {region}") as (slog, tick):
             result = search(cands, backend, options=opts, log=slog, on_candidate=tick)
         searches[cands.graph.name] = result
         return result.best

@@ -13,6 +13,7 @@ from planner.core import examples, limits
 from planner.core.cost import DeviceSpec, load_device
 from planner.core.errors import UsageError
 from planner.core.graph import Graph, load_graph
+from planner.core.report import TABLE_ROWS, TABLE_WIDTH
 from planner.egraph.candidates import DEFAULT_CAP, DEFAULT_K, CandidateSet, build_candidates
 from planner.egraph.program import Limits
 from planner.rules.load import load_rules
@@ -66,6 +67,9 @@ def add_planning_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-segment-ops", type=int, default=d.max_segment_ops,
                    help="ops in one e-graph; a longer graph is planned in segments (docs/scaling.md)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--all", action="store_true", dest="all_rows",
+                   help=f"list every candidate at full width (default: at most {TABLE_ROWS} rows of "
+                        f"{TABLE_WIDTH} characters: the best, the unfused plan, the Pareto front, runners-up)")
 
 
 def limits_from_args(args: argparse.Namespace) -> Limits:

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     )
     for note in cands.notes:
         print(f"note: {note}")
-    print(ledger_table(cands.plans, cands.best.key, extra))
+    print(ledger_table(cands.plans, cands.best.key, extra, full=args.all_rows))
     b = cands.best
     print(f"best: {b.notation(TABLE_PARTS)} {b.composition()}  est {b.est_us:,.2f} us")
     return 0
@@ -90,7 +90,7 @@ def _explain_segments(args: argparse.Namespace, graph: Graph, spec: DeviceSpec, 
           "distinct; each region's best plan by the cost model, composed")
     for note in mp.notes:
         print(f"note: {note}")
-    print(ledger_table(plans, mp.plan.key))
+    print(ledger_table(plans, mp.plan.key, full=args.all_rows))
     b = mp.plan
     print(f"best: {b.notation(TABLE_PARTS)} {b.composition()}  est {b.est_us:,.2f} us")
     return 0

@@ -23,14 +23,14 @@ from planner.core.graph import Graph
 from planner.core.kinds import Verdict
 from planner.core.planfile import save_plan
 from planner.core.plans import Plan
-from planner.core.report import TABLE_PARTS, count_text, ledger_table
+from planner.core.report import TABLE_PARTS, TABLE_WIDTH, count_text, kernels_text, ledger_table, region_title
 from planner.model.plancache import PlanCache
 from planner.model.stack import ModelPlan
 from planner.pipeline import Planned, PlanOptions, plan_graph
 from planner.registry import backend_names, device_for, get_backend
 from planner.rules.load import load_rules
 from planner.search.engine import SearchError
-from planner.search.plots import plot_best_so_far, plot_predicted_vs_measured
+from planner.search.plots import write_plots
 from planner.search.results import SearchOptions, SearchResult
 from planner.search.searchlog import SearchLog, env_flag, fmt_us
 
@@ -67,7 +67,7 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rtol", type=float, default=None, help="override the dtype's relative tolerance")
     g.add_argument("--atol", type=float, default=None, help="override the dtype's absolute tolerance")
     g.add_argument("--search-log", action="store_true", help="print the search log on stderr (as SEARCH_LOG=1)")
-    g.add_argument("--out", metavar="DIR", help="write plan.json, results.json and two PNG plots here")
+    g.add_argument("--out", metavar="DIR", help="write plan.json, results.json and three PNG plots here (fusion-planner plot redraws them)")
     g.add_argument("--measured", metavar="MEASURED.json",
                    help="merge results timed elsewhere (python -m backends.cupy time) instead of running here "
                         "(the measured backend)")
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     # remote results answer for exactly the exported candidates: never from or into the cache
     cache = None if args.no_cache or args.measured else PlanCache(args.cache_dir, read=not _wants_search_evidence(args))
     try:
-        planned = plan_graph(graph, options, backend, cache=cache, progress=lambda: _progress(args.search_log))
+        planned = plan_graph(graph, options, backend, cache=cache, progress=lambda label: _progress(args.search_log, label))
     except SearchError as exc:
         print(f"fusion-planner plan: search failed: {exc}", file=sys.stderr)
         return 1
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(result.to_json())
     else:
-        print_result(result)
+        print_result(result, args.all_rows)
         if out_dir is not None:
             print("wrote " + ", ".join(str(p) for p in written))
     return 130 if result.interrupted else 0  # the shell's code for Ctrl-C, after the best so far
@@ -157,8 +157,9 @@ def _out_dir(path: str | None) -> Path | None:
 
 
 @contextlib.contextmanager
-def _progress(force_log: bool) -> Iterator[tuple[SearchLog, Callable[[int, int], None] | None]]:
-    """A rich progress bar on a terminal only; log lines go through its console then."""
+def _progress(force_log: bool, label: str) -> Iterator[tuple[SearchLog, Callable[[int, int], None] | None]]:
+    """A rich progress bar on a terminal only, naming what is searched (``label``) and counting its candidates
+    against the search's total; log lines go through its console then."""
     enabled = True if force_log else None
     if not sys.stderr.isatty():
         yield SearchLog(enabled=enabled), None
@@ -167,8 +168,9 @@ def _progress(force_log: bool) -> Iterator[tuple[SearchLog, Callable[[int, int],
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = Console(stderr=True)
-    with Progress(TextColumn("search"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True) as bar:
-        task = bar.add_task("search", total=None)
+    columns = (TextColumn("search {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task(label, total=None)
 
         def tick(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total)
@@ -176,7 +178,7 @@ def _progress(force_log: bool) -> Iterator[tuple[SearchLog, Callable[[int, int],
         yield SearchLog(enabled=enabled, write=lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True)), tick
 
 
-def print_result(result: SearchResult) -> None:
+def print_result(result: SearchResult, full: bool = False) -> None:
     scope = "enumerated" if result.enumerated else "sampled"
     estimated = not result.measures and bool(result.timed)  # the model backend: every figure is an estimate
     print(
@@ -198,11 +200,11 @@ def print_result(result: SearchResult) -> None:
     def verdict_col(p: Plan) -> str:
         v = meas[p.key].verdict_text
         v = "costed" if estimated and v == "timed" else v
-        return v if len(v) <= 48 else v[:45] + "..."
+        return v if full or len(v) <= 24 else v[:21] + "..."
 
     tried = [e.plan for e in result.entries if e.verdict != Verdict.NOT_TIMED or e.verified]
     extra = [("verdict", verdict_col)] if estimated else [("meas_us", meas_col), ("verdict", verdict_col)]
-    print(ledger_table(tried, result.best.key, extra=extra))
+    print(ledger_table(tried, result.best.key, extra=extra, full=full))
     untried = len(result.entries) - len(tried)
     if untried:
         print(f"({untried:,} more candidates of the cost-model list were not tried; --json and results.json list them)")
@@ -232,12 +234,10 @@ def write_outputs(out: Path, result: SearchResult, graph: Graph, spec: DeviceSpe
         "speedup_vs_unfused": result.speedup_vs_unfused,
         "composition": b.plan.composition(),
     }
-    paths = [out / "plan.json", out / "results.json", out / "predicted_vs_measured.png", out / "best_so_far.png"]
-    save_plan(paths[0], result.best, graph, spec, meta)
-    paths[1].write_text(json.dumps(result.to_json(), indent=1) + "\n")
-    plot_predicted_vs_measured(result, paths[2])
-    plot_best_so_far(result, paths[3])
-    return paths
+    doc = result.to_json()
+    save_plan(out / "plan.json", result.best, graph, spec, meta)
+    (out / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
+    return [out / "plan.json", out / "results.json", *write_plots(doc, out)]
 
 
 def report_cached(args: argparse.Namespace, planned: Planned, out_dir: Path | None) -> int:
@@ -273,16 +273,8 @@ def report_regions(args: argparse.Namespace, planned: Planned, out_dir: Path | N
 
 
 def region_plots(out: Path, results: dict[str, SearchResult]) -> list[Path]:
-    """The two plots of each searched region, named by its suffix: predicted_vs_measured.r0.png, ..."""
-
-    paths: list[Path] = []
-    for name, result in results.items():
-        tag = name.rsplit(".", 1)[-1]
-        pair = (out / f"predicted_vs_measured.{tag}.png", out / f"best_so_far.{tag}.png")
-        plot_predicted_vs_measured(result, pair[0])
-        plot_best_so_far(result, pair[1])
-        paths += pair
-    return paths
+    """The plots of each searched region, named by its suffix: predicted_vs_measured.r0.png, ..."""
+    return [p for name, result in results.items() for p in write_plots(result.to_json(), out, name.rsplit(".", 1)[-1])]
 
 
 def region_json(u) -> dict:
@@ -303,8 +295,9 @@ def print_regions(mp: ModelPlan, backend: str, meas: dict) -> None:
     shown = list(mp.unique.values())[:TABLE_REGIONS]
     for u in shown:
         src = "cache" if u.cached else "searched"
-        print(f"  region {u.key} x{u.instances} ({len(u.region.ops)} ops, {src}): {u.plan.composition()}  "
-              f"est {fmt_us(u.plan.est_us)}")
+        head = f"  region {region_title(u.region)} x{u.instances} ({len(u.region.ops)} ops, {src}): "
+        tail = f"  est {fmt_us(u.plan.est_us)}"
+        print(head + kernels_text(u.plan, max(24, TABLE_WIDTH - len(head) - len(tail))) + tail)
     if len(mp.unique) > len(shown):
         print(f"  ... {len(mp.unique) - len(shown):,} more regions (--json lists them)")
     p = mp.plan

@@ -138,12 +138,19 @@ class OpDef:
     #: the op (``planner.core.examples.op_example``, the fuzzer) feeds them positive values
     positive_inputs: tuple[int, ...] = ()
     doc: str = ""
+    #: the op's name in tables people read (``gemm``, ``bias``, ``gelu``); empty: the name in lower case
+    label: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", OpKind(self.kind))  # a registered op may name its kind as a string
         if (self.kind == OpKind.REDUCTION) != (self.reduction is not None):
             raise OpError(f"{self.name}: an op of kind reduction, and only one, carries a Reduction "
                           "(its start value and combine)")
+
+    @property
+    def short(self) -> str:
+        """The op's name as a table shows it: :attr:`label`, else the name in lower case."""
+        return self.label or self.name.lower()
 
     def takes_gemm_input(self, i: int) -> bool:
         """May fusable input ``i`` come from a GEMM in registers (an epilogue rule)?"""

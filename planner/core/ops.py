@@ -61,6 +61,7 @@ def _unary(
     torch_names: tuple[str, ...] = (),
     gemm_epilogue: bool = True,
     positive: bool = False,
+    label: str = "",
 ) -> OpDef:
     return OpDef(
         name=name,
@@ -76,6 +77,7 @@ def _unary(
         gemm_epilogue=gemm_epilogue,
         torch_names=torch_names,
         doc=doc,
+        label=label,
     )
 
 
@@ -90,6 +92,7 @@ def _binary(
     fusable: tuple[int, ...] = (0, 1),
     gemm_epilogue: bool | tuple[int, ...] = True,
     positive: tuple[int, ...] = (),
+    label: str = "",
 ) -> OpDef:
     """A two-tensor elementwise op; ``code`` is its C expression over ``{0}`` and ``{1}`` (an infix
     operator, or a prelude function such as ``fp_max``)."""
@@ -106,6 +109,7 @@ def _binary(
         gemm_epilogue=gemm_epilogue,
         positive_inputs=positive,
         doc=doc,
+        label=label,
     )
 
 
@@ -130,7 +134,7 @@ def reduction_op(name: str, fn: Callable[[np.ndarray], np.ndarray], reduction: R
 
 
 def _batched(name: str, transpose_b: bool, fn: Callable[[Sequence[np.ndarray], Attrs], np.ndarray], doc: str,
-             attrs: tuple[AttrSpec, ...] = ()) -> OpDef:
+             attrs: tuple[AttrSpec, ...] = (), label: str = "bmm") -> OpDef:
     """A batched product of attention, a standalone kernel: (G,S,K) times (G,K,N), or (G,T,K) transposed."""
     return OpDef(
         name=name,
@@ -142,6 +146,7 @@ def _batched(name: str, transpose_b: bool, fn: Callable[[Sequence[np.ndarray], A
         flops_rule=lambda out, ins, attrs: 2.0 * math.prod(out) * ins[0][-1],
         regs=lambda attrs: 64,
         doc=doc,
+        label=label,
     )
 
 
@@ -174,17 +179,18 @@ OPS: dict[str, OpDef] = {
             shape_rule=matmul_shape,
             numpy_fn=lambda xs, attrs: xs[0] @ xs[1],
             regs=lambda attrs: 128,
+            label="gemm",
             doc="2-D matrix product (M,K)@(K,N) with fp32 accumulation.",
         ),
         # a row vector (a bias, a norm's weight) is read by column; only x fuses (the vector is in memory)
         _binary("BiasAdd", np.add, "({0} + {1})", "x + bias, the bias a row vector broadcast over the leading dims.",
-                shape_rule=bias_shape, fusable=(0,)),
+                shape_rule=bias_shape, fusable=(0,), label="bias"),
         _binary("Add", np.add, "({0} + {1})", "Elementwise sum of two same-shaped tensors (e.g. a residual)."),
         _binary("Sub", np.subtract, "({0} - {1})", "Elementwise difference of two same-shaped tensors."),
         # torch.maximum / torch.minimum: each backend's prelude defines fp_max / fp_min (NaN wins; a tie gives
         # the second operand, as torch and numpy do)
-        _binary("Maximum", np.maximum, "fp_max({0}, {1})", "The larger of two same-shaped tensors, elementwise (NaN if either is NaN)."),
-        _binary("Minimum", np.minimum, "fp_min({0}, {1})", "The smaller of two same-shaped tensors, elementwise (NaN if either is NaN)."),
+        _binary("Maximum", np.maximum, "fp_max({0}, {1})", "The larger of two same-shaped tensors, elementwise (NaN if either is NaN).", label="max"),
+        _binary("Minimum", np.minimum, "fp_min({0}, {1})", "The smaller of two same-shaped tensors, elementwise (NaN if either is NaN).", label="min"),
         _binary("Mul", np.multiply, "({0} * {1})", "Elementwise product of two same-shaped tensors (e.g. a SwiGLU gate)."),
         # a GEMM result as the divisor is no epilogue: one that underflows a 16-bit store changes the
         # quotient by 4% between the stored and the register form (check-rules found it)
@@ -218,6 +224,7 @@ OPS: dict[str, OpDef] = {
             16,
             lambda v, attrs: _GELU_TANH_C.format(v[0]),
             "GELU, tanh approximation (the form cuBLASLt's GELU epilogue computes).",
+            label="gelu",
         ),
         _unary(
             "GeluErf",
@@ -226,6 +233,7 @@ OPS: dict[str, OpDef] = {
             16,
             lambda v, attrs: f"0.5f*{v[0]}*(1.0f+fp_erf({v[0]}*0.7071067811865476f))",  # fp_erf: each prelude's
             "GELU, exact erf form. Never rewritten into the tanh form.",
+            label="gelu",
         ),
         _unary(
             "Silu",
@@ -280,25 +288,30 @@ OPS: dict[str, OpDef] = {
                      "Largest value over the last dimension, kept as 1 (NaN if the row holds one, as torch.amax)."),
         # x <op> r with r one value per row of x (shape [..., 1]), as torch broadcasts a kept reduction: the
         # consumers of a row statistic (x - mean, e / sum); a GEMM result may be x, not r
-        _binary("AddRow", np.add, "({0} + {1})", "x + r, r one value per row of x.", shape_rule=per_row_shape, gemm_epilogue=(0,)),
-        _binary("SubRow", np.subtract, "({0} - {1})", "x - r, r one value per row of x.", shape_rule=per_row_shape, gemm_epilogue=(0,)),
-        _binary("MulRow", np.multiply, "({0} * {1})", "x * r, r one value per row of x.", shape_rule=per_row_shape, gemm_epilogue=(0,)),
+        _binary("AddRow", np.add, "({0} + {1})", "x + r, r one value per row of x.", shape_rule=per_row_shape, gemm_epilogue=(0,),
+                label="add"),
+        _binary("SubRow", np.subtract, "({0} - {1})", "x - r, r one value per row of x.", shape_rule=per_row_shape, gemm_epilogue=(0,),
+                label="sub"),
+        _binary("MulRow", np.multiply, "({0} * {1})", "x * r, r one value per row of x.", shape_rule=per_row_shape, gemm_epilogue=(0,),
+                label="mul"),
         _binary("DivRow", sem.divide, "({0} / {1})", "x / r, r one value per row of x (IEEE: x/0 is ±inf, 0/0 NaN).", shape_rule=per_row_shape, flops=4.0, gemm_epilogue=(0,),
-                positive=(1,)),
+                positive=(1,), label="div"),
         _binary("BiasMul", np.multiply, "({0} * {1})", "x * w, w a row vector broadcast over the leading dims (a norm's weight).",
-                shape_rule=bias_shape, fusable=(0,)),
+                shape_rule=bias_shape, fusable=(0,), label="scale"),
         # rotary position embeddings (RoPE), as LLaMA-style model code writes them: x*cos + rotate_half(x)*sin,
         # cos and sin one (seq, head dim) table repeated over batch and heads
         _binary("TileMul", np.multiply, "({0} * {1})", "x * t, t's shape the trailing dimensions of x's (two or more), "
                 "repeated over the leading ones (RoPE's cos and sin over batch and heads).",
-                shape_rule=tile_shape, fusable=(0,), gemm_epilogue=False),
+                shape_rule=tile_shape, fusable=(0,), gemm_epilogue=False, label="mul"),
         _binary("TileAdd", np.add, "({0} + {1})", "x + t, t's shape the trailing dimensions of x's (two or more), "
-                "repeated over the leading ones.", shape_rule=tile_shape, fusable=(0,), gemm_epilogue=False),
+                "repeated over the leading ones.", shape_rule=tile_shape, fusable=(0,), gemm_epilogue=False,
+                label="add"),
         # a layout op a kernel reads through index arithmetic: the generators load its input at the other half's
         # column (negated for the first half), so the snippet is the identity on that value and the input is never
         # fused (it is read from memory, like a bias)
         OpDef(
             name="RotateHalf",
+            label="rotate",
             kind=OpKind.ELEMENTWISE,
             arity=1,
             shape_rule=rotate_half_shape,
@@ -352,6 +365,7 @@ OPS: dict[str, OpDef] = {
         # repeated over the heads (GroupRepeat, a copy of one row per group), then added to every query's row
         OpDef(
             name="GroupRepeat",
+            label="repeat",
             kind=OpKind.STANDALONE,
             arity=1,
             attrs=(AttrSpec("heads", "i64", minimum=1), AttrSpec("rows", "i64", minimum=1)),
@@ -363,9 +377,10 @@ OPS: dict[str, OpDef] = {
         ),
         _binary("MaskAdd", np.add, "({0} + {1})", "x + m, x scores (G, S, T) and m one row of keys per group "
                 "(G, 1, T), added to every query's row (an attention mask).", shape_rule=mask_shape, fusable=(0,),
-                gemm_epilogue=False),
+                gemm_epilogue=False, label="mask"),
         OpDef(
             name="MaskedAttention",
+            label="attention",
             kind=OpKind.STANDALONE,
             arity=4,
             attrs=(AttrSpec("scale", "f64"),),

@@ -96,6 +96,9 @@ class _Run:
         self.tried = 0  # candidates besides the baseline
         self.t0 = time.perf_counter()
         self.on_candidate = on_candidate
+        #: candidates the search will try besides the baseline, where known: the cost model's whole list, else
+        #: (a sampled space) up to max_candidates
+        self.total = min(len(cands.plans), opts.max_candidates) if cands.complete else opts.max_candidates
         self.stop: Stop | None = None
         self.best_compiled: CompiledPlan | None = None  # the best's compiled plan, for interleaved comparisons
         self.band = 0.0  # a candidate within this fraction of the best is compared with it in rounds
@@ -129,8 +132,9 @@ class _Run:
         except Exception as exc:  # a crashing candidate never takes the search down
             log.debug("candidate %s failed", plan.key, exc_info=True)
             self._reject(entry, f"{type(exc).__name__}: {_one_line(exc)}")
+        entry.at_s = time.perf_counter() - self.t0
         if self.on_candidate is not None:
-            self.on_candidate(self.tried, self.opts.max_candidates)
+            self.on_candidate(self.tried, max(self.total, self.tried))
         return True
 
     def _evaluate(self, entry: Entry, baseline: bool) -> None:
@@ -373,7 +377,8 @@ def search(
 ) -> SearchResult:
     """Verify and time candidates on ``backend``; see the module docstring.
 
-    ``on_candidate(done, max_candidates)`` is called after each candidate (progress bars).
+    ``on_candidate(done, total)`` is called before the first candidate and after each one (progress bars);
+    ``total`` is what the search expects to try (it stops earlier on a budget or a stall).
     Raises :class:`SearchError` if no candidate, the baseline included, passes verification.
     """
     opts = options or SearchOptions()
@@ -387,6 +392,8 @@ def search(
     ex = cands.extractor
     unfused_choice = ex.unfused()
     unfused = ex.plan_of(unfused_choice)
+    if on_candidate is not None:
+        on_candidate(0, run.total)
     backend.prepare([unfused, *cands.plans[: opts.max_candidates]])  # the CPU's kernels: a few batched builds
     run.consider(unfused, unfused_choice, "unfused baseline", baseline=True)
     try:

@@ -1,78 +1,214 @@
-"""The two plots of a search: predicted vs measured time, and best-so-far (matplotlib, Agg)."""
+"""The plots of a search, drawn from its results document (``SearchResult.to_json()``, the ``results.json`` that
+``plan --out`` writes): estimated vs measured time, the Pareto front of the three ledgers, and the best plan so
+far over the search's time (matplotlib, Agg). ``fusion-planner plot`` and ``plan --out`` both draw them here."""
 
 from __future__ import annotations
 
+import json
+import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from planner.search.results import SearchResult
+from planner.core.errors import UsageError
+from planner.core.files import read_json
+
+#: the plots of one search, by file stem
+PLOTS = ("predicted_vs_measured", "pareto", "best_so_far")
+FORMATS = ("png", "svg")
+#: what a candidate of a results document must hold for the plots, with the JSON types each may take
+_CANDIDATE_FIELDS: dict[str, tuple[type, ...]] = {
+    "plan": (str,), "bytes": (int,), "launches": (int,), "reg_peak": (int,), "est_us": (int, float),
+    "meas_us": (int, float, type(None)), "verdict": (str,), "stopped_early": (bool,),
+}
+_SEARCH_FIELDS: dict[str, tuple[type, ...]] = {
+    "graph": (str,), "backend": (str,), "device": (str,), "candidates": (list,),
+    "speedup_vs_unfused": (int, float, type(None)), "spearman": (int, float, type(None)),
+}
+
+
+class ResultsFileError(UsageError):
+    """A results document the plots cannot read; the message names the file and the offending path."""
 
 
 def _pyplot() -> Any:
-    import matplotlib
-
+    try:
+        import matplotlib  # optional dependency: the plots extra
+    except ImportError:
+        raise UsageError("plots need matplotlib (pip install 'fusion-planner[plots]')") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt
 
 
-def _nothing_timed(result: SearchResult, path: Path) -> None:
+def _check(doc: Any, fields: Mapping[str, tuple[type, ...]], where: str) -> None:
+    if not isinstance(doc, dict):
+        raise ResultsFileError(f"{where}: must be an object")
+    for name, types in fields.items():
+        if name not in doc:
+            raise ResultsFileError(f"{where}: missing field {name!r}")
+        value = doc[name]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            kinds = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+            raise ResultsFileError(f"{where}.{name}: must be {kinds}, got {json.dumps(value)[:40]}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ResultsFileError(f"{where}.{name}: must be finite")
+
+
+def check_search(doc: Any, where: str) -> dict[str, Any]:
+    """``doc`` as one search's results document, else :class:`ResultsFileError` naming ``where`` and the path."""
+    _check(doc, _SEARCH_FIELDS, where)
+    for i, cand in enumerate(doc["candidates"]):
+        _check(cand, _CANDIDATE_FIELDS, f"{where}.candidates[{i}]")
+        if "at_s" in cand and not isinstance(cand["at_s"], (int, float)):
+            raise ResultsFileError(f"{where}.candidates[{i}].at_s: must be a number")
+    if not any(c.get("best") is True for c in doc["candidates"]):
+        raise ResultsFileError(f"{where}.candidates: no candidate is marked best")
+    return doc
+
+
+def load_results(path: str | Path) -> dict[str, dict[str, Any]]:
+    """The searches of a results file: one search (``plan --out`` on a graph) under its graph's name, or a
+    layer stack's searches by region."""
+    doc = read_json(Path(path), ResultsFileError, "results file")
+    if isinstance(doc, dict) and ("candidates" in doc or "graph" in doc):
+        return {"": check_search(doc, f"{path}")}
+    if not isinstance(doc, dict) or not doc:
+        raise ResultsFileError(f"{path}: not a results file of 'fusion-planner plan --out' (an object with "
+                               "'candidates', or one such object per region)")
+    return {name: check_search(d, f"{path}: {name}") for name, d in doc.items()}
+
+
+def _timed(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
+    return [c for c in doc["candidates"] if c["meas_us"] is not None]
+
+
+def _marked(doc: Mapping[str, Any], key: str) -> dict[str, Any] | None:
+    if key == "best":
+        return next(c for c in doc["candidates"] if c.get("best") is True)
+    unfused = doc.get("unfused")
+    return unfused if isinstance(unfused, dict) and unfused.get("meas_us") is not None else None
+
+
+def _save(fig: Any, plt: Any, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _nothing_timed(doc: Mapping[str, Any], path: Path) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3))
     ax.axis("off")
-    ax.text(0.5, 0.5, f"{result.graph}\nno candidate was timed: backend {result.backend} only verifies",
+    ax.text(0.5, 0.5, f"{doc['graph']}\nno candidate was timed: backend {doc['backend']} only verifies",
             ha="center", va="center", fontsize=9)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, plt, path)
 
 
-def plot_predicted_vs_measured(result: SearchResult, path: Path) -> None:
-    timed = result.timed
+def plot_predicted_vs_measured(doc: Mapping[str, Any], path: Path) -> None:
+    """Each timed candidate's estimate (cost model) against its measured median, log-log, best and unfused
+    ringed; the title gives Spearman's rho."""
+    timed = _timed(doc)
     if not timed:
-        _nothing_timed(result, path)
+        _nothing_timed(doc, path)
         return
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4.5))
-    full = [e for e in timed if not e.stopped_early]
-    early = [e for e in timed if e.stopped_early]
-    ax.scatter([e.est_us for e in full], [e.meas_us for e in full], s=18, label="timed")
-    if early:
-        ax.scatter([e.est_us for e in early], [e.meas_us for e in early], s=18, marker="^", label="stopped early (median so far)")
-    for e, name, colour in ((result.unfused_entry, "unfused", "tab:red"), (result.best_entry, "best", "tab:green")):
-        if e.meas_us is not None:
-            ax.scatter([e.est_us], [e.meas_us], s=60, facecolors="none", edgecolors=colour, label=name)
+    for early, label, marker in ((False, "timed", "o"), (True, "stopped early (median so far)", "^")):
+        group = [c for c in timed if c["stopped_early"] is early]
+        if group:
+            ax.scatter([c["est_us"] for c in group], [c["meas_us"] for c in group], s=18, marker=marker, label=label)
+    for key, colour in (("unfused", "tab:red"), ("best", "tab:green")):
+        c = _marked(doc, key)
+        if c is not None and c["meas_us"] is not None:
+            ax.scatter([c["est_us"]], [c["meas_us"]], s=70, facecolors="none", edgecolors=colour, label=key)
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel(f"estimated time (µs, cost model {result.device})")
-    ax.set_ylabel(f"measured time (µs, backend {result.backend})")
-    rho = "n/a" if result.spearman is None else f"{result.spearman:.2f}"
-    ax.set_title(f"{result.graph}\nSpearman ρ = {rho} over {len(timed)} timed", fontsize=9)
+    ax.set_xlabel(f"estimated time (µs, cost model {doc['device']})")
+    ax.set_ylabel(f"measured time (µs, backend {doc['backend']})")
+    rho = "n/a" if doc["spearman"] is None else f"{doc['spearman']:.2f}"
+    ax.set_title(f"{doc['graph']}\nSpearman ρ = {rho} over {len(timed)} timed", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, plt, path)
 
 
-def plot_best_so_far(result: SearchResult, path: Path) -> None:
-    timed = result.timed
+def pareto_front(cands: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The candidates no other beats on all three ledgers (bytes, launches, register peak), by bytes."""
+    front: list[dict[str, Any]] = []
+    for c in sorted(cands, key=lambda c: (c["bytes"], c["launches"], c["reg_peak"])):
+        point = (c["bytes"], c["launches"], c["reg_peak"])
+        if not any(all(a <= b for a, b in zip((f["bytes"], f["launches"], f["reg_peak"]), point, strict=True))
+                   for f in front):
+            front.append(c)
+    return front
+
+
+def plot_pareto(doc: Mapping[str, Any], path: Path) -> None:
+    """Every candidate's DRAM bytes against its launches, coloured by register peak; the Pareto front of the
+    three ledgers ringed and joined, the chosen plan starred."""
+    cands = list(doc["candidates"])
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    dots = ax.scatter([c["launches"] for c in cands], [c["bytes"] for c in cands], c=[c["reg_peak"] for c in cands],
+                      cmap="viridis", s=20, alpha=0.8)
+    fig.colorbar(dots, ax=ax, label="register peak (per thread)")
+    front = sorted(pareto_front(cands), key=lambda c: (c["launches"], c["bytes"]))
+    ax.plot([c["launches"] for c in front], [c["bytes"] for c in front], color="tab:orange", linewidth=1,
+            marker="o", markersize=9, markerfacecolor="none", label=f"Pareto front ({len(front)})")
+    best = _marked(doc, "best")
+    if best is not None:
+        ax.scatter([best["launches"]], [best["bytes"]], marker="*", s=160, color="tab:red", label="chosen")
+    ax.set_xlabel("kernel launches")
+    ax.set_ylabel("DRAM bytes")
+    ax.set_yscale("log")
+    ax.set_title(f"{doc['graph']}: the three ledgers of {len(cands)} candidates", fontsize=9)
+    ax.legend(fontsize=8)
+    _save(fig, plt, path)
+
+
+def plot_best_so_far(doc: Mapping[str, Any], path: Path) -> None:
+    """Each timed candidate's median at the time the search decided it, the best fully timed plan so far as a
+    step, the unfused plan as a line."""
+    timed = _timed(doc)
     if not timed:
-        _nothing_timed(result, path)
+        _nothing_timed(doc, path)
         return
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    xs = list(range(1, len(timed) + 1))
-    ax.scatter(xs, [e.meas_us for e in timed], s=12, color="tab:gray", label="candidate median")
-    ax.step(xs, result.best_so_far(), where="post", color="tab:green", label="best so far")
-    u = result.unfused_entry
-    if u.meas_us is not None:
-        ax.axhline(u.meas_us, color="tab:red", linestyle="--", linewidth=1, label="unfused")
+    clock = all("at_s" in c for c in timed)
+    order = sorted(timed, key=lambda c: c["at_s"]) if clock else timed
+    xs = [c["at_s"] * 1e3 for c in order] if clock else list(range(1, len(order) + 1))
+    best, steps = math.inf, []
+    for c in order:
+        if not c["stopped_early"]:
+            best = min(best, c["meas_us"])
+        steps.append(best)
+    ax.scatter(xs, [c["meas_us"] for c in order], s=12, color="tab:gray", label="candidate median")
+    ax.step(xs, steps, where="post", color="tab:green", label="best so far")
+    unfused = _marked(doc, "unfused")
+    if unfused is not None:
+        ax.axhline(unfused["meas_us"], color="tab:red", linestyle="--", linewidth=1, label="unfused")
     ax.set_yscale("log")
-    ax.set_xlabel("candidates timed")
+    ax.set_xlabel("search time (ms)" if clock else "candidates timed")
     ax.set_ylabel("measured time (µs)")
-    sp = "" if result.speedup_vs_unfused is None else f", {result.speedup_vs_unfused:.2f}x vs unfused"
-    ax.set_title(f"{result.graph} on {result.backend}{sp}", fontsize=9)
+    sp = "" if doc["speedup_vs_unfused"] is None else f", {doc['speedup_vs_unfused']:.2f}x vs unfused"
+    ax.set_title(f"{doc['graph']} on {doc['backend']}{sp}", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, plt, path)
+
+
+_DRAW = {"predicted_vs_measured": plot_predicted_vs_measured, "pareto": plot_pareto, "best_so_far": plot_best_so_far}
+
+
+def write_plots(doc: Mapping[str, Any], out: Path, tag: str = "", fmt: str = "png") -> list[Path]:
+    """The three plots of one search in ``out``: ``predicted_vs_measured[.tag].fmt``, ``pareto...``,
+    ``best_so_far...``."""
+    if fmt not in FORMATS:
+        raise UsageError(f"plot format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    paths = []
+    for stem in PLOTS:
+        path = out / f"{stem}{'.' + tag if tag else ''}.{fmt}"
+        _DRAW[stem](doc, path)
+        paths.append(path)
+    return paths

@@ -95,6 +95,8 @@ class Entry:
     bound_us: float | None = None
     #: its comparison with the best of its time, where it was within the noise (planner.search.duel)
     duel: str | None = None
+    #: seconds from the search's start to this candidate's verdict (the best-so-far plot's time axis)
+    at_s: float | None = None
 
     @property
     def est_us(self) -> float:
@@ -151,6 +153,8 @@ class Entry:
             d["bound_us"] = round(self.bound_us, 4)
         if self.duel is not None:
             d["duel"] = self.duel
+        if self.at_s is not None:
+            d["at_s"] = round(self.at_s, 4)
         return d
 
 

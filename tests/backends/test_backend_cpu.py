@@ -323,7 +323,8 @@ def test_kernel_facts_are_json_ready() -> None:
 # ---------------------------------------------------------------- calibration
 
 
-def test_calibration_writes_a_spec_that_device_accepts(tmp_path) -> None:
+def test_calibration_writes_a_spec_that_device_accepts(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # calibrate also refreshes the machine's record there
     try:
         Compiler()
     except CompilerUnavailable as exc:

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
+from _fake_backend import TimedReferenceBackend
 from testpaths import ROOT
 
 from planner.cli import main
+from planner.core import examples
+from planner.core.cost import load_device
+from planner.pipeline import PlanOptions, plan_graph
+from planner.rules.load import load_rules
+from planner.search.results import SearchOptions
+from planner.search.searchlog import SearchLog
 
 torch = pytest.importorskip("torch")
 
@@ -81,3 +89,24 @@ def test_a_plan_made_under_other_limits_is_not_served_from_the_cache():
     big = planner.plan(g, backend="model", **OPTIONS)
     assert big.planned.cache_key != small.planned.cache_key and not big.planned.from_cache
     assert len(big.plan.kernels) == 1
+
+
+def test_each_search_names_what_it_searches_and_counts_against_a_known_total():
+    """The progress a face shows: one per search, labelled with the graph or 'region i/n <title>', ticking from
+    (0, total) with the total known before the first candidate."""
+    seen: list[tuple[str, list[tuple[int, int]]]] = []
+
+    @contextlib.contextmanager
+    def progress(label: str):
+        ticks: list[tuple[int, int]] = []
+        seen.append((label, ticks))
+        yield SearchLog(), lambda done, total: ticks.append((done, total))
+
+    spec = load_device("h200")
+    options = PlanOptions("reference", spec, tuple(load_rules(())), search=SearchOptions(max_candidates=3))
+    backend = TimedReferenceBackend(spec)
+    plan_graph(examples.ew_chain(3, 256, "fp32"), options, backend, cache=None, progress=progress)
+    plan_graph(examples.mlp_stack(2, 16, 8, "fp32"), options, backend, cache=None, progress=progress)
+    (whole, ticks), (region, region_ticks) = seen
+    assert whole == "ew-chain-k3-256-fp32" and ticks[0] == (0, 3) and ticks[-1] == (3, 3)
+    assert region.startswith("region 1/1 gemm 8x16 #") and region_ticks[0][0] == 0

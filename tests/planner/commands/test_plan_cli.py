@@ -76,8 +76,8 @@ def test_the_model_backend_says_est_and_never_meas(capsys, tmp_path):
 
 def test_out_dir_files(out_dir):
     names = sorted(p.name for p in out_dir.iterdir())
-    assert names == ["best_so_far.png", "plan.json", "predicted_vs_measured.png", "results.json"]
-    for png in ("best_so_far.png", "predicted_vs_measured.png"):
+    assert names == ["best_so_far.png", "pareto.png", "plan.json", "predicted_vs_measured.png", "results.json"]
+    for png in ("best_so_far.png", "pareto.png", "predicted_vs_measured.png"):
         assert (out_dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     res = json.loads((out_dir / "results.json").read_text())
     doc = json.loads((out_dir / "plan.json").read_text())
@@ -227,7 +227,7 @@ def test_out_dir_of_a_layer_stack_has_per_region_plots(fake_backend, tmp_path):
     stack = ["plan", "--example", "mlp-stack", "--layers", "2", "--m", "8", "--d-model", "16", "--max-candidates", "2"]
     assert main([*stack, "--out", str(tmp_path)]) == 0
     names = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
-    assert names == ["best_so_far.r0.png", "plan.json", "predicted_vs_measured.r0.png", "results.json"]
+    assert names == ["best_so_far.r0.png", "pareto.r0.png", "plan.json", "predicted_vs_measured.r0.png", "results.json"]
 
 
 @pytest.mark.parametrize(
