@@ -15,7 +15,7 @@ from planner.commands.common import (
 from planner.core.cost import DeviceSpec, load_device
 from planner.core.errors import UsageError
 from planner.core.graph import Graph
-from planner.core.report import TABLE_PARTS, count_text, ledger_table
+from planner.core.report import count_text, ledger_table, plan_title
 from planner.egraph.candidates import build_candidates
 from planner.egraph.program import Limits
 from planner.model.stack import plan_model
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     print(ledger_table(cands.plans, cands.best.key, extra, full=args.all_rows))
     b = cands.best
-    print(f"best: {b.notation(TABLE_PARTS)} {b.composition()}  est {b.est_us:,.2f} us")
+    print(f"best: {plan_title(b)}  est {b.est_us:,.2f} us")
     return 0
 
 
@@ -92,5 +92,5 @@ def _explain_segments(args: argparse.Namespace, graph: Graph, spec: DeviceSpec, 
         print(f"note: {note}")
     print(ledger_table(plans, mp.plan.key, full=args.all_rows))
     b = mp.plan
-    print(f"best: {b.notation(TABLE_PARTS)} {b.composition()}  est {b.est_us:,.2f} us")
+    print(f"best: {plan_title(b)}  est {b.est_us:,.2f} us")
     return 0

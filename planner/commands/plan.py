@@ -23,7 +23,7 @@ from planner.core.graph import Graph
 from planner.core.kinds import Verdict
 from planner.core.planfile import save_plan
 from planner.core.plans import Plan
-from planner.core.report import TABLE_PARTS, TABLE_WIDTH, count_text, kernels_text, ledger_table, region_title
+from planner.core.report import TABLE_WIDTH, count_text, kernels_text, ledger_table, plan_title, region_title
 from planner.model.plancache import PlanCache
 from planner.model.stack import ModelPlan
 from planner.pipeline import Planned, PlanOptions, plan_graph
@@ -210,7 +210,7 @@ def print_result(result: SearchResult, full: bool = False) -> None:
         print(f"({untried:,} more candidates of the cost-model list were not tried; --json and results.json list them)")
     b = result.best_entry
     best_meas = fmt_us(b.meas_us) if b.meas_us is not None else f"not timed (backend {result.backend} only verifies)"
-    print(f"best: {b.plan.notation(TABLE_PARTS)} {b.plan.composition()}  est {fmt_us(b.est_us)}"
+    print(f"best: {plan_title(b.plan)}  est {fmt_us(b.est_us)}"
           + ("" if estimated else f"  meas {best_meas}"))
     if result.speedup_vs_unfused is not None:
         how = ", estimated" if estimated else ""

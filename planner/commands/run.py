@@ -11,7 +11,7 @@ from planner.core.cost import load_device
 from planner.core.errors import UsageError
 from planner.core.planfile import PlanFileError, load_plan
 from planner.core.reference import execute_graph, random_inputs
-from planner.core.report import TABLE_PARTS
+from planner.core.report import plan_title
 from planner.core.tolerance import check_outputs, check_tolerance_override
 from planner.registry import backend_names, get_backend
 from planner.search.searchlog import fmt_us
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(report)
         return 0
-    print(f"{graph.name}: plan {plan.notation(TABLE_PARTS)} [{plan.composition()}] on backend {args.backend}")
+    print(f"{graph.name}: plan {plan_title(plan)} on backend {args.backend}")
     print(f"verified against the reference: max_abs {max_abs:.3g}, max_rel {max_rel:.3g}")
     timing = fmt_us(meas) if meas is not None else f"not timed ({why_not})"
     print(f"est {fmt_us(plan.est_us)} | meas {timing}")

@@ -135,6 +135,13 @@ def region_title(region: Region) -> str:
     return f"{op_words(ops)[0]} {'x'.join(map(str, operand))} #{region.key[:6]}"
 
 
+def plan_title(p: Plan, width: int = 80) -> str:
+    """A plan in one line: its chain partition (``[5,7]``) or kernel count (``#13k``), then its kernels by
+    :func:`kernels_text` within ``width`` characters."""
+    notation = p.notation(TABLE_PARTS) if p.partition is not None else f"#{len(p.kernels)}k"
+    return f"{notation} {kernels_text(p, width)}"
+
+
 def table_rows(plans: Sequence[Plan], best_key: str, limit: int = TABLE_ROWS) -> list[Plan]:
     """The rows a table shows by default, in the given order: every plan when there are at most ``limit``;
     else the chosen one, the unfused one (the most kernels), the Pareto front of bytes, launches and register
