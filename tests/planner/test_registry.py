@@ -91,7 +91,7 @@ def test_a_backend_of_another_distribution_registers_through_its_entry_point(tmp
     assert out.returncode == 0, out.stderr
     assert "backend toy-dist" in out.stdout
     best = next(line for line in out.stdout.splitlines() if line.startswith("best: "))
-    assert "elementwise:1 " in best  # its timing is the kernel count: the one-kernel plan wins
+    assert best.startswith("best: [5] ")  # its timing is the kernel count: the one-kernel plan wins
 
 
 def test_an_entry_point_that_names_no_plugin_is_refused_by_name(tmp_path, monkeypatch):
