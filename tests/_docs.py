@@ -102,7 +102,8 @@ def scratch(folder: Path) -> Run:
             link.symlink_to(ROOT / name)
     env = dict(os.environ)
     env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", PYTHONUNBUFFERED="1",
-               FUSION_PLANNER_PLAN_CACHE=str(folder / "plan-cache"), PYTHONPATH=str(folder), COLUMNS="200")
+               FUSION_PLANNER_PLAN_CACHE=str(folder / "plan-cache"), COLUMNS="200",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(folder)]))  # this checkout's code, whatever is installed
     env.pop("SEARCH_LOG", None)
     return Run(folder, env)
 
