@@ -17,7 +17,9 @@ WHEELS=${WHEELS:-.whl}  # the carried wheels (prepare writes them)
 # The device image (Python 3.12, cupy-cuda13x 14.2, pip CUDA 13 runtime headers) lacks these, exactly so:
 # nvmath-python (cuBLASLt) with the cuda-core, cuda-pathfinder and cuda-bindings it was checked with, and
 # crt/ (mma.h, for the wmma GEMM kernels) matching the CUDA 13.0 runtime headers.  CI installs the same crt.
-DEVICE_WHEELS=(nvmath-python==1.0.0 cuda-core==1.2.2 cuda-pathfinder==1.9.1 cuda-bindings==13.0.3 nvidia-cuda-crt==13.0.88)
+# fastjsonschema (pure Python): planner.core checks every file it reads against its declared schema.
+DEVICE_WHEELS=(nvmath-python==1.0.0 cuda-core==1.2.2 cuda-pathfinder==1.9.1 cuda-bindings==13.0.3 nvidia-cuda-crt==13.0.88
+               fastjsonschema==2.22.2)
 DEVICE_PLATFORM=(--python-version 3.12 --implementation cp --abi cp312 --abi none
                  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 DEADLINE_S=${DEADLINE_S:-480}  # the device phase ends its last step by then: 540 s per call, less a 60 s margin

@@ -28,6 +28,7 @@ from planner.core.files import read_json
 from planner.core.kinds import Verdict, rejected
 from planner.core.machine import cpu_model
 from planner.core.reference import execute_plan
+from planner.core.schema import check_document
 from planner.core.tolerance import check_outputs
 
 log = logging.getLogger(__name__)
@@ -259,53 +260,29 @@ def load_measured(path: str | Path) -> dict[str, Measurement]:
 
 
 def measured_from_json(data: Any, source: str) -> dict[str, Measurement]:
-    """A measured-results document, checked field by field as untrusted data (``source`` names it in errors)."""
+    """A measured-results document, checked against its schema (``planner/core/schemas/measured.json``) as
+    untrusted data (``source`` names it in errors)."""
     if not isinstance(data, dict) or data.get("schema") != MEASURED_SCHEMA:
         raise MeasuredError(f"{source}: not a measured-results file (schema {MEASURED_SCHEMA!r} expected)")
-    machine = data.get("machine") or {}
-    if not isinstance(machine, dict):
-        raise MeasuredError(f"{source}: 'machine' must be an object")
-    executor = str(machine.get("executor", "?"))
-    candidates = data.get("candidates") or []
-    if not isinstance(candidates, list):
-        raise MeasuredError(f"{source}: 'candidates' must be a list")
-    out: dict[str, Measurement] = {}
-    for i, c in enumerate(candidates):
-        where = f"{source}: candidates[{i}]"
-        if not isinstance(c, dict) or not isinstance(c.get("key"), str) or not isinstance(c.get("verdict"), str):
-            raise MeasuredError(f"{where}: needs string fields 'key' and 'verdict'")
-        kernels = c.get("kernels") or []
-        if not isinstance(kernels, list) or not all(isinstance(k, dict) for k in kernels):
-            raise MeasuredError(f"{where}: 'kernels' must be a list of objects")
-        graph_us = c.get("graph_us")
-        out[c["key"]] = Measurement(
+    check_document(data, "measured", source, MeasuredError)
+    executor = str(data.get("machine", {}).get("executor", "?"))
+    return {
+        c["key"]: Measurement(
             key=c["key"],
-            plan=str(c.get("plan", "")),
-            meas_us=_positive(c.get("meas_us"), f"{where}: 'meas_us'"),
+            plan=c.get("plan", ""),
+            meas_us=_us(c.get("meas_us")),
             verdict=c["verdict"],
-            samples_us=tuple(_samples(c.get("samples_us"), where)),
-            kernels=tuple(dict(k) for k in kernels),
-            graph_us=_positive(graph_us, f"{where}: 'graph_us'") if graph_us is not None else None,
+            samples_us=tuple(float(s) for s in c.get("samples_us", []) if s is not None),
+            kernels=tuple(dict(k) for k in c.get("kernels", [])),
+            graph_us=_us(c.get("graph_us")),
             executor=executor,
         )
-    return out
+        for c in data["candidates"]
+    }
 
 
-def _positive(value: Any, what: str) -> float | None:
-    """A time in µs: a finite positive number, or None."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-        raise MeasuredError(f"{what} must be a finite positive number or null, got {value!r}")
-    return float(value)
-
-
-def _samples(values: Any, where: str) -> list[float]:
-    if values is None:
-        return []
-    if not isinstance(values, list):
-        raise MeasuredError(f"{where}: 'samples_us' must be a list of numbers")
-    return [v for v in (_positive(s, f"{where}: a sample") for s in values) if v is not None]
+def _us(value: float | None) -> float | None:
+    return None if value is None else float(value)
 
 
 def write_measured(result: dict[str, Any], path: str | Path) -> None:

@@ -8,14 +8,13 @@ register peak is the max over kernels.  ``docs/cost-model.md`` has the tables.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from planner.core.dtypes import DTYPES
 from planner.core.files import read_json
 from planner.core.kinds import KernelKind
+from planner.core.schema import check_document
 
 
 class DeviceSpecError(ValueError):
@@ -127,58 +126,9 @@ def load_device(name_or_file: str | None) -> DeviceSpec:
 
 
 def device_from_json(data: Any, source: str = "<json>") -> DeviceSpec:
-    if not isinstance(data, dict):
-        raise DeviceSpecError(f"device file {source}: top level must be an object")
-    known = set(DeviceSpec.__dataclass_fields__)
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise DeviceSpecError(f"device file {source}: unknown field(s) {unknown}")
-    for req in ("name", "bandwidth_gbps", "matmul_tflops", "vector_tflops", "launch_us"):
-        if req not in data:
-            raise DeviceSpecError(f"device file {source}: missing field {req!r}")
-    for fname, value in data.items():
-        problem = _field_problem(fname, value)
-        if problem:
-            raise DeviceSpecError(f"device file {source}: {fname!r} {problem}")
-    if not all(d in data["matmul_tflops"] for d in DTYPES):
-        raise DeviceSpecError(
-            f"device file {source}: 'matmul_tflops' needs a positive entry for each of {sorted(DTYPES)}"
-        )
+    """A DeviceSpec from a parsed device file, checked against its schema (``planner/core/schemas/device.json``)."""
+    check_document(data, "device", f"device file {source}", DeviceSpecError)
     return DeviceSpec(**data)
-
-
-#: how each field of a device file is checked: kind, and whether zero is allowed
-_FIELD_KINDS: dict[str, str] = {
-    "name": "str", "source": "str", "measured_registers": "bool",
-    "bandwidth_gbps": "positive", "vector_tflops": "positive", "spill_penalty": "positive",
-    "launch_us": "non-negative",
-    "reg_limit": "count", "sm_count": "count", "regs_per_sm": "count", "max_threads_per_sm": "count",
-    "max_blocks_per_sm": "count", "smem_per_sm": "count",
-    "matmul_tflops": "rates", "gemm_efficiency": "rates",
-}
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _field_problem(name: str, value: Any) -> str | None:
-    """Why ``value`` cannot be device field ``name`` (None when it can)."""
-    kind = _FIELD_KINDS[name]
-    if kind == "str":
-        return None if isinstance(value, str) else "must be a string"
-    if kind == "bool":
-        return None if isinstance(value, bool) else "must be true or false"
-    if kind == "positive":
-        return None if _is_number(value) and value > 0 else "must be a finite positive number"
-    if kind == "non-negative":
-        return None if _is_number(value) and value >= 0 else "must be a finite number >= 0"
-    if kind == "count":
-        return None if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 2**31 else \
-            "must be a positive integer"
-    if not isinstance(value, dict) or not all(isinstance(k, str) and _is_number(v) and v > 0 for k, v in value.items()):
-        return "must map names to finite positive numbers"
-    return None
 
 
 # ---------------------------------------------------------------- ledgers

@@ -22,6 +22,7 @@ from planner.core import limits
 from planner.core.dtypes import DTYPES
 from planner.core.files import read_json
 from planner.core.ops import OpError, op_def
+from planner.core.schema import check_document
 from planner.core.shapes import Shape
 from planner.core.torch_allowlist import loading_file
 
@@ -285,46 +286,25 @@ def graph_from_json(data: Any, source: str = "<json>", *, allow_torch: Iterable[
 
 
 def _graph_from_json(data: Any, source: str) -> Graph:
-    if not isinstance(data, dict):
-        raise GraphError(f"{source}: top level must be a JSON object")
-    if data.get("format", GRAPH_FORMAT) != GRAPH_FORMAT:
-        raise GraphError(f"{source}: 'format' must be {GRAPH_FORMAT!r}")
-    version = data.get("version", GRAPH_VERSION)
-    if isinstance(version, bool) or version != GRAPH_VERSION:
-        raise GraphError(f"{source}: unsupported 'version' {str(version)[:40]!r}")
-    nodes = data.get("nodes")
-    if not isinstance(nodes, list):
-        raise GraphError(f"{source}: 'nodes' must be a list")
     max_nodes = limits.current().graph_nodes
-    if len(nodes) > max_nodes:
+    nodes = data.get("nodes") if isinstance(data, dict) else None
+    if isinstance(nodes, list) and len(nodes) > max_nodes:  # before anything walks them
         raise GraphError(f"{source}: {len(nodes):,} nodes exceed the limit of {max_nodes:,} "
                          f"({limits.flag_of('graph_nodes')})")
+    check_document(data, "graph", source, GraphError)
     b = GraphBuilder(_graph_name(data.get("name", Path(source).stem), source))
     first_at: dict[str, int] = {}
-    for i, nd in enumerate(nodes):
-        nid = nd.get("id") if isinstance(nd, dict) else None
-        if isinstance(nid, str):
-            first_at.setdefault(nid, i)
+    for i, nd in enumerate(data["nodes"]):
+        first_at.setdefault(nd["id"], i)
     seen: set[str] = set()
-    for i, nd in enumerate(nodes):
-        if not isinstance(nd, dict):
-            raise GraphError(f"{source}: nodes[{i}] must be an object")
-        for key in ("id", "op"):
-            if key not in nd:
-                raise GraphError(f"{source}: nodes[{i}] is missing {key!r}")
-        nid = nd["id"]
-        inputs = nd.get("inputs", [])
-        if not isinstance(inputs, list) or not all(isinstance(x, str) for x in inputs):
-            raise GraphError(f"{source}: node {nid!r}: 'inputs' must be a list of node ids")
+    for i, nd in enumerate(data["nodes"]):
+        nid, inputs, attrs = nd["id"], nd.get("inputs", []), nd.get("attrs", {})
         later = [x for x in inputs if x not in seen]
         if later and any(x == nid or first_at.get(x, -1) >= i for x in later):
             raise GraphError(
                 f"{source}: node {nid!r}: input(s) {later} come later in the list or from itself: "
                 "the graph has a cycle or is not in topological order"
             )
-        attrs = nd.get("attrs", {})
-        if not isinstance(attrs, dict):
-            raise GraphError(f"{source}: node {nid!r}: 'attrs' must be an object")
         if nd["op"] == "In" and (attrs or inputs):
             raise GraphError(f"{source}: node {nid!r}: an In node takes no 'inputs' and no 'attrs'")
         try:
@@ -332,10 +312,7 @@ def _graph_from_json(data: Any, source: str) -> Graph:
         except GraphError as exc:
             raise GraphError(f"{source}: {exc}") from None
         seen.add(nid)
-    outs = data.get("outputs")
-    if not isinstance(outs, list) or not outs or not all(isinstance(o, str) for o in outs):
-        raise GraphError(f"{source}: 'outputs' must be a non-empty list of node ids")
-    return b.build(outs)
+    return b.build(data["outputs"])
 
 
 def _graph_name(name: Any, source: str) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,8 @@ from planner.core.files import read_json
 from planner.core.graph import Graph, GraphError, TensorType, graph_from_json, torch_names
 from planner.core.kinds import KernelKind, OpKind
 from planner.core.ops import CUBLASLT_EPILOGUES, OPS, OpError, op_def
-from planner.core.plans import KERNEL_KINDS, Expr, Kernel, Load, Plan, expr_from_json, expr_to_json
+from planner.core.plans import Expr, Kernel, Load, Plan, expr_from_json, expr_to_json
+from planner.core.schema import check_document
 from planner.core.torch_allowlist import loading_file
 
 PLAN_FORMAT = "fusion-planner-plan"
@@ -96,14 +97,13 @@ def plan_from_document(
 def _plan_from_document(
     doc: Any, source: str, expect_graph: Graph | None, allow: frozenset[str]
 ) -> tuple[Plan, Graph, DeviceSpec, dict[str, Any]]:
-    if not isinstance(doc, dict):
-        raise PlanFileError(f"{source}: top level must be an object")
-    if doc.get("format") != PLAN_FORMAT:
+    if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
         raise PlanFileError(f"{source}: not a plan file ('format' must be {PLAN_FORMAT!r})")
     if doc.get("version") != PLAN_VERSION:
         raise PlanFileError(f"{source}: unsupported plan version {doc.get('version')!r} (this build reads {PLAN_VERSION})")
     if doc.get("sha256") != content_hash(doc):
         raise PlanFileError(f"{source}: content hash mismatch: the file was edited or corrupted after it was written")
+    check_document(doc, "plan", source, PlanFileError)
     try:
         graph = graph_from_json(doc.get("graph"), f"{source}: graph", allow_torch=allow)
         spec = device_from_json(doc.get("device"), f"{source}: device")
@@ -113,43 +113,27 @@ def _plan_from_document(
         raise PlanFileError(
             f"{source}: the plan was made for graph {graph.name!r}, which differs from the given graph {expect_graph.name!r}"
         )
-    pd = doc.get("plan")
-    if not isinstance(pd, dict) or not isinstance(pd.get("kernels"), list) or not pd["kernels"]:
-        raise PlanFileError(f"{source}: 'plan.kernels' must be a non-empty list")
+    pd = doc["plan"]
     tensors = {n.id: n.type for n in graph.nodes}
-    kernels = tuple(_kernel(k, i, source, graph) for i, k in enumerate(pd["kernels"]))
-    outputs = pd.get("outputs")
-    if not isinstance(outputs, list) or not all(isinstance(o, str) for o in outputs):
-        raise PlanFileError(f"{source}: 'plan.outputs' must be a list of tensor names")
+    kernels = tuple(_kernel(k, i, source) for i, k in enumerate(pd["kernels"]))
     partition = pd.get("partition")
-    plan = Plan(graph.name, kernels, tuple(outputs), tensors, str(pd.get("key", "")),
-                tuple(partition) if isinstance(partition, list) else None)
+    plan = Plan(graph.name, kernels, tuple(pd["outputs"]), tensors, pd.get("key", ""),
+                tuple(partition) if partition is not None else None)
     check_plan(plan, graph, source)
-    raw_meta = doc.get("meta")
-    meta: dict[str, Any] = raw_meta if isinstance(raw_meta, dict) else {}
-    return plan, graph, spec, meta
+    return plan, graph, spec, dict(doc.get("meta", {}))
 
 
-def _kernel(d: Any, i: int, source: str, graph: Graph) -> Kernel:
+def _kernel(d: dict[str, Any], i: int, source: str) -> Kernel:
+    """Kernel ``i`` of a plan document whose fields its schema has checked."""
     where = f"{source}: kernel {i}"
-    if not isinstance(d, dict):
-        raise PlanFileError(f"{where} must be an object")
-    kind = d.get("kind")
-    if kind not in KERNEL_KINDS:
-        raise PlanFileError(f"{where}: kind {kind!r} is not one of {', '.join(KERNEL_KINDS)}")
-    out, reads = d.get("out"), d.get("reads")
-    if not isinstance(out, str) or not isinstance(reads, list) or not all(isinstance(r, str) for r in reads):
-        raise PlanFileError(f"{where}: needs 'out' (a tensor name) and 'reads' (a list of tensor names)")
+    kind, out, reads, epilogue = d["kind"], d["out"], d["reads"], d.get("epilogue")
     try:
-        body = expr_from_json(d.get("body"), "body")
+        body = expr_from_json(d["body"], "body")
     except (ValueError, OpError) as exc:  # a body past the depth limit included (core.limits)
         raise PlanFileError(f"{where}: {exc}") from None
     if not isinstance(body, Expr):
         raise PlanFileError(f"{where}: the body must compute a value, not just load {body.tensor!r}")
-    cost = _cost(d.get("cost"), where)
-    epilogue = d.get("epilogue")
-    if epilogue is not None and not isinstance(epilogue, str):
-        raise PlanFileError(f"{where}: 'epilogue' must be a string or null")
+    cost = KernelCost(**d["cost"])
     problem = kind_problem(KernelKind(kind), body, epilogue)
     if problem:
         raise PlanFileError(f"{where}: the body does not fit kind {kind}: {problem}")
@@ -186,17 +170,6 @@ def kind_problem(kind: KernelKind, body: Expr, epilogue: str | None) -> str | No
     if kind != KernelKind.CUBLASLT and epilogue is not None:
         ok, why = False, f"only a cublaslt kernel has an epilogue, not a {kind} kernel"
     return None if ok else why
-
-
-def _cost(d: Any, where: str) -> KernelCost:
-    names = [f.name for f in fields(KernelCost)]
-    if not isinstance(d, dict) or set(d) != set(names):
-        raise PlanFileError(f"{where}: 'cost' must have exactly the fields {names}")
-    for name, v in d.items():
-        ok = isinstance(v, bool) if name == "spills" else isinstance(v, (int, float)) and not isinstance(v, bool)
-        if not ok:
-            raise PlanFileError(f"{where}: cost field {name!r} has a bad value {v!r}")
-    return KernelCost(**d)
 
 
 def check_plan(plan: Plan, graph: Graph, source: str = "<plan>") -> None:

@@ -4,7 +4,6 @@ far over the search's time (matplotlib, Agg). ``fusion-planner plot`` and ``plan
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -12,21 +11,11 @@ from typing import Any
 
 from planner.core.errors import UsageError
 from planner.core.files import read_json
+from planner.core.schema import check_document
 
 #: the plots of one search, by file stem
 PLOTS = ("predicted_vs_measured", "pareto", "best_so_far")
 FORMATS = ("png", "svg")
-#: what a candidate of a results document must hold for the plots, with the JSON types each may take
-_CANDIDATE_FIELDS: dict[str, tuple[type, ...]] = {
-    "plan": (str,), "bytes": (int,), "launches": (int,), "reg_peak": (int,), "est_us": (int, float),
-    "meas_us": (int, float, type(None)), "verdict": (str,), "stopped_early": (bool,),
-}
-_SEARCH_FIELDS: dict[str, tuple[type, ...]] = {
-    "graph": (str,), "backend": (str,), "device": (str,), "candidates": (list,),
-    "speedup_vs_unfused": (int, float, type(None)), "spearman": (int, float, type(None)),
-}
-
-
 class ResultsFileError(UsageError):
     """A results document the plots cannot read; the message names the file and the offending path."""
 
@@ -42,30 +31,11 @@ def _pyplot() -> Any:
     return plt
 
 
-def _check(doc: Any, fields: Mapping[str, tuple[type, ...]], where: str) -> None:
-    if not isinstance(doc, dict):
-        raise ResultsFileError(f"{where}: must be an object")
-    for name, types in fields.items():
-        if name not in doc:
-            raise ResultsFileError(f"{where}: missing field {name!r}")
-        value = doc[name]
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            kinds = " or ".join("null" if t is type(None) else t.__name__ for t in types)
-            raise ResultsFileError(f"{where}.{name}: must be {kinds}, got {json.dumps(value)[:40]}")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ResultsFileError(f"{where}.{name}: must be finite")
-
-
 def check_search(doc: Any, where: str) -> dict[str, Any]:
-    """``doc`` as one search's results document, else :class:`ResultsFileError` naming ``where`` and the path."""
-    _check(doc, _SEARCH_FIELDS, where)
-    for i, cand in enumerate(doc["candidates"]):
-        _check(cand, _CANDIDATE_FIELDS, f"{where}.candidates[{i}]")
-        if "at_s" in cand and not isinstance(cand["at_s"], (int, float)):
-            raise ResultsFileError(f"{where}.candidates[{i}].at_s: must be a number")
-    if not any(c.get("best") is True for c in doc["candidates"]):
-        raise ResultsFileError(f"{where}.candidates: no candidate is marked best")
-    return doc
+    """``doc`` as one search's results document (its schema, ``planner/core/schemas/results.json``), else
+    :class:`ResultsFileError` naming ``where`` and the offending path."""
+    check_document(doc, "results", where, ResultsFileError)
+    return dict(doc)
 
 
 def load_results(path: str | Path) -> dict[str, dict[str, Any]]:

@@ -24,7 +24,7 @@ def test_graph_json_round_trip():
         (lambda d: d["nodes"][1].update(shape=[5, 4]), "node 'mm'"),
         (lambda d: d["nodes"][5].update(inputs=["res", "b"]), "cycle"),
         (lambda d: d.update(nodes=d["nodes"][:4]), "empty"),
-        (lambda d: d["nodes"][0].pop("id"), "missing 'id'"),
+        (lambda d: d["nodes"][0].pop("id"), r"nodes\[0\] must contain \['id'\] properties"),
         (lambda d: d.update(outputs=["nope"]), "output 'nope'"),
         (lambda d: d["nodes"][6].update(attrs={"zz": 1}), "unknown attribute"),
     ],
