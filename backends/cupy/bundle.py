@@ -31,6 +31,7 @@ from planner.core.kinds import KernelKind, OpKind
 from planner.core.ops import CUBLASLT_EPILOGUES, epilogue_has_bias, op_def
 from planner.core.planfile import PlanFileError, check_plan_tensors, kind_problem
 from planner.core.plans import KERNEL_KINDS, Expr, Kernel, Load, Plan, expr_from_json, expr_to_json
+from planner.core.schema import check_document
 from planner.core.torch_allowlist import loading_file
 
 SCHEMA = "fusion-planner/candidates/1"
@@ -286,6 +287,7 @@ def tensor_table(raw: Any, where: str) -> dict[str, TensorType]:
 def _bundle_from_json(data: Any, source: str) -> Bundle:
     if not isinstance(data, Mapping) or data.get("schema") != SCHEMA:
         raise BundleError(f"{source}: not a candidates bundle (schema {SCHEMA!r} expected)")
+    check_document(data, "bundle", source, BundleError)
     tensors = tensor_table(_need(data, "tensors", source), f"{source}.tensors")
     graph = str(_need(data, "graph", source))
     inputs = _need(data, "inputs", source)
@@ -350,8 +352,9 @@ def load_bundle(path: str | Path) -> Bundle:
 
 def variant_candidate(v: Any, i: int) -> Candidate:
     """One C-05 variant (a candidate with its graph name and tensors inline)."""
-    if not isinstance(v, dict) or not isinstance(v.get("tensors"), dict):
-        raise BundleError(f"variants[{i}]: expected an object with 'tensors'")
+    check_document(v, "bundle", f"variants[{i}]", BundleError, part="candidate")
+    if "tensors" not in v:
+        raise BundleError(f"variants[{i}]: a C-05 variant needs its 'tensors'")
     with _reading(f"variants[{i}]"):
         return candidate_from_json(v, str(v.get("graph", "")), tensor_table(v["tensors"], f"variants[{i}].tensors"),
                                    f"variants[{i}]")

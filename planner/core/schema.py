@@ -1,8 +1,8 @@
 """One declared schema per file format the planner reads, and the one check of a parsed document against it.
 
 The schemas are JSON Schema documents (draft 7) in ``planner/core/schemas/``: ``graph`` (docs/graph-format.md),
-``device`` (a DeviceSpec file), ``plan`` (a plan file, docs/search.md), ``results`` (one search's results.json)
-and ``measured`` (results timed on the GPU machine, docs/gpu.md). They fix the fields and their types; what a
+``device`` (a DeviceSpec file), ``plan`` (a plan file, docs/search.md), ``results`` (one search's results.json),
+``bundle`` (candidates exported for the GPU machine) and ``measured`` (results timed there, docs/gpu.md). They fix the fields and their types; what a
 schema cannot say (shapes that fit an op, a graph's order, a plan that computes its graph, a content hash) the
 loaders check after. ``fastjsonschema`` compiles each schema once; a document that breaks one is refused with the
 path of the offending value (``nodes[3].shape[1] must be integer``).
@@ -34,14 +34,20 @@ def schema(kind: str) -> dict[str, Any]:
 
 
 @functools.cache
-def _validator(kind: str) -> Callable[[Any], Any]:
-    return fastjsonschema.compile(schema(kind))
+def _validator(kind: str, part: str | None) -> Callable[[Any], Any]:
+    declared = schema(kind)
+    if part is not None:  # one of its definitions (a bundle's candidate, read on its own)
+        if part not in declared.get("definitions", {}):
+            raise KeyError(f"the {kind} schema defines no {part!r}")
+        declared = {"definitions": declared["definitions"], "$ref": f"#/definitions/{part}"}
+    return fastjsonschema.compile(declared)
 
 
-def check_document(doc: Any, kind: str, source: str, error: type[Exception]) -> None:
-    """Raise ``error("<source>: <path> <what is wrong>")`` unless ``doc`` fits the schema of ``kind``."""
+def check_document(doc: Any, kind: str, source: str, error: type[Exception], part: str | None = None) -> None:
+    """Raise ``error("<source>: <path> <what is wrong>")`` unless ``doc`` fits the schema of ``kind`` (or its
+    definition ``part``)."""
     try:
-        _validator(kind)(doc)
+        _validator(kind, part)(doc)
     except fastjsonschema.JsonSchemaValueException as exc:
         raise error(f"{source}: {_where(exc.message)}") from None
 

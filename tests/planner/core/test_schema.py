@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import fields
 
+import fastjsonschema
 import pytest
 
 from planner.core import examples
@@ -18,10 +19,14 @@ from planner.core.schema import FORMATS, check_document, schema
 from planner.egraph.candidates import build_candidates
 
 
-def test_every_format_has_a_schema():
-    assert set(FORMATS) == {"graph", "device", "plan", "results", "measured"}
-    with pytest.raises(KeyError, match="no schema for 'bundle'"):
-        schema("bundle")
+def test_every_format_has_a_schema_that_compiles():
+    assert set(FORMATS) == {"graph", "device", "plan", "results", "bundle", "measured"}
+    for kind in FORMATS:
+        fastjsonschema.compile(schema(kind))  # every $ref resolves
+        with pytest.raises(ValueError, match="^f: "):
+            check_document([], kind, "f", ValueError)
+    with pytest.raises(KeyError, match="no schema for 'notes'"):
+        schema("notes")
 
 
 def test_the_schemas_agree_with_the_code():
