@@ -7,7 +7,8 @@ A line ``...`` in an output stands for any number of lines.
 
 Each document's samples run in order in one scratch folder (``examples`` and ``tests`` linked in, a private plan
 cache), so a later command may read what an earlier one wrote. A command that measures (a search on the cpu
-backend, a calibration, a timed run, a Python snippet, a command marked ``# measured``) is compared by its shape: its first line, its tables' header lines and the
+backend, a calibration, a timed run or search in a Python snippet, a command marked ``# measured``) is compared by
+its shape: its first line, its tables' header lines and the
 first word of its last line, with every number masked. Any other is compared line by line, numbers and hashes
 masked and runs of spaces folded (column widths follow the numbers).
 
@@ -31,7 +32,8 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 ELIDED = "..."
 #: commands whose output depends on timing: compared by shape
 MEASURES = re.compile(r"--backend cpu|backend=\"cpu\"|calibrate|SEARCH_LOG|--search-log|\brun\b.*plan\.json"
-                      r"|backends\.cupy time|bench c05|torch\.compile|# measured")
+                      r"|backends\.cupy time|bench c05|torch\.compile|# measured|\.time\(|perf_counter|SearchLog"
+                      r"|\"cpu\"")
 #: commands that need nvcc on PATH (registers and spills come from it): skipped without it, as their tests are
 NEEDS_NVCC = re.compile(r"--kernel-facts|bench c05")
 #: seconds one sample may take
@@ -61,7 +63,7 @@ class Sample:
 
     @property
     def measures(self) -> bool:
-        return self.python or bool(MEASURES.search(self.command))
+        return bool(MEASURES.search(self.command))
 
     def __str__(self) -> str:
         head = self.command.splitlines()[0]

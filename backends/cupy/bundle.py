@@ -313,32 +313,13 @@ def _bundle_from_json(data: Any, source: str) -> Bundle:
         tensors=tensors,
         inputs=names,
         outputs=outputs,
-        seed=_seed(_need(inputs, "seed", f"{source}.inputs"), f"{source}.inputs.seed"),
-        scales=_scales(inputs.get("scales") or {}, f"{source}.inputs.scales"),
+        seed=inputs["seed"],  # its schema: an integer numpy's generators take (non-negative, 64 bits)
+        # a zero scale would draw all-zero inputs, on which every candidate "verifies": the schema wants them > 0
+        scales={str(k): float(x) for k, x in inputs.get("scales", {}).items()},
         reference=ref,
         graph_sha256=str(data.get("graph_sha256", "")),
         candidates=cands,
     )
-
-
-def _seed(v: Any, where: str) -> int:
-    """The recipe's seed: an integer numpy's generators take (non-negative, 64 bits)."""
-    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**63:
-        raise BundleError(f"{where}: the input seed must be an integer from 0 to 2**63-1, got {str(v)[:40]}")
-    return v
-
-
-def _scales(v: Any, where: str) -> dict[str, float]:
-    """Each input's scale: finite and positive. A zero scale draws all-zero inputs, on which every candidate
-    "verifies" (GELU(0) = ReLU(0) = 0): the check could not fail."""
-    if not isinstance(v, Mapping):
-        raise BundleError(f"{where}: must be an object of input name to scale")
-    out = {}
-    for k, x in v.items():
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or not (math.isfinite(x) and x > 0):
-            raise BundleError(f"{where}.{str(k)[:40]}: a scale must be a positive finite number, got {str(x)[:40]}")
-        out[str(k)] = float(x)
-    return out
 
 
 def read_bundle_json(path: str | Path) -> Any:
