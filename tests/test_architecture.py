@@ -33,6 +33,19 @@ def test_the_top_level_is_the_design_cards():
     assert sorted(p.name for p in (ROOT / "rewrite_rules").glob("*.egg"))  # the rule files are package data
 
 
+#: what the repository commits at its top level: the design card's folders and the files around them
+COMMITTED_TOP = {".ci", ".gitignore", "Makefile", "README.md", "pyproject.toml", "planner", "rewrite_rules", "backends",
+                 "fusion_planner", "tests", "docs", "benchmarks", "examples"}
+
+
+def test_nothing_else_is_committed_at_the_top_level():
+    """A stray output folder (a fuzz run's ``--out abc``) once got committed; the top level stays the card's."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert {path.split("/")[0] for path in listed.split("\0") if path} <= COMMITTED_TOP
+
+
 def test_layers_hold():
     """import-linter's contracts in pyproject.toml: each layer imports only from the layers below it."""
     exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or shutil.which("lint-imports")
