@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from testpaths import ROOT
 
 from planner.core.examples import mlp_epilogue
 from planner.core.graph import GraphBuilder, GraphError, graph_from_json
@@ -127,3 +128,11 @@ def test_integer_attributes_are_range_checked(attrs, needle):
     with pytest.raises(GraphError, match=needle):
         b.op("y", "Stage", ["x"], attrs)
         b.build(["y"])
+
+
+def test_the_example_of_the_format_page_loads():
+    """docs/graph-format.md's example is a graph file as printed."""
+    page = (ROOT / "docs" / "graph-format.md").read_text()
+    example = page.split("```json\n", 1)[1].split("```", 1)[0]
+    graph = graph_from_json(json.loads(example), "docs/graph-format.md")
+    assert graph.name == "mlp-epilogue" and graph.outputs == ("ln",)
