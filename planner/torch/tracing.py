@@ -34,12 +34,20 @@ PLANNER_DIR = os.path.dirname(os.path.abspath(__file__))
 # ---------------------------------------------------------------- tracing
 
 
+#: the modules the tracer keeps as leaves, and the kind of IMPORTER_TABLE each is lowered as
+#: (``planner.torch.lowerings.modules.lower_module``)
+LEAF_KINDS: dict[type[nn.Module], str] = {
+    nn.Linear: "linear", nn.GELU: "gelu", nn.ReLU: "relu", nn.SiLU: "silu", nn.LayerNorm: "layer_norm",
+    nn.Dropout: "dropout", nn.Identity: "same",
+}
+
+
 class _Tracer(fx.Tracer):
     """Keeps only the modules the importer maps as leaves; traces into all others. With the example inputs, a
     loop over a traced value of fixed length (``for t in x.split(d, -1)``, which fx cannot iterate) runs over
     its items, the length taken from the graph traced so far run on those inputs."""
 
-    LEAVES = (nn.Linear, nn.GELU, nn.ReLU, nn.SiLU, nn.LayerNorm, nn.Dropout, nn.Identity)
+    LEAVES = tuple(LEAF_KINDS)
 
     def __init__(self, example_args: tuple[Any, ...] | None = None) -> None:
         super().__init__()

@@ -8,9 +8,9 @@ Add a mapping by decorating a function ``(importer, node, args, kwargs, concrete
 
 from planner.torch.lowerings import elementwise, products, rows
 from planner.torch.lowerings.modules import lower_module
-from planner.torch.lowerings.registry import LOWERINGS, lowering
+from planner.torch.lowerings.registry import BECOMES, LOWERINGS, lowering
 
 #: the theme modules whose import registered their lowerings
 THEMES = (elementwise, products, rows)
 
-__all__ = ["LOWERINGS", "THEMES", "lower_module", "lowering"]
+__all__ = ["BECOMES", "LOWERINGS", "THEMES", "lower_module", "lowering"]

@@ -20,19 +20,19 @@ from planner.torch.walk import (
 )
 
 
-@lowering("relu")
+@lowering("relu", becomes="Relu")
 def lower_relu(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
     return imp.unary(node, "Relu", args[0], concrete)
 
 
-@lowering("silu")
+@lowering("silu", becomes="Silu")
 def lower_silu(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
     if kwargs.get("inplace") or (len(args) > 1 and args[1]):
         return None
     return imp.unary(node, "Silu", args[0], concrete)
 
 
-@lowering("gelu")
+@lowering("gelu", becomes="GeluTanh (approximate='tanh') or GeluErf (the exact form)")
 def lower_gelu(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
     approx = kwargs.get("approximate", args[1] if len(args) > 1 else "none")
     op = {"tanh": "GeluTanh", "none": "GeluErf"}.get(approx)
@@ -93,37 +93,42 @@ def binary(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any, 
     return None
 
 
-@lowering("add")
+@lowering("add",
+          becomes=(
+           "Add; BiasAdd (a row vector); TileAdd (a table repeated over heads); MaskAdd (attention scores + a "
+           "mask); AddRow (one value per row); Affine (a scalar)"))
 def lower_add(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
     return binary(imp, node, args, kwargs, concrete, "add")
 
 
-@lowering("sub")
+@lowering("sub", becomes="Sub; SubRow (one value per row); Affine (a scalar)")
 def lower_sub(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
     return binary(imp, node, args, kwargs, concrete, "sub")
 
 
-@lowering("mul")
+@lowering("mul",
+          becomes=(
+           "Mul; BiasMul (a row vector); TileMul (RoPE's tables); MulRow (one value per row); Affine (a scalar)"))
 def lower_mul(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
     return binary(imp, node, args, kwargs, concrete, "mul")
 
 
-@lowering("div")
+@lowering("div", becomes="Div; DivRow (one value per row); Affine (by a scalar)")
 def lower_div(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
     return binary(imp, node, args, kwargs, concrete, "div")
 
 
-@lowering("maximum")
+@lowering("maximum", becomes="Maximum (two tensors)")
 def lower_maximum(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
     return binary(imp, node, args, kwargs, concrete, "maximum") if all(is_tensor(a) for a in args) else None
 
 
-@lowering("minimum")
+@lowering("minimum", becomes="Minimum (two tensors)")
 def lower_minimum(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
     return binary(imp, node, args, kwargs, concrete, "minimum") if all(is_tensor(a) for a in args) else None
 
 
-@lowering("neg")
+@lowering("neg", becomes="Neg")
 def lower_neg(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
     x = args[0] if args else None
     if isinstance(x, Traced) and x.program is not None and takes_columns(x.program.steps[-1]):
@@ -131,7 +136,7 @@ def lower_neg(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: An
     return imp.unary(node, "Neg", x, concrete)
 
 
-@lowering("pow")
+@lowering("pow", becomes="Square (p = 2), Square then Mul (3), Sqrt (0.5), Rsqrt (-0.5)")
 def lower_pow(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
     """``x ** p`` with a constant ``p`` of 2, 3, 0.5 or -0.5: Square, Square then Mul, Sqrt, Rsqrt."""
     if len(args) != 2 or kwargs or not isinstance(args[0], Traced) or not is_scalar(args[1]):
@@ -148,7 +153,7 @@ def lower_pow(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: An
     return None
 
 
-@lowering("rsub")
+@lowering("rsub", becomes="Affine (a scalar minus x)")
 def lower_rsub(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
     alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
     if isinstance(args[0], Traced) and is_scalar(args[1]) and is_scalar(alpha):
@@ -156,17 +161,17 @@ def lower_rsub(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: A
     return None
 
 
-@lowering("view")
+@lowering("view", becomes="a view of its input, no op (reshape, flatten, unsqueeze, squeeze)")
 def lower_view(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
     return alias(imp, args[0], concrete)
 
 
-@lowering("same")
+@lowering("same", becomes="a view of its input, no op (contiguous, clone, detach)")
 def lower_same(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
     return alias(imp, args[0], concrete)
 
 
-@lowering("to")
+@lowering("to", becomes="Cast (to another dtype), else a view")
 def lower_to(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
     x = args[0] if args else None
     if isinstance(x, Traced) and isinstance(concrete, torch.Tensor) and concrete.dtype != x.dtype:
@@ -174,7 +179,7 @@ def lower_to(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any
     return alias(imp, x, concrete)
 
 
-@lowering("expand")
+@lowering("expand", becomes="GroupRepeat (repeat_kv of grouped-query attention)")
 def lower_expand(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
     """``repeat_kv``'s ``x[:, :, None].expand(b, kv, n, t, d)`` of head-major keys or values (grouped-query
     attention): ``GroupRepeat``, each head repeated for its n query heads (the reshape after it is free)."""
@@ -188,7 +193,7 @@ def lower_expand(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete:
     return imp.emit(node, "GroupRepeat", [x.id], {"heads": out[2], "rows": t}, out, x.dtype)
 
 
-@lowering("dropout")
+@lowering("dropout", becomes="a view in eval mode (refused in training mode)")
 def lower_dropout(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
     train = kwargs.get("training", kwargs.get("train", args[2] if len(args) > 2 else True))
     p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)

@@ -19,7 +19,7 @@ from planner.torch.walk import (
 )
 
 
-@lowering("linear")
+@lowering("linear", becomes="MatMul (weight read transposed), BiasAdd")
 def lower_linear(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
     x = args[0]
     w = kwargs.get("weight", args[1] if len(args) > 1 else None)
@@ -37,7 +37,7 @@ def lower_linear(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete:
     return imp.emit(node, "BiasAdd", [mm.id, imp.use(bias, bname)], None, concrete.shape, concrete.dtype)
 
 
-@lowering("matmul")
+@lowering("matmul", becomes="MatMul (a 2-D right operand); BatchScores, BatchApply (attention's 4-D products)")
 def lower_matmul(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
     """``x @ w`` with ``w`` 2-D (a weight, or any stored matrix): one MatMul on ``x``'s rows.  Eager
     attention's 4-D products of head-major values: ``q @ k.transpose(-1, -2)`` is ``BatchScores``,
@@ -64,7 +64,7 @@ def batched(imp: Importer, node: fx.Node, a: Any, b: Any, concrete: torch.Tensor
     return None
 
 
-@lowering("addmm")
+@lowering("addmm", becomes="MatMul, BiasAdd (GPT-2's Conv1D)")
 def lower_addmm(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
     """``torch.addmm(b, x, w)`` (GPT-2's Conv1D) with a row-vector ``b``: MatMul + BiasAdd."""
     if len(args) != 3 or any(kwargs.get(k, 1) != 1 for k in ("beta", "alpha")) or set(kwargs) - {"beta", "alpha"}:

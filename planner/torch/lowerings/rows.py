@@ -31,22 +31,22 @@ def reduction(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: An
     return imp.emit(node, op, [imp.use(x, node.name)], None, concrete.shape, concrete.dtype)
 
 
-@lowering("mean")
+@lowering("mean", becomes="RowMean (over the last dimension, kept)")
 def lower_mean(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
     return reduction(imp, node, args, kwargs, concrete, "RowMean")
 
 
-@lowering("sum")
+@lowering("sum", becomes="RowSum (over the last dimension, kept)")
 def lower_sum(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
     return reduction(imp, node, args, kwargs, concrete, "RowSum")
 
 
-@lowering("amax")
+@lowering("amax", becomes="RowMax (over the last dimension, kept)")
 def lower_amax(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
     return reduction(imp, node, args, kwargs, concrete, "RowMax")
 
 
-@lowering("softmax")
+@lowering("softmax", becomes="RowMax, SubRow, Exp, RowSum, DivRow (one row kernel once fused)")
 def lower_softmax(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
     """softmax over the last dimension: exp(x - max) / sum, one row kernel once fused."""
     x = args[0] if args else kwargs.get("input")
@@ -65,7 +65,10 @@ def lower_softmax(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete
     return imp.emit(node, "DivRow", [e.id, total.id], None, shape, dt)
 
 
-@lowering("sdpa")
+@lowering("sdpa",
+          becomes=(
+           "Heads, BatchScores, Affine, MaskAdd, the softmax's row ops, BatchApply, Merge (fused into Attention "
+           "or MaskedAttention); GroupRepeat for grouped-query attention"))
 def lower_sdpa(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
     """``scaled_dot_product_attention(q, k, v, is_causal=..., scale=...)`` of heads taken out of token rows
     (``split``/``view``/``transpose``): ``Heads`` of each, softmax(scale * q@k^T) @ v from ``BatchScores``,
@@ -145,7 +148,9 @@ def norm(imp: Importer, node: fx.Node, x: Any, shape: Any, weight: Any, bias: An
     return y
 
 
-@lowering("layer_norm")
+@lowering("layer_norm",
+          becomes=(
+           "RowMean, SubRow, Square, Affine, Rsqrt, MulRow, BiasMul, BiasAdd (one row kernel once fused)"))
 def lower_layer_norm(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
     names = ("input", "normalized_shape", "weight", "bias", "eps")
     a = {**dict(zip(names, args, strict=False)), **kwargs}
@@ -155,7 +160,7 @@ def lower_layer_norm(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concr
                      a.get("eps", 1e-5), concrete, rms=False)
 
 
-@lowering("rms_norm")
+@lowering("rms_norm", becomes="Square, RowMean, Affine, Rsqrt, MulRow, BiasMul (one row kernel once fused)")
 def lower_rms_norm(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
     names = ("input", "normalized_shape", "weight", "eps")
     a = {**dict(zip(names, args, strict=False)), **kwargs}
