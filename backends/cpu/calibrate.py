@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
-import json
 import logging
 import os
 import platform
@@ -33,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from backends.cpu.codegen import generate, noop_source
-from backends.cpu.compiler import Compiler, cache_dir, keep_record
+from backends.cpu.compiler import Compiler, cache_dir, keep_record, read_record
 from backends.cpu.memory import blas_threads_from_env, cache_bytes, gemm_tile_rows, limit_blas_threads
 from planner.core.cost import DeviceSpec, DeviceSpecError, device_from_json
 from planner.core.graph import TensorType
@@ -225,11 +224,11 @@ def machine_spec() -> DeviceSpec:
     """This machine's calibrated spec, the one a cpu search is costed with unless told otherwise: read from the
     kernel cache, else measured once (a few seconds) and kept there."""
     path = cache_dir() / MACHINE_SPEC_FILE
+    record = read_record(path, _machine_key())
     try:
-        record = json.loads(path.read_text())
-        if record.get("key") == _machine_key():
-            return device_from_json(record["spec"], str(path))
-    except (OSError, ValueError, KeyError, AttributeError, DeviceSpecError) as exc:
+        if record is not None:
+            return device_from_json(record.get("spec"), str(path))
+    except DeviceSpecError as exc:
         log.debug("no usable calibration in %s (%s): measuring this machine", path, exc)
     log.info("calibrating this machine once for the cost model (a few seconds; `fusion-planner calibrate` refreshes it)")
     spec = calibrate_cpu().spec()

@@ -65,6 +65,16 @@ def cache_dir() -> Path:
     return Path(root) / "fusion-planner" / "cpu"
 
 
+def read_record(path: Path, key: dict[str, Any]) -> dict[str, Any] | None:
+    """The JSON record of a measurement kept at ``path`` when it was made for ``key``; None when there is none,
+    it is unreadable, or it holds for another machine or version (measure again)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("key") == key else None
+
+
 def keep_record(path: Path, record: dict[str, Any], what: str) -> None:
     """Write a JSON ``record`` of a measurement (``what``) to ``path`` in the cache, atomically; a read-only cache
     only warns (the measurement is made again by the next process)."""

@@ -46,7 +46,6 @@ shared by every plan of the backend; a writable weight may change between calls 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import sys
 import time
@@ -57,7 +56,7 @@ import numpy as np
 from threadpoolctl import threadpool_info, threadpool_limits
 
 from backends.cpu.buffers import aligned_empty, padded_matrix
-from backends.cpu.compiler import cache_dir, keep_record
+from backends.cpu.compiler import cache_dir, keep_record, read_record
 from backends.cpu.parallel import torch_threads
 from planner.backend import BackendError
 from planner.core.dtypes import DTYPES
@@ -185,12 +184,9 @@ def _recorded(file: str, key: dict[str, Any], choices: tuple[str, ...], measure:
     """The choice recorded in the kernel cache's ``file`` for ``key``; else ``measure()``'s (choice, figures),
     recorded there."""
     path = cache_dir() / file
-    try:
-        record = json.loads(path.read_text())
-        if record.get("key") == key and record.get("choice") in choices:
-            return str(record["choice"])
-    except (OSError, ValueError, AttributeError):
-        pass  # none yet, or unreadable: measure again
+    record = read_record(path, key)
+    if record is not None and record.get("choice") in choices:
+        return str(record["choice"])
     choice, seconds = measure()
     keep_record(path, {"key": key, "choice": choice, "seconds": seconds}, "the GEMM choice")
     return choice

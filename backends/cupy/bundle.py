@@ -30,7 +30,7 @@ from planner.core.inputs import RECIPE, input_scales, seeded_inputs
 from planner.core.kinds import KernelKind, OpKind
 from planner.core.ops import CUBLASLT_EPILOGUES, epilogue_has_bias, op_def
 from planner.core.planfile import PlanFileError, check_plan_tensors, kind_problem
-from planner.core.plans import KERNEL_KINDS, Expr, Kernel, Load, Plan, expr_from_json, expr_to_json
+from planner.core.plans import Expr, Kernel, Load, Plan, expr_from_json, expr_to_json
 from planner.core.schema import check_document
 from planner.core.torch_allowlist import loading_file
 
@@ -173,34 +173,22 @@ def write_bundle(cands: Any, path: str | Path, seed: int = 0) -> dict[str, Any]:
 # ---------------------------------------------------------------- reading
 
 
-def _need(d: Mapping[str, Any], key: str, where: str) -> Any:
-    if not isinstance(d, Mapping) or key not in d:
-        raise BundleError(f"{where}: missing field {key!r}")
-    return d[key]
-
-
 def _kernel_from_json(d: Mapping[str, Any], where: str) -> tuple[Kernel, Mapping[str, Any]]:
-    """A kernel and its raw entry, whose device code :func:`_checked_device_code` checks against the body
-    once the candidate's plan has passed the plan checks."""
-    body = expr_from_json(_need(d, "body", where), f"{where}.body")
+    """A kernel (its fields checked by the bundle's schema) and its raw entry, whose device code
+    :func:`_checked_device_code` checks against the body once the candidate's plan has passed the plan checks."""
+    body = expr_from_json(d["body"], f"{where}.body")
     if not isinstance(body, Expr):
         raise BundleError(f"{where}: a kernel body must compute something, not only load")
-    try:
-        cost = KernelCost(**_need(d, "cost", where))
-    except TypeError as exc:
-        raise BundleError(f"{where}.cost: {exc}") from None
-    kind = str(_need(d, "kind", where))
-    if kind not in KERNEL_KINDS:
-        raise BundleError(f"{where}: kind {kind!r} is not one of {', '.join(KERNEL_KINDS)}")
+    kind = d["kind"]
     problem = kind_problem(KernelKind(kind), body, d.get("epilogue"))
     if problem:
         raise BundleError(f"{where}: the body does not fit kind {kind}: {problem}")
     k = Kernel(
         kind=kind,
         body=body,
-        out=str(_need(d, "out", where)),
-        reads=tuple(str(r) for r in _need(d, "reads", where)),
-        cost=cost,
+        out=d["out"],
+        reads=tuple(d["reads"]),
+        cost=KernelCost(**d["cost"]),
         epilogue=d.get("epilogue"),
         facts=dict(d.get("facts") or {}),
     )
@@ -231,20 +219,13 @@ def _checked_device_code(k: Kernel, d: Mapping[str, Any], tensors: Mapping[str, 
 
 def candidate_from_json(d: Mapping[str, Any], graph: str, tensors: dict[str, TensorType], where: str,
                         inputs: Sequence[str] | None = None, n_outputs: int | None = None) -> Candidate:
-    """A candidate checked as a plan file is (``core.planfile.check_plan_tensors``) against the tensor
-    table, its graph's ``inputs`` (default: the tensors no kernel writes) and output count."""
-    read = [_kernel_from_json(k, f"{where}.kernels[{i}]") for i, k in enumerate(_need(d, "kernels", where))]
+    """A candidate (its fields checked by the bundle's schema) checked as a plan file is
+    (``core.planfile.check_plan_tensors``) against the tensor table, its graph's ``inputs`` (default: the tensors no
+    kernel writes) and output count."""
+    read = [_kernel_from_json(k, f"{where}.kernels[{i}]") for i, k in enumerate(d["kernels"])]
     part = d.get("partition")
-    plan = Plan(
-        graph,
-        tuple(k for k, _ in read),
-        tuple(str(o) for o in _need(d, "outputs", where)),
-        tensors,
-        str(_need(d, "key", where)),
-        tuple(part) if part is not None else None,
-    )
-    if not plan.kernels:
-        raise BundleError(f"{where}: no kernels")
+    plan = Plan(graph, tuple(k for k, _ in read), tuple(d["outputs"]), tensors, d["key"],
+                tuple(part) if part is not None else None)
     written = {k.out for k in plan.kernels}
     given = [t for t in tensors if t not in written] if inputs is None else inputs
     try:
@@ -275,12 +256,11 @@ def _reading(where: str) -> Iterator[None]:
 
 
 def tensor_table(raw: Any, where: str) -> dict[str, TensorType]:
-    """Every tensor of a bundle's graph, each shape and dtype checked with a graph file's limits."""
-    if not isinstance(raw, Mapping):
-        raise BundleError(f"{where}: expected an object of tensor name to shape and dtype")
+    """Every tensor of a bundle's graph (its types checked by the schema), each shape and dtype checked with a graph
+    file's limits."""
     try:
-        return {str(name): TensorType(*tensor_type(t.get("shape"), t.get("dtype"), str(name))) for name, t in raw.items()}
-    except (GraphError, AttributeError) as exc:
+        return {name: TensorType(*tensor_type(t["shape"], t["dtype"], name)) for name, t in raw.items()}
+    except GraphError as exc:
         raise BundleError(f"{where}: {exc}") from None
 
 
@@ -288,20 +268,18 @@ def _bundle_from_json(data: Any, source: str) -> Bundle:
     if not isinstance(data, Mapping) or data.get("schema") != SCHEMA:
         raise BundleError(f"{source}: not a candidates bundle (schema {SCHEMA!r} expected)")
     check_document(data, "bundle", source, BundleError)
-    tensors = tensor_table(_need(data, "tensors", source), f"{source}.tensors")
-    graph = str(_need(data, "graph", source))
-    inputs = _need(data, "inputs", source)
-    names = tuple(str(n) for n in _need(inputs, "names", f"{source}.inputs"))
-    outputs = tuple(str(o) for o in _need(data, "outputs", source))
+    tensors = tensor_table(data["tensors"], f"{source}.tensors")
+    graph, inputs = data["graph"], data["inputs"]
+    names, outputs = tuple(inputs["names"]), tuple(data["outputs"])
     unknown = [n for n in (*names, *outputs) if n not in tensors]
     if unknown:
         raise BundleError(f"{source}: inputs or outputs {unknown[:5]} are not in 'tensors'")
     try:
-        ref = candidate_from_json(_need(data, "reference", source), graph, tensors, f"{source}.reference",
+        ref = candidate_from_json(data["reference"], graph, tensors, f"{source}.reference",
                                   names, len(outputs)).plan
         cands = tuple(
             candidate_from_json(c, graph, tensors, f"{source}.candidates[{i}]", names, len(outputs))
-            for i, c in enumerate(_need(data, "candidates", source))
+            for i, c in enumerate(data["candidates"])
         )
     except (ValueError, TypeError) as exc:
         if isinstance(exc, BundleError):

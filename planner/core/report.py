@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from decimal import Decimal
+from typing import TypeVar
 
 from planner.core.kinds import KernelKind
 from planner.core.ops import OPS
@@ -44,6 +45,8 @@ def log10_count(n: Count) -> float:
     shift = max(0, n.bit_length() - 60)
     return math.log10(n >> shift) + shift * math.log10(2)
 
+
+T = TypeVar("T")
 
 #: a person's name for a row kernel's usual op sets: (name, ops it holds, ops it must not hold), matched as a
 #: multiset of the kernel's ops (a layernorm split across kernels is no rmsnorm: it subtracts a row statistic)
@@ -142,6 +145,19 @@ def plan_title(p: Plan, width: int = 80) -> str:
     return f"{notation} {kernels_text(p, width)}"
 
 
+def pareto_front(items: Sequence[T], ledgers: Callable[[T], tuple[int, int, int]]) -> list[int]:
+    """The indices of the items that no other matches or beats on all three ledgers (bytes, launches, register
+    peak; one of equals), in the order of their ledgers."""
+    front: list[tuple[int, int, int]] = []
+    kept: list[int] = []
+    for i in sorted(range(len(items)), key=lambda i: ledgers(items[i])):
+        point = ledgers(items[i])
+        if not any(all(a <= b for a, b in zip(q, point, strict=True)) for q in front):
+            front.append(point)
+            kept.append(i)
+    return kept
+
+
 def table_rows(plans: Sequence[Plan], best_key: str, limit: int = TABLE_ROWS) -> list[Plan]:
     """The rows a table shows by default, in the given order: every plan when there are at most ``limit``;
     else the chosen one, the unfused one (the most kernels), the Pareto front of bytes, launches and register
@@ -150,13 +166,7 @@ def table_rows(plans: Sequence[Plan], best_key: str, limit: int = TABLE_ROWS) ->
         return list(plans)
     keep: set[int] = {i for i, p in enumerate(plans) if p.key == best_key}
     keep.add(max(range(len(plans)), key=lambda i: len(plans[i].kernels)))
-    front: list[tuple[int, int, int]] = []
-    for i in sorted(range(len(plans)), key=lambda i: (plans[i].bytes, plans[i].launches, plans[i].reg_peak)):
-        p = plans[i]
-        point = (p.bytes, p.launches, p.reg_peak)
-        if any(all(a <= b for a, b in zip(q, point, strict=True)) for q in front):
-            continue
-        front.append(point)
+    for i in pareto_front(plans, lambda p: (p.bytes, p.launches, p.reg_peak)):
         if len(keep) < limit:
             keep.add(i)
     for i in range(len(plans)):

@@ -11,6 +11,7 @@ from typing import Any
 
 from planner.core.errors import UsageError
 from planner.core.files import read_json
+from planner.core.report import pareto_front
 from planner.core.schema import check_document
 
 #: the plots of one search, by file stem
@@ -103,17 +104,6 @@ def plot_predicted_vs_measured(doc: Mapping[str, Any], path: Path) -> None:
     _save(fig, plt, path)
 
 
-def pareto_front(cands: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The candidates no other beats on all three ledgers (bytes, launches, register peak), by bytes."""
-    front: list[dict[str, Any]] = []
-    for c in sorted(cands, key=lambda c: (c["bytes"], c["launches"], c["reg_peak"])):
-        point = (c["bytes"], c["launches"], c["reg_peak"])
-        if not any(all(a <= b for a, b in zip((f["bytes"], f["launches"], f["reg_peak"]), point, strict=True))
-                   for f in front):
-            front.append(c)
-    return front
-
-
 def plot_pareto(doc: Mapping[str, Any], path: Path) -> None:
     """Every candidate's DRAM bytes against its launches, coloured by register peak; the Pareto front of the
     three ledgers ringed and joined, the chosen plan starred."""
@@ -123,7 +113,8 @@ def plot_pareto(doc: Mapping[str, Any], path: Path) -> None:
     dots = ax.scatter([c["launches"] for c in cands], [c["bytes"] for c in cands], c=[c["reg_peak"] for c in cands],
                       cmap="viridis", s=20, alpha=0.8)
     fig.colorbar(dots, ax=ax, label="register peak (per thread)")
-    front = sorted(pareto_front(cands), key=lambda c: (c["launches"], c["bytes"]))
+    on_front = pareto_front(cands, lambda c: (c["bytes"], c["launches"], c["reg_peak"]))
+    front = sorted((cands[i] for i in on_front), key=lambda c: (c["launches"], c["bytes"]))
     ax.plot([c["launches"] for c in front], [c["bytes"] for c in front], color="tab:orange", linewidth=1,
             marker="o", markersize=9, markerfacecolor="none", label=f"Pareto front ({len(front)})")
     best = _marked(doc, "best")

@@ -10,9 +10,10 @@ from _fake_backend import TimedReferenceBackend
 from planner.cli import main
 from planner.core import examples
 from planner.core.cost import load_device
+from planner.core.report import pareto_front
 from planner.egraph.candidates import build_candidates
 from planner.search.engine import search
-from planner.search.plots import PLOTS, ResultsFileError, load_results, pareto_front, write_plots
+from planner.search.plots import PLOTS, ResultsFileError, load_results, write_plots
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -43,7 +44,8 @@ def test_pareto_front_keeps_only_undominated_plans():
              {"bytes": 20, "launches": 1, "reg_peak": 8, "plan": "b"},
              {"bytes": 20, "launches": 3, "reg_peak": 8, "plan": "dominated"},
              {"bytes": 30, "launches": 3, "reg_peak": 4, "plan": "c"}]
-    assert [c["plan"] for c in pareto_front(cands)] == ["a", "b", "c"]
+    front = pareto_front(cands, lambda c: (c["bytes"], c["launches"], c["reg_peak"]))
+    assert [cands[i]["plan"] for i in front] == ["a", "b", "c"]
 
 
 def test_plot_command_redraws_from_results_json(results_doc, tmp_path, capsys):
