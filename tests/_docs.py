@@ -40,8 +40,10 @@ NEEDS_NVCC = re.compile(r"--kernel-facts|bench c05")
 TIMEOUT_S = 300
 
 _FENCE = re.compile(r"^```(\w*)\s*$")
-_NUMBER = re.compile(r"(?<![A-Za-z_])[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:e[-+]?\d+)?")
-_HEX = re.compile(r"\b(?=[0-9a-f]*\d)[0-9a-f]{6,}\b")
+#: a hash (six or more hex digits, a letter among them) or a number: either is masked as N, so that a hash that
+#: happens to be all digits, or a fraction of six digits, masks as any other value does
+_VALUE = re.compile(r"(?<![.\w])(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{6,}\b"
+                    r"|(?<![A-Za-z_])[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:e[-+]?\d+)?")
 
 
 @dataclass
@@ -160,7 +162,7 @@ def _commands(doc: Path, body: list[str], first: int) -> list[Sample]:
 
 def mask(line: str) -> str:
     """A line with its numbers and hashes masked and runs of spaces folded."""
-    return " ".join(_NUMBER.sub("N", _HEX.sub("H", line)).split())
+    return " ".join(_VALUE.sub("N", line).split())
 
 
 def mismatch(sample: Sample, actual: list[str]) -> str | None:

@@ -1,0 +1,26 @@
+"""The docs test masks what varies run to run (numbers, hashes) the same way whatever the value happens to be."""
+
+from __future__ import annotations
+
+import pytest
+from _docs import mask
+
+
+@pytest.mark.parametrize(("one", "other"), [
+    ('"build": 0.123456,', '"build": 0.12345,'),      # a six-digit fraction is a number, not a hash
+    ("region #c9daa1", "region #123456"),               # an all-digit hash masks as a lettered one
+    ("bytes 1,234,567 in", "bytes 98765 in"),
+    ("took 1e-05 s", "took 0.25 s"),
+    ("key 9daa1c0f done", "key 3 done"),
+])
+def test_values_that_differ_mask_alike(one, other):
+    assert mask(one) == mask(other)
+
+
+@pytest.mark.parametrize(("one", "other"), [
+    ("gemm+bias", "gemm+gelu"),
+    ("decade", "facade"),                               # words of hex letters are words
+    ("x1 plan", "x2 plan"),                             # a name's digits are part of the name
+])
+def test_words_stay_words(one, other):
+    assert mask(one) != mask(other)
