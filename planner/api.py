@@ -350,7 +350,9 @@ def module_guard(result: PlanResult, module: Any, args: Sequence[Any], on_change
     assert result.imported is not None
     keys = tuple(dict.fromkeys(str(k) for b in result.imported.bindings if b.source in ("state", "packed")
                                for k in (b.key if b.source == "packed" else (b.key,))))  # type: ignore[union-attr]
-    guard = CallGuard(module, lambda new_args: replan(new_args), on_change, ModuleState.record(module, keys), keys)
+    folded = result.imported.folded_from
+    guard = CallGuard(module, lambda new_args: replan(new_args), on_change, ModuleState.record(module, keys, folded),
+                      keys, folded)
     guard.plans[input_signature(args)] = result
     return guard
 

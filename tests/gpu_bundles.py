@@ -85,6 +85,7 @@ def example_graphs() -> list[Any]:
         rms_norm,
         rope,
         softmax,
+        token_mlp,
     )
 
     return [
@@ -104,6 +105,7 @@ def example_graphs() -> list[Any]:
         rope(2, 64, 256, 4, "fp16", norm=True),  # RoPE inside a row kernel
         attention(2, 128, 256, 4, "bf16", masked=True),  # a padding mask read one row per group
         attention(1, 128, 256, 4, "fp32"),  # causal: the layouts, the batched products, the fused kernel
+        token_mlp(64, 1000, 256, 512, "bf16"),  # ids gathered from a table, a packed projection's columns
     ]
 
 

@@ -16,6 +16,7 @@ import numpy as np
 from backends.codegen import CodegenError
 from backends.cpu import parallel
 from backends.cpu.prelude import PRELUDE, SYMBOL
+from planner.core import semantics as sem
 from planner.core.dtypes import DTYPES, numpy_dtype
 from planner.core.plans import Expr, Load
 
@@ -242,9 +243,22 @@ def source_of(body: Expr, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
                             masked=body.op == "MaskedAttention")
 
 
+def gather_rows(ids: np.ndarray, table: np.ndarray, out: np.ndarray) -> None:
+    """Embedding: the table's rows (their stored bits, any dtype) at the ids, checked, into ``out``."""
+    rows = sem.table_rows(ids, table.shape[0])
+    np.take(table, rows, axis=0, out=out.reshape(len(rows), table.shape[1]))
+
+
 def layout_copy(body: Expr) -> Callable[[np.ndarray, np.ndarray], None]:
-    """``copy(x, out)`` for Heads, Merge and GroupRepeat: one strided numpy copy."""
+    """``copy(x, out)`` for the layout copies (``core.ops.LAYOUT_COPIES``): one strided numpy copy."""
     attrs = body.attr_dict
+    if body.op == "Columns":
+        offset, width = int(attrs["offset"]), int(attrs["width"])
+
+        def columns_copy(x: np.ndarray, out: np.ndarray) -> None:
+            np.copyto(out, x[..., offset:offset + width])
+
+        return columns_copy
     heads = int(attrs["heads"])
     if body.op == "GroupRepeat":
         rows = int(attrs["rows"])

@@ -28,7 +28,7 @@ from planner.core.cost import DeviceSpec
 from planner.core.graph import TensorType
 from planner.core.kinds import KernelKind
 from planner.core.opaque import opaque_writer
-from planner.core.ops import epilogue_has_bias
+from planner.core.ops import GATHERS, LAYOUT_COPIES, epilogue_has_bias
 from planner.core.plans import Kernel, Load
 from planner.core.reference import eval_expr
 
@@ -315,7 +315,13 @@ class StandaloneSteps(StepsBase):
             return self._heads_view(k, memory, order[0], reads)
         if body.op == "Merge" and order[0] in memory.handed:
             return self._merge_handed(k, memory, order[0], reads)
-        if body.op in ("Heads", "Merge", "GroupRepeat"):  # a copy of the stored bits: any dtype
+        if body.op in GATHERS:  # the table's stored bits at the ids (fp32): any dtype
+
+            def call_gather() -> None:
+                standalone.gather_rows(arrays[order[0]], arrays[order[1]], arrays[out_name])
+
+            return Step(k, call_gather, reads, memory.own[k.out], {"impl": "numpy-take"})
+        if body.op in LAYOUT_COPIES:  # a copy of the stored bits: any dtype
             copy = standalone.layout_copy(body)
 
             def call_copy() -> None:

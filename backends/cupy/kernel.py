@@ -42,6 +42,14 @@ __host__ __device__ __forceinline__ float fp_round_bf16(float x) { return __bflo
 __host__ __device__ __forceinline__ float fp_round_f16(float x) { return __half2float(__float2half_rn(x)); }
 __host__ __device__ __forceinline__ float fp_bits_f32(unsigned int u) { union { unsigned int u; float f; } v = {u}; return v.f; }
 __host__ __device__ __forceinline__ float fp_neg_inf() { return fp_bits_f32(0xff800000u); }
+// an index outside its table (an Embedding id): the kernel stops with an error, never reads another row
+__host__ __device__ __forceinline__ void fp_bad_index() {
+#ifdef __CUDA_ARCH__
+  __trap();
+#else
+  abort();
+#endif
+}
 #endif
 """
 

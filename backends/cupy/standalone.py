@@ -12,6 +12,7 @@ from backends.codegen import (
 from backends.cupy.kernel import CTYPE, FROM_FLOAT, PRELUDE, TO_FLOAT, CudaKernel, kernel_name, shape_salt
 from planner.core.graph import TensorType
 from planner.core.kinds import KernelKind
+from planner.core.ops import GATHERS, LAYOUT_COPIES
 from planner.core.plans import Expr, Kernel, Load
 
 # ---------------------------------------------------------------- standalone kernels
@@ -27,8 +28,11 @@ def _grid_stride(total: int, lines: list[str]) -> list[str]:
 
 
 def _layout_lines(body: Expr, shape: tuple[int, ...], out_shape: tuple[int, ...]) -> list[str]:
-    """``out[e] = p0[source index]`` for Heads, Merge and GroupRepeat (see ``core.ops``: copies of the bits)."""
+    """``out[e] = p0[source index]`` for the layout copies (``core.ops.LAYOUT_COPIES``: copies of the bits)."""
     a = body.attr_dict
+    if body.op == "Columns":
+        offset, width = int(a["offset"]), int(a["width"])
+        return [f"out[e] = p0[(e / {width}) * {shape[-1]} + {offset} + e % {width}];"]
     heads = int(a["heads"])
     if body.op == "Heads":
         seq, offset, width = int(a["seq"]), int(a["offset"]), int(a["width"])
@@ -100,8 +104,13 @@ def standalone_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
     shapes = [tuple(tensors[t].shape) for t in ins]
     load = lambda i, at: TO_FLOAT[tensors[ins[i]].dtype].format(f"p{i}[{at}]")  # noqa: E731
     store_at = lambda at, v: f"out[{at}] = {FROM_FLOAT[out_t.dtype].format(v)};"  # noqa: E731
-    if body.op in ("Heads", "Merge", "GroupRepeat"):
+    if body.op in LAYOUT_COPIES:
         total, lines = math.prod(out_t.shape), _layout_lines(body, shapes[0], tuple(out_t.shape))
+    elif body.op in GATHERS:  # ids carried as fp32: one that is no row of the table stops the kernel (an error)
+        total, d, rows = math.prod(out_t.shape), int(out_t.shape[-1]), shapes[1][0]
+        lines = [f"const float f = p0[e / {d}]; const long long r = (long long)f;",
+                 f"if (!(f == (float)r && r >= 0 && r < {rows}LL)) fp_bad_index();",
+                 f"out[e] = p1[r * {d} + e % {d}];"]
     elif body.op in ("BatchScores", "BatchApply"):
         total, lines = math.prod(out_t.shape), _product_lines(body, shapes, load, lambda v: store_at("e", v))
     elif body.op in ("Attention", "MaskedAttention"):

@@ -229,6 +229,22 @@ def transformer(
     return b.build([x])
 
 
+def token_mlp(tokens: int = 64, vocab: int = 1000, d_model: int = 256, hidden: int = 512, dtype: str = "bf16") -> Graph:
+    """A language model's first steps as the torch importer reads them (Phi-3's MLP): token ids (carried as
+    fp32) looked up in a table (``Embedding``), one packed gate/up projection taken apart (``Columns``), SwiGLU
+    and the down projection."""
+    b = GraphBuilder(f"token-mlp-t{tokens}-v{vocab}-d{d_model}-h{hidden}-{dtype}")
+    b.input("ids", (tokens,), "fp32")
+    b.input("table", (vocab, d_model), dtype)
+    b.input("gate_up.w", (d_model, 2 * hidden), dtype)
+    b.input("down.w", (hidden, d_model), dtype)
+    packed = b.op("gate_up", "MatMul", [b.op("embed", "Embedding", ["ids", "table"]), "gate_up.w"])
+    gate = b.op("gate", "Columns", [packed], {"offset": 0, "width": hidden})
+    up = b.op("up", "Columns", [packed], {"offset": hidden, "width": hidden})
+    glu = b.op("glu", "Mul", [b.op("silu", "Silu", [gate]), up])
+    return b.build([b.op("down", "MatMul", [glu, "down.w"])])
+
+
 EXAMPLES = ("mlp-epilogue", "heavy", "ew-chain", "mlp-stack", "transformer")
 
 

@@ -11,9 +11,9 @@ stack's activations and attention logits grow with depth, and softmax then turns
 rounding differences between equally valid plans into errors far beyond the dtype's
 tolerance. Every other input gets scale 1.
 
-An input that carries integer indices (a model's token ids, which the torch importer binds as fp32 and
-converts back with ``.long()`` right before the Opaque call that takes them, an embedding) gets
-``integers(0, rows)`` instead, ``rows`` the table it indexes: normal values are no indices.
+An input that carries integer indices (a model's token ids, which the torch importer binds as fp32: read by
+the op table's ``Embedding``, or converted back with ``.long()`` right before an Opaque call that takes them)
+gets ``integers(0, rows)`` instead, ``rows`` the table it indexes: normal values are no indices.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from planner.core.dtypes import round_to
 from planner.core.errors import UsageError
 from planner.core.graph import Graph, TensorType
 from planner.core.kinds import OpKind
-from planner.core.ops import op_def
+from planner.core.ops import GATHERS, op_def
 
 RECIPE = (
     "numpy.random.default_rng(seed).standard_normal(shape) * scale per input, in this order, "
@@ -52,9 +52,13 @@ INDEX_STEP = "torch.Tensor.long"
 
 def index_rows(graph: Graph) -> dict[str, int]:
     """Graph inputs that carry integer indices, and how many rows they may index: the rows of the table an
-    embedding call takes beside them (1, so index 0 only, when no embedding says)."""
+    Embedding op, or an embedding call, takes beside them (1, so index 0 only, when no embedding says)."""
     out: dict[str, int] = {}
     for n in graph.ops:
+        if n.op in GATHERS and graph[n.inputs[0]].op == "In":  # an Embedding op reads the ids themselves
+            ids = n.inputs[0]
+            out[ids] = min(out.get(ids, 2**31), graph[n.inputs[1]].type.shape[0])
+            continue
         call = n.attr_dict.get("call") if n.op == "Opaque" else None
         steps = json.loads(call)["steps"] if isinstance(call, str) else []
         for i, step in enumerate(steps):

@@ -110,8 +110,9 @@ class OpDef:
     arity: int | None  # tensor inputs; None for variadic (Opaque)
     attrs: tuple[AttrSpec, ...] = ()
     shape_rule: Callable[[str, Sequence[Shape], Attrs], Shape] | None = None
-    #: the result's dtype, for an op whose result is not of its inputs' dtype (Cast); None: the inputs' one dtype
-    dtype_rule: Callable[[Attrs], str] | None = None
+    #: the result's dtype from the inputs' dtypes and the attributes, for an op whose result is not of its inputs'
+    #: one dtype (Cast, Embedding); None: the inputs' one dtype
+    dtype_rule: Callable[[Sequence[str], Attrs], str] | None = None
     numpy_fn: Callable[[Sequence[np.ndarray], Attrs], np.ndarray] | None = None
     flops_per_elem: Callable[[Attrs], float] | None = None  # elementwise ops
     regs: Callable[[Attrs], int] = field(default=lambda attrs: 0)
@@ -177,7 +178,7 @@ class OpDef:
     def out_dtype(self, in_dtypes: Sequence[str], attrs: Attrs) -> str | None:
         """The result's dtype: the ``dtype_rule``'s, else the inputs' (which must agree); None with no input."""
         if self.dtype_rule is not None:
-            return self.dtype_rule(attrs)
+            return self.dtype_rule(in_dtypes, attrs)
         if len(set(in_dtypes)) > 1:
             raise OpError(f"{self.name}: mixed input dtypes {sorted(set(in_dtypes))}")
         return in_dtypes[0] if in_dtypes else None

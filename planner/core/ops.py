@@ -26,6 +26,8 @@ from planner.core.shapes import (
     attention_shape,
     batched_shape,
     bias_shape,
+    columns_shape,
+    embedding_shape,
     group_repeat_shape,
     heads_shape,
     mask_shape,
@@ -38,7 +40,7 @@ from planner.core.shapes import (
     tile_shape,
 )
 
-__all__ = ["CUBLASLT_EPILOGUES", "OPS", "AttrSpec", "OpDef", "OpError", "Reduction", "epilogue_has_bias",
+__all__ = ["CUBLASLT_EPILOGUES", "GATHERS", "LAYOUT_COPIES", "OPS", "AttrSpec", "OpDef", "OpError", "Reduction", "epilogue_has_bias",
            "example_operands", "float_literal", "op_def", "register_op", "same_shape"]
 
 
@@ -272,7 +274,7 @@ OPS: dict[str, OpDef] = {
             arity=1,
             attrs=(AttrSpec("dtype", "String", choices=tuple(DTYPES)),),
             shape_rule=same_shape,
-            dtype_rule=lambda attrs: str(attrs["dtype"]),
+            dtype_rule=lambda ins, attrs: str(attrs["dtype"]),
             numpy_fn=lambda xs, attrs: xs[0] if attrs["dtype"] == "fp32" else round_to(xs[0], str(attrs["dtype"])),
             flops_per_elem=lambda attrs: 0.0 if attrs["dtype"] == "fp32" else 1.0,
             regs=lambda attrs: 0,
@@ -334,6 +336,33 @@ OPS: dict[str, OpDef] = {
             numpy_fn=lambda xs, attrs: sem.heads(xs[0], attrs),
             doc="Columns [offset, offset+width) of (batch*seq, C) token rows as (batch*heads, seq, width/heads): "
                 "torch's split(-1), view and transpose(1, 2) of q, k or v, copied head-major.",
+        ),
+        # token ids in: the ids are carried as fp32 (exact below 2**24, which binding checks), the rows copied
+        # as the table stores them; an id that is no row of the table is an error, as in torch
+        OpDef(
+            name="Embedding",
+            label="embedding",
+            kind=OpKind.STANDALONE,
+            arity=2,
+            shape_rule=embedding_shape,
+            dtype_rule=lambda ins, attrs: ins[1],
+            numpy_fn=lambda xs, attrs: sem.embedding(xs[0], xs[1]),
+            flops_rule=lambda out, ins, attrs: 0.0,
+            doc="table[ids]: one row of the (rows, d) table per id, ids of any shape flattened to the result's "
+                "rows (torch's embedding); an id that is not a row of the table is an error.",
+        ),
+        # a packed projection taken apart: Phi-3's gate_up_proj(x).chunk(2, -1), a split of fused q/k/v columns
+        # that no attention reads head-major
+        OpDef(
+            name="Columns",
+            label="columns",
+            kind=OpKind.STANDALONE,
+            arity=1,
+            attrs=(AttrSpec("offset", "i64", minimum=0), AttrSpec("width", "i64", minimum=1)),
+            shape_rule=columns_shape,
+            numpy_fn=lambda xs, attrs: sem.columns(xs[0], attrs),
+            doc="Columns [offset, offset+width) of the last dimension, copied: torch's chunk, split or x[..., a:b] "
+                "of a packed projection's output.",
         ),
         OpDef(
             name="Merge",
@@ -416,6 +445,12 @@ OPS: dict[str, OpDef] = {
         ),
     ]
 }
+
+
+#: standalone ops that copy their input's bits into another layout (no arithmetic: any dtype)
+LAYOUT_COPIES = frozenset({"Heads", "Merge", "GroupRepeat", "Columns"})
+#: standalone ops that gather rows of their second input at the ids their first holds
+GATHERS = frozenset({"Embedding"})
 
 
 def register_op(op: OpDef) -> OpDef:

@@ -50,6 +50,30 @@ def heads(x: np.ndarray, attrs: Attrs) -> np.ndarray:
     return np.ascontiguousarray(cols.transpose(0, 2, 1, 3)).reshape(-1, seq, width // heads)
 
 
+def columns(x: np.ndarray, attrs: Attrs) -> np.ndarray:
+    offset, width = int(attrs["offset"]), int(attrs["width"])
+    return np.ascontiguousarray(x[..., offset:offset + width])
+
+
+def table_rows(ids: np.ndarray, n_rows: int) -> np.ndarray:
+    """The row numbers ids carried as floats name, flattened; an id that is not a whole row number below
+    ``n_rows`` is an error (as torch's embedding raises)."""
+    flat = ids.reshape(-1)
+    with np.errstate(invalid="ignore"):  # a NaN id: refused below
+        rows = flat.astype(np.intp)
+    bad = (rows != flat) | (rows < 0) | (rows >= n_rows)
+    if bad.any():
+        first = float(flat[bad][0])
+        shown = int(first) if first.is_integer() else first
+        raise IndexError(f"Embedding: id {shown} is not a row of a table of {n_rows} rows (0 to {n_rows - 1})")
+    return rows
+
+
+def embedding(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """``table[ids]`` with ids flattened."""
+    return table[table_rows(ids, table.shape[0])]
+
+
 def rotate_half(x: np.ndarray) -> np.ndarray:
     half = x.shape[-1] // 2
     return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)

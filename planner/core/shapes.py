@@ -96,6 +96,24 @@ def _heads(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
     return (x[0] // seq * heads, seq, width // heads)
 
 
+def _columns(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
+    (x,) = shapes
+    offset, width = int(attrs["offset"]), int(attrs["width"])
+    if not x or offset + width > x[-1]:
+        raise OpError(f"{op}: takes columns [{offset}, {offset + width}) of the last dimension, got {list(x)}")
+    return (*x[:-1], width)
+
+
+def _embedding(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
+    ids, table = shapes
+    if not ids or len(table) != 2:
+        raise OpError(f"{op}: takes ids of rank >= 1 and a 2-D table, got {list(ids)} and {list(table)}")
+    rows = 1
+    for d in ids:
+        rows *= d
+    return (rows, table[1])
+
+
 def _merge(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
     (y,) = shapes
     heads = int(attrs["heads"])
@@ -155,6 +173,8 @@ per_row_shape = ShapeRule(_per_row, lambda first: ((*first[:-1], 1),) if first e
 mask_shape = ShapeRule(_mask, lambda first: ((first[0], 1, first[2]),) if len(first) == 3 else None)
 heads_shape = ShapeRule(_heads, _no_example)
 merge_shape = ShapeRule(_merge, _no_example)
+columns_shape = ShapeRule(_columns, _no_example)
+embedding_shape = ShapeRule(_embedding, _no_example)
 attention_shape = ShapeRule(_attention, _no_example)
 group_repeat_shape = ShapeRule(_group_repeat, _no_example)
 
@@ -164,5 +184,5 @@ def batched_shape(transpose_b: bool) -> ShapeRule:
 
 
 __all__ = ["Attrs", "Shape", "ShapeRule", "attention_shape", "batch_shape", "batched_shape", "bias_shape",
-           "group_repeat_shape", "heads_shape", "mask_shape", "matmul_shape", "merge_shape", "per_row_shape",
+           "columns_shape", "embedding_shape", "group_repeat_shape", "heads_shape", "mask_shape", "matmul_shape", "merge_shape", "per_row_shape",
            "rotate_half_shape", "row_shape", "same_shape", "tile_shape"]

@@ -78,6 +78,9 @@ class ImportedModule:
     out_tree: Any  # pytree spec of the module's return value
     opaque_ops: tuple[str, ...]
     tracer: str  # "fx" | "export" | "dynamo"
+    #: parameters and buffers that values computed at import were computed from (T5's position bias from its
+    #: embedding table): a plan holds those values, so a change of these is a change of the module
+    folded_from: tuple[str, ...] = ()
 
     def check_args(self, args: Sequence[Any]) -> list[torch.Tensor]:
         # plain tensors (the common call) need no pytree walk, which cost about 10 µs a call

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from planner.torch.binding import Sampler
 from planner.torch.errors import TorchImportError
 
 log = logging.getLogger(__name__)
@@ -52,9 +53,12 @@ class ModuleState:
     attrs: tuple[tuple[nn.Module, str, str, Any], ...]
     #: (owner module, the tensor's path, attribute, shape, dtype, device)
     tensors: tuple[tuple[nn.Module, str, str, tuple[int, ...], torch.dtype, torch.device], ...]
+    #: (owner module, the tensor's path, attribute, the tensor as it was) for the parameters and buffers that
+    #: values the plan holds were computed from at import: any write to them is a change of the module
+    derived: tuple[tuple[nn.Module, str, str, StateSnapshot], ...] = ()
 
     @classmethod
-    def record(cls, module: nn.Module, state_keys: Sequence[str] = ()) -> ModuleState:
+    def record(cls, module: nn.Module, state_keys: Sequence[str] = (), folded_from: Sequence[str] = ()) -> ModuleState:
         edges, attrs = [], []
         for path, m in module.named_modules(remove_duplicate=False):
             edges += [(m, path, name, child) for name, child in m._modules.items() if child is not None]
@@ -66,7 +70,14 @@ class ModuleState:
             t = getattr(owner, name, None)
             if isinstance(t, torch.Tensor):
                 tensors.append((owner, key, name, tuple(t.shape), t.dtype, t.device))
-        return cls(tuple(edges), tuple(attrs), tuple(tensors))
+        derived = []
+        for key in folded_from:
+            path, _, name = key.rpartition(".")
+            owner = module.get_submodule(path)
+            t = getattr(owner, name, None)
+            if isinstance(t, torch.Tensor):
+                derived.append((owner, key, name, StateSnapshot.of(t)))
+        return cls(tuple(edges), tuple(attrs), tuple(tensors), tuple(derived))
 
     def changed(self) -> str | None:
         """What differs from when the plan was made (the first thing found), or None."""
@@ -85,7 +96,29 @@ class ModuleState:
             if tuple(t.shape) != shape or t.dtype != dtype or t.device != device:
                 return (f"parameter or buffer {key} is {list(t.shape)} {_dtype(t.dtype)} on {t.device}, planned for "
                         f"{list(shape)} {_dtype(dtype)} on {device}")
+        for owner, key, name, snapshot in self.derived:
+            if not snapshot.fresh(getattr(owner, name, None)):
+                return f"parameter or buffer {key}, from which the plan computed a value at import, was written"
         return None
+
+
+@dataclass(frozen=True, eq=False)
+class StateSnapshot:
+    """A tensor as a plan read it at import: the object, its version, its memory and a sample of its bytes (a
+    write through ``.data`` bypasses the version counter)."""
+
+    tensor: torch.Tensor
+    version: int
+    ptr: int
+    sample: Sampler
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> StateSnapshot:
+        return cls(t, t._version, t.data_ptr(), Sampler(t))
+
+    def fresh(self, t: Any) -> bool:
+        return (t is self.tensor and t._version == self.version and t.data_ptr() == self.ptr
+                and self.sample.same(t))
 
 
 def _join(path: str, name: str) -> str:
@@ -174,6 +207,7 @@ class CallGuard:
     on_change: str
     state: ModuleState
     state_keys: tuple[str, ...]
+    folded_from: tuple[str, ...] = ()
     plans: dict[tuple[ArgLayout, ...], Planned | None] = field(default_factory=dict)
     #: what the guard decided, newest last: (reason, action)
     events: list[tuple[str, str]] = field(default_factory=list)
@@ -209,7 +243,7 @@ class CallGuard:
             return
         self._note(reason, "plans again", logging.INFO)
         self.plans.clear()
-        self.state = ModuleState.record(self.module, self.state_keys)
+        self.state = ModuleState.record(self.module, self.state_keys, self.folded_from)
 
     def _new_layout(self, sig: tuple[ArgLayout, ...], args: tuple[Any, ...]) -> None:
         why = f"inputs {describe_signature(sig)}"

@@ -76,7 +76,11 @@ def _swaps_dims_1_2(step: dict[str, Any], rank: int) -> bool:
 
 
 def _column_slice(step: dict[str, Any], in_shape: Shape) -> tuple[int, int] | None:
-    """(offset, width) of a split or chunk of the last dimension, item ``step["item"]``."""
+    """(offset, width) of a slice of the last dimension (``x[..., a:b]``, Phi-3's packed ``qkv[..., :d]``), or
+    of a split or chunk of it, item ``step["item"]``."""
+    sliced = _slice_of_last(step, len(in_shape), in_shape[-1])
+    if sliced is not None:
+        return sliced[0], sliced[1] - sliced[0]
     impl, args, kw, item = step.get("impl"), _args(step), _kwargs(step), step.get("item")
     dim = kw.get("dim", args[2] if len(args) > 2 else 0)
     if not isinstance(item, int) or item < 0 or not isinstance(dim, int) or dim % len(in_shape) != len(in_shape) - 1:
@@ -141,6 +145,17 @@ def head_merge(steps: Sequence[dict[str, Any]], in_shapes: Sequence[Shape], out_
         if step.get("impl") not in _VIEWS or not _reads(step, {"$step": i - 1}):
             return None
     return h
+
+
+def column_take(steps: Sequence[dict[str, Any]], in_shapes: Sequence[Shape], out_shape: Shape) -> tuple[int, int] | None:
+    """(offset, width) when ``steps`` are one take of columns of the last dimension of their one input (a chunk,
+    split or slice: a packed projection taken apart), the other dimensions kept."""
+    if len(steps) != 1 or len(in_shapes) != 1 or not in_shapes[0] or not _reads(steps[0], {"$in": 0}):
+        return None
+    taken = _column_slice(steps[0], in_shapes[0])
+    if taken is None or tuple(out_shape) != (*in_shapes[0][:-1], taken[1]):
+        return None
+    return taken
 
 
 # ---------------------------------------------------------------- RoPE's rotate_half

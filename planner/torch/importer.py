@@ -197,6 +197,7 @@ def _import_graph(gm: fx.GraphModule, ph_values: Sequence[Any], sources: list[tu
         out_tree=tree if out_spec is None else out_spec,
         opaque_ops=tuple(imp.opaque_names),
         tracer=tracer,
+        folded_from=tuple(sorted(imp.folded_from)),
     )
 
 

@@ -98,8 +98,11 @@ _canon("dropout", F.dropout, _aten.dropout.default, torch.dropout)
 _canon("same", ("method", "contiguous"), ("method", "clone"), ("method", "detach"), _aten.clone.default,
        _aten.alias.default, _aten.detach.default, torch.clone)
 _canon("to", ("method", "to"), ("method", "float"), ("method", "half"), ("method", "bfloat16"), ("method", "type_as"),
-       ("method", "type"), _aten.to.dtype, _aten._to_copy.default)
+       ("method", "type"), _aten.to.dtype, _aten._to_copy.default, _aten.type_as.default)
 _canon("expand", ("method", "expand"), _aten.expand.default)
+_canon("slice", _aten.slice.Tensor)
+_canon("embedding", F.embedding, torch.embedding, _aten.embedding.default)
+_canon("cat", torch.cat, torch.concat, torch.concatenate, _aten.cat.default)
 _canon("view", ("method", "view"), ("method", "reshape"), ("method", "flatten"), ("method", "unsqueeze"),
        ("method", "squeeze"), ("method", "view_as"), ("method", "reshape_as"), torch.reshape, torch.flatten,
        torch.unsqueeze, torch.squeeze, _aten.view.default, _aten.reshape.default, _aten._unsafe_view.default,

@@ -23,11 +23,16 @@ from planner.core.opaque import flat_shape, step_flops
 from planner.core.ops import OPS, OpError
 from planner.torch.binding import INDEX_DTYPES, TORCH_DTYPES, Binding, OutputSpec, ir_dtype, to_numpy
 from planner.torch.errors import TorchImportError
-from planner.torch.heads import head_merge, head_split, rotate_half
+from planner.torch.heads import column_take, head_merge, head_split, rotate_half
 from planner.torch.ops import IMPORTER_TABLE, encode_arg, resolve_torch_fn, torch_fn_name, trust_traced
 from planner.torch.tracing import BATCH_NORMS, INPLACE_OPERATORS, mutated_input_of, written_inputs
 
 log = logging.getLogger(__name__)
+
+#: kinds whose lowerings take integer inputs (token ids): a view of them, the embedding that reads them
+INDEX_KINDS = frozenset({"view", "same", "embedding"})
+#: integer results of torch calls on token ids (positions, masks built from ids): kept inside torch calls
+COMPUTED_INDEX_DTYPES = frozenset({torch.int64, torch.int32, torch.bool})
 
 #: calls that copy: an in-place write to their result leaves their input alone
 CLONES = frozenset({torch.clone, torch.ops.aten.clone.default})
@@ -139,6 +144,8 @@ class Importer:
     opaque_kernels: int = 0
     emitted: dict[int, str] = field(default_factory=dict)  # id(Program) -> IR id
     ids: set[str] = field(default_factory=set)
+    #: the parameters and buffers values computed at import read (the plan holds those values)
+    folded_from: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.b = GraphBuilder(self.name)
@@ -155,8 +162,9 @@ class Importer:
         self.ids.add(out)
         return out
 
-    def use(self, v: Any, hint: str, transpose: bool = False) -> str:
-        """The IR id holding ``v`` (a tensor value), creating a graph input on first use."""
+    def use(self, v: Any, hint: str, transpose: bool = False, ir_shape: tuple[int, ...] | None = None) -> str:
+        """The IR id holding ``v`` (a tensor value), creating a graph input on first use (a constant with
+        ``ir_shape``, its elements in their order, where given)."""
         if isinstance(v, Traced) and v.program is not None:
             return self.materialise(v)
         if isinstance(v, Traced) and v.id is not None and not transpose:
@@ -175,11 +183,12 @@ class Importer:
         if isinstance(v, Traced) and v.source is not None and v.source[0] == "state":
             ir_dtype(v.dtype, f"buffer {name_base!r}")  # an integer buffer an op reads: refused, named
         dtype = "fp32" if isinstance(v, Traced) and v.dtype in INDEX_DTYPES else ir_dtype(v.dtype, f"tensor {name_base!r}")
-        ir_shape = (shape[1], shape[0]) if transpose else flat_shape(shape)
+        if ir_shape is None or tensor is None:
+            ir_shape = (shape[1], shape[0]) if transpose else flat_shape(shape)
         nid = self.fresh(name_base + (".T" if transpose else ""))
         self.b.input(nid, ir_shape, dtype)
         if tensor is not None:
-            self.constants[nid] = to_numpy(tensor, transpose)
+            self.constants[nid] = to_numpy(tensor, transpose).reshape(ir_shape)
             self.bindings[key] = Binding(nid, "const", hint, transpose, shape)
         else:
             assert isinstance(v, Traced) and v.source is not None
@@ -330,7 +339,7 @@ class Importer:
             return True  # an in-place op returns the tensor it wrote
         target = ("method", node.target) if node.op == "call_method" else node.target
         kind = IMPORTER_TABLE.get(target)
-        if kind in ("view", "expand", "same", "dropout"):
+        if kind in ("view", "expand", "same", "dropout", "slice"):
             return True
         if kind == "to":  # .to(dtype), .float(): the tensor itself when it is of that dtype already
             a, b = self.values.get(node), self.values.get(first)
@@ -356,6 +365,8 @@ class Importer:
         leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, (Traced, MultiResult))]
         concrete = self.values[node]
         if not any(isinstance(x, MultiResult) or x.runtime for x in leaves):
+            self.folded_from.update(str(x.source[1]) for x in leaves
+                                    if isinstance(x, Traced) and x.source is not None and x.source[0] == "state")
             return self.fold(node, concrete)
         if target in METADATA_ASSERTIONS:
             return None  # it held on the example inputs, and a call with another dtype or shape is refused
@@ -372,9 +383,9 @@ class Importer:
             return self.opaque(node, args[0].impl, args[0].node, item=int(args[1]))
         if target is operator.getitem and not isinstance(args[0], Traced):
             return concrete  # indexing a shape tuple
-        if any(isinstance(x, Traced) and x.dtype in INDEX_DTYPES for x in leaves):
-            return self.generic(node, fn_target, args, kwargs)  # integer indices: only torch computes with them
         kind = IMPORTER_TABLE.get(target)
+        if kind not in INDEX_KINDS and any(isinstance(x, Traced) and x.dtype not in TORCH_DTYPES for x in leaves):
+            return self.generic(node, fn_target, args, kwargs)  # integer indices: only torch computes with them
         if kind is None:
             op = op_for_torch_call(fn_target, args, kwargs)
             if op is not None and isinstance(concrete, torch.Tensor):
@@ -424,7 +435,8 @@ class Importer:
         """A torch call as an Opaque node; single-use torch-backed inputs are folded into its steps."""
         if not isinstance(concrete, torch.Tensor):
             raise TorchImportError(f"{self.where(node)} returns a {type(concrete).__name__}, not a tensor")
-        ir_dtype(concrete.dtype, f"the result of {self.where(node)}")
+        if concrete.dtype not in COMPUTED_INDEX_DTYPES:
+            ir_dtype(concrete.dtype, f"the result of {self.where(node)}")
         try:
             resolve_torch_fn(impl)
         except OpError as exc:
@@ -455,8 +467,9 @@ class Importer:
             if not isinstance(v, Traced) and not is_float:
                 return None
             shapes.append(list(v.shape))
-            if isinstance(v, Traced) and v.program is not None and len(v.program.node.users) == 1:
-                return {"$step": fold(v.program)}
+            if isinstance(v, Traced) and v.program is not None and (len(v.program.node.users) == 1
+                                                                  or v.dtype not in TORCH_DTYPES):
+                return {"$step": fold(v.program)}  # indices are computed again by each torch call that reads them
             ref_in = {"$in": add_input(self.use(v, f"{node.name}_const{len(inputs)}"), tuple(v.shape))}
             if isinstance(v, Traced) and v.dtype in INDEX_DTYPES:  # bound as fp32: the indices again, as torch takes them
                 steps.append({"impl": INDEX_STEP, "args": [ref_in], "kwargs": {"$dict": {}}, "item": -1,
@@ -473,15 +486,20 @@ class Importer:
         value = Traced(tuple(concrete.shape), concrete.dtype, True,
                    program=Program(node, tuple(steps), tuple(inputs), tuple(in_shapes)))
         users = list(node.users)
-        if len(users) == 1 and users[0].op != "output":
-            return value  # emitted when its consumer is not torch-backed
+        if (len(users) == 1 and users[0].op != "output") or concrete.dtype not in TORCH_DTYPES:
+            return value  # emitted when its consumer is not torch-backed; indices only inside torch calls
         return Traced(value.shape, value.dtype, True, self.materialise(value))
 
     def materialise(self, v: Traced) -> str:
         """Emit a pending torch-backed value as one Opaque node (once)."""
         p = v.program
         assert p is not None
-        if id(p) not in self.emitted and v.dtype in TORCH_DTYPES:
+        if v.dtype not in TORCH_DTYPES:
+            raise TorchImportError(
+                f"{self.where(p.node)} computes {str(v.dtype).removeprefix('torch.')} values from the inputs that are "
+                "used as a tensor of the plan (an output, or an operand of a planned op); the planner computes "
+                "float tensors, and integer ones only inside the torch calls that read them")
+        if id(p) not in self.emitted:
             layout = self.layout_op(p, v)
             if layout is not None:
                 self.emitted[id(p)] = layout
@@ -500,7 +518,8 @@ class Importer:
 
     def layout_op(self, p: Program, v: Traced) -> str | None:
         """The op-table layout op a pending torch program is, emitted: heads merged back (``Merge``), heads taken
-        out of token rows (``Heads``), RoPE's ``RotateHalf``; None when it is none of them."""
+        out of token rows (``Heads``), RoPE's ``RotateHalf``, columns of a packed projection (``Columns``); None
+        when it is none of them."""
         in_ir = self.b.shape_of(p.inputs[0]) if len(p.inputs) == 1 else None
         heads = head_merge(p.steps, p.in_shapes, v.shape)
         if heads is not None and in_ir == head_major_shape(p.in_shapes[0]):
@@ -512,6 +531,10 @@ class Importer:
             return self.emit(p.node, "Heads", [p.inputs[0]], attrs, v.shape, v.dtype).id
         if rotate_half(p.steps, p.in_shapes, v.shape) and in_ir is not None and in_ir[-1] == v.shape[-1]:
             return self.emit(p.node, "RotateHalf", [p.inputs[0]], None, v.shape, v.dtype).id
+        taken = column_take(p.steps, p.in_shapes, v.shape)
+        if taken is not None and in_ir is not None and in_ir[-1] == p.in_shapes[0][-1]:
+            return self.emit(p.node, "Columns", [p.inputs[0]], {"offset": taken[0], "width": taken[1]}, v.shape,
+                             v.dtype).id
         return None
 
 

@@ -200,3 +200,20 @@ def test_torchs_attention_reads_strided_heads_and_hands_its_result_to_the_merge(
             got = compiled.run(inputs)[0].astype(np.float32)
             np.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2, err_msg=plan.notation())
         assert not np.shares_memory(compiled.memory.arrays[merge], compiled.memory.own[merge])  # a view of torch's
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_token_ids_and_a_packed_projections_columns_equal_the_reference(dtype) -> None:
+    """Embedding (the table's rows at ids carried as fp32) and Columns (a packed gate/up projection taken
+    apart), in every candidate of the token MLP; an id outside the table is an error, as in torch."""
+    graph = examples.token_mlp(tokens=24, vocab=50, d_model=32, hidden=48, dtype=dtype)
+    inputs = random_inputs(graph, seed=3)
+    assert set(np.unique(inputs["ids"])) <= set(range(50)) and len(np.unique(inputs["ids"])) > 5
+    for plan in build_candidates(graph, SPEC).plans[:4]:
+        assert {"standalone[Embedding]", "standalone[Columns]"} <= {k.describe() for k in plan.kernels}
+        compiled = CpuBackend(SPEC, threads=1).compile(plan)
+        np.testing.assert_allclose(compiled.run(inputs)[0].astype(np.float32),
+                                   execute_plan(plan, inputs)[0].astype(np.float32), rtol=2e-2, atol=2e-2)
+    for bad in (50.0, -1.0, 2.5):
+        with pytest.raises(IndexError, match="is not a row of a table of 50 rows"):
+            compiled.run({**inputs, "ids": np.where(np.arange(24) == 7, bad, inputs["ids"]).astype(np.float32)})

@@ -3,6 +3,7 @@ views that keep the flattened shape."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -90,7 +91,25 @@ def binary(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any, 
                 op = {"add": "AddRow", "sub": "SubRow", "mul": "MulRow", "div": "DivRow"}[kind]
                 return imp.emit(node, op, [imp.use(x, node.name), imp.use(r, f"{node.name}_row")], None, out,
                                  concrete.dtype)
-    return None
+    return broadcast_constant(imp, node, a, c, out, concrete.dtype, kind)
+
+
+def broadcast_constant(imp: Importer, node: fx.Node, a: Any, c: Any, out: tuple[int, ...], dtype: torch.dtype,
+                       kind: str) -> Any:
+    """``a <op> c`` where one operand is a value of the result's shape and the other a constant torch broadcasts
+    over it (T5's relative position bias (1, heads, S, T) over the batch's scores): the constant bound expanded,
+    in the value's layout, and the two-tensor op."""
+    x, k = (a, c) if isinstance(c, torch.Tensor) else (c, a)
+    if not (isinstance(x, Traced) and isinstance(k, torch.Tensor) and tuple(x.shape) == out and k.dtype == dtype):
+        return None
+    try:
+        expanded = k.expand(out)
+    except RuntimeError:
+        return None
+    ix = imp.use(x, node.name)
+    ik = imp.use(expanded, f"{node.name}_const", ir_shape=tuple(imp.b.shape_of(ix)))
+    op = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "maximum": "Maximum", "minimum": "Minimum"}[kind]
+    return imp.emit(node, op, [ix, ik] if x is a else [ik, ix], None, out, dtype)
 
 
 @lowering("add",
@@ -164,6 +183,27 @@ def lower_rsub(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: A
 @lowering("view", becomes="a view of its input, no op (reshape, flatten, unsqueeze, squeeze)")
 def lower_view(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
     return alias(imp, args[0], concrete)
+
+
+@lowering("slice", becomes="a view of its input when it keeps every element (x[..., :n] of n columns), else torch's")
+def lower_slice(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
+    x = args[0] if args else None
+    if isinstance(x, Traced) and isinstance(concrete, torch.Tensor) and tuple(concrete.shape) == x.shape:
+        return x
+    return None
+
+
+@lowering("cat", becomes="its one non-empty part, no op (cat((rotated, x[..., d:])) with nothing passed through); "
+                         "else torch's (RotateHalf is recognised in it)")
+def lower_cat(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
+    parts = args[0] if args and isinstance(args[0], (list, tuple)) else None
+    if parts is None or not isinstance(concrete, torch.Tensor):
+        return None
+    kept = [p for p in parts if not (is_tensor(p) and math.prod(p.shape) == 0)]
+    if len(kept) == 1 and isinstance(kept[0], Traced) and kept[0].shape == tuple(concrete.shape) \
+            and kept[0].dtype == concrete.dtype:
+        return kept[0]
+    return None
 
 
 @lowering("same", becomes="a view of its input, no op (contiguous, clone, detach)")

@@ -59,14 +59,17 @@ def alias(imp: Importer, x: Any, concrete: Any) -> Traced | None:
         return None
     if x.program is not None and tuple(concrete.shape) == x.shape:
         return x  # contiguous(), clone(), .to(same dtype) of a pending torch-backed value: still pending
+    if x.program is not None and x.dtype not in TORCH_DTYPES:
+        return None  # indices computed by torch calls stay in them
     if x.program is not None:
         x = Traced(x.shape, x.dtype, x.runtime, imp.materialise(x))
     if x.id is None:
         if concrete.shape == x.shape:
             return Traced(tuple(concrete.shape), x.dtype, x.runtime, None, x.source, x.name)
-        if x.source is None or x.dtype not in TORCH_DTYPES:
-            return None  # an integer input stays torch's (an Opaque embedding reads it)
-        # a call input or parameter seen with another shape (GPT-2's x.view(-1, d)): bind it, then alias
+        if x.source is None:
+            return None
+        # a call input or parameter seen with another shape (GPT-2's x.view(-1, d), its ids.view(-1, T)): bind
+        # it, then alias
         return Traced(tuple(concrete.shape), x.dtype, x.runtime, imp.use(x, x.name or "view"))
     return Traced(tuple(concrete.shape), x.dtype, x.runtime, x.id)
 

@@ -21,7 +21,8 @@ def lower_module(imp: Importer, node: fx.Node, args: tuple[Any, ...], kwargs: di
     m = imp.gm.get_submodule(str(node.target))
     concrete = imp.values[node]
     x = args[0]
-    if not isinstance(x, Traced) or not x.runtime:
+    if not isinstance(x, Traced) or not x.runtime:  # computed at import from the module's own state
+        imp.folded_from.update(f"{node.target}.{k}" for k, _ in (*m.named_parameters(), *m.named_buffers()))
         return imp.fold(node, concrete)
 
     def state(attr: str) -> Traced | None:

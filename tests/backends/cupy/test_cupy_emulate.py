@@ -299,3 +299,25 @@ def test_generated_attention_kernels_match_the_reference(dtype, causal, masked, 
     want = execute_plan(plan, inputs, mode="device")
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=2e-2 if dtype != "fp32" else 1e-5, atol=2e-2 if dtype != "fp32" else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_generated_gather_and_column_copies_match_the_reference(dtype, tmp_path):
+    """Rows of a table at token ids (the Embedding gather with its id check) and columns of the rows taken
+    (Columns), then an elementwise kernel, through their generated CUDA executed on the host, equal the
+    reference; an id outside the table stops the kernel."""
+    from planner.core.graph import GraphBuilder
+
+    b = GraphBuilder(f"gather-columns-{dtype}")
+    b.input("ids", (4, 6), "fp32")
+    b.input("table", (50, 40), dtype)
+    taken = b.op("taken", "Columns", [b.op("rows", "Embedding", ["ids", "table"])], {"offset": 8, "width": 24})
+    graph = b.build([b.op("out", "Silu", [taken])])
+    plan = _plan(graph, lambda p: len(p.kernels) == 3)
+    assert [k.describe() for k in plan.kernels] == ["standalone[Embedding]", "standalone[Columns]", "elementwise[Silu]"]
+    inputs = random_inputs(graph, seed=5)
+    got = _run_host(plan, inputs, tmp_path)
+    want = execute_plan(plan, inputs, mode="device")
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
+    with pytest.raises(subprocess.CalledProcessError):
+        _run_host(plan, {**inputs, "ids": np.full_like(inputs["ids"], 50.0)}, tmp_path)

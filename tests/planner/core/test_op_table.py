@@ -168,3 +168,24 @@ def test_a_reduction_without_its_start_value_and_combine_is_refused_by_name():
     with pytest.raises(ValueError, match="RowMinimum: an op of kind reduction, and only one, carries a Reduction"):
         OpDef(name="RowMinimum", kind="reduction", arity=1, shape_rule=row_shape,
               numpy_fn=lambda xs, attrs: np.min(xs[0], axis=-1, keepdims=True), fusable_inputs=(0,))
+
+
+def test_columns_and_embedding_check_their_shapes_and_ids() -> None:
+    """The layout ops of token ids and packed projections: their shape rules refuse what they cannot take, and
+    Embedding's semantics refuse an id that is no row of the table (torch's embedding raises too)."""
+    from planner.core.errors import OpError
+
+    columns, embedding = OPS["Columns"], OPS["Embedding"]
+    assert columns.out_shape([(6, 10)], {"offset": 4, "width": 6}) == (6, 6)
+    with pytest.raises(OpError, match=r"columns \[6, 12\)"):
+        columns.out_shape([(6, 10)], {"offset": 6, "width": 6})
+    assert embedding.out_shape([(2, 3), (50, 8)], {}) == (6, 8)
+    assert embedding.out_dtype(["fp32", "bf16"], {}) == "bf16"
+    with pytest.raises(OpError, match="2-D table"):
+        embedding.out_shape([(2, 3), (50,)], {})
+    table = np.arange(15, dtype=np.float32).reshape(5, 3)
+    np.testing.assert_array_equal(embedding.evaluate([np.array([[4.0], [0.0]]), table], {}), table[[4, 0]])
+    np.testing.assert_array_equal(columns.evaluate([table], {"offset": 1, "width": 2}), table[:, 1:])
+    for bad in (5.0, -1.0, 0.5, np.nan):
+        with pytest.raises(IndexError, match="is not a row of a table of 5 rows"):
+            embedding.evaluate([np.array([1.0, bad]), table], {})

@@ -12,7 +12,7 @@ from torch import nn  # noqa: E402
 
 import planner  # noqa: E402
 from planner.api import allclose_report  # noqa: E402
-from planner.torch.heads import HeadSplit, head_merge, head_split, rotate_half  # noqa: E402
+from planner.torch.heads import HeadSplit, column_take, head_merge, head_split, rotate_half  # noqa: E402
 from planner.torch.importer import TORCH_DTYPES, import_module, load_factory  # noqa: E402
 
 ATTENTION_OPS = {"Heads", "BatchScores", "Affine", "RowMax", "SubRow", "Exp", "RowSum", "DivRow", "BatchApply", "Merge"}
@@ -167,6 +167,24 @@ def test_head_split_reads_the_recorded_steps() -> None:
                "out": [2, 5, 8]}
     assert head_merge([merge, reshape], [(2, 4, 5, 2)], (2, 5, 8)) == 4
     assert head_merge([merge], [(2, 4, 5, 2)], (2, 5, 4, 2)) is None  # not merged into token rows
+
+
+def test_a_slice_of_packed_columns_is_a_head_split_and_alone_a_column_take() -> None:
+    """Phi-3 slices its packed qkv (``qkv[..., a:b]``, aten.slice of the last dim) where GPT-2 splits it; a
+    chunk, split or slice alone (its gate_up_proj's ``chunk(2, -1)``) takes columns."""
+    sliced = {"impl": "torch.ops.aten.slice.Tensor", "args": [{"$in": 0}, 2, 8, 16], "kwargs": {"$dict": {}},
+              "item": -1, "out": [2, 5, 8]}
+    view = {"impl": "torch.ops.aten.view.default", "args": [{"$step": 0}, [2, 5, 4, 2]], "kwargs": {"$dict": {}},
+            "item": -1, "out": [2, 5, 4, 2]}
+    swap = {"impl": "torch.ops.aten.transpose.int", "args": [{"$step": 1}, 1, 2], "kwargs": {"$dict": {}},
+            "item": -1, "out": [2, 4, 5, 2]}
+    assert head_split([sliced, view, swap], [(2, 5, 24)]) == (0, HeadSplit(heads=4, seq=5, offset=8, width=8))
+    assert column_take([sliced], [(2, 5, 24)], (2, 5, 8)) == (8, 8)
+    chunk = {"impl": "torch.ops.aten.chunk.default", "args": [{"$in": 0}, 2, -1], "kwargs": {"$dict": {}},
+             "item": 1, "out": [2, 5, 12]}
+    assert column_take([chunk], [(2, 5, 24)], (2, 5, 12)) == (12, 12)
+    assert column_take([{**sliced, "args": [{"$in": 0}, 1, 0, 2]}], [(2, 5, 24)], (2, 2, 24)) is None  # rows
+    assert column_take([sliced, view], [(2, 5, 24)], (2, 5, 4, 2)) is None
 
 
 # ---------------------------------------------------------------- RoPE

@@ -521,9 +521,9 @@ def test_torch_compile_plans_a_graph_with_integer_inputs_and_runs_a_boolean_one_
     torch._dynamo.reset()
 
 
-def test_integer_inputs_plan_when_only_torch_calls_read_them() -> None:
-    """A 2-layer language model called with token ids: the embedding stays Opaque, everything after it is planned,
-    and the ids reach it exactly (bound as fp32, converted back right before the call)."""
+def test_a_language_model_called_with_token_ids_plans_its_embedding_as_an_op() -> None:
+    """A 2-layer language model called with token ids: the lookup is the op table's Embedding (no Opaque node),
+    the ids reach it exactly (bound as fp32), and an id outside the table is an error, as in torch."""
     torch.manual_seed(0)
     block, _ = _block()
 
@@ -542,12 +542,15 @@ def test_integer_inputs_plan_when_only_torch_calls_read_them() -> None:
 
     lm, ids = LM().eval(), torch.randint(0, 50, (2, 16))
     result = planner.plan(lm, (ids,), backend="cpu", cache=False, max_candidates=6)
-    opaque = [n for n in result.graph.ops if n.op == "Opaque"]
-    assert len(opaque) == 1 and "embedding" in opaque[0].attr_dict["impl"]
+    ops = [n.op for n in result.graph.ops]
+    assert "Opaque" not in ops and ops.count("Embedding") == 1
     with torch.no_grad():
         _assert_close(result(ids), lm(ids))
         other = torch.randint(0, 50, (2, 16))
         _assert_close(result(other), lm(other))
+    for bad in (50, -1):
+        with pytest.raises(IndexError, match=f"id {bad} is not a row of a table of 50 rows"):
+            result(torch.where(ids == ids[0, 0], bad, ids))
     with pytest.raises(RuntimeError, match="indices"):  # float ids: no plan can be made; eager torch's own error
         result(ids.float())
     with pytest.raises(TorchImportError, match="exact only below"):

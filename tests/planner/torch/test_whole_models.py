@@ -1,0 +1,151 @@
+"""Whole language models from token ids and the layers whose packing, casts and position biases used to stay
+torch's: GPT-2 and LLaMA (2 layers) from ``input_ids``, Phi-3's decoder layer (packed ``qkv_proj`` sliced,
+``gate_up_proj`` chunked), Gemma's (``type_as`` in its RMSNorm) and T5's self-attention with its relative
+position bias, each with no Opaque node and equal to eager torch in fp32 and bf16 (transformers' own classes,
+small configs, random weights, nothing downloaded)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from torch import nn  # noqa: E402
+
+import planner  # noqa: E402
+from planner.api import allclose_report  # noqa: E402
+from planner.torch.importer import TORCH_DTYPES, import_module  # noqa: E402
+
+D, HEADS, SEQ, VOCAB = 64, 4, 16, 100
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+class LastHidden(nn.Module):
+    """A whole model called with token ids: its last hidden states."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids).last_hidden_state
+
+
+class FirstOutput(nn.Module):
+    """A decoder layer (with its rotary embedding, where it has one) or an attention module: the hidden states."""
+
+    def __init__(self, layer: nn.Module, rope: nn.Module | None = None) -> None:
+        super().__init__()
+        self.layer, self.rope = layer, rope
+
+    def forward(self, x):
+        if self.rope is None:
+            out = self.layer(x)
+        else:
+            pos = torch.arange(x.shape[1]).unsqueeze(0)
+            out = self.layer(x, position_embeddings=self.rope(x, pos), position_ids=pos)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def gpt2_model() -> nn.Module:
+    from transformers import GPT2Config, GPT2Model
+
+    return LastHidden(GPT2Model(GPT2Config(n_embd=D, n_head=HEADS, n_layer=2, vocab_size=VOCAB, n_positions=32,
+                                           bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")))
+
+
+def llama_model() -> nn.Module:
+    from transformers import LlamaConfig, LlamaModel
+
+    return LastHidden(LlamaModel(LlamaConfig(hidden_size=D, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+                                             intermediate_size=2 * D, num_hidden_layers=2, vocab_size=VOCAB,
+                                             attn_implementation="sdpa")))
+
+
+def phi3_layer() -> nn.Module:
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3DecoderLayer, Phi3RotaryEmbedding
+
+    cfg = Phi3Config(hidden_size=D, num_attention_heads=HEADS, num_key_value_heads=HEADS, intermediate_size=2 * D,
+                     attn_implementation="sdpa")
+    return FirstOutput(Phi3DecoderLayer(cfg, 0), Phi3RotaryEmbedding(cfg))
+
+
+def gemma_layer() -> nn.Module:
+    from transformers import GemmaConfig
+    from transformers.models.gemma.modeling_gemma import GemmaDecoderLayer, GemmaRotaryEmbedding
+
+    cfg = GemmaConfig(hidden_size=D, num_attention_heads=HEADS, num_key_value_heads=HEADS, intermediate_size=2 * D,
+                      head_dim=D // HEADS, attn_implementation="sdpa")
+    return FirstOutput(GemmaDecoderLayer(cfg, 0), GemmaRotaryEmbedding(cfg))
+
+
+def t5_attention() -> nn.Module:
+    from transformers import T5Config
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    return FirstOutput(T5Attention(T5Config(d_model=D, d_kv=D // HEADS, num_heads=HEADS),
+                                   has_relative_attention_bias=True))
+
+
+#: each model, its example input, and ops its graph must hold
+MODELS = {
+    "gpt2-model": (gpt2_model, "ids", {"Embedding": 1, "Heads": 6}),
+    "llama-model": (llama_model, "ids", {"Embedding": 1, "RotateHalf": 4}),
+    "phi3-layer": (phi3_layer, "x", {"Heads": 3, "Columns": 2, "RotateHalf": 2}),
+    "gemma-layer": (gemma_layer, "x", {"Heads": 3, "GeluTanh": 1}),
+    "t5-attention": (t5_attention, "x", {"Heads": 3, "BatchScores": 1, "Add": 1}),
+}
+
+
+def _example(name: str, dtype: torch.dtype) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    factory, kind, _ = MODELS[name]
+    torch.manual_seed(0)
+    module = factory().eval().to(dtype)
+    x = torch.randint(0, VOCAB, (2, SEQ)) if kind == "ids" else torch.randn(2, SEQ, D, dtype=dtype)
+    return module, (x,)
+
+
+def _close(got, want) -> None:
+    ok, max_abs, max_rel = allclose_report(got.float().numpy(), want.float().numpy(), TORCH_DTYPES[want.dtype])
+    assert ok, (max_abs, max_rel)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_model_plans_with_no_opaque_node_and_equals_eager(name: str, dtype: torch.dtype) -> None:
+    module, args = _example(name, dtype)
+    ops = Counter(n.op for n in import_module(module, args).graph.ops)
+    assert "Opaque" not in ops
+    assert all(ops[op] >= count for op, count in MODELS[name][2].items()), ops
+    result = planner.plan(module, args, backend="cpu", cache=False, max_candidates=3)
+    with torch.no_grad():
+        _close(result(*args), module(*args))
+
+
+def test_a_model_from_token_ids_takes_other_ids_and_refuses_ids_outside_its_table() -> None:
+    module, (ids,) = _example("gpt2-model", torch.float32)
+    result = planner.plan(module, (ids,), backend="cpu", cache=False, max_candidates=2)
+    other = torch.randint(0, VOCAB, ids.shape)
+    with torch.no_grad():
+        _close(result(other), module(other))
+    with pytest.raises(IndexError, match=f"id {VOCAB} is not a row of a table of {VOCAB} rows"):
+        result(torch.full_like(ids, VOCAB))
+
+
+@pytest.mark.parametrize("name", ["t5-attention", "gemma-layer"])
+def test_a_write_to_a_parameter_a_value_was_computed_from_at_import_plans_again(name: str) -> None:
+    """T5's position bias (from its bias table) and Gemma's norm scale (1 + weight) are computed once at import;
+    a write to the parameter behind them, even through ``.data``, is a change of the module: planned again."""
+    module, args = _example(name, torch.float32)
+    result = planner.plan(module, args, backend="cpu", cache=False, max_candidates=2)
+    attention = module.layer if name == "t5-attention" else module.layer.input_layernorm
+    table = attention.relative_attention_bias.weight if name == "t5-attention" else attention.weight
+    assert any(table is p for p in module.parameters())
+    with torch.no_grad():
+        table.data.copy_(torch.randn_like(table))
+        _close(result(*args), module(*args))
+    assert any("computed a value at import" in reason and action == "plans again"
+               for reason, action in result.guard.events)
