@@ -77,6 +77,7 @@ def example_graphs() -> list[Any]:
     """Built-in examples in the shapes that exercise each code path of the CUDA generator."""
     from planner.core.examples import (
         attention,
+        conv_block,
         ew_chain,
         heavy,
         layer_norm,
@@ -106,6 +107,7 @@ def example_graphs() -> list[Any]:
         attention(2, 128, 256, 4, "bf16", masked=True),  # a padding mask read one row per group
         attention(1, 128, 256, 4, "fp32"),  # causal: the layouts, the batched products, the fused kernel
         token_mlp(64, 1000, 256, 512, "bf16"),  # ids gathered from a table, a packed projection's columns
+        conv_block(2, 64, 28, "fp16"),  # channels-last copies, Im2col, the GEMMs' epilogues, the pools
     ]
 
 

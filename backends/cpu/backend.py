@@ -64,7 +64,7 @@ from planner.core.cost import DeviceSpec
 from planner.core.dtypes import DTYPES
 from planner.core.graph import TensorType
 from planner.core.kinds import KernelKind
-from planner.core.plans import Kernel, Load, Plan
+from planner.core.plans import Expr, Kernel, Load, Plan
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +145,9 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
             raise BackendError(f"plan has no type for tensor {missing[0]!r}")
         intermediates = set(written) - set(plan.outputs)
         views, handed = layout_views(plan, functools.partial(self._torch_attention, tensors=plan.tensors))
+        convolved = convolutions(plan, functools.partial(self._torch_convolution, tensors=plan.tensors))
+        # the Im2col's input is read where its patches were
+        views = {**views, **{t: body.args[0].tensor for t, body in convolved.items()}}  # type: ignore[union-attr]
         # a Heads view is read where its source is: the source lives until the view's last reader
         reads = [[*k.reads, *loads(k.body)] for k in plan.kernels]
         shared = shared_buffers(
@@ -161,7 +164,7 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
                 buffers[name] = typed_view(shared[name], ttype.shape, dtype)
             else:
                 buffers[name] = aligned_empty(ttype.shape, dtype, zero=True)
-        memory = Memory(buffers, frozenset(plan.outputs), packable, views, handed)
+        memory = Memory(buffers, frozenset(plan.outputs), packable, views, handed, convolved)
         steps = []
         for i, k in enumerate(plan.kernels):
             try:
@@ -296,6 +299,23 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
         return Step(k, call, reads, memory.own[k.out], {"impl": "c-loop", "threads": threads,
                                                         "streaming_stores": streams(ck.source),
                                                         "source_sha256": ck.digest[:16]})
+
+
+def convolutions(plan: Plan, convolves: Callable[[Kernel, str], bool]) -> dict[str, Expr]:
+    """Im2col kernels of ``plan`` whose patches need not be stored: every reader is a GEMM kernel that takes them
+    as its left operand and computes the product as torch's convolution (``convolves(gemm, patches)``); not
+    for a plan output.  Patches name -> the Im2col body."""
+    readers: dict[str, list[Kernel]] = {}
+    for k in plan.kernels:
+        for t in dict.fromkeys([*k.reads, *loads(k.body)]):
+            readers.setdefault(t, []).append(k)
+    out: dict[str, Expr] = {}
+    for k in plan.kernels:
+        body, users = k.body, readers.get(k.out, [])
+        if (k.kind == KernelKind.STANDALONE and body.op == "Im2col" and isinstance(body.args[0], Load)
+                and k.out not in plan.outputs and users and all(convolves(u, k.out) for u in users)):
+            out[k.out] = body
+    return out
 
 
 def layout_views(plan: Plan, torch_attention: Callable[[Kernel], bool]) -> tuple[dict[str, str], frozenset[str]]:

@@ -49,7 +49,7 @@ import functools
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -63,6 +63,7 @@ from planner.core.dtypes import DTYPES
 from planner.core.env import env_choice
 from planner.core.errors import UsageError
 from planner.core.machine import cpu_model
+from planner.core.shapes import WINDOW, window_out
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,72 @@ def torch_mm(dtype: str = "fp32", keep: tuple[bool, bool, bool] = (False, False,
         torch.mm(view(0, a), view(1, b), out=view(2, out))
 
     return mm
+
+
+#: a convolution as a GEMM's product: ``conv(x, w, bias, other, unary)`` of channels-last rows x (N*H*W, C) and
+#: the GEMM's weight w (kh*kw*C, O), giving the product's (N*OH*OW, O) rows (a tensor torch owns); with oneDNN's
+#: post-ops ``+ bias`` (O,), ``+ other`` (rows like the result) and ``relu`` applied in the convolution itself
+Convolution = Callable[..., Any]
+#: the unary post-ops oneDNN's convolution applies (the op table's name -> oneDNN's)
+CONV_UNARY = {"Relu": "relu"}
+
+
+def torch_conv(dtype: str, window: Mapping[str, int]) -> Convolution:
+    """The product ``Im2col(x) @ w`` as torch's own convolution (oneDNN: no patches are stored) of the rows
+    seen as a channels-last (N, C, H, W) batch and the weight as (O, C, kh, kw), reordered once per read-only
+    weight array (a bound parameter; what torch.compile does only when freezing); the result read back as rows
+    (oneDNN keeps the channels-last layout it was given).  Post-ops (bias, a residual, ReLU) go to oneDNN's fused
+    convolution where torch has it, else they are computed after it."""
+    import torch  # optional dependency
+
+    from planner.torch.ops import numpy_view
+
+    kind = _torch_dtype(dtype) if dtype in DTYPES_16BIT else None
+    h, w_, kh, kw, sh, sw, ph, pw, dh, dw = (int(window[a]) for a in WINDOW)
+    oh, ow = window_out(window)
+    fused = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_convolution_pointwise")
+    kept: list[tuple[np.ndarray, Any] | None] = [None]
+
+    def tensor(x: np.ndarray) -> Any:
+        return numpy_view(x) if kind is None else numpy_view(x).view(kind)
+
+    def weight(w: np.ndarray, c: int, images: int) -> Any:
+        """The weight as (O, C, kh, kw); for oneDNN's fused convolution reordered into its own blocked form, which
+        is kept while the weight is the same read-only array (a bound parameter: it cannot change in place)."""
+        hit = kept[0]
+        if hit is not None and hit[0] is w:
+            return hit[1]
+        o = w.shape[-1]
+        t = tensor(w).view(kh, kw, c, o).permute(3, 2, 0, 1).contiguous(memory_format=torch.channels_last)
+        if not w.flags.writeable:  # a writable one may change before the next call: the convolution reorders it
+            if fused:
+                t = torch.ops.mkldnn._reorder_convolution_weight(t, [ph, pw], [sh, sw], [dh, dw], 1,
+                                                                 [images, c, h, w_])
+            kept[0] = (w, t)
+        return t
+
+    def conv(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None, other: np.ndarray | None = None,
+             unary: str = "none") -> Any:
+        c, o = x.shape[-1], w.shape[-1]
+        xs = tensor(x).view(-1, h, w_, c).permute(0, 3, 1, 2)
+        ws = weight(w, c, xs.shape[0])
+        b = None if bias is None else tensor(bias)
+        if fused and other is None:
+            y = torch.ops.mkldnn._convolution_pointwise(xs, ws, b, [ph, pw], [sh, sw], [dh, dw], 1, unary, [], "")
+        elif fused:
+            assert other is not None
+            residual = tensor(other).view(xs.shape[0], oh, ow, o).permute(0, 3, 1, 2)
+            y = torch.ops.mkldnn._convolution_pointwise.binary(xs, residual, ws, b, [ph, pw], [sh, sw], [dh, dw], 1,
+                                                               "add", None, None if unary == "none" else unary, [], "")
+        else:  # oneDNN's fused convolution missing: torch's, then the post-ops
+            y = torch.nn.functional.conv2d(xs, ws, b, (sh, sw), (ph, pw), (dh, dw))
+            if other is not None:
+                y = y + tensor(other).view(xs.shape[0], oh, ow, o).permute(0, 3, 1, 2)
+            if unary == "relu":
+                y = torch.relu(y)
+        return y.permute(0, 2, 3, 1).contiguous().view(-1, o)  # a view where torch kept channels last
+
+    return conv
 
 
 def native_16bit(dtype: str) -> bool:

@@ -22,7 +22,7 @@ from backends.cpu.buffers import (
 )
 from planner.core.dtypes import DTYPES, numpy_dtype
 from planner.core.kinds import KernelKind
-from planner.core.plans import Kernel, Load, Plan
+from planner.core.plans import Expr, Kernel, Load, Plan
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class Memory:
 
     def __init__(self, own: dict[str, np.ndarray], outputs: frozenset[str] = frozenset(),
                  packable: frozenset[str] = frozenset(), views: Mapping[str, str] | None = None,
-                 handed: frozenset[str] = frozenset()) -> None:
+                 handed: frozenset[str] = frozenset(), convolved: Mapping[str, Expr] | None = None) -> None:
         self.own = own
         self.arrays = dict(own)
         self.addr = {n: a.ctypes.data for n, a in own.items()}
@@ -152,6 +152,9 @@ class Memory:
         #: torch attention results handed to their Merge readers as torch wrote them
         self.views: Mapping[str, str] = views or {}
         self.handed = handed
+        #: Im2col results read only as a GEMM's left operand (their Im2col body): the GEMM is torch's
+        #: convolution of the Im2col's input, and the patches are never stored
+        self.convolved: Mapping[str, Expr] = convolved or {}
         self._arenas: dict[int, np.ndarray] = {}
 
     def scratch(self, slot: int, shape: Sequence[int], dtype: Any) -> np.ndarray:

@@ -8,6 +8,7 @@ at a time with an online softmax, groups split across the worker pool.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -19,6 +20,7 @@ from backends.cpu.prelude import PRELUDE, SYMBOL
 from planner.core import semantics as sem
 from planner.core.dtypes import DTYPES, numpy_dtype
 from planner.core.plans import Expr, Load
+from planner.core.shapes import WINDOW, window_out
 
 #: keys per block of the attention kernel: a block's scores stay in registers and L1 (a multiple of 16)
 KEY_BLOCK = 64
@@ -249,9 +251,83 @@ def gather_rows(ids: np.ndarray, table: np.ndarray, out: np.ndarray) -> None:
     np.take(table, rows, axis=0, out=out.reshape(len(rows), table.shape[1]))
 
 
+#: channels from which a transpose is torch's blocked copy (numpy's strided one is 4x slower on (196, 1024) rows;
+#: for a few channels, an image's 3, numpy's is 6x faster)
+TORCH_TRANSPOSE_CHANNELS = 16
+
+
+def _bits_tensor(a: np.ndarray) -> Any:
+    """Array ``a`` (fp32, or a 16-bit dtype's bits) as a torch tensor over its memory, of a dtype torch copies."""
+    import torch  # optional dependency
+
+    return torch.from_numpy(a if a.dtype == np.float32 else a.view(np.int16))
+
+
+def channels_copy(body: Expr) -> Callable[[np.ndarray, np.ndarray], None]:
+    """``copy(x, out)`` for ChannelsLast / ChannelsFirst: the (C, pixels) planes of each image transposed."""
+    attrs = body.attr_dict
+    to_last = body.op == "ChannelsLast"
+    pixels = int(attrs["pixels"])
+
+    def copy(x: np.ndarray, out: np.ndarray) -> None:
+        c = int(attrs["channels"]) if to_last else x.shape[-1]
+        src = x.reshape(-1, c, pixels) if to_last else x.reshape(-1, pixels, c)
+        dst = out.reshape(-1, pixels, c) if to_last else out.reshape(-1, c, pixels)
+        if c >= TORCH_TRANSPOSE_CHANNELS and "torch" in sys.modules:
+            d, t = _bits_tensor(dst), _bits_tensor(src)
+            for n in range(d.shape[0]):  # image by image: torch's 2-D transpose is blocked, its 3-D one 5x slower
+                d[n].copy_(t[n].t())
+        else:
+            np.copyto(dst, src.transpose(0, 2, 1))
+
+    return copy
+
+
+def torch_pool(body: Expr, dtype: str) -> Callable[[np.ndarray, np.ndarray], None] | None:
+    """``pool(x, out)`` for MaxPool and SpatialMean as torch's own pooling of the channels-last rows (where
+    torch is loaded and takes the window), else None (the reference's numpy form)."""
+    if "torch" not in sys.modules:
+        return None
+    import torch  # optional dependency
+
+    kind = getattr(torch, DTYPES[dtype].torch_name)
+    attrs = body.attr_dict
+
+    def tensor(a: np.ndarray) -> Any:
+        return _bits_tensor(a).view(kind)
+
+    if body.op == "SpatialMean":
+        pixels = int(attrs["pixels"])
+
+        def mean(x: np.ndarray, out: np.ndarray) -> None:
+            tensor(out).copy_(tensor(x).view(-1, pixels, x.shape[-1]).mean(1))
+
+        return mean
+    h, w, kh, kw, sh, sw, ph, pw, dh, dw = (int(attrs[a]) for a in WINDOW)
+    if 2 * ph > kh or 2 * pw > kw:  # torch's limit on max pooling's padding
+        return None
+    oh, ow = window_out(attrs)
+
+    def max_pool(x: np.ndarray, out: np.ndarray) -> None:
+        c = x.shape[-1]
+        y = torch.nn.functional.max_pool2d(tensor(x).view(-1, h, w, c).permute(0, 3, 1, 2), (kh, kw), (sh, sw),
+                                           (ph, pw), (dh, dw))
+        tensor(out).view(-1, oh, ow, c).copy_(y.permute(0, 2, 3, 1))
+
+    return max_pool
+
+
 def layout_copy(body: Expr) -> Callable[[np.ndarray, np.ndarray], None]:
     """``copy(x, out)`` for the layout copies (``core.ops.LAYOUT_COPIES``): one strided numpy copy."""
     attrs = body.attr_dict
+    if body.op == "Im2col":
+
+        def im2col_copy(x: np.ndarray, out: np.ndarray) -> None:
+            sem.im2col(x, attrs, out)
+
+        return im2col_copy
+    if body.op in ("ChannelsLast", "ChannelsFirst"):
+        return channels_copy(body)
     if body.op == "Columns":
         offset, width = int(attrs["offset"]), int(attrs["width"])
 

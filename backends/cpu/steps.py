@@ -28,8 +28,8 @@ from planner.core.cost import DeviceSpec
 from planner.core.graph import TensorType
 from planner.core.kinds import KernelKind
 from planner.core.opaque import opaque_writer
-from planner.core.ops import GATHERS, LAYOUT_COPIES, epilogue_has_bias
-from planner.core.plans import Kernel, Load
+from planner.core.ops import GATHERS, LAYOUT_COPIES, POOLS, epilogue_has_bias
+from planner.core.plans import Expr, Kernel, Load
 from planner.core.reference import eval_expr
 
 log = logging.getLogger(__name__)
@@ -117,9 +117,75 @@ class GemmSteps(StepsBase):
         return (lambda r0, r1: arrays[name][r0:r1]), 0
 
     def _gemm(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory) -> Step:
+        patches = find_matmul(k.body).args[0]
+        im2col = memory.convolved.get(patches.tensor) if isinstance(patches, Load) else None
+        if im2col is not None:
+            return self._convolution(k, tensors, memory, im2col)
         step = self._library_gemm(k, tensors, memory)
         post = self._post_ops(k, tensors, memory)
         return step if post is None else self._with_post_ops(k, memory, step, *post)
+
+    def _torch_convolution(self, k: Kernel, im2col: str, tensors: Mapping[str, TensorType]) -> bool:
+        """Can GEMM kernel ``k``, reading the Im2col patches ``im2col`` as its left operand and nowhere else,
+        compute its product as torch's convolution (patches, weight and product tile of one dtype torch
+        multiplies: fp32, or a 16-bit one natively)?"""
+        if k.kind not in (KernelKind.GEMM_EPILOGUE, KernelKind.CUBLASLT) or not (
+                self.gemm_library == "torch" or "torch" in sys.modules):
+            return False
+        mm = find_matmul(k.body)
+        a, b = mm.args
+        if not (isinstance(a, Load) and isinstance(b, Load) and a.tensor == im2col and b.tensor != im2col):
+            return False
+        if sum(1 for e in k.body.walk() for x in e.args if isinstance(x, Load) and x.tensor == im2col) != 1:
+            return False  # the patches read by the product only
+        dtype = self._tile_dtype(k, tensors)
+        return tensors[a.tensor].dtype == tensors[b.tensor].dtype == dtype
+
+    def _convolution(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory, im2col: Any) -> Step:
+        """A GEMM kernel over Im2col patches as torch's convolution of the patches' source (no patches stored),
+        the product handed to the generated epilogue as its tile (the bias, BatchNorm's shift, ReLU, a residual
+        add run over it in cache-sized parts across the pool)."""
+        mm = find_matmul(k.body)
+        b_name = mm.args[1].tensor  # type: ignore[union-attr]
+        x_name, dtype = im2col.args[0].tensor, self._tile_dtype(k, tensors)
+        conv = gemm.torch_conv(dtype, im2col.attr_dict)
+        arrays, addr, out_name, pool, threads = memory.arrays, memory.addr, k.out, self.pool, self.threads
+        rows, cols = rows_cols(tuple(k.body.type.shape))
+        facts: dict[str, Any] = {"impl": f"torch-{dtype}-conv", "threads": threads, "patches": "not stored"}
+        reads = [memory.own[x_name], memory.own[b_name]]
+        post = conv_post_ops(k.body, mm)
+        if post is not None and all(tensors[n].dtype == dtype for n in (*post[:2], out_name) if n is not None):
+            bias, other, unary = post
+            is_output, own = out_name in memory.outputs, memory.own[out_name]
+            named = [n for n in (bias, other) if n is not None]
+
+            def call_fused() -> None:  # on the plan's torch threads (CpuCompiledPlan._pools)
+                result = conv(arrays[x_name], arrays[b_name], None if bias is None else arrays[bias],
+                              None if other is None else arrays[other], unary)
+                rows_out = result.numpy() if dtype == "fp32" else gemm.tensor_bits(result)
+                if is_output:
+                    np.copyto(arrays[out_name], rows_out)
+                else:  # handed to the readers as oneDNN wrote it
+                    memory.bind(out_name, rows_out)
+
+            facts["impl"] = f"onednn-{dtype}-conv" + ("-post-ops" if k.body is not mm else "")
+            return Step(k, call_fused, reads + [memory.own[n] for n in named], own, facts)
+        ck = generate(k.body, self._types(tensors), tile=mm, tile_dtype=dtype)
+        fn, params, epilogue_reads = self._bind(ck, memory.own)
+        itemsize = storage_dtype(dtype).itemsize
+        facts.update(impl=f"torch-{dtype}-conv+c-epilogue", source_sha256=ck.digest[:16])
+
+        def call() -> None:
+            result = conv(arrays[x_name], arrays[b_name])  # alive until the epilogue is done
+            ptr = result.data_ptr()
+            if threads == 1:
+                fn(*[ptr if n is None else addr[n] for n in params], addr[out_name], 0, rows, cols)
+                return
+            _split_epilogue(pool, threads, fn, [None if n is None else addr[n] for n in params], ptr,
+                            addr[out_name], cols, itemsize)(0, rows, cols)
+
+        return Step(k, call, reads + [b for b in epilogue_reads if all(b is not r for r in reads)],
+                    memory.own[out_name], facts)
 
     def _post_ops(self, k: Kernel, tensors: Mapping[str, TensorType],
                   memory: Memory) -> tuple[str, str, str | None, gemm.PackedLinear] | None:
@@ -313,6 +379,8 @@ class StandaloneSteps(StepsBase):
         arrays, out_name, reads = memory.arrays, k.out, [memory.own[n] for n in dict.fromkeys(order)]
         if body.op == "Heads" and out_name in memory.views:
             return self._heads_view(k, memory, order[0], reads)
+        if body.op == "Im2col" and out_name in memory.convolved:  # its reader convolves the source itself
+            return Step(k, lambda: None, reads, memory.own[out_name], {"impl": "none: read as a convolution"})
         if body.op == "Merge" and order[0] in memory.handed:
             return self._merge_handed(k, memory, order[0], reads)
         if body.op in GATHERS:  # the table's stored bits at the ids (fp32): any dtype
@@ -321,6 +389,15 @@ class StandaloneSteps(StepsBase):
                 standalone.gather_rows(arrays[order[0]], arrays[order[1]], arrays[out_name])
 
             return Step(k, call_gather, reads, memory.own[k.out], {"impl": "numpy-take"})
+        if body.op in POOLS:
+            pool = standalone.torch_pool(body, body.type.dtype)
+            if pool is None or tensors[order[0]].dtype != body.type.dtype:
+                return self._converted(k, tensors, memory)  # the reference's numpy form
+
+            def call_pool() -> None:  # on the plan's torch threads (CpuCompiledPlan._pools)
+                pool(arrays[order[0]], arrays[out_name])
+
+            return Step(k, call_pool, reads, memory.own[k.out], {"impl": f"torch-{body.op.lower()}"})
         if body.op in LAYOUT_COPIES:  # a copy of the stored bits: any dtype
             copy = standalone.layout_copy(body)
 
@@ -484,6 +561,25 @@ def _gemm_block(mm: gemm.MatMul, epilogue: Callable[[int, int, int], None], tile
     for r0, r1 in bounds:
         mm(widen_a(r0, r1), b32, tile[: r1 - r0])
         epilogue(r0, r1, cols)
+
+
+def conv_post_ops(body: Expr, mm: Expr) -> tuple[str | None, str | None, str] | None:
+    """(bias, residual, unary) when a convolution kernel's body is oneDNN's post-ops over the product:
+    ``[Relu](([BiasAdd(mm, bias)]) [+ residual])``, each operand loaded; else None."""
+    unary = "none"
+    if body.op in gemm.CONV_UNARY and body is not mm:
+        unary, body = gemm.CONV_UNARY[body.op], body.args[0]  # type: ignore[assignment]
+    other = None
+    if body.op == "Add" and body is not mm:
+        inner = [a for a in body.args if isinstance(a, Expr)]
+        loaded = [a for a in body.args if isinstance(a, Load)]
+        if len(inner) != 1 or len(loaded) != 1 or tuple(inner[0].type.shape) != tuple(body.type.shape):
+            return None
+        other, body = loaded[0].tensor, inner[0]
+    bias = None
+    if body.op == "BiasAdd" and body is not mm and isinstance(body.args[1], Load):
+        bias, body = body.args[1].tensor, body.args[0]  # type: ignore[assignment]
+    return (bias, other, unary) if body is mm else None
 
 
 def _split_epilogue(pool: parallel.WorkerPool, threads: int, fn: Callable[..., None], ptrs: list[int | None],

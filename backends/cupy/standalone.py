@@ -14,12 +14,15 @@ from planner.core.graph import TensorType
 from planner.core.kinds import KernelKind
 from planner.core.ops import GATHERS, LAYOUT_COPIES
 from planner.core.plans import Expr, Kernel, Load
+from planner.core.shapes import WINDOW, window_out
 
 # ---------------------------------------------------------------- standalone kernels
 # attention's layouts, batched products and the fused attention, each one thread per output element (or per
 # query row) in a grid-stride loop: no shared memory, no barrier, the same arithmetic as the C backend's
 
 STANDALONE_BLOCK = 128
+#: the channels-last image ops (``core.ops``): layout copies, Im2col, the pools
+IMAGE_OPS = frozenset({"ChannelsLast", "ChannelsFirst", "Im2col", "MaxPool", "SpatialMean"})
 
 
 def _grid_stride(total: int, lines: list[str]) -> list[str]:
@@ -45,6 +48,42 @@ def _layout_lines(body: Expr, shape: tuple[int, ...], out_shape: tuple[int, ...]
                 f"out[e] = p0[(((row / {seq}) * {heads} + col / {d}) * {seq} + row % {seq}) * {d} + col % {d}];"]
     group = math.prod(out_shape[1:])  # GroupRepeat: each output group copies input group g / heads
     return [f"out[e] = p0[(e / {group * heads}) * {group} + e % {group}];"]
+
+
+def _image_lines(body: Expr, shape: tuple[int, ...], out_shape: tuple[int, ...], load: Callable[[int, str], str],
+                 store: Callable[[str], str]) -> list[str]:
+    """One output element of the channels-last ops: the layout copies (bits), Im2col (0 in the padding),
+    MaxPool (-inf padding) and SpatialMean (an fp32 sum), over input ``p0`` of ``shape``."""
+    a = body.attr_dict
+    if body.op == "ChannelsLast":
+        c, px = int(a["channels"]), int(a["pixels"])
+        return [f"const long long ch = e % {c}, p = (e / {c}) % {px}, n = e / {c * px};",
+                f"out[e] = p0[(n * {c} + ch) * {px} + p];"]
+    if body.op == "ChannelsFirst":
+        px, c = int(a["pixels"]), shape[-1]
+        return [f"const long long p = e % {px}, ch = (e / {px}) % {c}, n = e / {px * c};",
+                f"out[e] = p0[(n * {px} + p) * {c} + ch];"]
+    c = shape[-1]
+    if body.op == "SpatialMean":
+        px = int(a["pixels"])
+        return [f"const long long ch = e % {c}, n = e / {c};", "float acc = 0.0f;",
+                f"for (long long p = 0; p < {px}; ++p) acc += {load(0, f'(n * {px} + p) * {c} + ch')};",
+                store(f"acc / {float(px)!r}f")]
+    h, w, kh, kw, sh, sw, ph, pw, dh, dw = (int(a[x]) for x in WINDOW)
+    oh, ow = window_out(a)
+    at = f"((n * {h} + ih) * {w} + iw) * {c} + ch"
+    inside = f"ih >= 0 && ih < {h} && iw >= 0 && iw < {w}"
+    if body.op == "Im2col":
+        return [f"const long long ch = e % {c}, j = (e / {c}) % {kw}, i = (e / {c * kw}) % {kh};",
+                f"const long long px = e / {c * kw * kh}, ox = px % {ow}, oy = (px / {ow}) % {oh}, n = px / {ow * oh};",
+                f"const long long ih = oy * {sh} - {ph} + i * {dh}, iw = ox * {sw} - {pw} + j * {dw};",
+                f"if ({inside}) out[e] = p0[{at}]; else {{ {store('0.0f')} }}"]
+    return [f"const long long ch = e % {c}, px = e / {c}, ox = px % {ow}, oy = (px / {ow}) % {oh}, n = px / {ow * oh};",
+            "float m = fp_neg_inf();",
+            f"for (long long i = 0; i < {kh}; ++i) for (long long j = 0; j < {kw}; ++j) {{",
+            f"  const long long ih = oy * {sh} - {ph} + i * {dh}, iw = ox * {sw} - {pw} + j * {dw};",
+            f"  if ({inside}) m = fp_max(m, {load(0, at)});",
+            "}", store("m")]
 
 
 def _product_lines(body: Expr, shapes: list[tuple[int, ...]], load: Callable[[int, str], str],
@@ -104,7 +143,10 @@ def standalone_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
     shapes = [tuple(tensors[t].shape) for t in ins]
     load = lambda i, at: TO_FLOAT[tensors[ins[i]].dtype].format(f"p{i}[{at}]")  # noqa: E731
     store_at = lambda at, v: f"out[{at}] = {FROM_FLOAT[out_t.dtype].format(v)};"  # noqa: E731
-    if body.op in LAYOUT_COPIES:
+    if body.op in IMAGE_OPS:
+        total = math.prod(out_t.shape)
+        lines = _image_lines(body, shapes[0], tuple(out_t.shape), load, lambda v: store_at("e", v))
+    elif body.op in LAYOUT_COPIES:
         total, lines = math.prod(out_t.shape), _layout_lines(body, shapes[0], tuple(out_t.shape))
     elif body.op in GATHERS:  # ids carried as fp32: one that is no row of the table stops the kernel (an error)
         total, d, rows = math.prod(out_t.shape), int(out_t.shape[-1]), shapes[1][0]

@@ -245,6 +245,27 @@ def token_mlp(tokens: int = 64, vocab: int = 1000, d_model: int = 256, hidden: i
     return b.build([b.op("down", "MatMul", [glu, "down.w"])])
 
 
+def conv_block(batch: int = 1, channels: int = 64, size: int = 56, dtype: str = "fp16") -> Graph:
+    """ResNet's basic block as the torch importer reads one, then its pooling: the image batch (torch's order)
+    stored channels last, two 3x3 convolutions (Im2col, the GEMM, the folded BatchNorm's bias, ReLU; the second
+    adds the residual), 3x3 stride-2 max pooling and global average pooling, the block's output also in torch's
+    order again."""
+    b = GraphBuilder(f"conv-block-n{batch}-c{channels}-s{size}-{dtype}")
+    b.input("x", (batch * channels * size, size), dtype)
+    window = {"height": size, "width": size, "kh": 3, "kw": 3, "sh": 1, "sw": 1, "ph": 1, "pw": 1, "dh": 1, "dw": 1}
+    rows = b.op("rows", "ChannelsLast", ["x"], {"channels": channels, "pixels": size * size})
+    y = rows
+    for i in (1, 2):
+        b.input(f"conv{i}.w", (9 * channels, channels), dtype)
+        b.input(f"conv{i}.b", (channels,), dtype)
+        mm = b.op(f"conv{i}", "MatMul", [b.op(f"patches{i}", "Im2col", [y], window), f"conv{i}.w"])
+        y = b.op(f"conv{i}.bias", "BiasAdd", [mm, f"conv{i}.b"])
+        y = b.op(f"relu{i}", "Relu", [b.op("residual", "Add", [y, rows]) if i == 2 else y])
+    pooled = b.op("pool", "MaxPool", [y], {**window, "sh": 2, "sw": 2})
+    mean = b.op("mean", "SpatialMean", [pooled], {"pixels": ((size - 1) // 2 + 1) ** 2})
+    return b.build([mean, b.op("out", "ChannelsFirst", [y], {"pixels": size * size, "width": size})])
+
+
 EXAMPLES = ("mlp-epilogue", "heavy", "ew-chain", "mlp-stack", "transformer")
 
 

@@ -21,26 +21,32 @@ from planner.core.dtypes import DTYPES, round_to
 from planner.core.kinds import OpKind
 from planner.core.opdef import AttrSpec, CodeFn, OpDef, OpError, Reduction, example_operands, float_literal
 from planner.core.shapes import (
+    WINDOW,
     Attrs,
     ShapeRule,
     attention_shape,
     batched_shape,
     bias_shape,
+    channels_first_shape,
+    channels_last_shape,
     columns_shape,
     embedding_shape,
     group_repeat_shape,
     heads_shape,
+    im2col_shape,
     mask_shape,
     matmul_shape,
     merge_shape,
     per_row_shape,
+    pool_shape,
     rotate_half_shape,
     row_shape,
     same_shape,
+    spatial_mean_shape,
     tile_shape,
 )
 
-__all__ = ["CUBLASLT_EPILOGUES", "GATHERS", "LAYOUT_COPIES", "OPS", "AttrSpec", "OpDef", "OpError", "Reduction", "epilogue_has_bias",
+__all__ = ["CUBLASLT_EPILOGUES", "GATHERS", "LAYOUT_COPIES", "OPS", "POOLS", "AttrSpec", "OpDef", "OpError", "Reduction", "epilogue_has_bias",
            "example_operands", "float_literal", "op_def", "register_op", "same_shape"]
 
 
@@ -364,6 +370,64 @@ OPS: dict[str, OpDef] = {
             doc="Columns [offset, offset+width) of the last dimension, copied: torch's chunk, split or x[..., a:b] "
                 "of a packed projection's output.",
         ),
+        # convolutional layers, channels last: an image batch (N, C, H, W) is stored as (N*H*W, C) rows, so a
+        # convolution is Im2col then a GEMM (a 1x1 one the GEMM alone) with the GEMM's epilogues (bias, the folded
+        # BatchNorm's scale and shift, ReLU, the residual), and a per-channel vector is a row vector
+        OpDef(
+            name="ChannelsLast",
+            label="to-nhwc",
+            kind=OpKind.STANDALONE,
+            arity=1,
+            attrs=(AttrSpec("channels", "i64", minimum=1), AttrSpec("pixels", "i64", minimum=1)),
+            shape_rule=channels_last_shape,
+            numpy_fn=lambda xs, attrs: sem.channels_last(xs[0], attrs),
+            doc="Images (N, C, pixels) in torch's order, stored flat, as (N*pixels, C) channels-last rows (a copy).",
+        ),
+        OpDef(
+            name="ChannelsFirst",
+            label="to-nchw",
+            kind=OpKind.STANDALONE,
+            arity=1,
+            attrs=(AttrSpec("pixels", "i64", minimum=1), AttrSpec("width", "i64", minimum=1)),
+            shape_rule=channels_first_shape,
+            numpy_fn=lambda xs, attrs: sem.channels_first(xs[0], attrs),
+            doc="(N*pixels, C) channels-last rows back in torch's (N, C, pixels) order, stored as rows of the "
+                "image's width (a copy).",
+        ),
+        OpDef(
+            name="Im2col",
+            label="im2col",
+            kind=OpKind.STANDALONE,
+            arity=1,
+            attrs=tuple(AttrSpec(a, "i64", minimum=0 if a in ("ph", "pw") else 1) for a in WINDOW),
+            shape_rule=im2col_shape,
+            numpy_fn=lambda xs, attrs: sem.im2col(xs[0], attrs),
+            doc="Each output pixel's window (kh x kw taps, stride, padding, dilation) of channels-last rows "
+                "(N*height*width, C), side by side: (N*out pixels, kh*kw*C), 0 in the padding. Times the weight "
+                "as (kh*kw*C, O) it is torch's conv2d (conv1d: height 1).",
+        ),
+        OpDef(
+            name="MaxPool",
+            label="maxpool",
+            kind=OpKind.STANDALONE,
+            arity=1,
+            attrs=tuple(AttrSpec(a, "i64", minimum=0 if a in ("ph", "pw") else 1) for a in WINDOW),
+            shape_rule=pool_shape,
+            numpy_fn=lambda xs, attrs: sem.max_pool(xs[0], attrs),
+            doc="The largest value of each window of channels-last rows (torch's max_pool2d; the padding is "
+                "-inf, no ceil mode).",
+        ),
+        OpDef(
+            name="SpatialMean",
+            label="avgpool",
+            kind=OpKind.STANDALONE,
+            arity=1,
+            attrs=(AttrSpec("pixels", "i64", minimum=1),),
+            shape_rule=spatial_mean_shape,
+            numpy_fn=lambda xs, attrs: sem.spatial_mean(xs[0], attrs),
+            doc="The mean over each image's pixels of channels-last rows (N*pixels, C): (N, C), torch's "
+                "adaptive_avg_pool2d to 1x1 (and x.mean((2, 3))).",
+        ),
         OpDef(
             name="Merge",
             kind=OpKind.STANDALONE,
@@ -448,7 +512,9 @@ OPS: dict[str, OpDef] = {
 
 
 #: standalone ops that copy their input's bits into another layout (no arithmetic: any dtype)
-LAYOUT_COPIES = frozenset({"Heads", "Merge", "GroupRepeat", "Columns"})
+LAYOUT_COPIES = frozenset({"Heads", "Merge", "GroupRepeat", "Columns", "ChannelsLast", "ChannelsFirst", "Im2col"})
+#: standalone ops that reduce windows of channels-last images
+POOLS = frozenset({"MaxPool", "SpatialMean"})
 #: standalone ops that gather rows of their second input at the ids their first holds
 GATHERS = frozenset({"Embedding"})
 

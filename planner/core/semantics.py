@@ -5,10 +5,12 @@ reference executor (fp32 "registers" or fp64 for the oracle). Infinities and NaN
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
+
+from planner.core.shapes import WINDOW, window_out
 
 Attrs = Mapping[str, Any]
 
@@ -72,6 +74,83 @@ def table_rows(ids: np.ndarray, n_rows: int) -> np.ndarray:
 def embedding(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
     """``table[ids]`` with ids flattened."""
     return table[table_rows(ids, table.shape[0])]
+
+
+# ---------------------------------------------------------------- convolutions, channels last
+# An image batch (N, C, H, W) in torch's order is stored channels last as (N*H*W, C) rows: a convolution is
+# its window's pixels side by side (Im2col) times the weight, a GEMM with the GEMM's epilogues.
+
+
+def _window(attrs: Attrs) -> tuple[int, ...]:
+    return tuple(int(attrs[a]) for a in WINDOW)
+
+
+def _taps(attrs: Attrs) -> Iterator[tuple[int, int, slice, slice, slice, slice]]:
+    """For each kernel tap (i, j): the output rows and columns it reaches inside the image, and the input
+    rows and columns they read (strided slices): the padding is what no tap reaches."""
+    h, w, kh, kw, sh, sw, ph, pw, dh, dw = _window(attrs)
+    oh, ow = window_out(attrs)
+
+    def span(tap: int, size: int, stride: int, pad: int, out: int) -> tuple[slice, slice] | None:
+        first = max(0, -(-(pad - tap) // stride))  # the first output whose input index is >= 0
+        last = min(out - 1, (size - 1 + pad - tap) // stride)
+        if last < first:
+            return None
+        start = first * stride - pad + tap
+        return slice(first, last + 1), slice(start, start + (last - first) * stride + 1, stride)
+
+    for i in range(kh):
+        rows = span(i * dh, h, sh, ph, oh)
+        for j in range(kw):
+            cols = span(j * dw, w, sw, pw, ow)
+            if rows is not None and cols is not None:
+                yield i, j, rows[0], cols[0], rows[1], cols[1]
+
+
+def im2col(x: np.ndarray, attrs: Attrs, out: np.ndarray | None = None) -> np.ndarray:
+    """Each output pixel's window of channels-last rows side by side, (kh, kw, C) per row; 0 in the padding."""
+    h, w, kh, kw, *_ = _window(attrs)
+    c = x.shape[-1]
+    images = x.reshape(-1, h, w, c)
+    oh, ow = window_out(attrs)
+    if out is None:
+        out = np.empty((images.shape[0] * oh * ow, kh * kw * c), x.dtype)
+    cells = out.reshape(images.shape[0], oh, ow, kh, kw, c)
+    cells[...] = 0
+    for i, j, orows, ocols, irows, icols in _taps(attrs):
+        cells[:, orows, ocols, i, j, :] = images[:, irows, icols, :]
+    return out
+
+
+def max_pool(x: np.ndarray, attrs: Attrs) -> np.ndarray:
+    """The largest value of each window of channels-last rows (padding is -inf, as torch pads it)."""
+    h, w, *_ = _window(attrs)
+    c = x.shape[-1]
+    images = x.reshape(-1, h, w, c)
+    oh, ow = window_out(attrs)
+    out = np.full((images.shape[0], oh, ow, c), -np.inf, x.dtype)
+    for _, _, orows, ocols, irows, icols in _taps(attrs):
+        out[:, orows, ocols, :] = np.maximum(out[:, orows, ocols, :], images[:, irows, icols, :])
+    return out.reshape(-1, c)
+
+
+def spatial_mean(x: np.ndarray, attrs: Attrs) -> np.ndarray:
+    """The mean over each image's pixels of channels-last rows (adaptive average pooling to 1x1)."""
+    pixels = int(attrs["pixels"])
+    return np.mean(x.reshape(-1, pixels, x.shape[-1]), axis=1, dtype=np.float64).astype(x.dtype)
+
+
+def channels_last(x: np.ndarray, attrs: Attrs) -> np.ndarray:
+    """(N, C, pixels) in torch's order as (N*pixels, C) rows."""
+    c, pixels = int(attrs["channels"]), int(attrs["pixels"])
+    return np.ascontiguousarray(x.reshape(-1, c, pixels).transpose(0, 2, 1)).reshape(-1, c)
+
+
+def channels_first(x: np.ndarray, attrs: Attrs) -> np.ndarray:
+    """(N*pixels, C) rows back in torch's (N, C, pixels) order, as rows of the image's width."""
+    pixels, width = int(attrs["pixels"]), int(attrs["width"])
+    c = x.shape[-1]
+    return np.ascontiguousarray(x.reshape(-1, pixels, c).transpose(0, 2, 1)).reshape(-1, width)
 
 
 def rotate_half(x: np.ndarray) -> np.ndarray:

@@ -114,6 +114,64 @@ def _embedding(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
     return (rows, table[1])
 
 
+#: a window over the spatial dims of channels-last rows: (height, width, kernel h/w, stride h/w, padding h/w,
+#: dilation h/w) (a 1-D one has height 1)
+WINDOW = ("height", "width", "kh", "kw", "sh", "sw", "ph", "pw", "dh", "dw")
+
+
+def window_out(attrs: Attrs) -> tuple[int, int]:
+    """The output height and width of a window (torch's floor rule, no ceil mode)."""
+    h, w, kh, kw, sh, sw, ph, pw, dh, dw = (int(attrs[a]) for a in WINDOW)
+    return (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+
+
+def _windowed(op: str, x: Shape, attrs: Attrs, per_pixel: int) -> Shape:
+    h, w = int(attrs["height"]), int(attrs["width"])
+    oh, ow = window_out(attrs)
+    if len(x) != 2 or x[0] % (h * w) or oh < 1 or ow < 1:
+        raise OpError(f"{op}: takes channels-last rows (images x {h}x{w} pixels, channels) and a window that fits "
+                      f"them, got {list(x)}")
+    return (x[0] // (h * w) * oh * ow, x[1] * per_pixel)
+
+
+def _im2col(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
+    (x,) = shapes
+    return _windowed(op, x, attrs, int(attrs["kh"]) * int(attrs["kw"]))
+
+
+def _pool(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
+    (x,) = shapes
+    return _windowed(op, x, attrs, 1)
+
+
+def _spatial_mean(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
+    (x,) = shapes
+    pixels = int(attrs["pixels"])
+    if len(x) != 2 or x[0] % pixels:
+        raise OpError(f"{op}: takes channels-last rows (images x {pixels} pixels, channels), got {list(x)}")
+    return (x[0] // pixels, x[1])
+
+
+def _channels_last(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
+    (x,) = shapes
+    channels, pixels = int(attrs["channels"]), int(attrs["pixels"])
+    total = 1
+    for d in x:
+        total *= d
+    if len(x) != 2 or total % (channels * pixels):
+        raise OpError(f"{op}: takes (images x {channels} channels x {pixels} pixels) in torch's order, got {list(x)}")
+    return (total // channels, channels)
+
+
+def _channels_first(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
+    (x,) = shapes
+    pixels, width = int(attrs["pixels"]), int(attrs["width"])
+    if len(x) != 2 or x[0] % pixels or pixels % width:
+        raise OpError(f"{op}: takes channels-last rows (images x {pixels} pixels, channels) of rows {width} wide, "
+                      f"got {list(x)}")
+    return (x[0] * x[1] // width, width)
+
+
 def _merge(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
     (y,) = shapes
     heads = int(attrs["heads"])
@@ -175,6 +233,11 @@ heads_shape = ShapeRule(_heads, _no_example)
 merge_shape = ShapeRule(_merge, _no_example)
 columns_shape = ShapeRule(_columns, _no_example)
 embedding_shape = ShapeRule(_embedding, _no_example)
+im2col_shape = ShapeRule(_im2col, _no_example)
+pool_shape = ShapeRule(_pool, _no_example)
+spatial_mean_shape = ShapeRule(_spatial_mean, _no_example)
+channels_last_shape = ShapeRule(_channels_last, _no_example)
+channels_first_shape = ShapeRule(_channels_first, _no_example)
 attention_shape = ShapeRule(_attention, _no_example)
 group_repeat_shape = ShapeRule(_group_repeat, _no_example)
 
@@ -183,6 +246,7 @@ def batched_shape(transpose_b: bool) -> ShapeRule:
     return ShapeRule(lambda op, shapes, attrs: batch_shape(op, shapes, transpose_b), _no_example)
 
 
-__all__ = ["Attrs", "Shape", "ShapeRule", "attention_shape", "batch_shape", "batched_shape", "bias_shape",
-           "columns_shape", "embedding_shape", "group_repeat_shape", "heads_shape", "mask_shape", "matmul_shape", "merge_shape", "per_row_shape",
+__all__ = ["WINDOW", "Attrs", "Shape", "ShapeRule", "attention_shape", "batch_shape", "batched_shape", "bias_shape",
+           "channels_first_shape", "channels_last_shape", "columns_shape", "im2col_shape", "pool_shape",
+           "spatial_mean_shape", "window_out", "embedding_shape", "group_repeat_shape", "heads_shape", "mask_shape", "matmul_shape", "merge_shape", "per_row_shape",
            "rotate_half_shape", "row_shape", "same_shape", "tile_shape"]

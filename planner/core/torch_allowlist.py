@@ -37,6 +37,23 @@ from planner.core.ops import OpError
 # fmt: off
 #: exact qualified names of the torch callables a file may name (see the module docstring)
 TORCH_CALLABLES: frozenset[str] = frozenset({
+    # convolutional layers: convolutions, batch norm, pooling
+    "torch.adaptive_avg_pool1d",
+    "torch.batch_norm",
+    "torch.max_pool1d",
+    "torch.max_pool2d",
+    "torch.nn.functional.adaptive_avg_pool2d",
+    "torch.nn.functional.batch_norm",
+    "torch.nn.functional.max_pool1d",
+    "torch.nn.functional.max_pool2d",
+    "torch.ops.aten._adaptive_avg_pool2d.default",
+    "torch.ops.aten.adaptive_avg_pool1d.default",
+    "torch.ops.aten.adaptive_avg_pool2d.default",
+    "torch.ops.aten.batch_norm.default",
+    "torch.ops.aten.conv1d.default",
+    "torch.ops.aten.conv2d.default",
+    "torch.ops.aten.max_pool1d.default",
+    "torch.ops.aten.max_pool2d.default",
     "torch.Tensor.abs", "torch.Tensor.add", "torch.Tensor.amax", "torch.Tensor.amin", "torch.Tensor.bfloat16",
     "torch.Tensor.bmm", "torch.Tensor.chunk", "torch.Tensor.clamp", "torch.Tensor.clone", "torch.Tensor.contiguous",
     "torch.Tensor.cos", "torch.Tensor.cumsum", "torch.Tensor.detach", "torch.Tensor.div", "torch.Tensor.erf",

@@ -102,6 +102,12 @@ _canon("to", ("method", "to"), ("method", "float"), ("method", "half"), ("method
 _canon("expand", ("method", "expand"), _aten.expand.default)
 _canon("slice", _aten.slice.Tensor)
 _canon("embedding", F.embedding, torch.embedding, _aten.embedding.default)
+_canon("conv", torch.conv2d, torch.conv1d, _aten.conv2d.default, _aten.conv1d.default)
+_canon("batch_norm", F.batch_norm, torch.batch_norm, _aten.batch_norm.default)
+_canon("max_pool", F.max_pool2d, F.max_pool1d, torch.max_pool2d, torch.max_pool1d, _aten.max_pool2d.default,
+       _aten.max_pool1d.default)
+_canon("avg_pool", F.adaptive_avg_pool2d, torch.adaptive_avg_pool1d, _aten.adaptive_avg_pool2d.default,
+       _aten._adaptive_avg_pool2d.default, _aten.adaptive_avg_pool1d.default)
 _canon("cat", torch.cat, torch.concat, torch.concatenate, _aten.cat.default)
 _canon("view", ("method", "view"), ("method", "reshape"), ("method", "flatten"), ("method", "unsqueeze"),
        ("method", "squeeze"), ("method", "view_as"), ("method", "reshape_as"), torch.reshape, torch.flatten,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,13 @@ from planner.torch.ops import IMPORTER_TABLE, encode_arg, resolve_torch_fn, torc
 from planner.torch.tracing import BATCH_NORMS, INPLACE_OPERATORS, mutated_input_of, written_inputs
 
 log = logging.getLogger(__name__)
+
+#: the layout of an image batch (N, C, *pixels) stored as (N*pixels, C) rows
+CHANNELS_LAST = "channels_last"
+#: kinds whose lowerings take channels-last values as they are (any other lowering, a torch call, an output,
+#: sees the value in torch's order: ``Importer.plain``)
+LAYOUT_KINDS = frozenset({"conv", "batch_norm", "max_pool", "avg_pool", "mean", "relu", "silu", "gelu", "add",
+                          "sub", "mul", "div", "maximum", "minimum", "same", "dropout", "view"})
 
 #: kinds whose lowerings take integer inputs (token ids): a view of them, the embedding that reads them
 INDEX_KINDS = frozenset({"view", "same", "embedding"})
@@ -66,6 +74,9 @@ class Traced:
     name: str = ""
     #: an Opaque result not emitted yet: its single consumer, if torch-backed too, folds it in
     program: Program | None = field(default=None, compare=False)
+    #: how the IR tensor ``id`` holds it: "" in torch's order (flattened), CHANNELS_LAST for an image batch
+    #: (N, C, *pixels) stored as (N*pixels, C) rows (what convolutions compute)
+    layout: str = ""
 
 
 @dataclass(frozen=True)
@@ -122,6 +133,15 @@ def reduces_rows(x: Any, concrete: Any, dim: Any = -1) -> bool:
             and dim in (-1, len(x.shape) - 1))
 
 
+def out_of_place(target: Any) -> Any:
+    """An in-place ATen op's out-of-place overload (``aten.relu_.default`` -> ``aten.relu.default``), else the
+    target itself."""
+    if isinstance(target, torch._ops.OpOverload) and target._opname.endswith("_"):
+        packet = getattr(getattr(torch.ops, target.namespace), target._opname[:-1], None)
+        return getattr(packet, target._overloadname, target) if packet is not None else target
+    return target
+
+
 def is_scalar(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -146,6 +166,10 @@ class Importer:
     ids: set[str] = field(default_factory=set)
     #: the parameters and buffers values computed at import read (the plan holds those values)
     folded_from: set[str] = field(default_factory=set)
+    #: IR id -> the same tensor in the other layout (converted once)
+    relayouts: dict[tuple[str, str], str] = field(default_factory=dict)
+    #: calls a lowering took into its own ops (a BatchNorm folded into its convolution) -> their value
+    absorbed: dict[fx.Node, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.b = GraphBuilder(self.name)
@@ -163,8 +187,10 @@ class Importer:
         return out
 
     def use(self, v: Any, hint: str, transpose: bool = False, ir_shape: tuple[int, ...] | None = None) -> str:
-        """The IR id holding ``v`` (a tensor value), creating a graph input on first use (a constant with
-        ``ir_shape``, its elements in their order, where given)."""
+        """The IR id holding ``v`` (a tensor value) in torch's order, creating a graph input on first use (a
+        constant with ``ir_shape``, its elements in their order, where given)."""
+        if isinstance(v, Traced) and v.layout == CHANNELS_LAST:
+            return self.relayout(v, "")
         if isinstance(v, Traced) and v.program is not None:
             return self.materialise(v)
         if isinstance(v, Traced) and v.id is not None and not transpose:
@@ -196,13 +222,42 @@ class Importer:
         return nid
 
     def emit(self, node: fx.Node, op: str, inputs: Sequence[str], attrs: Mapping[str, Any] | None,
-             shape: Sequence[int], dtype: torch.dtype, suffix: str = "") -> Emitted:
+             shape: Sequence[int], dtype: torch.dtype, suffix: str = "", layout: str = "") -> Emitted:
         nid = self.fresh(node.name + suffix)
         try:
             self.b.op(nid, op, inputs, attrs)
         except GraphError as exc:
             raise TorchImportError(f"{self.where(node)}: {exc}") from None
-        return Emitted(tuple(shape), dtype, True, nid)
+        return Emitted(tuple(shape), dtype, True, nid, layout=layout)
+
+    # -- image batches stored channels last
+    def channels_last(self, v: Traced, hint: str) -> str:
+        """The IR id of image batch ``v`` (N, C, *pixels) as (N*pixels, C) rows (converted once)."""
+        if v.layout == CHANNELS_LAST:
+            assert v.id is not None
+            return v.id
+        return self.relayout(Traced(v.shape, v.dtype, v.runtime, self.use(v, hint)), CHANNELS_LAST)
+
+    def relayout(self, v: Traced, layout: str) -> str:
+        """The IR id of ``v``'s tensor in ``layout`` (a ``ChannelsLast`` or ``ChannelsFirst`` copy, made once);
+        an image of one pixel is the same rows either way."""
+        assert v.id is not None
+        key = (v.id, layout)
+        if key not in self.relayouts:
+            pixels = math.prod(v.shape[2:])
+            if layout == CHANNELS_LAST:
+                op, attrs = "ChannelsLast", {"channels": v.shape[1], "pixels": pixels}
+            else:
+                op, attrs = "ChannelsFirst", {"pixels": pixels, "width": v.shape[-1]}
+            out = self.fresh(f"{v.id}.{'nhwc' if layout else 'nchw'}")
+            self.b.op(out, op, [v.id], attrs)
+            self.relayouts[key] = out
+        return self.relayouts[key]
+
+    def plain(self, tree: Any) -> Any:
+        """``tree`` with each channels-last value in torch's order (for lowerings and calls that read that)."""
+        return pytree.tree_map(lambda x: Traced(x.shape, x.dtype, x.runtime, self.use(x, "nchw"))
+                               if isinstance(x, Traced) and x.layout == CHANNELS_LAST else x, tree)
 
     def where(self, node: fx.Node) -> str:
         st = node.meta.get("stack_trace")
@@ -351,6 +406,8 @@ class Importer:
         return mutated_input_of(self.gm, node)
 
     def _call(self, node: fx.Node) -> Any:
+        if node in self.absorbed:
+            return self.absorbed.pop(node)
         args, kwargs = self.arg(node.args), self.arg(node.kwargs)
         if node.op == "call_module":
             return self.module_lowering(self, node, args, kwargs)
@@ -358,7 +415,7 @@ class Importer:
         if self.mutated_input(node) is not None:
             if node.op == "call_method":
                 fn_target = str(node.target)[:-1]
-            fn_target = INPLACE_OPERATORS.get(fn_target, fn_target)
+            fn_target = INPLACE_OPERATORS.get(fn_target, out_of_place(fn_target))
             if "inplace" in kwargs:
                 kwargs = {**kwargs, "inplace": False}
         target = ("method", fn_target) if node.op == "call_method" else fn_target
@@ -384,6 +441,9 @@ class Importer:
         if target is operator.getitem and not isinstance(args[0], Traced):
             return concrete  # indexing a shape tuple
         kind = IMPORTER_TABLE.get(target)
+        if kind not in LAYOUT_KINDS:
+            args, kwargs = self.plain(args), self.plain(kwargs)
+            leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, (Traced, MultiResult))]
         if kind not in INDEX_KINDS and any(isinstance(x, Traced) and x.dtype not in TORCH_DTYPES for x in leaves):
             return self.generic(node, fn_target, args, kwargs)  # integer indices: only torch computes with them
         if kind is None:
@@ -406,6 +466,9 @@ class Importer:
     def unary(self, node: fx.Node, op: str, x: Any, concrete: torch.Tensor) -> Traced | None:
         if not isinstance(x, Traced):
             return None
+        if x.layout == CHANNELS_LAST:  # an elementwise op keeps the layout
+            assert x.id is not None
+            return self.emit(node, op, [x.id], None, concrete.shape, concrete.dtype, layout=CHANNELS_LAST)
         return self.emit(node, op, [self.use(x, node.name)], None, concrete.shape, concrete.dtype)
 
 

@@ -217,3 +217,30 @@ def test_token_ids_and_a_packed_projections_columns_equal_the_reference(dtype) -
     for bad in (50.0, -1.0, 2.5):
         with pytest.raises(IndexError, match="is not a row of a table of 50 rows"):
             compiled.run({**inputs, "ids": np.where(np.arange(24) == 7, bad, inputs["ids"]).astype(np.float32)})
+
+
+@pytest.mark.parametrize(("shape", "kernel", "stride", "padding", "dilation"), [
+    ((2, 5, 7, 6), (3, 3), (1, 1), (1, 1), (1, 1)),  # ResNet's 3x3, padding 1
+    ((1, 3, 11, 9), (7, 7), (2, 2), (3, 3), (1, 1)),  # the stem's 7x7 stride 2 on odd sizes
+    ((2, 4, 6, 8), (3, 2), (2, 1), (0, 1), (1, 2)),  # unequal kernel, stride, padding, dilation
+])
+def test_im2col_times_the_weight_is_torchs_convolution_and_the_pools_its_pooling(shape, kernel, stride, padding,
+                                                                              dilation) -> None:
+    torch = pytest.importorskip("torch")
+    n, c, h, w = shape
+    x = torch.randn(shape)
+    weight = torch.randn(4, c, *kernel)
+    attrs = {"height": h, "width": w, "kh": kernel[0], "kw": kernel[1], "sh": stride[0], "sw": stride[1],
+             "ph": padding[0], "pw": padding[1], "dh": dilation[0], "dw": dilation[1]}
+    rows = OPS["ChannelsLast"].evaluate([x.numpy().reshape(-1, w)], {"channels": c, "pixels": h * w})
+    patches = OPS["Im2col"].evaluate([rows], attrs)
+    got = patches @ weight.permute(2, 3, 1, 0).reshape(-1, 4).numpy()
+    want = torch.nn.functional.conv2d(x, weight, None, stride, padding, dilation).permute(0, 2, 3, 1)
+    np.testing.assert_allclose(got, want.reshape(-1, 4).numpy(), rtol=1e-5, atol=1e-5)
+    if padding[0] * 2 <= kernel[0] and padding[1] * 2 <= kernel[1]:  # torch's own limit on max pooling padding
+        pooled = torch.nn.functional.max_pool2d(x, kernel, stride, padding, dilation).permute(0, 2, 3, 1)
+        np.testing.assert_array_equal(OPS["MaxPool"].evaluate([rows], attrs), pooled.reshape(-1, c).numpy())
+    np.testing.assert_allclose(OPS["SpatialMean"].evaluate([rows], {"pixels": h * w}), x.mean((2, 3)).numpy(),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(OPS["ChannelsFirst"].evaluate([rows], {"pixels": h * w, "width": w}),
+                                  x.numpy().reshape(-1, w))

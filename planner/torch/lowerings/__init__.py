@@ -6,11 +6,11 @@ Add a mapping by decorating a function ``(importer, node, args, kwargs, concrete
 ``IMPORTER_TABLE``. Importing this package registers every lowering.
 """
 
-from planner.torch.lowerings import elementwise, indices, products, rows
+from planner.torch.lowerings import elementwise, images, indices, products, rows
 from planner.torch.lowerings.modules import lower_module
 from planner.torch.lowerings.registry import BECOMES, LOWERINGS, lowering
 
 #: the theme modules whose import registered their lowerings
-THEMES = (elementwise, indices, products, rows)
+THEMES = (elementwise, images, indices, products, rows)
 
 __all__ = ["BECOMES", "LOWERINGS", "THEMES", "lower_module", "lowering"]

@@ -14,6 +14,7 @@ from planner.torch.heads import takes_columns
 from planner.torch.lowerings.layouts import affine, alias, cast, masked_scores, settle, tiles
 from planner.torch.lowerings.registry import lowering
 from planner.torch.walk import (
+    CHANNELS_LAST,
     Importer,
     Traced,
     is_scalar,
@@ -54,6 +55,11 @@ def binary(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any, 
         return None if coef[0] is None else affine(imp, node, c, coef[0], coef[1], concrete)
     if not (is_tensor(a) and is_tensor(c)):
         return None
+    if any(isinstance(v, Traced) and v.layout == CHANNELS_LAST for v in (a, c)):
+        kept = channels_last_binary(imp, node, a, c, concrete, kind)
+        if kept is not None:
+            return kept
+        a, c = imp.plain(a), imp.plain(c)
     if a.dtype != c.dtype:  # torch computes in the promoted dtype (bf16 * fp32 is fp32)
         a, c = cast(imp, node, a, concrete.dtype) or a, cast(imp, node, c, concrete.dtype) or c
         if a.dtype != c.dtype:
@@ -92,6 +98,26 @@ def binary(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any, 
                 return imp.emit(node, op, [imp.use(x, node.name), imp.use(r, f"{node.name}_row")], None, out,
                                  concrete.dtype)
     return broadcast_constant(imp, node, a, c, out, concrete.dtype, kind)
+
+
+def channels_last_binary(imp: Importer, node: fx.Node, a: Any, c: Any, concrete: torch.Tensor, kind: str) -> Any:
+    """``a <op> c`` of image batches of one shape (a residual add), one of them channels last: both channels
+    last, the result too; or one and a constant per channel ((C, 1, 1), BatchNorm written out) as a row
+    vector. None otherwise (then in torch's order)."""
+    out, dtype = tuple(concrete.shape), concrete.dtype
+    op = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "maximum": "Maximum", "minimum": "Minimum"}[kind]
+    if all(isinstance(v, Traced) and v.shape == out and v.dtype == dtype for v in (a, c)):
+        ids = [imp.channels_last(v, f"{node.name}_{i}") for i, v in enumerate((a, c))]
+        return imp.emit(node, op, ids, None, out, dtype, layout=CHANNELS_LAST)
+    vector = {"add": "BiasAdd", "mul": "BiasMul"}.get(kind)
+    for x, k in ((a, c), (c, a)):
+        per_channel = isinstance(k, torch.Tensor) and k.dtype == dtype and k.dim() >= 2 and k.numel() == out[1] \
+            and (1,) * (len(out) - k.dim()) + tuple(k.shape) == (1, out[1], *([1] * (len(out) - 2)))
+        if vector and isinstance(x, Traced) and x.layout == CHANNELS_LAST and x.shape == out and per_channel:
+            assert x.id is not None
+            return imp.emit(node, vector, [x.id, imp.use(k.reshape(-1), f"{node.name}_channels")], None, out, dtype,
+                            layout=CHANNELS_LAST)
+    return None
 
 
 def broadcast_constant(imp: Importer, node: fx.Node, a: Any, c: Any, out: tuple[int, ...], dtype: torch.dtype,

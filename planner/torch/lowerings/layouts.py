@@ -13,6 +13,7 @@ from planner.core.opaque import flat_shape
 from planner.torch.binding import TORCH_DTYPES
 from planner.torch.heads import head_split
 from planner.torch.walk import (
+    CHANNELS_LAST,
     Emitted,
     Importer,
     Traced,
@@ -55,6 +56,13 @@ def alias(imp: Importer, x: Any, concrete: Any) -> Traced | None:
     """The same IR tensor seen with another torch shape (no node, no copy)."""
     if not isinstance(x, Traced) or not isinstance(concrete, torch.Tensor) or concrete.dtype != x.dtype:
         return None
+    if x.layout == CHANNELS_LAST:
+        assert x.id is not None
+        if tuple(concrete.shape) == x.shape:
+            return x
+        if math.prod(x.shape[2:]) == 1 and flat_shape(concrete.shape) == imp.b.shape_of(x.id):
+            return Traced(tuple(concrete.shape), x.dtype, x.runtime, x.id)  # one pixel: the rows are torch's order
+        x = imp.plain(x)
     if flat_shape(concrete.shape) != flat_shape(x.shape):
         return None
     if x.program is not None and tuple(concrete.shape) == x.shape:
@@ -86,6 +94,10 @@ def cast(imp: Importer, node: fx.Node, v: Any, dtype: torch.dtype) -> Traced | N
 
 
 def affine(imp: Importer, node: fx.Node, x: Traced, a: float, b: float, concrete: torch.Tensor, suffix: str = "") -> Traced:
+    if x.layout == CHANNELS_LAST:  # an elementwise op keeps the layout
+        assert x.id is not None
+        return imp.emit(node, "Affine", [x.id], {"a": float(a), "b": float(b)}, concrete.shape, concrete.dtype,
+                        suffix, layout=CHANNELS_LAST)
     return imp.emit(node, "Affine", [imp.use(x, node.name)], {"a": float(a), "b": float(b)},
                      concrete.shape, concrete.dtype, suffix)
 

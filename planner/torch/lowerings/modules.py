@@ -20,6 +20,8 @@ from planner.torch.walk import (
 def lower_module(imp: Importer, node: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     m = imp.gm.get_submodule(str(node.target))
     concrete = imp.values[node]
+    if not isinstance(m, (nn.ReLU, nn.SiLU, nn.GELU, nn.Dropout, nn.Identity)):  # these keep a channels-last layout
+        args = imp.plain(args)
     x = args[0]
     if not isinstance(x, Traced) or not x.runtime:  # computed at import from the module's own state
         imp.folded_from.update(f"{node.target}.{k}" for k, _ in (*m.named_parameters(), *m.named_buffers()))

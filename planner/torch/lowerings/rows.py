@@ -10,9 +10,11 @@ import torch
 from torch import fx
 
 from planner.torch.binding import TORCH_DTYPES
+from planner.torch.lowerings.images import spatial_mean
 from planner.torch.lowerings.layouts import head_major, mask_layout, masked_scores
 from planner.torch.lowerings.registry import lowering
 from planner.torch.walk import (
+    CHANNELS_LAST,
     Importer,
     Traced,
     is_scalar,
@@ -31,8 +33,18 @@ def reduction(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: An
     return imp.emit(node, op, [imp.use(x, node.name)], None, concrete.shape, concrete.dtype)
 
 
-@lowering("mean", becomes="RowMean (over the last dimension, kept)")
+@lowering("mean", becomes="RowMean (over the last dimension, kept); SpatialMean (over an image's pixels)")
 def lower_mean(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
+    x = args[0] if args else kwargs.get("input")
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    keep = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+    dims = dim if isinstance(dim, (list, tuple)) else [dim]
+    # over an image's pixels: a 2-D image's two, or a channels-last 1-D one's (a row mean is the same numbers)
+    if (isinstance(x, Traced) and (len(x.shape) == 4 or (len(x.shape) == 3 and x.layout == CHANNELS_LAST))
+            and all(isinstance(d, int) for d in dims) and not kwargs.get("dtype")
+            and sorted(d % len(x.shape) for d in dims) == list(range(2, len(x.shape)))
+            and isinstance(concrete, torch.Tensor) and concrete.dtype == x.dtype):
+        return spatial_mean(imp, node, x, concrete, keep=bool(keep))
     return reduction(imp, node, args, kwargs, concrete, "RowMean")
 
 

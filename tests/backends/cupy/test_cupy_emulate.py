@@ -321,3 +321,30 @@ def test_generated_gather_and_column_copies_match_the_reference(dtype, tmp_path)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
     with pytest.raises(subprocess.CalledProcessError):
         _run_host(plan, {**inputs, "ids": np.full_like(inputs["ids"], 50.0)}, tmp_path)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_generated_image_kernels_match_the_reference(dtype, tmp_path):
+    """A small convolutional network's standalone kernels through their generated CUDA (channels-last copies,
+    Im2col with padding, stride and dilation, max pooling, the spatial mean), executed on the host, equal the
+    reference."""
+    from planner.core.graph import GraphBuilder
+
+    window = {"height": 7, "width": 6, "kh": 3, "kw": 2, "sh": 2, "sw": 1, "ph": 1, "pw": 1, "dh": 1, "dw": 2}
+    pool = {"height": 7, "width": 6, "kh": 3, "kw": 3, "sh": 2, "sw": 2, "ph": 1, "pw": 1, "dh": 1, "dw": 1}
+    b = GraphBuilder(f"images-{dtype}")
+    b.input("x", (2 * 5 * 7, 6), dtype)  # (2, 5, 7, 6) in torch's order, stored flat
+    rows = b.op("rows", "ChannelsLast", ["x"], {"channels": 5, "pixels": 42})
+    patches = b.op("patches", "Im2col", [rows], window)
+    pooled = b.op("pooled", "MaxPool", [rows], pool)
+    back = b.op("back", "ChannelsFirst", [rows], {"pixels": 42, "width": 6})
+    mean = b.op("mean", "SpatialMean", [rows], {"pixels": 42})
+    graph = b.build([patches, pooled, back, mean])
+    plan = _plan(graph, lambda p: True)
+    assert {k.body.op for k in plan.kernels} == {"ChannelsLast", "Im2col", "MaxPool", "ChannelsFirst", "SpatialMean"}
+    inputs = random_inputs(graph, seed=6)
+    got = _run_host(plan, inputs, tmp_path)
+    want = execute_plan(plan, inputs, mode="device")
+    tol = 1e-6 if dtype == "fp32" else 1e-2
+    for a, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, w, rtol=tol, atol=tol)

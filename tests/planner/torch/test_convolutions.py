@@ -1,0 +1,187 @@
+"""Convolutional models plan with no Opaque node and equal eager torch: a ResNet basic block and a bottleneck
+block (eval mode: BatchNorm folded into the convolutions), a small CNN end to end (stem, max pooling, blocks,
+global average pooling, linear head), 1-D convolutions; in fp32 and bf16, on the CPU backend, whose GEMMs over
+Im2col patches run as oneDNN's convolutions."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import planner  # noqa: E402
+from planner.api import allclose_report  # noqa: E402
+from planner.torch.importer import TORCH_DTYPES, import_module  # noqa: E402
+
+
+class Basic(nn.Module):
+    def __init__(self, c: int = 16) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        y = self.relu(self.bn1(self.conv1(x)))
+        return self.relu(self.bn2(self.conv2(y)) + x)
+
+
+class Bottleneck(nn.Module):
+    def __init__(self, c: int = 32, mid: int = 8) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, mid, 1, bias=False), nn.BatchNorm2d(mid)
+        self.conv2, self.bn2 = nn.Conv2d(mid, mid, 3, stride=1, padding=1, bias=False), nn.BatchNorm2d(mid)
+        self.conv3, self.bn3 = nn.Conv2d(mid, c, 1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = F.relu(self.bn2(self.conv2(y)))
+        return F.relu(self.bn3(self.conv3(y)) + x)
+
+
+class SmallCnn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.bn = nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16)
+        self.pool, self.block = nn.MaxPool2d(3, 2, 1), Basic(16)
+        self.avg, self.fc = nn.AdaptiveAvgPool2d(1), nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = self.pool(F.relu(self.bn(self.stem(x))))
+        return self.fc(torch.flatten(self.avg(self.block(x)), 1))
+
+
+class Conv1dBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv1d(8, 16, 5, padding=2), nn.Conv1d(16, 16, 3, stride=2, dilation=2)
+        self.norm = nn.BatchNorm1d(16)
+
+    def forward(self, x):
+        return self.norm(self.conv2(F.gelu(self.conv1(x)))).mean(-1)
+
+
+MODELS = {
+    "basic": (Basic, (2, 16, 8, 8)),
+    "bottleneck": (Bottleneck, (2, 32, 7, 7)),
+    "small-cnn": (SmallCnn, (2, 3, 32, 32)),
+    "conv1d": (Conv1dBlock, (2, 8, 20)),
+}
+
+
+def _example(name: str, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, torch.Tensor]:
+    factory, shape = MODELS[name]
+    torch.manual_seed(0)
+    module = factory()
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.running_mean.normal_()
+                m.running_var.uniform_(0.5, 2.0)
+                m.weight.normal_()
+                m.bias.normal_()
+    return module.eval().to(dtype), torch.randn(*shape, dtype=dtype)
+
+
+def _close(got, want) -> None:
+    ok, max_abs, max_rel = allclose_report(got.float().numpy(), want.float().numpy(), TORCH_DTYPES[want.dtype])
+    assert ok, (max_abs, max_rel)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_model_plans_with_no_opaque_node_and_equals_eager(name: str, dtype: torch.dtype) -> None:
+    module, x = _example(name, dtype)
+    ops = Counter(n.op for n in import_module(module, (x,)).graph.ops)
+    assert "Opaque" not in ops and ops["MatMul"] >= 2
+    result = planner.plan(module, (x,), backend="cpu", cache=False, max_candidates=3)
+    with torch.no_grad():
+        _close(result(x), module(x))
+        other = torch.randn_like(x)
+        _close(result(other), module(other))
+
+
+def test_batch_norm_after_a_convolution_is_folded_into_its_weight_and_bias() -> None:
+    """Each eval BatchNorm right after a convolution is in the convolution's weight and bias (no scale or shift
+    op is left); the block is two Im2col + GEMM pairs, the bias, ReLU and residual their epilogues; the
+    activations stay channels last between them (one conversion in, one out)."""
+    module, x = _example("basic")
+    ops = Counter(n.op for n in import_module(module, (x,)).graph.ops)
+    assert ops == Counter({"ChannelsLast": 1, "Im2col": 2, "MatMul": 2, "BiasAdd": 2, "Relu": 2, "Add": 1,
+                           "ChannelsFirst": 1})
+    result = planner.plan(module, (x,), backend="cpu", cache=False, max_candidates=3)
+    kernels = [k.describe() for k in result.plan.kernels]
+    assert sum("MatMul" in d for d in kernels) == 2 and any("Add+Relu" in d for d in kernels), kernels
+
+
+def test_the_cpu_backend_convolves_instead_of_storing_the_patches() -> None:
+    from backends.cpu.backend import CpuBackend
+    from planner.core.cost import load_device
+    from planner.core.reference import execute_plan, random_inputs
+
+    module, x = _example("basic")
+    result = planner.plan(module, (x,), backend="cpu", cache=False, max_candidates=2)
+    compiled = CpuBackend(load_device("h200"), threads=1).compile(result.plan)
+    impls = [s.facts.get("impl") for s in compiled.steps]
+    assert impls.count("none: read as a convolution") == 2
+    assert sum(str(i).startswith(("onednn-fp32-conv", "torch-fp32-conv")) for i in impls) == 2
+    inputs = random_inputs(result.graph, seed=1)
+    got, want = compiled.run(inputs)[0], execute_plan(result.plan, inputs)[0]
+    assert abs(got - want).max() < 1e-4
+
+
+def test_a_standalone_batch_norm_is_a_per_channel_scale_and_shift() -> None:
+    class NormFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn, self.conv = nn.BatchNorm2d(8), nn.Conv2d(8, 8, 3, padding=1)
+
+        def forward(self, x):
+            return self.conv(F.relu(self.bn(x)))
+
+    torch.manual_seed(0)
+    module, x = NormFirst().eval(), torch.randn(2, 8, 6, 6)
+    with torch.no_grad():
+        module.bn.running_var.uniform_(0.5, 2.0)
+    ops = Counter(n.op for n in import_module(module, (x,)).graph.ops)
+    assert ops["BiasMul"] == 1 and ops["BiasAdd"] == 2 and "Opaque" not in ops
+    result = planner.plan(module, (x,), backend="cpu", cache=False, max_candidates=2)
+    with torch.no_grad():
+        _close(result(x), module(x))
+
+
+def test_a_write_to_batch_norm_statistics_plans_again() -> None:
+    """The running statistics are folded into the convolution at import: writing them (a checkpoint loaded
+    after planning) is a change of the module, planned again; never the old numbers."""
+    module, x = _example("basic")
+    result = planner.plan(module, (x,), backend="cpu", cache=False, max_candidates=2)
+    with torch.no_grad():
+        module.bn2.running_var.mul_(3.0)
+        module.conv1.weight.data.normal_()
+        _close(result(x), module(x))
+    assert any(action == "plans again" for _, action in result.guard.events)
+
+
+def test_what_the_lowerings_do_not_take_stays_torch_and_still_equals_eager() -> None:
+    """Grouped (depthwise) convolutions and a max pooling whose ceil mode adds a pixel run as torch calls."""
+
+    class Other(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.depthwise = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+            self.pool = nn.MaxPool2d(2, 2, ceil_mode=True)
+
+        def forward(self, x):
+            return self.pool(self.depthwise(x))
+
+    torch.manual_seed(0)
+    module, x = Other().eval(), torch.randn(1, 8, 7, 7)
+    ops = Counter(n.op for n in import_module(module, (x,)).graph.ops)
+    assert ops["Opaque"] >= 1
+    result = planner.plan(module, (x,), backend="cpu", cache=False, max_candidates=2)
+    with torch.no_grad():
+        _close(result(x), module(x))
