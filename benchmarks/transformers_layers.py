@@ -1,13 +1,17 @@
 """Layers of the ``transformers`` package, planned by fusion-planner, against eager torch and torch.compile.
 
 Usage: python benchmarks/transformers_layers.py [--out docs/results/transformers_layers.md] [--rounds 11]
-                                               [--layers gpt2,bert,vit,llama,bert-masked,llama-gqa] [--dtypes fp32,bf16] [--modes 1,all]
+                                               [--layers gpt2,bert,vit,llama,bert-masked,llama-gqa,phi3,gemma,
+                                                t5-attention,gpt2-model,llama-model] [--dtypes fp32,bf16] [--modes 1,all]
 
 Needs the ``models`` extra (``transformers``).  Each layer is built from its own config at GPT-2 small's width
 (768 wide, 12 heads, 128 tokens, batch 1; LLaMA with a SwiGLU of 2,048), random weights, ``attn_implementation=
 "sdpa"``, nothing downloaded; ``bert-masked`` is BERT's layer with a padding mask (the last 16 tokens hidden,
 BERT's additive ``finfo.min`` mask of shape (1, 1, 1, 128), a buffer of the wrapper), ``llama-gqa`` LLaMA's with
-4 key/value heads for its 12 query heads (grouped-query attention).  Per thread mode and dtype a child process (``1``: one thread pinned to one core;
+4 key/value heads for its 12 query heads (grouped-query attention); ``phi3`` and ``gemma`` their decoder layers
+(Phi-3's packed qkv and gate/up projections, a SwiGLU of 2,048; Gemma's GeGLU), ``t5-attention`` T5's
+self-attention with its relative position bias, ``gpt2-model`` and ``llama-model`` whole 2-layer models (a
+vocabulary of 32,000) called with 128 token ids.  Per thread mode and dtype a child process (``1``: one thread pinned to one core;
 ``all``: every core; the same environment as ``cpu_peers.py``) plans the layer with ``planner.plan(...,
 backend="cpu")``, checks the planned call against eager torch within the dtype's tolerance, then times eager,
 torch.compile (inductor) and the planned call in interleaved rounds (three calls each, the order rotating); a
@@ -30,9 +34,39 @@ from typing import Any
 
 from cpu_peers import _time_us, bf16_units, child_env, run_child, settle, versions
 
-LAYERS = ("gpt2", "bert", "vit", "llama", "bert-masked", "llama-gqa")
+LAYERS = ("gpt2", "bert", "vit", "llama", "bert-masked", "llama-gqa", "phi3", "gemma", "t5-attention", "gpt2-model",
+          "llama-model")
+#: whole models called with token ids (2 layers, a vocabulary of 32,000): their last hidden states
+MODELS = ("gpt2-model", "llama-model")
 CONTENDERS = ("torch", "torch.compile", "fp.call")
 D, HEADS, SEQ = 768, 12, 128
+
+
+def build_model(name: str, dtype: str) -> tuple[Any, Any]:
+    """(module returning the last hidden states, token ids) for a whole model of 2 layers."""
+    import torch
+    import transformers
+    from torch import nn
+
+    torch.manual_seed(0)
+    if name == "gpt2-model":
+        model = transformers.GPT2Model(transformers.GPT2Config(n_embd=D, n_head=HEADS, n_layer=2, vocab_size=32000,
+                                                               attn_implementation="sdpa"))
+    else:
+        model = transformers.LlamaModel(transformers.LlamaConfig(
+            hidden_size=D, num_attention_heads=HEADS, num_key_value_heads=HEADS, intermediate_size=2048,
+            num_hidden_layers=2, vocab_size=32000, attn_implementation="sdpa"))
+
+    class LastHidden(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=ids).last_hidden_state
+
+    kind = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    return LastHidden().eval().to(kind), torch.randint(0, 32000, (1, SEQ))
 
 
 def build_layer(name: str, dtype: str) -> tuple[Any, Any]:
@@ -41,6 +75,8 @@ def build_layer(name: str, dtype: str) -> tuple[Any, Any]:
     import transformers
     from torch import nn
 
+    if name in MODELS:
+        return build_model(name, dtype)
     torch.manual_seed(0)
     rope, mask = None, None
     if name == "bert-masked":
@@ -69,6 +105,23 @@ def build_layer(name: str, dtype: str) -> tuple[Any, Any]:
         cfg = transformers.LlamaConfig(hidden_size=D, num_attention_heads=HEADS, num_key_value_heads=kv_heads,
                                        intermediate_size=2048, attn_implementation="sdpa")
         layer, rope = LlamaDecoderLayer(cfg, 0), LlamaRotaryEmbedding(cfg)
+    elif name == "phi3":
+        from transformers.models.phi3.modeling_phi3 import Phi3DecoderLayer, Phi3RotaryEmbedding
+
+        cfg = transformers.Phi3Config(hidden_size=D, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+                                      intermediate_size=2048, attn_implementation="sdpa")
+        layer, rope = Phi3DecoderLayer(cfg, 0), Phi3RotaryEmbedding(cfg)
+    elif name == "gemma":
+        from transformers.models.gemma.modeling_gemma import GemmaDecoderLayer, GemmaRotaryEmbedding
+
+        cfg = transformers.GemmaConfig(hidden_size=D, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+                                       head_dim=D // HEADS, intermediate_size=2048, attn_implementation="sdpa")
+        layer, rope = GemmaDecoderLayer(cfg, 0), GemmaRotaryEmbedding(cfg)
+    elif name == "t5-attention":
+        from transformers.models.t5.modeling_t5 import T5Attention
+
+        layer = T5Attention(transformers.T5Config(d_model=D, d_kv=D // HEADS, num_heads=HEADS),
+                            has_relative_attention_bias=True)
     else:
         raise SystemExit(f"unknown layer {name!r}; choose from {', '.join(LAYERS)}")
 

@@ -106,6 +106,7 @@ def example_graphs() -> list[Any]:
         rope(2, 64, 256, 4, "fp16", norm=True),  # RoPE inside a row kernel
         attention(2, 128, 256, 4, "bf16", masked=True),  # a padding mask read one row per group
         attention(1, 128, 256, 4, "fp32"),  # causal: the layouts, the batched products, the fused kernel
+        attention(2, 64, 128, 2, "bf16", biased=True),  # a position bias row per query, the biased fused kernel
         token_mlp(64, 1000, 256, 512, "bf16"),  # ids gathered from a table, a packed projection's columns
         conv_block(2, 64, 28, "fp16"),  # channels-last copies, Im2col, the GEMMs' epilogues, the pools
     ]

@@ -73,7 +73,8 @@ def torch_attention_16bit(body: Expr, dtype: str) -> Callable[..., Any]:
         lead = next((x.shape[:2] for x in (q, k, v) if x.ndim == 4), (1, q.shape[0]))
         q_t, k_t, v_t = (torch.from_numpy(x if x.ndim == 4 else x.reshape(*lead, *x.shape[1:])).view(kind)
                          for x in (q, k, v))
-        m_t = None if mask is None else torch.from_numpy(mask.reshape(*lead, 1, mask.shape[-1])).view(kind)
+        # a mask's one row of keys per group, or a bias's row per query: broadcast over the queries, or not
+        m_t = None if mask is None else torch.from_numpy(mask.reshape(*lead, -1, mask.shape[-1])).view(kind)
         return torch.nn.functional.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=m_t, is_causal=causal,
                                                                 scale=scale)
 
@@ -106,7 +107,8 @@ def batch_matmul(library: str) -> BatchMatMul:
 QUERY_BLOCK = 4
 
 
-def attention_source(seq: int, keys: int, dim: int, vdim: int, scale: float, causal: bool, masked: bool = False) -> str:
+def attention_source(seq: int, keys: int, dim: int, vdim: int, scale: float, causal: bool, masked: bool = False,
+                     biased: bool = False) -> str:
     """C for softmax(scale * q@k^T) @ v over groups [g0, g1): q (S, D), k (T, D), v (T, E), out (S, E) per group.
 
     Per group the keys are transposed once into a zero-padded scratch (D, T rounded up to a key block), so
@@ -116,8 +118,10 @@ def attention_source(seq: int, keys: int, dim: int, vdim: int, scale: float, cau
     [S, T] scores never exist.  Causal: query i reads keys 0..i, key blocks past a query block are skipped.
     ``masked``: a further input, one row of T keys per group added to the scaled scores (an attention mask,
     copied zero-padded once per group); a key block every key of which the mask hides (-inf) leaves the
-    running max at -inf and adds nothing.  A NaN score makes its row NaN, as in the unfused form; so does a
-    query whose every key is hidden (0/0), as there."""
+    running max at -inf and adds nothing.  ``biased``: the further input is a row of T per query (S, T) per
+    group (T5's relative position bias), the rows of each block of queries copied zero-padded as it starts.  A
+    NaN score makes its row NaN, as in the unfused form; so does a query whose every key is hidden (0/0), as
+    there."""
     if not scale > 0:
         raise CodegenError(f"attention kernel: scale must be positive, got {scale!r}")
     s_, t_, d_, e_ = (int(x) for x in (seq, keys, dim, vdim))
@@ -128,6 +132,17 @@ def attention_source(seq: int, keys: int, dim: int, vdim: int, scale: float, cau
         mask_copy = ("        for (int64_t t = 0; t < FP_TP; ++t) mrow[t] = t < FP_T ? mask[g * FP_T + t] : 0.0f;\n")
         mask_add = " + fp_v16_load(mrow + t0 + 16 * u)"
         # a block the mask hides entirely leaves the max at -inf: exponentials against 0 then, all of them 0
+        shift, base = "\n                    const float mb = mn == -INFINITY ? 0.0f : mn;", "mb"
+    bias_rows, free_rows = "", ""
+    if biased:
+        free_rows = "\n    free(brow);"
+        mask_param = "const float* restrict mask, "
+        mask_row = ("\n    float* brow = (float*)aligned_alloc(64, sizeof(float) * FP_QB * FP_TP);"
+                    "\n    if (!brow) { free(kt); return; }")
+        bias_rows = ("            for (int r = 0; r < FP_QB; ++r)\n"
+                     "                for (int64_t t = 0; t < FP_TP; ++t)\n"
+                     "                    brow[r * FP_TP + t] = r < nq && t < FP_T ? mask[(g * FP_S + i0 + r) * FP_T + t] : 0.0f;\n")
+        mask_add = " + fp_v16_load(brow + r * FP_TP + t0 + 16 * u)"
         shift, base = "\n                    const float mb = mn == -INFINITY ? 0.0f : mn;", "mb"
     return PRELUDE + f"""
 #include <stdlib.h>
@@ -169,7 +184,7 @@ void {SYMBOL}(const float* restrict q, const float* restrict k, const float* res
         for (int64_t i0 = 0; i0 < FP_S; i0 += FP_QB) {{
             const int64_t nq = FP_S - i0 < FP_QB ? FP_S - i0 : FP_QB;
             const int64_t last = FP_CAUSAL ? (i0 + nq < FP_T ? i0 + nq : FP_T) : FP_T;
-            float m[FP_QB], l[FP_QB];
+{bias_rows}            float m[FP_QB], l[FP_QB];
             for (int r = 0; r < FP_QB; ++r) {{
                 m[r] = -INFINITY;
                 l[r] = 0.0f;
@@ -220,13 +235,14 @@ void {SYMBOL}(const float* restrict q, const float* restrict k, const float* res
                 for (int64_t e = 0; e < FP_E; ++e) og[(i0 + r) * FP_E + e] = acc[r][e] / l[r];
         }}
     }}
-    free(kt);
+    free(kt);{free_rows}
 }}
 """
 
 
-#: the standalone ops with a generated kernel: attention, without and with a mask
-ATTENTION_OPS = ("Attention", "MaskedAttention")
+#: the standalone ops with a generated kernel: attention, without a mask, with one (a row of keys per group), with
+#: a bias (a row of keys per query)
+ATTENTION_OPS = ("Attention", "MaskedAttention", "BiasedAttention")
 
 
 def attention_shapes(body: Expr, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, int, int, int, int]:
@@ -242,7 +258,7 @@ def source_of(body: Expr, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
     _, s, t, d, e = attention_shapes(body, shapes)
     attrs = body.attr_dict
     return attention_source(s, t, d, e, float(attrs["scale"]), bool(attrs.get("causal", 0)),
-                            masked=body.op == "MaskedAttention")
+                            masked=body.op == "MaskedAttention", biased=body.op == "BiasedAttention")
 
 
 def gather_rows(ids: np.ndarray, table: np.ndarray, out: np.ndarray) -> None:

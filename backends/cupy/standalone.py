@@ -114,7 +114,9 @@ def _attention_lines(body: Expr, shapes: list[tuple[int, ...]], load: Callable[[
     (_, s_, d_), (_, t_, _), (_, _, e_) = shapes[:3]
     a = body.attr_dict
     scale, causal = float(a["scale"]), bool(a.get("causal", 0))
-    mask = f" + {load(3, f'g * {t_} + j')}" if body.op == "MaskedAttention" else ""
+    at = {"MaskedAttention": f"g * {t_} + j",  # a row of keys per group
+          "BiasedAttention": f"(g * {s_} + i) * {t_} + j"}.get(body.op)  # a row per query
+    mask = "" if at is None else f" + {load(3, at)}"
     last = f"(i + 1 < {t_} ? i + 1 : {t_})" if causal else f"{t_}"
     return [f"const long long i = e % {s_}, g = e / {s_};",
             f"float acc[{e_}];", f"for (int c = 0; c < {e_}; ++c) acc[c] = 0.0f;",
@@ -155,7 +157,7 @@ def standalone_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
                  f"out[e] = p1[r * {d} + e % {d}];"]
     elif body.op in ("BatchScores", "BatchApply"):
         total, lines = math.prod(out_t.shape), _product_lines(body, shapes, load, lambda v: store_at("e", v))
-    elif body.op in ("Attention", "MaskedAttention"):
+    elif body.op in ("Attention", "MaskedAttention", "BiasedAttention"):
         total, lines = math.prod(out_t.shape[:-1]), _attention_lines(body, shapes, load, store_at)
     else:
         raise CodegenError(f"standalone op {body.op} has no CUDA form")

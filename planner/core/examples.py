@@ -108,12 +108,13 @@ def softmax(rows: int = 128, width: int = 128, dtype: str = "fp32") -> Graph:
 
 
 def attention_ops(b: GraphBuilder, name: str, qkv: tuple[str, str, str] | str, *, batch: int, seq: int,
-                  heads: int, width: int, causal: bool = True, mask: str | None = None) -> str:
+                  heads: int, width: int, causal: bool = True, mask: str | None = None, bias: str | None = None) -> str:
     """Multi-head attention over token rows (batch*seq, .) in the op table's primitives, as the torch importer
     writes ``scaled_dot_product_attention``: each of q, k, v taken head-major (``Heads``; from one packed
     (batch*seq, 3*width) projection when ``qkv`` is one tensor), softmax(q@k^T / sqrt(d)) from
     ``BatchScores``, ``Affine`` and the row ops, applied to v (``BatchApply``), the heads merged back.
-    ``mask``: an additive padding mask (batch, T), repeated over the heads and added to the scaled scores."""
+    ``mask``: an additive padding mask (batch, T), repeated over the heads and added to the scaled scores;
+    ``bias``: a row of keys per query (batch*heads, S, T) added to them (T5's relative position bias)."""
     srcs = (qkv,) * 3 if isinstance(qkv, str) else qkv
     offsets = (0, width, 2 * width) if isinstance(qkv, str) else (0, 0, 0)
     q, k, v = (b.op(f"{name}.{t}h", "Heads", [src], {"heads": heads, "seq": seq, "offset": off, "width": width})
@@ -123,6 +124,8 @@ def attention_ops(b: GraphBuilder, name: str, qkv: tuple[str, str, str] | str, *
     if mask is not None:
         rows = b.op(f"{name}.mask", "GroupRepeat", [mask], {"heads": heads, "rows": 1})
         s = b.op(f"{name}.masked", "MaskAdd", [s, rows])
+    if bias is not None:
+        s = b.op(f"{name}.biased", "Add", [s, bias])
     top = b.op(f"{name}.max", "RowMax", [s])
     e = b.op(f"{name}.exp", "Exp", [b.op(f"{name}.shifted", "SubRow", [s, top])])
     p = b.op(f"{name}.probs", "DivRow", [e, b.op(f"{name}.sum", "RowSum", [e])])
@@ -130,16 +133,18 @@ def attention_ops(b: GraphBuilder, name: str, qkv: tuple[str, str, str] | str, *
 
 
 def attention(batch: int = 1, seq: int = 128, d_model: int = 768, heads: int = 12, dtype: str = "fp32",
-              causal: bool = True, masked: bool = False) -> Graph:
+              causal: bool = True, masked: bool = False, biased: bool = False) -> Graph:
     """Causal multi-head attention of a packed qkv projection (batch*seq, 3*d_model), primitives only
-    (``masked``: not causal, with an additive padding mask input (batch, seq), as BERT's)."""
-    causal = causal and not masked
+    (``masked``: not causal, with an additive padding mask input (batch, seq), as BERT's; ``biased``: not causal,
+    with a position bias input (batch*heads, seq, seq) added to the scores, as T5's)."""
+    causal = causal and not masked and not biased
     b = GraphBuilder(f"attention-b{batch}-s{seq}-d{d_model}-h{heads}-{dtype}" + ("-causal" if causal else "")
-                     + ("-masked" if masked else ""))
+                     + ("-masked" if masked else "") + ("-biased" if biased else ""))
     b.input("qkv", (batch * seq, 3 * d_model), dtype)
     mask = b.input("mask", (batch, seq), dtype) if masked else None
+    bias = b.input("bias", (batch * heads, seq, seq), dtype) if biased else None
     return b.build([attention_ops(b, "attn", "qkv", batch=batch, seq=seq, heads=heads, width=d_model, causal=causal,
-                                  mask=mask)])
+                                  mask=mask, bias=bias)])
 
 
 def rope_ops(b: GraphBuilder, name: str, x: str, cos: str, sin: str) -> str:

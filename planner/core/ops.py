@@ -27,6 +27,7 @@ from planner.core.shapes import (
     attention_shape,
     batched_shape,
     bias_shape,
+    biased_attention_shape,
     channels_first_shape,
     channels_last_shape,
     columns_shape,
@@ -483,6 +484,19 @@ OPS: dict[str, OpDef] = {
             regs=lambda attrs: 96,
             doc="softmax(scale * q@k^T + m) @ v in one kernel with an online softmax, m one row of keys per "
                 "group (G, 1, T): the [S, T] scores are never stored.",
+        ),
+        OpDef(
+            name="BiasedAttention",
+            label="attention",
+            kind=OpKind.STANDALONE,
+            arity=4,
+            attrs=(AttrSpec("scale", "f64"),),
+            shape_rule=biased_attention_shape,
+            numpy_fn=lambda xs, attrs: sem.attention(xs[0], xs[1], xs[2], {**attrs, "causal": 0}, xs[3]),
+            flops_rule=lambda out, ins, attrs: 2.0 * ins[1][1] * math.prod(out[:-1]) * (ins[0][-1] + out[-1]),
+            regs=lambda attrs: 96,
+            doc="softmax(scale * q@k^T + b) @ v in one kernel with an online softmax, b a row of keys per query "
+                "(G, S, T) (T5's relative position bias): the [S, T] scores are never stored.",
         ),
         OpDef(
             name="Stage",

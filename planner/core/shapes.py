@@ -206,6 +206,14 @@ def _attention(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
     return batch_shape(op, [scores, v], False)
 
 
+def _biased_attention(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
+    q, k, v, bias = shapes
+    scores = batch_shape(op, [q, k], True)
+    if len(bias) != 3 or any(a != b for a, b in zip(bias, scores, strict=True)):
+        raise OpError(f"{op}: the bias must be the scores' shape (G, S, T) = {list(scores)}, got {list(bias)}")
+    return batch_shape(op, [scores, v], False)
+
+
 def _group_repeat(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
     (m,) = shapes
     heads, rows = int(attrs["heads"]), int(attrs["rows"])
@@ -239,6 +247,7 @@ spatial_mean_shape = ShapeRule(_spatial_mean, _no_example)
 channels_last_shape = ShapeRule(_channels_last, _no_example)
 channels_first_shape = ShapeRule(_channels_first, _no_example)
 attention_shape = ShapeRule(_attention, _no_example)
+biased_attention_shape = ShapeRule(_biased_attention, _no_example)
 group_repeat_shape = ShapeRule(_group_repeat, _no_example)
 
 
@@ -247,6 +256,6 @@ def batched_shape(transpose_b: bool) -> ShapeRule:
 
 
 __all__ = ["WINDOW", "Attrs", "Shape", "ShapeRule", "attention_shape", "batch_shape", "batched_shape", "bias_shape",
-           "channels_first_shape", "channels_last_shape", "columns_shape", "im2col_shape", "pool_shape",
+           "biased_attention_shape", "channels_first_shape", "channels_last_shape", "columns_shape", "im2col_shape", "pool_shape",
            "spatial_mean_shape", "window_out", "embedding_shape", "group_repeat_shape", "heads_shape", "mask_shape", "matmul_shape", "merge_shape", "per_row_shape",
            "rotate_half_shape", "row_shape", "same_shape", "tile_shape"]

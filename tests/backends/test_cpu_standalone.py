@@ -244,3 +244,24 @@ def test_im2col_times_the_weight_is_torchs_convolution_and_the_pools_its_pooling
                                rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(OPS["ChannelsFirst"].evaluate([rows], {"pixels": h * w, "width": w}),
                                   x.numpy().reshape(-1, w))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("g", "s", "t", "d", "e"), [
+    (3, 5, 5, 4, 4),  # fewer keys than a vector
+    (2, 70, KEY_BLOCK * 2 + 3, 16, 24),  # a query block cut short, three key blocks, the last one ragged
+])
+def test_biased_attention_kernel_equals_the_op_tables_semantics(g, s, t, d, e, threads) -> None:
+    """A bias row per query (T5's relative position bias), -inf over a whole key block for one query."""
+    b = GraphBuilder("biased-attention-kernel")
+    for name, shape in (("q", (g, s, d)), ("k", (g, t, d)), ("v", (g, t, e)), ("bias", (g, s, t))):
+        b.input(name, shape, "fp32")
+    b.op("out", "BiasedAttention", ["q", "k", "v", "bias"], {"scale": 0.7})
+    plan = build_candidates(b.build(["out"]), SPEC).unfused
+    rng = np.random.default_rng(5)
+    inputs = {n: rng.standard_normal(plan.tensors[n].shape).astype(np.float32) for n in ("q", "k", "v", "bias")}
+    inputs["bias"][0, 1, :KEY_BLOCK] = -np.inf
+    got = CpuBackend(SPEC, threads=threads).compile(plan).run(inputs)[0]
+    want = OPS["BiasedAttention"].evaluate([inputs[n].astype(np.float64) for n in ("q", "k", "v", "bias")],
+                                           {"scale": 0.7})
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)

@@ -68,6 +68,8 @@ def binary(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any, 
     a, c = settle(imp, a), settle(imp, c)
     if tuple(a.shape) == tuple(c.shape) == out:
         op = {"add": "Add", "sub": "Sub", "mul": "Mul", "div": "Div", "maximum": "Maximum", "minimum": "Minimum"}[kind]
+        if isinstance(a, torch.Tensor) or isinstance(c, torch.Tensor):  # a constant, bound in the value's layout
+            return broadcast_constant(imp, node, a, c, out, concrete.dtype, kind)
         ia, ic = imp.use(a, node.name), imp.use(c, f"{node.name}_rhs")
         if imp.b.shape_of(ia) != imp.b.shape_of(ic):
             return None  # one head-major, one in token rows: torch computes it (an Opaque takes both)

@@ -348,3 +348,25 @@ def test_generated_image_kernels_match_the_reference(dtype, tmp_path):
     tol = 1e-6 if dtype == "fp32" else 1e-2
     for a, w in zip(got, want, strict=True):
         np.testing.assert_allclose(a, w, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_generated_biased_attention_matches_the_reference(dtype, tmp_path):
+    """softmax(scale * q@kT + bias) @ v with a bias row per query (T5's relative position bias), the rule's
+    one BiasedAttention kernel, through its generated CUDA executed on the host, equals the reference."""
+    from planner.core.graph import GraphBuilder
+
+    b = GraphBuilder(f"biased-attention-{dtype}")
+    for name, shape in (("q", (3, 9, 8)), ("k", (3, 11, 8)), ("v", (3, 11, 6)), ("bias", (3, 9, 11))):
+        b.input(name, shape, dtype)
+    s = b.op("s", "Add", [b.op("scaled", "Affine", [b.op("qk", "BatchScores", ["q", "k"])], {"a": 0.5, "b": 0.0}),
+                          "bias"])
+    e = b.op("e", "Exp", [b.op("shift", "SubRow", [s, b.op("top", "RowMax", [s])])])
+    p = b.op("p", "DivRow", [e, b.op("sum", "RowSum", [e])])
+    graph = b.build([b.op("out", "BatchApply", [p, "v"])])
+    plan = _plan(graph, lambda p: [k.body.op for k in p.kernels] == ["BiasedAttention"])
+    inputs = random_inputs(graph, seed=4)
+    got = _run_host(plan, inputs, tmp_path)
+    want = execute_plan(plan, inputs, mode="device")
+    tol = 1e-5 if dtype == "fp32" else 2e-2
+    np.testing.assert_allclose(got[0], want[0], rtol=tol, atol=tol)

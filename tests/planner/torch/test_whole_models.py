@@ -12,10 +12,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+import numpy as np  # noqa: E402
 from torch import nn  # noqa: E402
 
 import planner  # noqa: E402
+from backends.cpu.backend import CpuBackend  # noqa: E402
 from planner.api import allclose_report  # noqa: E402
+from planner.core.cost import load_device  # noqa: E402
+from planner.core.reference import execute_plan, random_inputs  # noqa: E402
 from planner.torch.importer import TORCH_DTYPES, import_module  # noqa: E402
 
 D, HEADS, SEQ, VOCAB = 64, 4, 16, 100
@@ -123,6 +127,19 @@ def test_the_model_plans_with_no_opaque_node_and_equals_eager(name: str, dtype: 
     result = planner.plan(module, args, backend="cpu", cache=False, max_candidates=3)
     with torch.no_grad():
         _close(result(*args), module(*args))
+
+
+def test_t5s_position_bias_fuses_into_one_biased_attention_kernel() -> None:
+    """T5 adds its relative position bias (a row of keys per query) to the scores: attention.egg's biased rule
+    makes the softmax and both products one BiasedAttention kernel, a candidate that equals eager torch."""
+    module, args = _example("t5-attention", torch.bfloat16)
+    result = planner.plan(module, args, backend="cpu", cache=False, max_candidates=8)
+    fused = [p for p in result.candidates.plans if any(k.body.op == "BiasedAttention" for k in p.kernels)]
+    assert fused
+    compiled = CpuBackend(load_device("h200"), threads=2).compile(fused[0])
+    inputs = random_inputs(result.graph, seed=1)
+    got, want = compiled.run(inputs)[0].astype(np.float32), execute_plan(fused[0], inputs)[0].astype(np.float32)
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
 
 
 def test_a_model_from_token_ids_takes_other_ids_and_refuses_ids_outside_its_table() -> None:
