@@ -149,9 +149,9 @@ class GemmSteps(StepsBase):
         b_name = mm.args[1].tensor  # type: ignore[union-attr]
         x_name, dtype = im2col.args[0].tensor, self._tile_dtype(k, tensors)
         conv = gemm.torch_conv(dtype, im2col.attr_dict)
-        arrays, addr, out_name, pool, threads = memory.arrays, memory.addr, k.out, self.pool, self.threads
+        arrays, addr, out_name = memory.arrays, memory.addr, k.out
         rows, cols = rows_cols(tuple(k.body.type.shape))
-        facts: dict[str, Any] = {"impl": f"torch-{dtype}-conv", "threads": threads, "patches": "not stored"}
+        facts: dict[str, Any] = {"impl": f"torch-{dtype}-conv", "threads": self.threads, "patches": "not stored"}
         reads = [memory.own[x_name], memory.own[b_name]]
         post = conv_post_ops(k.body, mm)
         if post is not None and all(tensors[n].dtype == dtype for n in (*post[:2], out_name) if n is not None):
@@ -175,14 +175,11 @@ class GemmSteps(StepsBase):
         itemsize = storage_dtype(dtype).itemsize
         facts.update(impl=f"torch-{dtype}-conv+c-epilogue", source_sha256=ck.digest[:16])
 
+        epilogue = self._tile_epilogue(fn, params, addr, out_name, rows, cols, itemsize)
+
         def call() -> None:
             result = conv(arrays[x_name], arrays[b_name])  # alive until the epilogue is done
-            ptr = result.data_ptr()
-            if threads == 1:
-                fn(*[ptr if n is None else addr[n] for n in params], addr[out_name], 0, rows, cols)
-                return
-            _split_epilogue(pool, threads, fn, [None if n is None else addr[n] for n in params], ptr,
-                            addr[out_name], cols, itemsize)(0, rows, cols)
+            epilogue(result.data_ptr())
 
         return Step(k, call, reads + [b for b in epilogue_reads if all(b is not r for r in reads)],
                     memory.own[out_name], facts)
@@ -317,9 +314,10 @@ class GemmSteps(StepsBase):
         reads oneDNN's result in place of the tile), then the epilogue over every row (on the calling thread, or
         split across the pool)."""
         a_name, b_name, out_name = names
-        arrays, addr, pool, threads, packed = memory.arrays, memory.addr, self.pool, self.threads, memory.packed
+        arrays, packed = memory.arrays, memory.packed
         rows, cols = tile.shape
-        tile_ptr, itemsize = tile.ctypes.data, tile.itemsize
+        tile_ptr = tile.ctypes.data
+        epilogue = self._tile_epilogue(fn, params, memory.addr, out_name, rows, cols, tile.itemsize)
 
         def call() -> None:
             weight = packed.get(b_name) if linear is not None else None
@@ -329,13 +327,24 @@ class GemmSteps(StepsBase):
             else:
                 result = linear(arrays[a_name], weight)  # type: ignore[misc]  # alive until the epilogue is done
                 ptr = result.data_ptr()
+            epilogue(ptr)
+
+        return call
+
+    def _tile_epilogue(self, fn: Callable[..., None], params: list[str | None], addr: dict[str, int], out_name: str,
+                       rows: int, cols: int, itemsize: int) -> Callable[[int], None]:
+        """``run(tile_ptr)``: a generated epilogue over every row of a product tile (``tile_ptr`` its first
+        element), on the calling thread or split across the pool."""
+        pool, threads = self.pool, self.threads
+
+        def run(ptr: int) -> None:
             if threads == 1:
                 fn(*[ptr if n is None else addr[n] for n in params], addr[out_name], 0, rows, cols)
                 return
             _split_epilogue(pool, threads, fn, [None if n is None else addr[n] for n in params], ptr,
                             addr[out_name], cols, itemsize)(0, rows, cols)
 
-        return call
+        return run
 
     @staticmethod
     def _packing(memory: Memory, b_name: str, product: gemm.MatMul, linear: gemm.PackedLinear | None) -> gemm.MatMul:

@@ -23,6 +23,7 @@ from planner.core.opdef import AttrSpec, CodeFn, OpDef, OpError, Reduction, exam
 from planner.core.shapes import (
     WINDOW,
     Attrs,
+    Shape,
     ShapeRule,
     attention_shape,
     batched_shape,
@@ -157,6 +158,29 @@ def _batched(name: str, transpose_b: bool, fn: Callable[[Sequence[np.ndarray], A
         doc=doc,
         label=label,
     )
+
+
+def _standalone1(name: str, label: str, attrs: tuple[AttrSpec, ...], shape_rule: ShapeRule,
+                 fn: Callable[[np.ndarray, Attrs], np.ndarray], doc: str) -> OpDef:
+    """A standalone op of one input computed by ``fn(x, attrs)`` (a layout copy, a window over an image)."""
+    return OpDef(name=name, label=label, kind=OpKind.STANDALONE, arity=1, attrs=attrs, shape_rule=shape_rule,
+                 numpy_fn=lambda xs, a: fn(xs[0], a), doc=doc)
+
+
+def _attention_flops(out: Shape, ins: Sequence[Shape], attrs: Attrs) -> float:
+    """Both products of attention, (G,S,T) scores of K and (G,S,N) outputs of T: 2*G*S*T*(K + N)."""
+    return 2.0 * ins[1][1] * math.prod(out[:-1]) * (ins[0][-1] + out[-1])
+
+
+def _added_attention(name: str, shape_rule: ShapeRule, doc: str) -> OpDef:
+    """Attention with a fourth input added to the scaled scores before the softmax (a mask, a bias), not causal."""
+    return OpDef(name=name, label="attention", kind=OpKind.STANDALONE, arity=4, attrs=(AttrSpec("scale", "f64"),),
+                 shape_rule=shape_rule, regs=lambda attrs: 96, flops_rule=_attention_flops, doc=doc,
+                 numpy_fn=lambda xs, attrs: sem.attention(xs[0], xs[1], xs[2], {**attrs, "causal": 0}, xs[3]))
+
+
+#: the window of an image op (core.shapes.WINDOW): kernel, stride and dilation at least 1, padding at least 0
+_WINDOW_ATTRS = tuple(AttrSpec(a, "i64", minimum=0 if a in ("ph", "pw") else 1) for a in WINDOW)
 
 
 def _torch_names(fn: str, functional: bool = False) -> tuple[str, ...]:
@@ -360,75 +384,28 @@ OPS: dict[str, OpDef] = {
         ),
         # a packed projection taken apart: Phi-3's gate_up_proj(x).chunk(2, -1), a split of fused q/k/v columns
         # that no attention reads head-major
-        OpDef(
-            name="Columns",
-            label="columns",
-            kind=OpKind.STANDALONE,
-            arity=1,
-            attrs=(AttrSpec("offset", "i64", minimum=0), AttrSpec("width", "i64", minimum=1)),
-            shape_rule=columns_shape,
-            numpy_fn=lambda xs, attrs: sem.columns(xs[0], attrs),
-            doc="Columns [offset, offset+width) of the last dimension, copied: torch's chunk, split or x[..., a:b] "
-                "of a packed projection's output.",
-        ),
-        # convolutional layers, channels last: an image batch (N, C, H, W) is stored as (N*H*W, C) rows, so a
-        # convolution is Im2col then a GEMM (a 1x1 one the GEMM alone) with the GEMM's epilogues (bias, the folded
-        # BatchNorm's scale and shift, ReLU, the residual), and a per-channel vector is a row vector
-        OpDef(
-            name="ChannelsLast",
-            label="to-nhwc",
-            kind=OpKind.STANDALONE,
-            arity=1,
-            attrs=(AttrSpec("channels", "i64", minimum=1), AttrSpec("pixels", "i64", minimum=1)),
-            shape_rule=channels_last_shape,
-            numpy_fn=lambda xs, attrs: sem.channels_last(xs[0], attrs),
-            doc="Images (N, C, pixels) in torch's order, stored flat, as (N*pixels, C) channels-last rows (a copy).",
-        ),
-        OpDef(
-            name="ChannelsFirst",
-            label="to-nchw",
-            kind=OpKind.STANDALONE,
-            arity=1,
-            attrs=(AttrSpec("pixels", "i64", minimum=1), AttrSpec("width", "i64", minimum=1)),
-            shape_rule=channels_first_shape,
-            numpy_fn=lambda xs, attrs: sem.channels_first(xs[0], attrs),
-            doc="(N*pixels, C) channels-last rows back in torch's (N, C, pixels) order, stored as rows of the "
-                "image's width (a copy).",
-        ),
-        OpDef(
-            name="Im2col",
-            label="im2col",
-            kind=OpKind.STANDALONE,
-            arity=1,
-            attrs=tuple(AttrSpec(a, "i64", minimum=0 if a in ("ph", "pw") else 1) for a in WINDOW),
-            shape_rule=im2col_shape,
-            numpy_fn=lambda xs, attrs: sem.im2col(xs[0], attrs),
-            doc="Each output pixel's window (kh x kw taps, stride, padding, dilation) of channels-last rows "
-                "(N*height*width, C), side by side: (N*out pixels, kh*kw*C), 0 in the padding. Times the weight "
-                "as (kh*kw*C, O) it is torch's conv2d (conv1d: height 1).",
-        ),
-        OpDef(
-            name="MaxPool",
-            label="maxpool",
-            kind=OpKind.STANDALONE,
-            arity=1,
-            attrs=tuple(AttrSpec(a, "i64", minimum=0 if a in ("ph", "pw") else 1) for a in WINDOW),
-            shape_rule=pool_shape,
-            numpy_fn=lambda xs, attrs: sem.max_pool(xs[0], attrs),
-            doc="The largest value of each window of channels-last rows (torch's max_pool2d; the padding is "
-                "-inf, no ceil mode).",
-        ),
-        OpDef(
-            name="SpatialMean",
-            label="avgpool",
-            kind=OpKind.STANDALONE,
-            arity=1,
-            attrs=(AttrSpec("pixels", "i64", minimum=1),),
-            shape_rule=spatial_mean_shape,
-            numpy_fn=lambda xs, attrs: sem.spatial_mean(xs[0], attrs),
-            doc="The mean over each image's pixels of channels-last rows (N*pixels, C): (N, C), torch's "
-                "adaptive_avg_pool2d to 1x1 (and x.mean((2, 3))).",
-        ),
+        _standalone1("Columns", "columns", (AttrSpec("offset", "i64", minimum=0), AttrSpec("width", "i64", minimum=1)),
+                     columns_shape, sem.columns,
+                     "Columns [offset, offset+width) of the last dimension, copied: torch's chunk, split or "
+                     "x[..., a:b] of a packed projection's output."),
+        _standalone1("ChannelsLast", "to-nhwc", (AttrSpec("channels", "i64", minimum=1), AttrSpec("pixels", "i64", minimum=1)),
+                     channels_last_shape, sem.channels_last,
+                     "Images (N, C, pixels) in torch's order, stored flat, as (N*pixels, C) channels-last rows (a copy)."),
+        _standalone1("ChannelsFirst", "to-nchw", (AttrSpec("pixels", "i64", minimum=1), AttrSpec("width", "i64", minimum=1)),
+                     channels_first_shape, sem.channels_first,
+                     "(N*pixels, C) channels-last rows back in torch's (N, C, pixels) order, stored as rows of the "
+                     "image's width (a copy)."),
+        _standalone1("Im2col", "im2col", _WINDOW_ATTRS, im2col_shape, sem.im2col,
+                     "Each output pixel's window (kh x kw taps, stride, padding, dilation) of channels-last rows "
+                     "(N*height*width, C), side by side: (N*out pixels, kh*kw*C), 0 in the padding. Times the weight "
+                     "as (kh*kw*C, O) it is torch's conv2d (conv1d: height 1)."),
+        _standalone1("MaxPool", "maxpool", _WINDOW_ATTRS, pool_shape, sem.max_pool,
+                     "The largest value of each window of channels-last rows (torch's max_pool2d; the padding is "
+                     "-inf, no ceil mode)."),
+        _standalone1("SpatialMean", "avgpool", (AttrSpec("pixels", "i64", minimum=1),), spatial_mean_shape,
+                     sem.spatial_mean,
+                     "The mean over each image's pixels of channels-last rows (N*pixels, C): (N, C), torch's "
+                     "adaptive_avg_pool2d to 1x1 (and x.mean((2, 3)))."),
         OpDef(
             name="Merge",
             kind=OpKind.STANDALONE,
@@ -450,7 +427,7 @@ OPS: dict[str, OpDef] = {
             attrs=(AttrSpec("scale", "f64"), AttrSpec("causal", "i64", 0, minimum=0)),
             shape_rule=attention_shape,
             numpy_fn=lambda xs, attrs: sem.attention(xs[0], xs[1], xs[2], attrs),
-            flops_rule=lambda out, ins, attrs: 2.0 * ins[1][1] * math.prod(out[:-1]) * (ins[0][-1] + out[-1]),
+            flops_rule=_attention_flops,
             regs=lambda attrs: 96,
             doc="softmax(scale * q@k^T, causal-masked) @ v in one kernel with an online softmax: the [S, T] "
                 "scores are never stored.",
@@ -472,32 +449,12 @@ OPS: dict[str, OpDef] = {
         _binary("MaskAdd", np.add, "({0} + {1})", "x + m, x scores (G, S, T) and m one row of keys per group "
                 "(G, 1, T), added to every query's row (an attention mask).", shape_rule=mask_shape, fusable=(0,),
                 gemm_epilogue=False, label="mask"),
-        OpDef(
-            name="MaskedAttention",
-            label="attention",
-            kind=OpKind.STANDALONE,
-            arity=4,
-            attrs=(AttrSpec("scale", "f64"),),
-            shape_rule=attention_shape,
-            numpy_fn=lambda xs, attrs: sem.attention(xs[0], xs[1], xs[2], {**attrs, "causal": 0}, xs[3]),
-            flops_rule=lambda out, ins, attrs: 2.0 * ins[1][1] * math.prod(out[:-1]) * (ins[0][-1] + out[-1]),
-            regs=lambda attrs: 96,
-            doc="softmax(scale * q@k^T + m) @ v in one kernel with an online softmax, m one row of keys per "
-                "group (G, 1, T): the [S, T] scores are never stored.",
-        ),
-        OpDef(
-            name="BiasedAttention",
-            label="attention",
-            kind=OpKind.STANDALONE,
-            arity=4,
-            attrs=(AttrSpec("scale", "f64"),),
-            shape_rule=biased_attention_shape,
-            numpy_fn=lambda xs, attrs: sem.attention(xs[0], xs[1], xs[2], {**attrs, "causal": 0}, xs[3]),
-            flops_rule=lambda out, ins, attrs: 2.0 * ins[1][1] * math.prod(out[:-1]) * (ins[0][-1] + out[-1]),
-            regs=lambda attrs: 96,
-            doc="softmax(scale * q@k^T + b) @ v in one kernel with an online softmax, b a row of keys per query "
-                "(G, S, T) (T5's relative position bias): the [S, T] scores are never stored.",
-        ),
+        _added_attention("MaskedAttention", attention_shape,
+                         "softmax(scale * q@k^T + m) @ v in one kernel with an online softmax, m one row of keys per "
+                         "group (G, 1, T): the [S, T] scores are never stored."),
+        _added_attention("BiasedAttention", biased_attention_shape,
+                         "softmax(scale * q@k^T + b) @ v in one kernel with an online softmax, b a row of keys per "
+                         "query (G, S, T) (T5's relative position bias): the [S, T] scores are never stored."),
         OpDef(
             name="Stage",
             kind=OpKind.ELEMENTWISE,

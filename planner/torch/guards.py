@@ -63,20 +63,8 @@ class ModuleState:
         for path, m in module.named_modules(remove_duplicate=False):
             edges += [(m, path, name, child) for name, child in m._modules.items() if child is not None]
             attrs += [(m, path, k, v) for k, v in vars(m).items() if not k.startswith("_") and _plain(v)]
-        tensors = []
-        for key in state_keys:
-            path, _, name = key.rpartition(".")
-            owner = module.get_submodule(path)
-            t = getattr(owner, name, None)
-            if isinstance(t, torch.Tensor):
-                tensors.append((owner, key, name, tuple(t.shape), t.dtype, t.device))
-        derived = []
-        for key in folded_from:
-            path, _, name = key.rpartition(".")
-            owner = module.get_submodule(path)
-            t = getattr(owner, name, None)
-            if isinstance(t, torch.Tensor):
-                derived.append((owner, key, name, StateSnapshot.of(t)))
+        tensors = [(owner, key, name, tuple(t.shape), t.dtype, t.device) for owner, key, name, t in _state(module, state_keys)]
+        derived = [(owner, key, name, StateSnapshot.of(t)) for owner, key, name, t in _state(module, folded_from)]
         return cls(tuple(edges), tuple(attrs), tuple(tensors), tuple(derived))
 
     def changed(self) -> str | None:
@@ -100,6 +88,18 @@ class ModuleState:
             if not snapshot.fresh(getattr(owner, name, None)):
                 return f"parameter or buffer {key}, from which the plan computed a value at import, was written"
         return None
+
+
+def _state(module: nn.Module, keys: Sequence[str]) -> list[tuple[nn.Module, str, str, torch.Tensor]]:
+    """(owner module, key, attribute, tensor) of each parameter or buffer ``keys`` name that is a tensor now."""
+    out = []
+    for key in keys:
+        path, _, name = key.rpartition(".")
+        owner = module.get_submodule(path)
+        t = getattr(owner, name, None)
+        if isinstance(t, torch.Tensor):
+            out.append((owner, key, name, t))
+    return out
 
 
 @dataclass(frozen=True, eq=False)

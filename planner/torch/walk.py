@@ -166,7 +166,7 @@ class Importer:
     ids: set[str] = field(default_factory=set)
     #: the parameters and buffers values computed at import read (the plan holds those values)
     folded_from: set[str] = field(default_factory=set)
-    #: IR id -> the same tensor in the other layout (converted once)
+    #: (IR id, layout) -> the same tensor in that layout (converted once)
     relayouts: dict[tuple[str, str], str] = field(default_factory=dict)
     #: calls a lowering took into its own ops (a BatchNorm folded into its convolution) -> their value
     absorbed: dict[fx.Node, Any] = field(default_factory=dict)
@@ -239,8 +239,7 @@ class Importer:
         return self.relayout(Traced(v.shape, v.dtype, v.runtime, self.use(v, hint)), CHANNELS_LAST)
 
     def relayout(self, v: Traced, layout: str) -> str:
-        """The IR id of ``v``'s tensor in ``layout`` (a ``ChannelsLast`` or ``ChannelsFirst`` copy, made once);
-        an image of one pixel is the same rows either way."""
+        """The IR id of ``v``'s tensor in ``layout`` (a ``ChannelsLast`` or ``ChannelsFirst`` copy, made once)."""
         assert v.id is not None
         key = (v.id, layout)
         if key not in self.relayouts:

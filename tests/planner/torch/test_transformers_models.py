@@ -11,6 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+from _layers import FirstOutput  # noqa: E402
 from torch import nn  # noqa: E402
 
 import planner  # noqa: E402
@@ -18,22 +19,6 @@ from planner.api import allclose_report  # noqa: E402
 from planner.torch.importer import TORCH_DTYPES, import_module  # noqa: E402
 
 D, HEADS, SEQ = 64, 4, 16
-
-
-class FirstOutput(nn.Module):
-    """A transformers layer returns a tuple (or a tensor, by version): the hidden states are the first element."""
-
-    def __init__(self, layer: nn.Module, rope: nn.Module | None = None) -> None:
-        super().__init__()
-        self.layer, self.rope = layer, rope
-
-    def forward(self, x):
-        if self.rope is None:
-            out = self.layer(x)
-        else:
-            pos = torch.arange(x.shape[1]).unsqueeze(0)
-            out = self.layer(x, position_embeddings=self.rope(x, pos), position_ids=pos)
-        return out[0] if isinstance(out, tuple) else out
 
 
 def _gpt2() -> nn.Module:

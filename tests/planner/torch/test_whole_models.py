@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 import numpy as np  # noqa: E402
+from _layers import FirstOutput  # noqa: E402
 from torch import nn  # noqa: E402
 
 import planner  # noqa: E402
@@ -35,22 +36,6 @@ class LastHidden(nn.Module):
 
     def forward(self, ids):
         return self.model(input_ids=ids).last_hidden_state
-
-
-class FirstOutput(nn.Module):
-    """A decoder layer (with its rotary embedding, where it has one) or an attention module: the hidden states."""
-
-    def __init__(self, layer: nn.Module, rope: nn.Module | None = None) -> None:
-        super().__init__()
-        self.layer, self.rope = layer, rope
-
-    def forward(self, x):
-        if self.rope is None:
-            out = self.layer(x)
-        else:
-            pos = torch.arange(x.shape[1]).unsqueeze(0)
-            out = self.layer(x, position_embeddings=self.rope(x, pos), position_ids=pos)
-        return out[0] if isinstance(out, tuple) else out
 
 
 def gpt2_model() -> nn.Module:
