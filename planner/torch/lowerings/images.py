@@ -214,12 +214,11 @@ def lower_max_pool(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concret
     stride = kernel if stride_arg in (None, [], ()) else _pair(stride_arg, rank)
     padding = _pair(_argument(args, kwargs, 3, "padding", 0), rank)
     dilation = _pair(_argument(args, kwargs, 4, "dilation", 1), rank)
-    ceil = _argument(args, kwargs, 5, "ceil_mode", False)
     indices = kwargs.get("return_indices", args[6] if len(args) > 6 else False)
     if kernel is None or stride is None or padding is None or dilation is None or indices:
         return None
     window = _window(x, kernel, stride, padding, dilation)
-    if not _fits(window, concrete) or ceil not in (False, True):
+    if not _fits(window, concrete):
         return None  # ceil_mode where it adds a pixel: torch's
     return imp.emit(node, "MaxPool", [imp.channels_last(x, node.name)], window, concrete.shape, x.dtype,
                     layout=CHANNELS_LAST)
@@ -241,6 +240,5 @@ def lower_adaptive_avg_pool(imp: Importer, node: fx.Node, args: Any, kwargs: Any
 
 def spatial_mean(imp: Importer, node: fx.Node, x: Traced, concrete: torch.Tensor, keep: bool) -> Traced:
     """The mean over ``x``'s pixels: (N, C) rows, one pixel per image (channels last, or (N, C) itself)."""
-    out = imp.emit(node, "SpatialMean", [imp.channels_last(x, node.name)], {"pixels": math.prod(x.shape[2:])},
-                   concrete.shape, x.dtype, layout=CHANNELS_LAST if keep else "")
-    return out
+    return imp.emit(node, "SpatialMean", [imp.channels_last(x, node.name)], {"pixels": math.prod(x.shape[2:])},
+                    concrete.shape, x.dtype, layout=CHANNELS_LAST if keep else "")
