@@ -108,7 +108,8 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
         self.blas_threads: int | None = (
             blas_threads_from_env() if isinstance(blas_threads, str) else blas_threads
         )
-        #: how fp32 weights held between calls are stored: "padded" rows or "given" (gemm.weight_layout)
+        #: how fp32 weights held between calls are stored: "packed" by oneDNN, "padded" rows or "given"
+        #: (gemm.weight_layout)
         self.weights = gemm.weight_layout(self.gemm_library)
         self.held = HeldWeights()
 
@@ -138,7 +139,7 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
         inputs = sorted((read | set(plan.outputs)) - set(written))
         padded = gemm_b_only(plan) & set(inputs) if self.weights == "padded" else frozenset()
         packed_dtypes = self.packed_dtypes({plan.tensors[n].dtype for n in inputs if n in plan.tensors}
-                                           & set(gemm.DTYPES_16BIT))
+                                           & {"fp32", *gemm.DTYPES_16BIT})
         packable = gemm_b_only(plan, packed_dtypes) & set(inputs) if packed_dtypes else frozenset()
         missing = [n for n in inputs + written if n not in plan.tensors]
         if missing:
@@ -226,7 +227,7 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
     def identity(self) -> str:
         """What the plan cache keys on besides the device: a choice timed on 1 thread may not be best on 8, nor
         one timed with the kernels of another version of this backend (:func:`kernels_fingerprint`)."""
-        packed = ",".join(sorted(d for d in gemm.DTYPES_16BIT if self._packs(d))) or "none"
+        packed = ",".join(sorted(d for d in ("fp32", *gemm.DTYPES_16BIT) if self._packs(d))) or "none"
         return (f"cpu threads={self.threads} gemm={self.gemm_library} weights={self.weights} packed={packed} "
                 f"kernels={kernels_fingerprint()}")
 
@@ -239,9 +240,11 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
             return False
 
     def packed_dtypes(self, dtypes: Iterable[str] = gemm.DTYPES_16BIT) -> frozenset[str]:
-        """Those of the 16-bit ``dtypes`` whose weights this backend multiplies from oneDNN's packed form
-        (``gemm.weight_layout_16bit``): those torch multiplies natively here, where packing is chosen."""
-        return frozenset(d for d in dtypes if self.native(d) and gemm.weight_layout_16bit(d) == "packed")
+        """Those of ``dtypes`` whose weights this backend multiplies from oneDNN's packed form: fp32 where its
+        weights are ``packed`` (``gemm.weight_layout``), a 16-bit one where torch multiplies it natively here and
+        packing is chosen (``gemm.weight_layout_16bit``)."""
+        return frozenset(d for d in dtypes if (self.weights == "packed" if d == "fp32" else
+                                               self.native(d) and gemm.weight_layout_16bit(d) == "packed"))
 
     def _step(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory) -> Step:
         # generated loops trust these shapes: a mismatch would write out of bounds

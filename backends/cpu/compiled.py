@@ -137,8 +137,9 @@ class CpuCompiledPlan(CompiledPlan):
         return arr
 
     def _pack(self, name: str, arr: np.ndarray) -> None:
-        """A read-only 16-bit weight (a bound parameter) is multiplied from oneDNN's packed form of it, made once
-        for every plan of the backend; a writable one may change before the next call and is read as bound."""
+        """A read-only weight of a packed dtype (a bound parameter) is multiplied from oneDNN's packed form of it,
+        made once for every plan of the backend; a writable one may change before the next call and is read as
+        bound."""
         packed = self.memory.packed
         if arr.flags.writeable:
             packed.pop(name, None)

@@ -23,12 +23,16 @@ tests and comparisons).  The same choice covers 16-bit batched products and atte
 
 fp32 weights (tensors only GEMM libraries read, as the right operand, held constant between calls: a module's
 parameters) are stored once in the layout their library multiplies fastest: ``padded`` (K, N) rows an odd number
-of cache lines apart (``buffers.padded_matrix``), or ``given``, read in place as bound (an nn.Linear weight
-as its (K, N) transpose).  On a Sapphire Rapids core (2026-12-03) padded rows made MKL 1.2-1.6x and OpenBLAS
-1.1-1.3x faster on GPT-2's and a 2048-wide MLP's GEMMs.  ``FUSION_PLANNER_CPU_WEIGHTS``: ``auto`` (the default)
-times both layouts on :data:`LAYOUT_SHAPES` once per machine, library and versions (``gemm-weights.json`` in the
-kernel cache) and keeps ``given`` unless ``padded`` is faster on their sum by :data:`PROBE_MARGIN` and slower on
-none; ``padded`` and ``given`` force one.
+of cache lines apart (``buffers.padded_matrix``), ``given``, read in place as bound (an nn.Linear weight
+as its (K, N) transpose), or, where torch is loaded, ``packed``: reordered once into oneDNN's blocked form and
+multiplied by oneDNN (as 16-bit weights below).  On a Sapphire Rapids core (2026-12-03) padded rows made MKL
+1.2-1.6x and OpenBLAS 1.1-1.3x faster on GPT-2's and a 2048-wide MLP's GEMMs.  On an AMD EPYC (Zen 4) core
+(2026-12-04) packed fp32 weights multiplied 1.1-1.4x faster than OpenBLAS, MKL and jax.jit's XLA on GPT-2's
+shapes, 64x2048x2048 and 1024x1024x1024.  ``FUSION_PLANNER_CPU_WEIGHTS``: ``auto`` (the default) times the
+layouts on :data:`LAYOUT_SHAPES` once per machine, library and versions (``gemm-weights.json`` in the kernel
+cache) and keeps ``given`` unless another is faster on their sum by :data:`PROBE_MARGIN` and slower on none
+(``packed`` judged against the better of the other two); ``packed``, ``padded`` and ``given`` force one
+(``packed`` is an error where torch is not loaded or cannot pack fp32).
 
 16-bit weights torch multiplies natively are either read as ``given`` (nn.Linear's (N, K) layout; oneDNN
 reorders the operand into its blocked form inside every product) or ``packed``: reordered once into oneDNN's
@@ -70,7 +74,7 @@ log = logging.getLogger(__name__)
 GEMM_ENV = "FUSION_PLANNER_CPU_GEMM"
 GEMM_16BIT_ENV = "FUSION_PLANNER_CPU_GEMM_16BIT"
 WEIGHTS_ENV = "FUSION_PLANNER_CPU_WEIGHTS"
-WEIGHT_LAYOUTS = ("padded", "given")
+WEIGHT_LAYOUTS = ("packed", "padded", "given")
 WEIGHTS_16BIT_ENV = "FUSION_PLANNER_CPU_WEIGHTS_16BIT"
 WEIGHT_LAYOUTS_16BIT = ("packed", "given")
 LIBRARIES = ("numpy", "torch")
@@ -298,35 +302,47 @@ LAYOUT_FILE = "gemm-weights.json"
 
 
 def weight_layout(library: str) -> str:
-    """How fp32 weights are stored for ``library``'s products: ``padded`` or ``given`` (module docstring)."""
+    """How fp32 weights are stored for ``library``'s products: ``packed``, ``padded`` or ``given`` (module
+    docstring); ``packed`` only where torch is loaded and packs fp32."""
     value = env_choice(WEIGHTS_ENV, ("auto", *WEIGHT_LAYOUTS), "auto")
-    return measured_weight_layout(library) if value == "auto" else value
+    packs = "torch" in sys.modules and packing_error("fp32") is None
+    if value == "packed" and not packs:
+        why = packing_error("fp32") if "torch" in sys.modules else "torch is not loaded"
+        raise BackendError(f"{WEIGHTS_ENV}=packed, but fp32 weights cannot be packed here ({why})")
+    return measured_weight_layout(library, packs) if value == "auto" else value
 
 
-def _layout_key(library: str) -> dict[str, Any]:
-    key = {"cpu": cpu_model(), "numpy": np.__version__, "blas": _blas_builds(), "library": library}
+def _layout_key(library: str, packs: bool = False) -> dict[str, Any]:
+    key: dict[str, Any] = {"cpu": cpu_model(), "numpy": np.__version__, "blas": _blas_builds(), "library": library}
     torch = sys.modules.get("torch")
-    if library == "torch" and torch is not None:
+    if (library == "torch" or packs) and torch is not None:
         key["torch"] = torch.__version__
+    if packs:
+        key["packs"] = True
     return key
 
 
-def time_layouts(mm: MatMul) -> dict[str, list[float]]:
-    """Seconds per layout and shape of :data:`LAYOUT_SHAPES` (the fastest round), the layouts interleaved."""
+def time_layouts(mm: MatMul, packs: bool = False) -> dict[str, list[float]]:
+    """Seconds per layout and shape of :data:`LAYOUT_SHAPES` (the fastest round), the layouts interleaved;
+    ``packed`` (oneDNN's product from the packed weight) only where ``packs``."""
     rng = np.random.default_rng(0)
-    best: dict[str, list[float]] = {layout: [] for layout in WEIGHT_LAYOUTS}
+    layouts = WEIGHT_LAYOUTS if packs else tuple(w for w in WEIGHT_LAYOUTS if w != "packed")
+    best: dict[str, list[float]] = {layout: [] for layout in layouts}
+    linear = packed_linear("fp32") if packs else None
     with threadpool_limits(limits=1, user_api="blas"), torch_threads(1):
         for m, k, n in LAYOUT_SHAPES:
             a = aligned_empty((m, k), np.float32)
             a[...] = rng.standard_normal((m, k), dtype=np.float32)
-            linear = aligned_empty((n, k), np.float32)  # nn.Linear's (N, K) weight, read as its transpose
-            linear[...] = rng.standard_normal((n, k), dtype=np.float32)
+            weight = aligned_empty((n, k), np.float32)  # nn.Linear's (N, K) weight, read as its transpose
+            weight[...] = rng.standard_normal((n, k), dtype=np.float32)
             padded = padded_matrix(k, n, np.float32)
-            padded[...] = linear.T
-            weights = {"padded": padded, "given": linear.T}
+            padded[...] = weight.T
             out = aligned_empty((m, n), np.float32)
-            fastest = _fastest({layout: functools.partial(mm, a, w, out) for layout, w in weights.items()})
-            for layout in weights:
+            calls = {"padded": functools.partial(mm, a, padded, out), "given": functools.partial(mm, a, weight.T, out)}
+            if linear is not None:
+                calls["packed"] = functools.partial(linear, a, pack_weight(weight.T, "fp32"))
+            fastest = _fastest(calls)
+            for layout in layouts:
                 best[layout].append(fastest[layout])
     return best
 
@@ -338,25 +354,33 @@ def _beats(layout: list[float], given: list[float]) -> bool:
         t <= g * (1 + PROBE_MARGIN) for t, g in zip(layout, given, strict=True))
 
 
+def choose_layout(seconds: Mapping[str, list[float]]) -> str:
+    """``given``, unless ``padded`` beats it; then ``packed`` (where timed), if it beats the better of those."""
+    choice = "padded" if _beats(seconds["padded"], seconds["given"]) else "given"
+    if "packed" in seconds and _beats(seconds["packed"], seconds[choice]):
+        return "packed"
+    return choice
+
+
 @functools.cache
-def measured_weight_layout(library: str) -> str:
-    """``padded`` where it multiplies faster than ``given`` here (on the sum, by the margin, and slower on no
-    shape), else ``given``; measured once per machine, library and versions, the record kept in the kernel cache."""
+def measured_weight_layout(library: str, packs: bool = False) -> str:
+    """The layout :func:`choose_layout` takes from :func:`time_layouts` here; measured once per machine,
+    library, versions and whether fp32 packs, the record kept in the kernel cache."""
     def measure() -> tuple[str, dict[str, list[float]]]:
-        seconds = time_layouts(matmul(library))
-        padded, given = seconds["padded"], seconds["given"]
-        choice = "padded" if _beats(padded, given) else "given"
-        log.info("CPU GEMM weights (%s): %s (fp32 on one thread: padded %.2f ms, given %.2f ms)", library, choice,
-                 sum(padded) * 1e3, sum(given) * 1e3)
+        seconds = time_layouts(matmul(library), packs)
+        choice = choose_layout(seconds)
+        log.info("CPU GEMM weights (%s): %s (fp32 on one thread: %s)", library, choice,
+                 ", ".join(f"{layout} {sum(t) * 1e3:.2f} ms" for layout, t in seconds.items()))
         return choice, seconds
 
-    return _recorded(LAYOUT_FILE, _layout_key(library), WEIGHT_LAYOUTS, measure)
+    choices = WEIGHT_LAYOUTS if packs else tuple(w for w in WEIGHT_LAYOUTS if w != "packed")
+    return _recorded(LAYOUT_FILE, _layout_key(library, packs), choices, measure)
 
 
-# ---------------------------------------------------------------- 16-bit weights packed by oneDNN
+# ---------------------------------------------------------------- weights packed by oneDNN
 
-#: ``linear(a, w[, bias])``: ``a @ w`` as a fresh torch tensor, ``a`` a 16-bit array's bits, ``w`` a
-#: :func:`pack_weight`
+#: ``linear(a, w[, bias])``: ``a @ w`` as a fresh torch tensor, ``a`` an fp32 array or a 16-bit array's bits,
+#: ``w`` a :func:`pack_weight`
 PackedLinear = Callable[..., Any]
 
 
@@ -367,8 +391,8 @@ def _torch_dtype(dtype: str) -> Any:
 
 
 def pack_weight(b: np.ndarray, dtype: str) -> Any:
-    """oneDNN's blocked form of a 16-bit GEMM right operand ``b`` ((K, N), its bits as ``uint16``, any
-    strides): reordered from the (N, K) weight nn.Linear stores, for :func:`packed_linear`."""
+    """oneDNN's blocked form of a GEMM right operand ``b`` ((K, N), fp32 or a 16-bit dtype's bits as ``uint16``,
+    any strides): reordered from the (N, K) weight nn.Linear stores, for :func:`packed_linear`."""
     import torch  # optional dependency
 
     from planner.torch.ops import numpy_view
@@ -379,7 +403,7 @@ def pack_weight(b: np.ndarray, dtype: str) -> Any:
 
 def packed_linear(dtype: str, attr: str = "none", algorithm: str = "") -> PackedLinear:
     """``a @ w [+ bias]`` for a packed weight ``w``, by oneDNN, with post-op ``attr`` (``none``, ``relu``, or
-    ``gelu`` of ``algorithm`` ``tanh``) applied to the fp32 accumulator before the one rounding; the operands'
+    ``gelu`` of ``algorithm`` ``tanh``) applied to the fp32 accumulator before the one rounding (16-bit); the operands'
     tensor views are kept while they are the same arrays (a plan's own buffers, a bias; see :func:`torch_mm`)."""
     import torch  # optional dependency
 
@@ -419,16 +443,16 @@ def packing(product: MatMul, linear: PackedLinear, weight: Callable[[], Any]) ->
 
 
 def tensor_bits(t: Any) -> np.ndarray:
-    """A 16-bit tensor's bits as a ``uint16`` array, without a copy."""
+    """A tensor's storage as an array without a copy: fp32 as such, a 16-bit dtype's bits as ``uint16``."""
     import torch  # optional dependency
 
-    return t.view(torch.uint16).numpy()
+    return t.numpy() if t.dtype == torch.float32 else t.view(torch.uint16).numpy()
 
 
 @functools.cache
 def packing_error(dtype: str) -> str | None:
     """Why this torch cannot multiply ``dtype`` from packed weights (None: it can): a small product packed and
-    compared with the widened one (torch builds without oneDNN, or CPUs it refuses the dtype on)."""
+    compared with the fp32 one (torch builds without oneDNN, or CPUs it refuses the dtype on)."""
     import torch  # optional dependency
 
     try:
@@ -436,12 +460,14 @@ def packing_error(dtype: str) -> str | None:
         a = rng.standard_normal((8, 32), dtype=np.float32)
         b = rng.standard_normal((32, 24), dtype=np.float32)
         kind = _torch_dtype(dtype)
-        bits = [torch.from_numpy(m).to(kind).view(torch.uint16).numpy() for m in (a, b)]
+        bits = [tensor_bits(torch.from_numpy(m).to(kind)) for m in (a, b)]
         got = packed_linear(dtype)(aligned_copy(bits[0]), pack_weight(bits[1], dtype)).float().numpy()
     except (RuntimeError, AttributeError, NotImplementedError) as exc:
         return f"{type(exc).__name__}: {exc}"
     want = a @ b
-    if not np.allclose(got, want, rtol=5e-2, atol=0.5):  # two roundings to 8 bits of mantissa, sums of 32 terms
+    # 16-bit: two roundings to 8 bits of mantissa, sums of 32 terms; fp32: summation order only
+    rtol, atol = (1e-4, 1e-4) if dtype == "fp32" else (5e-2, 0.5)
+    if not np.allclose(got, want, rtol=rtol, atol=atol):
         return f"oneDNN's packed {dtype} product differs from the fp32 one by {np.abs(got - want).max():.3g}"
     return None
 

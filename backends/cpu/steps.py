@@ -188,7 +188,7 @@ class GemmSteps(StepsBase):
                   memory: Memory) -> tuple[str, str, str | None, gemm.PackedLinear] | None:
         """(a, b, bias, linear) where a cublaslt kernel's epilogue is one oneDNN applies to the packed product
         itself (``gemm.ONEDNN_POST_OPS``): its right operand a packable weight, every operand and the output of
-        the dtype torch multiplies natively; else None."""
+        the product tile's dtype (fp32, or the 16-bit one torch multiplies natively); else None."""
         if k.kind != KernelKind.CUBLASLT or k.epilogue not in gemm.ONEDNN_POST_OPS:
             return None
         mm = find_matmul(k.body)
@@ -196,7 +196,7 @@ class GemmSteps(StepsBase):
         bias = next((r for r in k.reads if r not in (a_name, b_name)), None) if epilogue_has_bias(k.epilogue) else None
         dtype = self._tile_dtype(k, tensors)
         operands = [a_name, b_name, k.out, *([bias] if bias else [])]
-        if dtype == "fp32" or b_name not in memory.packable or any(tensors[n].dtype != dtype for n in operands):
+        if b_name not in memory.packable or any(tensors[n].dtype != dtype for n in operands):
             return None
         return a_name, b_name, bias, gemm.packed_linear(dtype, *gemm.ONEDNN_POST_OPS[k.epilogue])
 
@@ -237,13 +237,6 @@ class GemmSteps(StepsBase):
         kdim = a_buf.shape[-1]
         if a_buf.shape != (rows, kdim) or b_buf.shape != (kdim, cols):
             raise BackendError(f"GEMM operands {list(a_buf.shape)} @ {list(b_buf.shape)} do not give {[rows, cols]}")
-        # numpy's BLAS: one row block per worker, BLAS on one thread inside each.  torch: one block, torch.mm
-        # on every thread (MKL's own split of a GEMM beat ours by 1.2-1.3x on 2 cores here), and each
-        # tile's epilogue split by rows across the workers.
-        torch_gemm = self.gemm_library == "torch"
-        blocks = [(0, rows)] if torch_gemm else parallel.split(rows, parallel.gemm_parts(self.threads, rows))
-        # the workers share the last-level cache: each block's tiles get its share of the tile budget
-        tile_rows = min(gemm_tile_rows(rows, cols, kdim, self.tile_bytes // len(blocks)), blocks[0][1] - blocks[0][0])
         a_dtype, b_dtype = tensors[a_name].dtype, tensors[b_name].dtype
         # torch multiplies some 16-bit dtypes natively (AMX): the operands are read as stored, never widened,
         # and the epilogue reads the product's 16-bit tile
@@ -252,10 +245,18 @@ class GemmSteps(StepsBase):
         stored = native or a_dtype == b_dtype == "fp32"  # the library reads both operands as stored
         # a torch product keeps its operands' views while they stay the same arrays (not one handed out)
         keep = (a_name not in memory.outputs, b_name not in memory.outputs)
-        linear = gemm.packed_linear(tile_dtype) if native and b_name in memory.packable else None
+        # a weight of a packed dtype (fp32, or a native 16-bit one) is multiplied by oneDNN, on torch's threads
+        linear = gemm.packed_linear(tile_dtype) if stored and b_name in memory.packable else None
+        # numpy's BLAS: one row block per worker, BLAS on one thread inside each.  torch (oneDNN): one block,
+        # torch.mm on every thread (MKL's own split of a GEMM beat ours by 1.2-1.3x on 2 cores here), and each
+        # tile's epilogue split by rows across the workers.
+        torch_gemm = self.gemm_library == "torch" or linear is not None
+        blocks = [(0, rows)] if torch_gemm else parallel.split(rows, parallel.gemm_parts(self.threads, rows))
+        # the workers share the last-level cache: each block's tiles get its share of the tile budget
+        tile_rows = min(gemm_tile_rows(rows, cols, kdim, self.tile_bytes // len(blocks)), blocks[0][1] - blocks[0][0])
         if k.body is mm and stored and k.body.type.dtype == tile_dtype:
             product = gemm.torch_mm(tile_dtype, (*keep, False)) if native or torch_gemm else self.matmul
-            step = self._product(k, memory, a_name, b_name, self._packing(memory, b_name, product, linear))
+            step = self._product(k, memory, (a_name, b_name), self._packing(memory, b_name, product, linear), torch_gemm)
             step.facts["weights"] = "packed if read-only" if linear else step.facts["weights"]
             return step
         widen_b, b_scratch = self._stored(memory, b_name) if native else self._widen(memory, b_name, b_dtype, b_buf.shape[0])
@@ -353,13 +354,14 @@ class GemmSteps(StepsBase):
             return product
         return gemm.packing(product, linear, functools.partial(memory.packed.get, b_name))
 
-    def _product(self, k: Kernel, memory: Memory, a_name: str, b_name: str, product: gemm.MatMul) -> Step:
+    def _product(self, k: Kernel, memory: Memory, names: tuple[str, str], product: gemm.MatMul,
+                 torch_gemm: bool) -> Step:
         """A GEMM kernel that is its product alone: the library writes the output's rows, no tile, no epilogue
-        (which would only copy the tile).  Row blocks as in :meth:`_gemm`."""
-        arrays, out_name, threads, pool = memory.arrays, k.out, self.threads, self.pool
+        (which would only copy the tile).  Row blocks as in :meth:`_gemm` (one on torch's threads where
+        ``torch_gemm``)."""
+        (a_name, b_name), arrays, out_name, threads, pool = names, memory.arrays, k.out, self.threads, self.pool
         a_buf, b_buf = memory.own[a_name], memory.own[b_name]
         rows = a_buf.shape[0]
-        torch_gemm = self.gemm_library == "torch"
         blocks = [(0, rows)] if torch_gemm else parallel.split(rows, parallel.gemm_parts(threads, rows))
 
         def call() -> None:

@@ -828,32 +828,35 @@ def test_16_bit_gemms_in_torchs_native_product_match_the_widened_ones(dtype, gel
         CpuBackend(SPEC, threads=1, gemm_library="torch").compile(plan)
 
 
-def _packing_backend(monkeypatch, threads: int, tile_bytes: int | None = None):
-    """A CPU backend multiplying bf16 natively from packed weights; skips where this torch cannot pack bf16."""
+def _packing_backend(monkeypatch, threads: int, tile_bytes: int | None = None, dtype: str = "bf16"):
+    """A CPU backend multiplying ``dtype`` from packed weights (bf16 natively; fp32 with numpy's BLAS for the
+    rest); skips where this torch cannot pack it."""
     pytest.importorskip("torch")
     from backends.cpu import gemm
     from backends.cpu.backend import CpuBackend
 
     monkeypatch.setenv(gemm.GEMM_16BIT_ENV, "native")
-    if gemm.packing_error("bf16") is not None:
-        pytest.skip(f"torch cannot multiply bf16 from packed weights here: {gemm.packing_error('bf16')}")
-    monkeypatch.setenv(gemm.WEIGHTS_16BIT_ENV, "packed")
-    return CpuBackend(SPEC, threads=threads, gemm_library="torch", tile_bytes=tile_bytes)
+    if gemm.packing_error(dtype) is not None:
+        pytest.skip(f"torch cannot multiply {dtype} from packed weights here: {gemm.packing_error(dtype)}")
+    monkeypatch.setenv(gemm.WEIGHTS_16BIT_ENV if dtype != "fp32" else gemm.WEIGHTS_ENV, "packed")
+    library = "numpy" if dtype == "fp32" else "torch"
+    return CpuBackend(SPEC, threads=threads, gemm_library=library, tile_bytes=tile_bytes)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("tiles", ["one", "several"])
-def test_a_held_16_bit_weight_is_packed_once_and_shared_by_every_plan(threads, tiles, monkeypatch):
-    """A read-only bf16 weight (a bound parameter) is packed by oneDNN on the first call, read packed after, by
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_a_held_weight_is_packed_once_and_shared_by_every_plan(threads, tiles, dtype, monkeypatch):
+    """A read-only weight (a bound parameter) is packed by oneDNN on the first call, read packed after, by
     this plan and by another of the same backend (a search's candidates); a writable one is read as bound.
     The GEMM with an epilogue (one tile, or several), and the product alone, match the reference either way."""
-    tile_bytes = None if tiles == "one" else 10 * 16 * 2  # ten rows of the 16-wide bf16 product per tile
-    backend = _packing_backend(monkeypatch, threads, tile_bytes)
-    g = examples.mlp_epilogue(40, 24, 16, "bf16")
+    tile_bytes = None if tiles == "one" else 10 * (16 + 24) * 4  # ten rows of the product per tile
+    backend = _packing_backend(monkeypatch, threads, tile_bytes, dtype)
+    g = examples.mlp_epilogue(40, 24, 16, dtype)
     plans = build_candidates(g, SPEC).plans
     fused = next(p for p in plans if len(p.kernels) == 1)
     alone = next(p for p in plans if p.kernels[0].body.op == "MatMul")  # the product, then the epilogue's loop
-    inputs = {n: a.astype(numpy_dtype("bf16")) for n, a in random_inputs(g, seed=5).items()}
+    inputs = {n: a.astype(numpy_dtype(dtype)) for n, a in random_inputs(g, seed=5).items()}
     held = np.ascontiguousarray(inputs["w"].T).T  # nn.Linear's (N, K) layout, read-only as BoundInputs hands it
     held.setflags(write=False)
     for plan in (fused, alone):
@@ -861,28 +864,31 @@ def test_a_held_16_bit_weight_is_packed_once_and_shared_by_every_plan(threads, t
         compiled = backend.compile(plan)
         assert compiled.memory.packable == {"w"}
         assert compiled.kernel_facts[0]["weights"] == "packed if read-only"
+        if tiles == "several" and plan is fused:
+            assert compiled.kernel_facts[0]["tiles"] == 4
         for _ in range(2):
             (got,) = compiled.run(dict(inputs, w=held))
-            assert close(got, want, "bf16"), plan.notation()
+            assert close(got, want, dtype), plan.notation()
         assert set(compiled.memory.packed) == {"w"}
         (got,) = compiled.run(dict(inputs, w=inputs["w"].copy()))  # writable: may change, so never packed
-        assert not compiled.memory.packed and close(got, want, "bf16")
+        assert not compiled.memory.packed and close(got, want, dtype)
     assert backend.held.copies == 1  # one packed form, shared by both plans
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("epilogue", ["BIAS", "GELU_BIAS", "RELU_BIAS", "DEFAULT"])
 @pytest.mark.parametrize("read_by", ["a kernel", "the caller"])
-def test_a_cublaslt_epilogue_on_packed_weights_runs_as_onednn_post_ops(epilogue, read_by, threads, monkeypatch):
-    """A cublaslt kernel whose right operand is a packed bf16 weight is oneDNN's product with its epilogue as
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_a_cublaslt_epilogue_on_packed_weights_runs_as_onednn_post_ops(epilogue, read_by, dtype, threads, monkeypatch):
+    """A cublaslt kernel whose right operand is a packed weight is oneDNN's product with its epilogue as
     post-ops; its result is handed to the next kernel as oneDNN wrote it, or copied into a plan output; with a
     writable weight the product and generated epilogue run instead.  Every way matches the reference."""
-    backend = _packing_backend(monkeypatch, threads)
+    backend = _packing_backend(monkeypatch, threads, dtype=dtype)
     ops = {"DEFAULT": [], "BIAS": ["BiasAdd"], "GELU_BIAS": ["BiasAdd", "GeluTanh"], "RELU_BIAS": ["BiasAdd", "Relu"]}
     b = GraphBuilder(f"post-ops-{epilogue}")
-    b.input("x", (24, 40), "bf16")
-    b.input("w", (40, 32), "bf16")
-    b.input("bias", (32,), "bf16")
+    b.input("x", (24, 40), dtype)
+    b.input("w", (40, 32), dtype)
+    b.input("bias", (32,), dtype)
     y = b.op("mm", "MatMul", ["x", "w"])
     for op in ops[epilogue]:
         y = b.op(f"y.{op}", op, [y, "bias"] if op == "BiasAdd" else [y])
@@ -893,16 +899,16 @@ def test_a_cublaslt_epilogue_on_packed_weights_runs_as_onednn_post_ops(epilogue,
         g = b.build([out, b.op("out2", "Relu", [out])] if epilogue == "DEFAULT" else [out])
     plans = [p for p in build_candidates(g, SPEC, cap=64).plans if p.kernels[0].epilogue == epilogue]
     assert plans and all((p.kernels[0].out in p.outputs) == (read_by == "the caller") for p in plans)
-    inputs = {n: a.astype(numpy_dtype("bf16")) for n, a in random_inputs(g, seed=7).items()}
+    inputs = {n: a.astype(numpy_dtype(dtype)) for n, a in random_inputs(g, seed=7).items()}
     held = np.ascontiguousarray(inputs["w"].T).T
     held.setflags(write=False)
     for plan in plans[:3]:
         want = execute_plan(plan, inputs)
         compiled = backend.compile(plan)
-        assert compiled.kernel_facts[0]["impl"] == "onednn-bf16-post-ops"
+        assert compiled.kernel_facts[0]["impl"] == f"onednn-{dtype}-post-ops"
         for feed in (dict(inputs, w=held), dict(inputs, w=held), dict(inputs, w=inputs["w"].copy())):
             got = compiled.run(feed)
-            assert all(close(a, e, "bf16") for a, e in zip(got, want, strict=True)), plan.notation()
+            assert all(close(a, e, dtype) for a, e in zip(got, want, strict=True)), plan.notation()
         compiled.run(dict(inputs, w=held))
         first = plan.kernels[0].out  # the next kernel reads oneDNN's result, not the kernel's own buffer
         assert np.shares_memory(compiled.memory.arrays[first], compiled.memory.own[first]) == (first in plan.outputs)
@@ -1043,11 +1049,14 @@ def test_a_held_weight_is_copied_once_into_padded_rows(library, threads, monkeyp
 
 @pytest.mark.parametrize("library", ["numpy", "torch"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_product_alone_is_written_by_the_library_into_the_output(library, threads):
+def test_a_product_alone_is_written_by_the_library_into_the_output(library, threads, monkeypatch):
     """A GEMM kernel that is only its MatMul has no tile and no epilogue: the library writes the output rows."""
     if library == "torch":
         pytest.importorskip("torch")
+    from backends.cpu import gemm
     from backends.cpu.backend import CpuBackend
+
+    monkeypatch.setenv(gemm.WEIGHTS_ENV, "given")  # the library's route (packed weights: oneDNN's)
 
     b = GraphBuilder("product")
     b.input("x", (80, 24), "fp32")
@@ -1065,11 +1074,14 @@ def test_a_product_alone_is_written_by_the_library_into_the_output(library, thre
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("epilogue", [False, True], ids=["product", "one-tile"])
-def test_a_torch_gemm_keeps_operand_views_only_while_the_arrays_stay(threads, epilogue):
+def test_a_torch_gemm_keeps_operand_views_only_while_the_arrays_stay(threads, epilogue, monkeypatch):
     """torch's product keeps the views of its operands between calls; a call that binds other arrays (another
     input read in place, another weight) is multiplied from those, never from a kept view of the old ones."""
     pytest.importorskip("torch")
+    from backends.cpu import gemm
     from backends.cpu.backend import CpuBackend
+
+    monkeypatch.setenv(gemm.WEIGHTS_ENV, "given")  # torch.mm's route
 
     b = GraphBuilder("kept")
     b.input("x", (40, 24), "fp32")

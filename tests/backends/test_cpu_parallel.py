@@ -101,7 +101,10 @@ def test_flat_loops_split_into_aligned_ranges_with_identical_results() -> None:
         assert all(f["threads"] == 3 for f in facts)
 
 
-def test_broadcast_loops_split_by_rows_and_gemms_by_row_blocks() -> None:
+def test_broadcast_loops_split_by_rows_and_gemms_by_row_blocks(monkeypatch) -> None:
+    from backends.cpu import gemm as gemm_module
+
+    monkeypatch.setenv(gemm_module.WEIGHTS_ENV, "given")  # the libraries' routes (packed weights: oneDNN's)
     graph = examples.mlp_epilogue(256, 256, 64, "fp32")
     cands = build_candidates(graph, SPEC)
     unfused = _same_on_threads(cands.unfused, graph, 2, exact=False)  # BiasAdd reads its bias by column
@@ -387,19 +390,20 @@ def test_auto_takes_the_gemm_library_measured_faster_here_once_per_machine(monke
 
 
 def test_auto_pads_weights_only_where_it_measured_faster_once_per_library(monkeypatch, tmp_path) -> None:
-    """auto times both weight layouts once per library and keeps the record; padded must win on the sum by the
+    """auto times the weight layouts once per library and keeps the record; padded must win on the sum by the
     margin and lose on no shape; a bad value names the variable; the layout is in the plan-cache key."""
     from backends.cpu import gemm
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv(gemm.WEIGHTS_ENV, raising=False)
+    monkeypatch.setattr(gemm, "packing_error", lambda dtype: "RuntimeError: no oneDNN")  # packed is not timed
     timings = iter([{"padded": [0.7, 0.7, 0.7], "given": [1.0, 1.0, 1.0]},
                     {"padded": [0.5, 0.5, 1.2], "given": [1.0, 1.0, 1.0]}])  # faster on the sum, slower on one shape
     measured = []
-    monkeypatch.setattr(gemm, "time_layouts", lambda mm: measured.append(mm) or next(timings))
+    monkeypatch.setattr(gemm, "time_layouts", lambda mm, packs: measured.append(packs) or next(timings))
     gemm.measured_weight_layout.cache_clear()
     try:
-        assert gemm.weight_layout("numpy") == "padded" and len(measured) == 1
+        assert gemm.weight_layout("numpy") == "padded" and measured == [False]
         gemm.measured_weight_layout.cache_clear()  # a new process: the record answers
         assert gemm.weight_layout("numpy") == "padded" and len(measured) == 1
         record = tmp_path / "fusion-planner" / "cpu" / gemm.LAYOUT_FILE
@@ -411,19 +415,64 @@ def test_auto_pads_weights_only_where_it_measured_faster_once_per_library(monkey
     monkeypatch.setenv(gemm.WEIGHTS_ENV, "diagonal")
     with pytest.raises(UsageError, match="FUSION_PLANNER_CPU_WEIGHTS='diagonal'"):
         cpu(1)
+    monkeypatch.setenv(gemm.WEIGHTS_ENV, "packed")
+    with pytest.raises(BackendError, match="FUSION_PLANNER_CPU_WEIGHTS=packed, but .*no oneDNN"):
+        cpu(1)
     region = whole_graph_region(examples.ew_chain(2, 1000))
     keys = set()
-    for layout in gemm.WEIGHT_LAYOUTS:
+    for layout in ("padded", "given"):
         monkeypatch.setenv(gemm.WEIGHTS_ENV, layout)
         assert cpu(1).weights == layout
         keys.add(PlanOptions("cpu", SPEC, ()).cache_key(region, cpu(1)))
     assert len(keys) == 2
 
 
-def test_the_layout_probe_times_both_layouts_of_each_shape() -> None:
-    """The probe itself (no stand-in): one time per layout and shape, each a positive number of seconds."""
+def test_auto_packs_fp32_weights_where_oneDNN_beats_the_better_stored_layout(monkeypatch, tmp_path) -> None:
+    """Where torch packs fp32, auto times the packed product too and takes it only where it beats the better of
+    padded and given by the rule; the packed layout is in the plan-cache key and packs the plan's weights."""
+    pytest.importorskip("torch")
+    from backends.cpu import gemm
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(gemm.WEIGHTS_ENV, raising=False)
+    monkeypatch.setattr(gemm, "packing_error", lambda dtype: None)
+    timings = iter([{"packed": [0.6, 0.6, 0.6], "padded": [0.7, 0.7, 0.7], "given": [1.0, 1.0, 1.0]},
+                    {"packed": [0.7, 0.7, 0.7], "padded": [0.7, 0.7, 0.7], "given": [1.0, 1.0, 1.0]},
+                    {"packed": [0.8, 0.8, 0.8], "padded": [1.0, 1.0, 1.0], "given": [0.8, 0.8, 0.8]}])
+    measured = []
+    monkeypatch.setattr(gemm, "time_layouts", lambda mm, packs: measured.append(packs) or next(timings))
+    gemm.measured_weight_layout.cache_clear()
+    try:
+        assert gemm.weight_layout("numpy") == "packed" and measured == [True]
+        gemm.measured_weight_layout.cache_clear()
+        assert gemm.weight_layout("numpy") == "packed" and len(measured) == 1  # the record answers
+        (tmp_path / "fusion-planner" / "cpu" / gemm.LAYOUT_FILE).unlink()
+        gemm.measured_weight_layout.cache_clear()
+        assert gemm.weight_layout("numpy") == "padded"  # a tie with padded: not packed
+        (tmp_path / "fusion-planner" / "cpu" / gemm.LAYOUT_FILE).unlink()
+        gemm.measured_weight_layout.cache_clear()
+        assert gemm.weight_layout("numpy") == "given"  # a tie with given, the better stored one
+    finally:
+        gemm.measured_weight_layout.cache_clear()
+    region = whole_graph_region(examples.ew_chain(2, 1000))
+    keys = set()
+    for layout in gemm.WEIGHT_LAYOUTS:
+        monkeypatch.setenv(gemm.WEIGHTS_ENV, layout)
+        assert cpu(1).weights == layout
+        keys.add(PlanOptions("cpu", SPEC, ()).cache_key(region, cpu(1)))
+    assert len(keys) == 3
+
+
+def test_the_layout_probe_times_each_layout_of_each_shape() -> None:
+    """The probe itself (no stand-in): one time per layout and shape, each a positive number of seconds; the
+    packed layout only where asked."""
     from backends.cpu import gemm
 
     seconds = gemm.time_layouts(gemm.numpy_mm)
-    assert set(seconds) == set(gemm.WEIGHT_LAYOUTS)
+    assert set(seconds) == {"padded", "given"}
     assert all(len(v) == len(gemm.LAYOUT_SHAPES) and min(v) > 0 for v in seconds.values())
+    pytest.importorskip("torch")
+    if gemm.packing_error("fp32") is None:
+        seconds = gemm.time_layouts(gemm.numpy_mm, packs=True)
+        assert set(seconds) == set(gemm.WEIGHT_LAYOUTS)
+        assert all(len(v) == len(gemm.LAYOUT_SHAPES) and min(v) > 0 for v in seconds.values())
