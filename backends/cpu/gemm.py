@@ -239,7 +239,7 @@ def _blas_builds() -> list[str]:
     return sorted(f"{i.get('internal_api')} {i.get('version')}" for i in threadpool_info() if i.get("user_api") == "blas")
 
 
-def _fastest(calls: dict[str, Callable[[], None]]) -> dict[str, float]:
+def _fastest(calls: Mapping[str, Callable[[], Any]]) -> dict[str, float]:
     """Each call's fastest of :data:`PROBE_ROUNDS` rounds (seconds), the calls interleaved round by round after
     a first round that warms them up."""
     runs: dict[str, list[float]] = {name: [] for name in calls}
@@ -338,7 +338,8 @@ def time_layouts(mm: MatMul, packs: bool = False) -> dict[str, list[float]]:
             padded = padded_matrix(k, n, np.float32)
             padded[...] = weight.T
             out = aligned_empty((m, n), np.float32)
-            calls = {"padded": functools.partial(mm, a, padded, out), "given": functools.partial(mm, a, weight.T, out)}
+            calls: dict[str, Callable[[], Any]] = {"padded": functools.partial(mm, a, padded, out),
+                                                   "given": functools.partial(mm, a, weight.T, out)}
             if linear is not None:
                 calls["packed"] = functools.partial(linear, a, pack_weight(weight.T, "fp32"))
             fastest = _fastest(calls)
