@@ -62,6 +62,8 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repeats", type=int, default=d.repeats, help="timed runs per candidate (median)")
     g.add_argument("--max-rounds", type=int, default=d.max_rounds, metavar="N",
                    help="interleaved rounds that may compare a candidate within the noise with the best (at least 8)")
+    g.add_argument("--patience", type=int, default=d.patience, metavar="N",
+                   help="end the genetic phase after N candidates in a row without a faster plan (0: never)")
     g.add_argument("--confidence", type=float, default=d.confidence,
                    help="confidence that separates two timings in those rounds (else a tie: the cost model's choice)")
     g.add_argument("--rtol", type=float, default=None, help="override the dtype's relative tolerance")
@@ -88,6 +90,7 @@ def options_from_args(args: argparse.Namespace) -> SearchOptions:
         atol=args.atol,
         max_rounds=args.max_rounds,
         confidence=args.confidence,
+        patience=args.patience,
     )
     opts.validate()
     return opts

@@ -9,7 +9,9 @@ to the odd spike (another process took the core), no resampling: the same sample
 
 The rounds are looked at a few times only (every ``min_rounds``), each look at the confidence divided among the
 looks (Bonferroni), so that stopping at the first look that separates the plans does not inflate the chance of
-calling a tie a win.
+calling a tie a win.  A look whose interval lies inside ``1 ± equivalence`` ends the duel as a tie at once (the
+plans are shown to be that close, as in a two one-sided test): more rounds could only tell apart plans no one
+would choose between, and on a quiet machine most candidates of a region are such near-twins.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from enum import StrEnum
 class Outcome(StrEnum):
     FASTER = "faster"  # the challenger beats the incumbent beyond the noise
     SLOWER = "slower"  # the incumbent beats the challenger beyond the noise
-    TIE = "tie"  # the rounds ran out with the interval around 1 (within ``margin``)
+    TIE = "tie"  # the interval lies within ``1 ± equivalence``, or the rounds ran out with it around 1
 
 
 @dataclass(frozen=True)
@@ -84,9 +86,9 @@ def looks(min_rounds: int, max_rounds: int) -> list[int]:
 
 
 def duel(challenger: Callable[[], float], incumbent: Callable[[], float], *, min_rounds: int = 8,
-         max_rounds: int = 24, confidence: float = 0.95, margin: float = 0.01) -> Duel:
+         max_rounds: int = 24, confidence: float = 0.95, margin: float = 0.01, equivalence: float = 0.0) -> Duel:
     """Time both in interleaved rounds until the ratio's interval lies below ``1 - margin`` (faster), above
-    ``1 + margin`` (slower), or ``max_rounds`` have run (a tie)."""
+    ``1 + margin`` (slower), inside ``1 ± equivalence`` (a tie; 0: never), or ``max_rounds`` have run (a tie)."""
     marks = looks(min_rounds, max_rounds)
     per_look = 1.0 - (1.0 - confidence) / len(marks)
     ratios: list[float] = []
@@ -106,6 +108,8 @@ def duel(challenger: Callable[[], float], incumbent: Callable[[], float], *, min
             return Duel(Outcome.FASTER, med, low, high, len(ratios))
         if low > 1.0 + margin:
             return Duel(Outcome.SLOWER, med, low, high, len(ratios))
+        if 1.0 - equivalence < low and high < 1.0 + equivalence:
+            break
     return Duel(Outcome.TIE, med, low, high, len(ratios))
 
 

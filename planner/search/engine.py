@@ -24,7 +24,8 @@ candidate whose kernels timed in earlier plans already take longer, summed, than
 is not compiled, verified or run (verdict "slower by its kernels"; each kernel's fastest time counts, so the
 sum is a lower bound of the plan's, up to noise).  The search
 ends at ``max_candidates`` candidates besides the baseline, after
-``time_budget_s`` seconds of wall time, or when no new candidate turns up.
+``time_budget_s`` seconds of wall time, when no new candidate turns up, or when the genetic phase has gone
+``patience`` candidates without a new best.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ class _Run:
         self.stop: Stop | None = None
         self.best_compiled: CompiledPlan | None = None  # the best's compiled plan, for interleaved comparisons
         self.band = 0.0  # a candidate within this fraction of the best is compared with it in rounds
+        self.crowned_at = 0  # candidates tried when a faster best was last found (the genetic phase's patience)
 
     # -- budgets
     def budget_left(self) -> bool:
@@ -294,7 +296,7 @@ class _Run:
         incumbent = self.best_compiled
         assert incumbent is not None
         d = duel(lambda: self._once(compiled), lambda: self._once(incumbent), max_rounds=self.opts.max_rounds,
-                 confidence=self.opts.confidence, margin=DUEL_MARGIN)
+                 confidence=self.opts.confidence, margin=DUEL_MARGIN, equivalence=EQUIVALENCE)
         entry.duel = f"{d.outcome}: {d.describe()} against {best.plan.key}"
         evidence = d.describe()
         if d.outcome == Outcome.FASTER:
@@ -304,11 +306,14 @@ class _Run:
             self.slog.slower(entry.plan, d.ratio, entry.est_us, entry.time_us, None, _origin(entry), evidence)
         else:
             if entry.plan.sort_key() < best.plan.sort_key():
-                self._crown(entry, compiled)
+                self._crown(entry, compiled, faster=False)
             self.slog.tie(entry.plan, evidence, self.best.plan if self.best else best.plan, _origin(entry))
 
-    def _crown(self, entry: Entry, compiled: CompiledPlan | None) -> None:
+    def _crown(self, entry: Entry, compiled: CompiledPlan | None, faster: bool = True) -> None:
+        """``entry`` is the best now: faster than the last, or a tie the cost model prefers (not ``faster``)."""
         self.best, self.best_compiled = entry, compiled
+        if faster:
+            self.crowned_at = self.tried
 
     def _once(self, compiled: CompiledPlan) -> float:
         """One timed run of a compiled plan (µs)."""
@@ -324,13 +329,23 @@ class _Run:
             if stall >= STALL_LIMIT:
                 self.stop = Stop(StopKind.STALLED, str(STALL_LIMIT))
                 return
+            if self.out_of_patience():
+                return
             room = min(GENERATION, self.opts.max_candidates - self.tried)
             generation, stall = self._breed(mutator, rng, room, stall)
             self.backend.prepare([plan for plan, _, _ in generation])
             for plan, choice, source in generation:
-                if not self.budget_left():
+                if not self.budget_left() or self.out_of_patience():
                     return
                 self.consider(plan, choice, source)
+
+    def out_of_patience(self) -> bool:
+        """Has the genetic phase gone ``patience`` candidates without a new best (the stop recorded)?"""
+        patience = self.opts.patience
+        if patience and self.tried - self.crowned_at >= patience:
+            self.stop = self.stop or Stop(StopKind.PATIENCE, str(patience))
+            return True
+        return False
 
     def _breed(self, mutator: Mutator, rng: random.Random, room: int,
                stall: int) -> tuple[list[tuple[Plan, dict[str, Option], str]], int]:
@@ -474,6 +489,8 @@ FINAL_ROUNDS = 8
 FINAL_REPEATS = 3
 #: a duel (and the final round) calls a plan faster only when its time ratio's interval lies below 1 - this
 DUEL_MARGIN = 0.01
+#: a duel whose interval lies within 1 ± this ends as a tie before its rounds run out (planner.search.duel)
+EQUIVALENCE = 0.03
 
 
 class _Stopper:

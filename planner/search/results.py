@@ -31,6 +31,8 @@ class SearchOptions:
     #: until this confidence separates them (planner.search.duel); a tie keeps the cost model's choice
     max_rounds: int = 24
     confidence: float = 0.95
+    #: the genetic phase ends after this many candidates in a row brought no new best (0: never)
+    patience: int = 16
 
     def validate(self) -> None:
         if self.max_candidates < 1:
@@ -46,6 +48,8 @@ class SearchOptions:
             raise UsageError(f"max rounds must be at least 8 (a confidence interval needs them), got {self.max_rounds}")
         if not 0.5 <= self.confidence < 1.0:
             raise UsageError(f"confidence must be in [0.5, 1), got {self.confidence}")
+        if self.patience < 0:
+            raise UsageError(f"patience must be at least 0 (0: never stop for it), got {self.patience}")
 
 
 class StopKind(StrEnum):
@@ -54,6 +58,7 @@ class StopKind(StrEnum):
     MAX_CANDIDATES = "max candidates"
     TIME_BUDGET = "time budget"
     STALLED = "no new candidate"
+    PATIENCE = "no faster plan"
     EXHAUSTED = "every candidate tried"
     INTERRUPTED = "interrupted (Ctrl-C)"
     DONE = "done"
@@ -69,6 +74,8 @@ class Stop:
     def __str__(self) -> str:
         if self.kind == StopKind.STALLED:
             return f"no new candidate in {self.detail} tries"
+        if self.kind == StopKind.PATIENCE:
+            return f"no faster plan in the last {self.detail} candidates"
         return f"{self.kind} ({self.detail})" if self.detail else str(self.kind)
 
 

@@ -91,3 +91,20 @@ def test_rounds_alternate_which_plan_runs_first_and_stop_at_a_look():
 def test_noise_is_the_interquartile_range_over_the_median():
     assert noise([10.0, 10.0, 10.0]) == 0.0
     assert noise([8.0, 9.0, 10.0, 11.0, 12.0]) == pytest.approx((11.5 - 8.5) / 10.0)
+
+
+def test_plans_shown_within_the_equivalence_end_as_a_tie_at_the_first_look():
+    """Near-twins under little noise: the interval lies inside 1 ± 3% at 8 rounds, so the duel ends there as a
+    tie; without the equivalence bound the same rounds run to the budget; a real 10% gap is still found."""
+    rng = random.Random(2)
+    twins = [duel(_timer(rng, 1.005, 0.005), _timer(rng, 1.0, 0.005), equivalence=0.03) for _ in range(50)]
+    assert all(d.outcome == Outcome.TIE and d.rounds == 8 and d.low > 0.97 and d.high < 1.03 for d in twins)
+    rng = random.Random(2)
+    long = duel(_timer(rng, 1.005, 0.005), _timer(rng, 1.0, 0.005))
+    assert long.outcome == Outcome.TIE and long.rounds == 24
+    rng = random.Random(3)
+    found = [duel(_timer(rng, 1.1, 0.05), _timer(rng, 1.0, 0.05), equivalence=0.03).outcome for _ in range(100)]
+    assert found.count(Outcome.SLOWER) >= 95
+    rng = random.Random(4)  # noisy twins: the interval is too wide to show equivalence early
+    noisy = [duel(_timer(rng, 1.0, 0.2), _timer(rng, 1.0, 0.2), equivalence=0.03) for _ in range(20)]
+    assert all(d.rounds == 24 for d in noisy if d.outcome == Outcome.TIE)

@@ -330,8 +330,8 @@ def test_plans_equal_within_the_noise_keep_the_cost_models_choice(deep_stack):
     kept = 0
     for seed in range(20):
         backend = NoisyBackend(deep_stack.spec, lambda plan: 10.0, seed=seed, sigma=0.1)
-        res = search(deep_stack, backend, options=SearchOptions(max_candidates=20, seed=1, warmup=0, repeats=5),
-                     log=SearchLog(enabled=False))
+        res = search(deep_stack, backend, options=SearchOptions(max_candidates=20, seed=1, warmup=0, repeats=5,
+                                                                patience=0), log=SearchLog(enabled=False))
         timed = [e for e in res.entries if e.timed]
         assert sum(bool(e.duel) for e in timed) >= 15  # nearly every candidate was within the noise
         kept += res.best.key == min(timed, key=lambda e: e.plan.sort_key()).plan.key
@@ -502,3 +502,22 @@ def test_the_report_says_what_was_verified(chain):
     assert res.verification.startswith("every output against the numpy reference on seeded inputs (seed 0)")
     assert all(o in res.verification for o in chain.graph.outputs)
     assert res.to_json()["verification"] == res.verification
+
+
+def test_the_genetic_phase_ends_after_patience_candidates_without_a_new_best(deep_stack):
+    """Equal plans under little noise: after the cost model's list, no candidate beats the best, so the genetic
+    phase stops once ``patience`` candidates in a row brought nothing (the stop says so); patience 0 never stops
+    for it; a negative patience is refused."""
+    assert not deep_stack.complete
+    runs = {}
+    for patience in (0, 20):
+        backend = NoisyBackend(deep_stack.spec, lambda plan: 10.0, seed=0, sigma=0.002, spikes=0.0)
+        runs[patience] = search(deep_stack, backend, options=SearchOptions(
+            max_candidates=48, seed=1, warmup=0, repeats=3, patience=patience), log=SearchLog(enabled=False))
+    assert runs[0].stop.kind == StopKind.MAX_CANDIDATES
+    res = runs[20]
+    tried = [e for e in res.entries[1:] if e.timed or e.rejected or e.verdict.name == "BOUNDED"]
+    assert res.stop.kind == StopKind.PATIENCE and str(res.stop) == "no faster plan in the last 20 candidates"
+    assert len(deep_stack.plans) <= len(tried) < 48
+    with pytest.raises(UsageError, match="patience"):
+        SearchOptions(patience=-1).validate()
