@@ -112,8 +112,7 @@ def _affine(x: Expr | Load, a: float, b: float, n: int) -> Expr:
 
 
 def triad_gbps(n: int) -> float:
-    rng = np.random.default_rng(0)
-    b, c = rng.standard_normal(n, dtype=np.float32), rng.standard_normal(n, dtype=np.float32)
+    b, c = np.full(n, 0.5, np.float32), np.full(n, -0.25, np.float32)  # values do not matter; drawing 2n took 0.4 s
     a = np.zeros(n, np.float32)
     body = Expr("Add", (Load("b"), _affine(Load("c"), 3.0, 0.0, n)), (), "", TensorType((n,), "fp32"))
     us = _best_us(_kernel(body, {"b": b, "c": c}, a), repeats=7, warmup=2)

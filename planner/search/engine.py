@@ -288,6 +288,12 @@ class _Run:
             else:
                 self.slog.slower(entry.plan, meas / best.time_us, entry.est_us, meas, stopped, _origin(entry))
             return
+        if meas >= best.time_us and entry.plan.sort_key() >= best.plan.sort_key():
+            # no duel could crown it: a tie keeps the best (the cost model's choice), and a median that is
+            # not lower gives no sign of a win worth the rounds (the final round re-measures close runners-up)
+            self.slog.tie(entry.plan, f"median x{meas / best.time_us:.3f} within the noise, not lower", best.plan,
+                          _origin(entry))
+            return
         self._duel(entry, compiled, best)
 
     def _duel(self, entry: Entry, compiled: CompiledPlan, best: Entry) -> None:
