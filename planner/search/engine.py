@@ -282,7 +282,9 @@ class _Run:
                 self.slog.noise_floor(spread, len(entry.samples_us), self.band)
             return
         stopped = len(entry.samples_us) if entry.stopped_early else None
-        close = not entry.stopped_early and abs(meas / best.time_us - 1) <= self.band
+        # a lower median short of CONFIRM_BEYOND may be a quiet moment: only a duel crowns it
+        close = not entry.stopped_early and (abs(meas / best.time_us - 1) <= self.band
+                                             or best.time_us / CONFIRM_BEYOND < meas < best.time_us)
         if not close or compiled is None or self.best_compiled is None or not self.backend.times_live:
             if meas < best.time_us and not entry.stopped_early:  # given figures, or far beyond the noise
                 self._crown(entry, compiled)
@@ -488,6 +490,9 @@ def _origin(entry: Entry) -> str:
 
 #: the least relative difference from the best that still sends a candidate to interleaved rounds with it
 MIN_BAND = 0.02
+#: a candidate whose median is lower than the best's is crowned on it alone only when this many times lower;
+#: closer, interleaved rounds with the best decide (a neighbour's quiet moment can lower one plan's median)
+CONFIRM_BEYOND = 1.5
 #: runners-up within this factor of the best's search timing are re-measured with it before one is chosen
 FINAL_MARGIN = 1.15
 #: at most this many plans (the best included) in that final round

@@ -336,6 +336,8 @@ def test_plans_equal_within_the_noise_keep_the_cost_models_choice(deep_stack):
         ties = [line for line in res.log_lines if line.startswith("Tie ")]
         assert len(ties) >= 12  # nearly every candidate was within the noise: a duel's tie, or not lower
         not_lower += sum("within the noise, not lower" in line for line in ties)  # no duel could crown those
+        # a lower median alone never crowns an equal plan: each new best won its interleaved rounds
+        assert all(" rounds" in line for line in res.log_lines if line.startswith("Faster"))
         kept += res.best.key == min(timed, key=lambda e: e.plan.sort_key()).plan.key
     assert kept >= 15 and not_lower >= 20
 
@@ -523,3 +525,36 @@ def test_the_genetic_phase_ends_after_patience_candidates_without_a_new_best(dee
     assert len(deep_stack.plans) <= len(tried) < 48
     with pytest.raises(UsageError, match="patience"):
         SearchOptions(patience=-1).validate()
+
+
+class _QuietMoment(NoisyBackend):
+    """Every plan takes 10 µs but ``lucky``, 11 µs, whose first full timing falls in a quiet moment (x0.75)."""
+
+    def __init__(self, spec, lucky: str) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(spec, lambda plan: 11.0 if plan.key == lucky else 10.0, seed=0, sigma=0.01, spikes=0.0)
+        self.lucky, self.quiet_left = lucky, 1
+
+    def compile(self, plan):  # type: ignore[no-untyped-def]
+        compiled = super().compile(plan)
+        backend, time = self, compiled.time
+
+        def timed(inputs, *, warmup=2, repeats=7, stop_if=None):  # type: ignore[no-untyped-def]
+            timing = time(inputs, warmup=warmup, repeats=repeats, stop_if=stop_if)
+            if plan.key == backend.lucky and repeats > 1 and backend.quiet_left:
+                backend.quiet_left -= 1
+                timing.samples_us[:] = [us * 0.75 for us in timing.samples_us]
+            return timing
+
+        compiled.time = timed  # type: ignore[method-assign]
+        return compiled
+
+
+def test_a_lower_median_from_a_quiet_moment_does_not_crown_a_slower_plan(deep_stack):
+    """A 10%-slower plan timed at a quiet moment shows a median 17% below the best's, far beyond the band: it is
+    sent to interleaved rounds with the best, loses them, and is not crowned."""
+    lucky = deep_stack.plans[2].key
+    res = search(deep_stack, _QuietMoment(deep_stack.spec, lucky), options=SearchOptions(
+        max_candidates=8, seed=1, warmup=0, repeats=5, patience=0), log=SearchLog(enabled=False))
+    entry = next(e for e in res.entries if e.plan.key == lucky)
+    assert entry.meas_us < 0.9 * 10.0 and entry.duel and entry.duel.startswith("slower")
+    assert res.best.key != lucky
