@@ -23,11 +23,13 @@ import json, resource, sys, time
 from planner.core.examples import transformer
 from planner.model.stack import plan_model
 from planner.egraph.candidates import build_candidates
+from planner.core.cost import load_device
 layers, d, seq, dedup = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
-build_candidates(transformer(1, 64, 8), "h200")  # warm imports and egglog
+spec = load_device("h200")
+build_candidates(transformer(1, 64, 8), spec)  # warm imports and egglog
 g = transformer(layers, d, seq)
 t0 = time.perf_counter()
-mp = plan_model(g, "h200", dedup=dedup)
+mp = plan_model(g, spec, dedup=dedup)
 total = time.perf_counter() - t0
 stats = [u.stats for u in mp.unique.values() if not u.cached]
 print(json.dumps({
