@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from _docs import mask
+from _docs import is_table_header, mask
 
 
 @pytest.mark.parametrize(("one", "other"), [
@@ -24,3 +24,11 @@ def test_values_that_differ_mask_alike(one, other):
 ])
 def test_words_stay_words(one, other):
     assert mask(one) != mask(other)
+
+
+def test_a_plan_tables_header_is_checked_a_search_logs_tie_is_not():
+    """A measured sample must print its plan table's header; a tie line (whose prose names bytes and launches)
+    depends on the machine's noise and is not required."""
+    assert is_table_header("   plan                             bytes  launches  reg_peak  est_us  meas_us    verdict")
+    assert not is_table_header("Tie [4] | ratio 0.990 [0.959, 1.026] in 24 rounds | kept [4], the cost model's "
+                               "choice (fewer bytes, launches)")
