@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from backends.cpu.codegen import generate, noop_source
+from backends.cpu.codegen import CKernel, generate, noop_source
 from backends.cpu.compiler import Compiler, cache_dir, keep_record, read_record
 from backends.cpu.memory import blas_threads_from_env, cache_bytes, gemm_tile_rows, limit_blas_threads
 from planner.core.cost import DeviceSpec, DeviceSpecError, device_from_json
@@ -98,10 +98,16 @@ def _median_us(fn: Callable[[], None], repeats: int, warmup: int = 1) -> float:
     return statistics.median(_samples_us(fn, repeats, warmup))
 
 
-def _kernel(body: Expr, arrays: dict[str, np.ndarray], out: np.ndarray) -> Callable[[], None]:
-    """Generate, compile and bind the kernel of ``body`` (fp32 1-D)."""
+def _generated(body: Expr) -> CKernel:
+    """The kernel of ``body`` (fp32 1-D: each tensor it loads has the body's shape)."""
+    loads = sorted({a.tensor for e in body.walk() for a in e.args if isinstance(a, Load)})
+    return generate(body, {n: (tuple(body.type.shape), "fp32") for n in loads})
 
-    ck = generate(body, {n: (a.shape, "fp32") for n, a in arrays.items()})
+
+def _kernel(body: Expr, arrays: dict[str, np.ndarray], out: np.ndarray) -> Callable[[], None]:
+    """Generate, compile and bind the kernel of ``body`` over ``arrays`` (:func:`_generated`)."""
+
+    ck = _generated(body)
     fn = Compiler().function(ck.source, len(ck.params) + 1)
     args = (*(arrays[p.tensor].ctypes.data for p in ck.params if p.tensor is not None), out.ctypes.data, 0, ck.rows, ck.cols)
     return lambda: fn(*args)
@@ -194,8 +200,7 @@ def calibrate_cpu(*, triad_n: int = 1 << 23, gemm_sizes: tuple[int, ...] = GEMM_
 
     t0 = time.perf_counter()
     # the generated kernels in one compiler run (each alone costs a compiler start)
-    Compiler().build_many([generate(body, {n: ((body.type.shape[0],), "fp32") for n in names}).source
-                           for body, names in ((_triad_body(triad_n), "bc"), (_vector_body(8192, 16), "x"))])
+    Compiler().build_many([_generated(body).source for body in (_triad_body(triad_n), _vector_body(8192, 16))])
     with limit_blas_threads(blas_threads_from_env()):
         gemm = {n: gemm_gflops(n) for n in gemm_sizes}
         tiled = tiled_gemm_gflops(max(gemm_sizes))

@@ -326,7 +326,7 @@ def time_layouts(mm: MatMul, packs: bool = False) -> dict[str, list[float]]:
     """Seconds per layout and shape of :data:`LAYOUT_SHAPES` (the fastest round), the layouts interleaved;
     ``packed`` (oneDNN's product from the packed weight) only where ``packs``."""
     rng = np.random.default_rng(0)
-    layouts = WEIGHT_LAYOUTS if packs else tuple(w for w in WEIGHT_LAYOUTS if w != "packed")
+    layouts = _layouts(packs)
     best: dict[str, list[float]] = {layout: [] for layout in layouts}
     linear = packed_linear("fp32") if packs else None
     with threadpool_limits(limits=1, user_api="blas"), torch_threads(1):
@@ -374,8 +374,12 @@ def measured_weight_layout(library: str, packs: bool = False) -> str:
                  ", ".join(f"{layout} {sum(t) * 1e3:.2f} ms" for layout, t in seconds.items()))
         return choice, seconds
 
-    choices = WEIGHT_LAYOUTS if packs else tuple(w for w in WEIGHT_LAYOUTS if w != "packed")
-    return _recorded(LAYOUT_FILE, _layout_key(library, packs), choices, measure)
+    return _recorded(LAYOUT_FILE, _layout_key(library, packs), _layouts(packs), measure)
+
+
+def _layouts(packs: bool) -> tuple[str, ...]:
+    """The fp32 weight layouts there are to choose from: ``packed`` only where fp32 packs."""
+    return WEIGHT_LAYOUTS if packs else tuple(w for w in WEIGHT_LAYOUTS if w != "packed")
 
 
 # ---------------------------------------------------------------- weights packed by oneDNN

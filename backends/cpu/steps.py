@@ -255,8 +255,7 @@ class GemmSteps(StepsBase):
         # the workers share the last-level cache: each block's tiles get its share of the tile budget
         tile_rows = min(gemm_tile_rows(rows, cols, kdim, self.tile_bytes // len(blocks)), blocks[0][1] - blocks[0][0])
         if k.body is mm and stored and k.body.type.dtype == tile_dtype:
-            # the library's product while the weight is not packed (a writable array)
-            product = gemm.torch_mm(tile_dtype, (*keep, False)) if native or self.gemm_library == "torch" else self.matmul
+            product = self._own_product(native, tile_dtype, (*keep, False))
             step = self._product(k, memory, (a_name, b_name), self._packing(memory, b_name, product, linear), torch_gemm)
             step.facts["weights"] = "packed if read-only" if linear else step.facts["weights"]
             return step
@@ -289,8 +288,8 @@ class GemmSteps(StepsBase):
         step_reads = [a_buf, b_buf] + [b for b in reads if b is not a_buf and b is not b_buf]
         if torch_gemm and stored and tile_rows >= rows:  # one tile, operands as stored: the short route
             (fn, params, tile, _, _), = blockwork
-            library = gemm.torch_mm(tile_dtype, (*keep, True)) if native or self.gemm_library == "torch" else self.matmul
-            call_one = self._one_tile(memory, (a_name, b_name, out_name), library, fn, params, tile, linear)
+            call_one = self._one_tile(memory, (a_name, b_name, out_name), self._own_product(native, tile_dtype, (*keep, True)),
+                                      fn, params, tile, linear)
             return Step(k, call_one, step_reads, buffers[k.out], facts)
         product = self._packing(memory, b_name, gemm.torch_mm(a_dtype) if native else self.matmul, linear)
 
@@ -347,6 +346,11 @@ class GemmSteps(StepsBase):
                             addr[out_name], cols, itemsize)(0, rows, cols)
 
         return run
+
+    def _own_product(self, native: bool, tile_dtype: str, keep: tuple[bool, bool, bool]) -> gemm.MatMul:
+        """The backend's own library product (what multiplies a packable weight while it is not packed, a
+        writable array): torch's where the dtype is native or torch is the library, keeping views per ``keep``."""
+        return gemm.torch_mm(tile_dtype, keep) if native or self.gemm_library == "torch" else self.matmul
 
     @staticmethod
     def _packing(memory: Memory, b_name: str, product: gemm.MatMul, linear: gemm.PackedLinear | None) -> gemm.MatMul:
