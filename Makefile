@@ -18,7 +18,7 @@ $(CORE): pyproject.toml
 $(STAMP): $(CORE)
 	# the CPU build of torch lies on disk; installing it first keeps pip from pulling a CUDA build
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[torch,test,nvrtc,models]'
+	$(PY) -m pip install -q -e '.[torch,test,nvrtc,models,ray]'
 	# no later install may replace the CPU build
 	$(PY) -c "import torch; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
 	touch $(STAMP)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from planner.backend import Backend, CompiledPlan
+from planner.cluster.pool import ExecutorOptions
 from planner.core.cost import DeviceSpec
 from planner.core.graph import Graph, load_graph
 from planner.core.kinds import Verdict
@@ -249,6 +250,9 @@ def plan(
     threads: int | None = None,
     on_change: str | None = "replan",
     exact_weights: bool = False,
+    executor: str = "serial",
+    workers: int | None = None,
+    ray_address: str | None = None,
     **search_opts: Any,
 ) -> PlanResult:
     """Plan a torch module (or an IR graph) and return the executable :class:`PlanResult`.
@@ -272,7 +276,13 @@ def plan(
     again, through the plan cache, up to 8 plans), ``eager`` (run the module eagerly) or ``error`` (raise
     ``GuardError``); None: no guard (the caller vouches that nothing changes). Parameters are bound again when
     they are replaced or written (``exact_weights``: compare every byte each call, not a sample; docs/torch.md).
+    ``executor="ray"`` fans the distinct regions out over a Ray cluster's workers, each on its own device: a local
+    cluster of ``workers`` (default: the cores over ``threads``, which defaults to 1 there), or the cluster at
+    ``ray_address`` (docs/scaling.md, "Many machines").
     """
+    fanout = ExecutorOptions(executor, workers, ray_address)
+    fanout.validate()
+    threads = fanout.threads(backend, threads)
     if allow_torch_ops:
         from planner.torch.ops import allow_torch_ops as allow  # torch is optional
 
@@ -308,7 +318,8 @@ def plan(
             "workers can stall measurements by tens of ms; set OMP_WAIT_POLICY=PASSIVE (or OMP_NUM_THREADS=1) "
             "before torch is imported for stable timings"
         )
-    options = PlanOptions(backend, spec, tuple(load_rules(rules)), limits, cap, k, SearchOptions(**search_opts), dedup)
+    options = PlanOptions(backend, spec, tuple(load_rules(rules)), limits, cap, k, SearchOptions(**search_opts), dedup,
+                          fanout, {"threads": threads})
     options.search.validate()
     be = get_backend(backend, spec, threads=threads)
     planned = plan_graph(graph, options, be, cache=PlanCache() if cache else None, inputs=feed)
@@ -332,7 +343,8 @@ def plan(
     if on_change is not None and imported is not None and isinstance(module, _nn_module()) and args is not None:
         result.guard = module_guard(result, module, args, on_change, functools.partial(
             plan, module, backend=backend, device=spec, rules=rules, limits=limits, cap=cap, k=k, verify=verify,
-            dedup=dedup, cache=cache, threads=threads, on_change=None, exact_weights=exact_weights, **search_opts))
+            dedup=dedup, cache=cache, threads=threads, on_change=None, exact_weights=exact_weights, executor=executor,
+            workers=workers, ray_address=ray_address, **search_opts))
     return result
 
 

@@ -224,3 +224,6 @@ class BackendPlugin:
     #: the device spec a search on this backend is costed with when the caller names none (the cpu backend: this
     #: machine's calibrated spec); None: the planner's default (``planner.core.cost.DEFAULT_DEVICE``)
     default_device: Callable[[], DeviceSpec] | None = None
+    #: what one worker of a cluster search owns on this backend (planner.cluster): "cpu", its ``threads`` cores
+    #: pinned, or "gpu", one GPU
+    worker_device: str = "cpu"

@@ -13,14 +13,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from planner.backend import Backend
+from planner.cluster.jobs import Budget, RegionJob, RegionOutcome, search_region
+from planner.cluster.pool import ExecutorOptions, RayPool
 from planner.core.cost import DeviceSpec
 from planner.core.graph import Graph
 from planner.core.plans import Plan, compose_plan, rename_kernel
@@ -28,13 +30,15 @@ from planner.core.reference import execute_graph, random_inputs
 from planner.core.regions import Region, split_regions, whole_graph_region
 from planner.core.report import region_title
 from planner.core.tolerance import check_outputs
-from planner.egraph.candidates import DEFAULT_CAP, DEFAULT_K, CandidateSet, build_candidates
+from planner.core.torch_allowlist import trusted_names
+from planner.egraph.candidates import DEFAULT_CAP, DEFAULT_K, CandidateSet
 from planner.egraph.program import Limits
 from planner.model.plancache import PlanCache
-from planner.model.stack import ModelPlan, plan_model
+from planner.model.stack import ModelPlan, RegionPlan, plan_model
+from planner.registry import plugin
 from planner.rules.files import RuleFile
 from planner.rules.load import rules_hash
-from planner.search.engine import SearchError, search
+from planner.search.engine import SearchError
 from planner.search.results import SearchOptions, SearchResult
 from planner.search.searchlog import SearchLog
 from planner.torch import need_evaluator
@@ -61,6 +65,9 @@ class PlanOptions:
     k: int = DEFAULT_K
     search: SearchOptions = field(default_factory=SearchOptions)
     dedup: bool = True
+    executor: ExecutorOptions = field(default_factory=ExecutorOptions)
+    #: the keyword options the backend was made with (``threads``, ``source``): a cluster's workers make theirs so
+    backend_options: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def seed(self) -> int:
@@ -78,6 +85,15 @@ class PlanOptions:
     def cache_key(self, region: Region, backend: Backend) -> str:
         return PlanCache.key(region.key, self.spec, self.cache_tag(backend), rules_hash(self.rules))
 
+    def job(self, region: Region, inputs: Mapping[str, np.ndarray] | None = None) -> RegionJob:
+        return RegionJob(region, region_title(region), self.spec, tuple(self.rules), self.limits, self.cap, self.k,
+                         self.search, inputs)
+
+    def pool(self) -> RayPool:
+        """The cluster's workers, each making this backend on its own device."""
+        device = plugin(self.backend_name).worker_device
+        return RayPool(self.executor, self.backend_name, self.spec, self.backend_options, device, trusted_names())
+
 
 @dataclass
 class Planned:
@@ -93,6 +109,7 @@ class Planned:
     composite: dict[str, Any] = field(default_factory=dict)  # region-wise: the whole plan's check and timing
     from_cache: bool = False
     cache_key: str = ""  # a graph searched whole: the key its plan is cached under
+    executor_notes: list[str] = field(default_factory=list)  # the cluster's workers and what befell them
 
     @property
     def log_lines(self) -> list[str]:
@@ -106,7 +123,7 @@ class Planned:
             lines += [f"{self.graph.name}: {note}" for note in s["notes"]]
         elif self.from_cache:
             lines.append(f"{self.graph.name}: plan from the plan cache, not re-searched")
-        return lines
+        return lines + self.executor_notes
 
 
 def plan_graph(
@@ -135,45 +152,95 @@ def plan_graph(
             names = whole.renaming()
             full = compose_plan(graph, [rename_kernel(k, names) for k in cached.kernels], cached.key)
             return Planned(graph, full, options, from_cache=True, cache_key=key)
-    cands = build_candidates(graph, options.spec, rules=options.rules, limits=options.limits, cap=options.cap,
-                             k=options.k, seed=options.seed)
-    with progress(graph.name) as (slog, tick):
-        result = search(cands, backend, inputs, options=options.search, log=slog, on_candidate=tick)
+    as_given = dataclasses.replace(whole, graph=graph)  # searched on the graph's own names (``inputs`` use them)
+    job = dataclasses.replace(options.job(as_given, inputs), title=graph.name, keep_candidates=True)
+    notes: list[str] = []
+    if options.executor.kind == "ray":
+        with _cluster(options, notes) as pool:
+            runs = pool.run([job], Budget(options.search.time_budget_s, 1))
+            outcome = next(_logged_in_order(runs, [as_given], progress, lambda n, region: graph.name))
+    else:
+        with progress(graph.name) as (slog, tick):
+            outcome = search_region(job, backend, slog, tick)
+    result = outcome.result
     if cache is not None and not result.interrupted:  # an interrupted search decided less than asked
         canonical = {g: c for c, g in whole.renaming().items()}
         store = compose_plan(whole.graph, [rename_kernel(k, canonical) for k in result.best.kernels], result.best.key)
         cache.store(key, store, whole.graph, options.spec)
-    return Planned(graph, result.best, options, candidates=cands, search=result, cache_key=key)
-
-
-#: the least budget a region's search gets: with the whole budget spent, a search still compares the cost
-#: model's favourite with the unfused baseline (the search always considers those two)
-MIN_REGION_BUDGET_S = 1e-3
+    return Planned(graph, result.best, options, candidates=outcome.candidates, search=result, cache_key=key,
+                   executor_notes=notes)
 
 
 def _plan_regions(graph: Graph, regions: Sequence[Region], options: PlanOptions, backend: Backend,
                   cache: PlanCache | None, progress: Progress) -> Planned:
     searches: dict[str, SearchResult] = {}
-    deadline = time.perf_counter() + options.search.time_budget_s
+    notes: list[str] = []
     pending = len({r.key for r in regions}) if options.dedup else len(regions)
-    titles = {r.graph.name: region_title(r) for r in regions}
+    budget = Budget(options.search.time_budget_s, pending)
 
-    def choose(cands: CandidateSet) -> Plan:
-        # --time-budget bounds the whole search: the regions still to search share what is left of it
-        # (regions answered by the cache are counted as pending too, so a share is never too large)
-        share = max(deadline - time.perf_counter(), 0.0) / max(pending - len(searches), 1)
-        opts = dataclasses.replace(options.search, time_budget_s=max(share, MIN_REGION_BUDGET_S))
-        region = titles.get(cands.graph.name, cands.graph.name)
-        with progress(f"region {len(searches) + 1}/{pending} {region}") as (slog, tick):
-            result = search(cands, backend, options=opts, log=slog, on_candidate=tick)
-        searches[cands.graph.name] = result
-        return result.best
+    def label(n: int, region: Region) -> str:
+        return f"region {n}/{pending} {region_title(region)}"
 
-    mp = plan_model(graph, options.spec, backend=options.cache_tag(backend), choose=choose, rules=options.rules,
+    def here(todo: Sequence[Region]) -> Iterator[RegionPlan]:
+        for region in todo:
+            job = options.job(region)
+            job = dataclasses.replace(job, options=dataclasses.replace(job.options, time_budget_s=budget.share()))
+            with progress(label(len(searches) + 1, region)) as (slog, tick):
+                outcome = search_region(job, backend, slog, tick)
+            budget.done()
+            searches[region.graph.name] = outcome.result
+            yield outcome.plan
+
+    def on_cluster(todo: Sequence[Region]) -> Iterator[RegionPlan]:
+        with _cluster(options, notes) as pool:
+            for outcome in _logged_in_order(pool.run([options.job(r) for r in todo], budget), todo, progress, label):
+                searches[outcome.plan.region.graph.name] = outcome.result
+                yield outcome.plan
+
+    mp = plan_model(graph, options.spec, backend=options.cache_tag(backend), rules=options.rules,
                     limits=options.limits, dedup=options.dedup, cache=cache, cap=options.cap, k=options.k,
-                    seed=options.seed, regions=regions)
+                    seed=options.seed, regions=regions,
+                    search_regions=on_cluster if options.executor.kind == "ray" else here)
     composite = measure_composite(mp, backend, options.search)
-    return Planned(graph, mp.plan, options, model=mp, region_searches=searches, composite=composite)
+    in_order = {u.region.graph.name: searches[u.region.graph.name] for u in mp.unique.values()
+                if u.region.graph.name in searches}  # a cluster's regions arrive in any order
+    return Planned(graph, mp.plan, options, model=mp, region_searches=in_order, composite=composite,
+                   executor_notes=notes)
+
+
+@contextlib.contextmanager
+def _cluster(options: PlanOptions, notes: list[str]) -> Iterator[RayPool]:
+    """The cluster's workers for one planning; afterwards ``notes`` say where the regions ran and what befell the
+    workers (also the search trail's last lines)."""
+    with contextlib.redirect_stdout(sys.stderr):  # Ray prints its reports of a lost worker on stdout: --json's
+        pool = options.pool()
+        try:
+            yield pool
+        finally:
+            pool.close()
+            notes += [pool.summary(), *pool.events]
+    trail = SearchLog()
+    for note in notes:
+        trail.emit(note)
+
+
+def _logged_in_order(outcomes: Iterable[RegionOutcome], todo: Sequence[Region], progress: Progress,
+                     label: Callable[[int, Region], str]) -> Iterator[RegionOutcome]:
+    """Yields each outcome as it arrives; writes the searches' logs as one log in the regions' order, each line
+    prefixed by the worker that measured it (a region's log waits for the regions before it)."""
+    position = {r.index: i for i, r in enumerate(todo)}
+    arrived: dict[int, RegionOutcome] = {}
+    written = 0
+    for outcome in outcomes:
+        arrived[position[outcome.plan.region.index]] = outcome
+        while written in arrived:
+            done = arrived.pop(written)
+            written += 1
+            with progress(label(written, todo[written - 1])) as (slog, _):
+                for line in done.result.log_lines:
+                    slog.emit(f"[{done.worker}] {line}")
+            done.result.log_lines = list(slog.lines)
+        yield outcome
 
 
 def measure_composite(mp: ModelPlan, backend: Backend, opts: SearchOptions) -> dict[str, Any]:

@@ -30,6 +30,7 @@ def gpu_present() -> bool:
 PLUGIN = BackendPlugin(
     "cupy", CupyBackend, "generated CUDA kernels and cuBLASLt epilogues through cupy (NVRTC) on a GPU",
     auto_rank=0, usable=gpu_present, commands=COMMANDS, explain_columns=(KERNEL_FACTS,), calibration=FROM_MEASURED,
+    worker_device="gpu",
 )
 
 __all__ = ["PLUGIN", "CupyBackend", "gpu_present"]

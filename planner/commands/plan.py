@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from planner.cluster.pool import DEFAULT_GRACE_S, EXECUTORS, ExecutorOptions
 from planner.commands.common import (
     add_graph_args,
     add_planning_args,
@@ -17,6 +18,7 @@ from planner.commands.common import (
     graph_from_args,
     limits_from_args,
 )
+from planner.core import limits
 from planner.core.cost import DeviceSpec
 from planner.core.errors import UsageError
 from planner.core.graph import Graph
@@ -76,6 +78,17 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-dedup", action="store_true", help="search the whole graph even when regions repeat")
     g.add_argument("--no-cache", action="store_true", help="neither read nor write the plan cache")
     g.add_argument("--cache-dir", help="plan cache folder (default $FUSION_PLANNER_PLAN_CACHE, else $XDG_CACHE_HOME/fusion-planner/plans)")
+    c = p.add_argument_group("executor (docs/scaling.md, \"Many machines\")")
+    c.add_argument("--executor", choices=EXECUTORS, default="serial",
+                   help="serial: search the regions here, one after another; ray: fan the distinct regions out over "
+                        "the workers of a Ray cluster, one device each (pip install 'fusion-planner[ray]')")
+    c.add_argument("--workers", type=limits.positive_arg, default=None, metavar="N",
+                   help="ray: start a local cluster of N workers (default: this machine's cores over --threads, "
+                        "which is 1 per worker unless given)")
+    c.add_argument("--ray-address", metavar="ADDR", help="ray: join this running cluster (ray start --head) instead")
+    c.add_argument("--worker-grace", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
+                   help="ray: a worker still searching a region this long after its budget ran out is taken for "
+                        "hung, killed and replaced (default %(default)g)")
 
 
 def options_from_args(args: argparse.Namespace) -> SearchOptions:
@@ -96,18 +109,32 @@ def options_from_args(args: argparse.Namespace) -> SearchOptions:
     return opts
 
 
+def executor_from_args(args: argparse.Namespace) -> ExecutorOptions:
+    given = args.workers is not None or args.ray_address is not None
+    if args.executor == "serial" and given:
+        raise UsageError("--workers and --ray-address are options of --executor ray")
+    if args.measured and args.executor != "serial":
+        raise UsageError("--measured merges results timed elsewhere: there is nothing to fan out (--executor serial)")
+    ex = ExecutorOptions(args.executor, args.workers, args.ray_address, args.worker_grace)
+    ex.validate()
+    return ex
+
+
 def run(args: argparse.Namespace) -> int:
     opts = options_from_args(args)
+    executor = executor_from_args(args)
     graph = graph_from_args(args)
     spec = device_for(args.device, "measured" if args.measured else args.backend)
+    backend_options = {"threads": executor.threads(args.backend, args.threads)}
     if args.measured:
-        backend = get_backend("measured", spec, source=args.measured, threads=args.threads)
+        backend = get_backend("measured", spec, source=args.measured, **backend_options)
     else:
-        backend = get_backend(args.backend, spec, threads=args.threads)
+        backend = get_backend(args.backend, spec, **backend_options)
     backend.fits(graph)
     out_dir = _out_dir(args.out)
     options = PlanOptions(args.backend, spec, tuple(load_rules(args.rules)), limits_from_args(args), args.cap,
-                          args.top, opts, dedup=not args.no_dedup and not args.measured)
+                          args.top, opts, dedup=not args.no_dedup and not args.measured, executor=executor,
+                          backend_options=backend_options)
     # remote results answer for exactly the exported candidates: never from or into the cache
     cache = None if args.no_cache or args.measured else PlanCache(args.cache_dir, read=not _wants_search_evidence(args))
     try:
@@ -124,9 +151,11 @@ def run(args: argparse.Namespace) -> int:
     if out_dir is not None:
         written = write_outputs(out_dir, result, planned.candidates.graph, spec)
     if args.json:
-        emit_json(result.to_json())
+        emit_json(dict(result.to_json(), executor=planned.executor_notes) if planned.executor_notes else result.to_json())
     else:
         print_result(result, args.all_rows)
+        for note in planned.executor_notes:
+            print(f"executor: {note}")
         if out_dir is not None:
             print("wrote " + ", ".join(str(p) for p in written))
     return 130 if result.interrupted else 0  # the shell's code for Ctrl-C, after the best so far
@@ -263,10 +292,12 @@ def report_regions(args: argparse.Namespace, planned: Planned, out_dir: Path | N
     mp, meas, results = planned.model, planned.composite, planned.region_searches
     assert mp is not None
     if args.json:
-        emit_json(dict(mp.summary(), backend=args.backend, **meas, best=mp.plan.to_json(),
-                       region_plans=[region_json(u) for u in mp.unique.values()]))
+        emit_json(dict(mp.summary(), backend=args.backend, **meas, executor=planned.executor_notes,
+                       best=mp.plan.to_json(), region_plans=[region_json(u) for u in mp.unique.values()]))
     else:
         print_regions(mp, args.backend, meas)
+        for note in planned.executor_notes:
+            print(f"executor: {note}")
     if out_dir is not None:
         save_plan(out_dir / "plan.json", mp.plan, mp.graph, mp.spec, dict(backend=args.backend, **meas))
         (out_dir / "results.json").write_text(json.dumps({k: r.to_json() for k, r in results.items()}, indent=1) + "\n")

@@ -160,6 +160,12 @@ def add_traced(name: str) -> None:
     _traced.add(name)
 
 
+def trusted_names() -> list[str]:
+    """The names this process trusts beyond the allowlist: the user's additions and the calls of traced modules
+    (what a cluster worker is told to trust for the regions it is sent)."""
+    return sorted(_user_allowed | _traced)
+
+
 def is_allowed(name: str) -> bool:
     """May ``name`` be called now?  While a file loads, names kept by in-process traces are not enough."""
     if name in TORCH_CALLABLES or name in _user_allowed:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from planner.core.cost import DeviceSpec
@@ -27,6 +28,9 @@ from planner.rules.load import load_rules, rules_hash
 log = logging.getLogger(__name__)
 
 Chooser = Callable[[CandidateSet], Plan]
+#: plans the distinct regions it is given (the first instance of each), yielding each one's plan as it is made:
+#: in any order (a cluster finishes them out of order); each is stored in the plan cache as it arrives
+RegionSearch = Callable[[Sequence["Region"]], Iterable["RegionPlan"]]
 
 
 def cost_model_choice(cands: CandidateSet) -> Plan:
@@ -114,10 +118,12 @@ def plan_model(
     k: int = 16,
     seed: int = 0,
     regions: Sequence[Region] | None = None,
+    search_regions: RegionSearch | None = None,
 ) -> ModelPlan:
     """Plan a whole model; ``dedup=False`` plans the graph as one e-graph instead (in segments, none
     sharing a plan, when it is longer than the segment limit).  ``regions``: the graph's
-    ``split_regions`` under these limits, when the caller has them already."""
+    ``split_regions`` under these limits, when the caller has them already.  ``search_regions`` plans the
+    distinct regions the plan cache does not answer (default: one after another here, each by ``choose``)."""
     rules = load_rules() if rules is None else list(rules)
     limits = limits or Limits()
     t0 = time.perf_counter()
@@ -132,24 +138,30 @@ def plan_model(
 
     regions = list(regions) if regions is not None else split_regions(graph, limits.max_segment_ops)
     t_split = time.perf_counter() - t0
-    unique: dict[str, RegionPlan] = {}
     rhash = rules_hash(rules)
     slot = {r.index: r.key if dedup else f"{r.index}:{r.key}" for r in regions}
+    found: dict[str, RegionPlan] = {}
+    firsts: dict[str, Region] = {}
     for r in regions:
-        if slot[r.index] in unique:
-            unique[slot[r.index]].instances += 1
+        if slot[r.index] in firsts:
             continue
-        cache_key = PlanCache.key(r.key, spec, backend, rhash) if cache else ""
-        cached = cache.load(cache_key, r.graph, spec) if cache else None
+        firsts[slot[r.index]] = r
+        cached = cache.load(PlanCache.key(r.key, spec, backend, rhash), r.graph, spec) if cache else None
         if cached is not None:
-            unique[slot[r.index]] = RegionPlan(r.key, r, cached, 1, cached=True)
-            continue
-        cands = build_candidates(r.graph, spec, rules=rules, limits=limits, cap=cap, k=k, seed=seed)
-        chosen = choose(cands)
+            found[slot[r.index]] = RegionPlan(r.key, r, cached, 1, cached=True)
+    todo = [r for at, r in firsts.items() if at not in found]
+    searcher = search_regions or functools.partial(_choose_each, choose, spec, rules, limits, cap, k, seed)
+    for rp in searcher(todo):
         if cache:
-            cache.store(cache_key, chosen, r.graph, spec)
-        unique[slot[r.index]] = RegionPlan.searched(r, chosen, cands)
-        del cands
+            cache.store(PlanCache.key(rp.key, spec, backend, rhash), rp.plan, rp.region.graph, spec)
+        found[slot[rp.region.index]] = rp
+    missing = [r.graph.name for at, r in firsts.items() if at not in found]
+    if missing:
+        raise RuntimeError(f"the region search returned no plan for {', '.join(missing)}")
+    instances = Counter(slot.values())
+    unique = {at: found[at] for at in firsts}  # in the order of first appearance, however they were searched
+    for at, rp in unique.items():
+        rp.instances = instances[at]
     t_plan = time.perf_counter() - t0 - t_split
     kernels: list[Kernel] = []
     for r in regions:
@@ -165,6 +177,13 @@ def plan_model(
     for note in mp.notes:
         log.info("%s: %s", graph.name, note)
     return mp
+
+
+def _choose_each(choose: Chooser, spec: DeviceSpec, rules: Sequence[RuleFile], limits: Limits, cap: int, k: int,
+                 seed: int, todo: Sequence[Region]) -> Iterable[RegionPlan]:
+    for r in todo:
+        cands = build_candidates(r.graph, spec, rules=rules, limits=limits, cap=cap, k=k, seed=seed)
+        yield RegionPlan.searched(r, choose(cands), cands)
 
 
 def _unfused_composite(graph, spec, rules, limits, regions, unique) -> Plan:

@@ -277,6 +277,7 @@ def test_a_graph_past_the_segment_limit_is_planned_in_segments(caplog):
 
 
 def test_segments_share_the_time_budget(monkeypatch):
+    import planner.cluster.jobs as jobs
     import planner.pipeline as pipeline
     from backends.reference import ReferenceBackend
     from planner.core.cost import load_device
@@ -284,13 +285,13 @@ def test_segments_share_the_time_budget(monkeypatch):
     from planner.search.results import SearchOptions
 
     budgets = []
-    real = pipeline.search
+    real = jobs.search
 
     def spy(cands, backend, inputs=None, *, options, **kw):
         budgets.append(options.time_budget_s)
         return real(cands, backend, inputs, options=options, **kw)
 
-    monkeypatch.setattr(pipeline, "search", spy)
+    monkeypatch.setattr(jobs, "search", spy)
     spec = load_device("h200")
     opts = pipeline.PlanOptions("reference", spec, load_rules(), Limits(max_segment_ops=64),
                                 search=SearchOptions(time_budget_s=5.0))

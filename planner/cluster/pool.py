@@ -1,0 +1,272 @@
+"""The search's executors: ``serial`` (each region searched here, one after another) or ``ray`` (the distinct
+regions fanned out over the workers of a Ray cluster, docs/scaling.md "Many machines").
+
+:class:`RayPool` starts a local cluster (``workers``) or joins one (``address``), starts one
+:class:`~planner.cluster.workers.RegionWorker` actor per device, and runs the region jobs on them, a budget share
+each. A worker that dies has its region re-queued on another; a worker whose region runs past its budget plus a
+grace (``grace_s``) is taken for hung, killed and replaced, and its region re-queued. A region that loses
+:data:`MAX_TRIES` workers ends the search with an error; so does a cluster left with no worker. Each such event is
+logged (``logging``) and kept in :attr:`RayPool.events`."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from planner.backend import BackendUnavailable
+from planner.cluster.jobs import Budget, RegionJob, RegionOutcome
+from planner.cluster.workers import RegionWorker
+from planner.core.cost import DeviceSpec
+from planner.core.errors import UsageError
+from planner.registry import plugin
+from planner.search.engine import SearchError
+
+log = logging.getLogger(__name__)
+
+EXECUTORS = ("serial", "ray")
+RAY_MISSING = "the ray executor needs Ray, an optional extra: pip install 'fusion-planner[ray]'"
+#: a region still running this long after its search budget ran out is taken for a hung worker
+DEFAULT_GRACE_S = 300.0
+#: workers a region may lose (died or hung) before the search gives up on it
+MAX_TRIES = 3
+#: how long a new worker may take to start (import the planner, build its backend)
+START_TIMEOUT_S = 300.0
+#: the environment a worker takes from the planner's process (the kernel cache, compiler, GEMM and thread
+#: settings); the plan cache stays the driver's
+PASSED_ENV = ("FUSION_PLANNER_", "OMP_", "SEARCH_OP_NAMES")
+KEPT_HERE = ("FUSION_PLANNER_PLAN_CACHE",)
+
+
+@dataclass(frozen=True)
+class ExecutorOptions:
+    """Where the region searches run: ``serial`` here, or ``ray``: a local cluster of ``workers`` (default: this
+    machine's cores over the threads a worker takes), or the cluster at ``address`` (default workers: as many as
+    its resources hold)."""
+
+    kind: str = "serial"
+    workers: int | None = None
+    address: str | None = None
+    grace_s: float = DEFAULT_GRACE_S
+
+    def threads(self, backend: str, threads: int | None) -> int | None:
+        """The threads a backend that takes them times on: as given; else a ray worker's one core (a serial
+        search: the backend's own default, every core)."""
+        takes = "threads" in plugin(backend).options
+        return 1 if threads is None and takes and self.kind == "ray" else threads
+
+    def validate(self) -> None:
+        if self.kind not in EXECUTORS:
+            raise UsageError(f"executor must be one of {', '.join(EXECUTORS)}, got {self.kind!r}")
+        if self.kind == "serial" and (self.workers is not None or self.address is not None):
+            raise UsageError("workers and a Ray address are options of the ray executor (--executor ray)")
+        if self.workers is not None and (isinstance(self.workers, bool) or self.workers < 1):
+            raise UsageError(f"workers must be at least 1, got {self.workers!r}")
+        if not self.grace_s > 0:
+            raise UsageError(f"the worker grace must be positive, got {self.grace_s}")
+        if self.kind == "ray":
+            import_ray()  # refused now, before any planning, where Ray is not installed
+
+
+def import_ray() -> Any:
+    try:
+        import ray  # an optional extra
+    except ImportError as exc:
+        raise UsageError(RAY_MISSING) from exc
+    return ray
+
+
+@dataclass
+class _Worker:
+    name: str
+    handle: Any
+    pid: int
+    where: str
+
+
+@dataclass
+class _Running:
+    worker: str
+    job: RegionJob
+    tries: int
+    deadline: float
+
+
+class RayPool:
+    """Region searches on a Ray cluster's workers, one device each (see the module docstring)."""
+
+    def __init__(self, options: ExecutorOptions, backend: str, spec: DeviceSpec, backend_options: Mapping[str, Any],
+                 device: str, torch_ops: Sequence[str] = ()) -> None:
+        self.ray = import_ray()
+        self.options = options
+        self.threads = int(backend_options.get("threads") or 1) if device == "cpu" else 1
+        self.device = device
+        self.events: list[str] = []
+        self.died = self.hung = 0
+        self.started_cluster = False
+        self.workers: dict[str, _Worker] = {}
+        self._count = 0
+        self._actor = self.ray.remote(RegionWorker)
+        self._args = (backend, spec, dict(backend_options), device, tuple(torch_ops))
+        size = self._join()
+        try:
+            self._start([self._new_name() for _ in range(size)])
+        except BaseException:
+            self.close()
+            raise
+        self.size = size
+
+    # -- the cluster
+    def _join(self) -> int:
+        ray, opts = self.ray, self.options
+        if not ray.is_initialized():
+            if opts.address:
+                ray.init(address=opts.address, logging_level=logging.ERROR, log_to_driver=False)
+            else:
+                ray.init(num_cpus=self._local_cpus(), include_dashboard=False, logging_level=logging.ERROR,
+                         log_to_driver=False)
+            self.started_cluster = True
+        held = ray.cluster_resources().get("GPU" if self.device == "gpu" else "CPU", 0)
+        fits = int(held // (1 if self.device == "gpu" else self.threads))
+        size = opts.workers or fits
+        if size < 1 or size > fits:
+            need = f"{size} GPU(s)" if self.device == "gpu" else f"{size} x {self.threads} cores"
+            raise UsageError(f"the Ray cluster holds {held:g} {'GPUs' if self.device == 'gpu' else 'CPUs'}: too few "
+                             f"for {max(size, 1)} worker(s) of its own device each ({need})")
+        return size
+
+    def _local_cpus(self) -> int:
+        cores = len(os.sched_getaffinity(0))
+        wanted = (self.options.workers or max(cores // self.threads, 1)) * self.threads
+        if self.device == "cpu" and wanted > cores:
+            raise UsageError(f"{self.options.workers} workers x {self.threads} threads need {wanted} cores of their "
+                             f"own; this machine has {cores} (a worker times on cores no other worker uses)")
+        return max(wanted, cores)
+
+    def _new_name(self) -> str:
+        self._count += 1
+        return f"w{self._count}"
+
+    def _start(self, names: Sequence[str]) -> None:
+        """Start workers and wait until each has built its backend."""
+        resources = {"num_gpus": 1, "num_cpus": 1} if self.device == "gpu" else {"num_cpus": self.threads}
+        env = {k: v for k, v in os.environ.items() if k.startswith(PASSED_ENV) and k not in KEPT_HERE}
+        started = {name: self._actor.options(**resources, max_restarts=0, max_task_retries=0,
+                                             runtime_env={"env_vars": env}).remote(name, *self._args)
+                   for name in names}
+        for name, handle in started.items():
+            try:
+                where = self.ray.get(handle.describe.remote(), timeout=START_TIMEOUT_S)
+            except Exception as exc:
+                for h in started.values():
+                    self.ray.kill(h, no_restart=True)
+                raise BackendUnavailable(f"Ray worker {name} could not start: {_cause(exc)}") from None
+            self.workers[name] = _Worker(name, handle, where["pid"], f"pid {where['pid']} on {where['host']}, "
+                                                                     f"{where['device']}")
+            self._note(f"{name}: {self.workers[name].where}", logging.INFO)
+
+    def pids(self) -> dict[str, int]:
+        """Each live worker's process id (on its own host)."""
+        return {name: w.pid for name, w in self.workers.items()}
+
+    def close(self) -> None:
+        for w in self.workers.values():
+            self.ray.kill(w.handle, no_restart=True)
+        self.workers.clear()
+        if self.started_cluster:
+            self.ray.shutdown()
+            self.started_cluster = False
+
+    def _note(self, text: str, level: int = logging.WARNING) -> None:
+        self.events.append(text)
+        log.log(level, "%s", text)
+
+    # -- the jobs
+    def run(self, jobs: Sequence[RegionJob], budget: Budget) -> Iterator[RegionOutcome]:
+        """Search every job on the workers; yields each outcome as it arrives (not in the jobs' order)."""
+        queue: deque[tuple[RegionJob, int]] = deque((job, 0) for job in jobs)
+        running: dict[Any, _Running] = {}
+        idle = list(self.workers)
+        while queue or running:
+            while queue and idle:
+                job, tries = queue.popleft()
+                name = idle.pop(0)
+                share = budget.share(len(self.workers))
+                sent = dataclasses.replace(job, options=dataclasses.replace(job.options, time_budget_s=share))
+                deadline = time.perf_counter() + share + self.options.grace_s
+                running[self.workers[name].handle.search.remote(sent)] = _Running(name, job, tries, deadline)
+            if not running:
+                raise SearchError(f"every Ray worker was lost, {len(queue)} region(s) left unsearched: "
+                                  + "; ".join(self.events))
+            next_deadline = min(r.deadline for r in running.values())
+            ready, _ = self.ray.wait(list(running), num_returns=1,
+                                     timeout=max(min(next_deadline - time.perf_counter(), 5.0), 0.01))
+            for ref in ready:
+                job_run = running.pop(ref)
+                outcome = self._outcome(ref, job_run, queue)
+                if outcome is not None:
+                    idle.append(job_run.worker)
+                    budget.done()
+                    yield outcome
+            now = time.perf_counter()
+            for ref, job_run in [(ref, r) for ref, r in running.items() if r.deadline < now]:
+                del running[ref]
+                idle.append(self._replace_hung(job_run, queue))
+
+    def _outcome(self, ref: Any, job_run: _Running, queue: deque[tuple[RegionJob, int]]) -> RegionOutcome | None:
+        """The region's outcome; None where its worker died (the region re-queued). An error the search itself
+        raised (no candidate verified, bad input) is raised here, as the serial search raises it."""
+        try:
+            return self.ray.get(ref)
+        except self.ray.exceptions.RayTaskError as exc:
+            raise exc.cause if isinstance(exc.cause, Exception) else exc from None
+        except self.ray.exceptions.RayActorError as exc:
+            self.workers.pop(job_run.worker, None)
+            self.died += 1
+            self._note(f"{job_run.worker} died searching {job_run.job.title} ({_cause(exc)}): region re-queued, "
+                       f"{len(self.workers)} of {self.size} workers left")
+            self._requeue(job_run, queue)
+            return None
+
+    def _replace_hung(self, job_run: _Running, queue: deque[tuple[RegionJob, int]]) -> str:
+        """Kill a worker whose region ran past its deadline, start another in its place; returns the new one."""
+        hung = self.workers.pop(job_run.worker)
+        self.ray.kill(hung.handle, no_restart=True)
+        self.hung += 1
+        name = self._new_name()
+        self._note(f"{job_run.worker} hung searching {job_run.job.title} (past its budget + {self.options.grace_s:g}s "
+                   f"grace): killed, {name} started in its place, region re-queued")
+        self._requeue(job_run, queue)
+        self._start([name])
+        return name
+
+    def _requeue(self, job_run: _Running, queue: deque[tuple[RegionJob, int]]) -> None:
+        tries = job_run.tries + 1
+        if tries >= MAX_TRIES:
+            raise SearchError(f"{job_run.job.title}: {tries} workers died or hung searching it; "
+                              + "; ".join(self.events))
+        queue.appendleft((job_run.job, tries))
+
+    def summary(self) -> str:
+        where = f"the Ray cluster at {self.options.address}" if self.options.address else "a local Ray cluster"
+        lost = [f"{n} {what}" for n, what in ((self.died, "died"), (self.hung, "hung and replaced")) if n]
+        tail = f" ({', '.join(lost)}); finished with {self.size - self.died}" if lost else ""
+        return f"searched on {self.size} workers ({self.threads_text}) of {where}{tail}"
+
+    @property
+    def threads_text(self) -> str:
+        return "one GPU each" if self.device == "gpu" else f"{self.threads} core{'s' * (self.threads > 1)} each"
+
+
+def _cause(exc: BaseException) -> str:
+    """What went wrong, in one line: a worker's own exception (the last line of Ray's report of a failed start),
+    else the first line of Ray's message."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    return lines[-1] if "creation task" in lines[0] else lines[0]

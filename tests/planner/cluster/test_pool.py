@@ -1,0 +1,152 @@
+"""The search fanned out over a local Ray cluster of two workers: the serial search's plans, a worker killed
+mid-search, a worker that hangs, and the executor refused where Ray is missing."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+
+import pytest
+import ray
+
+from planner.cli import main
+from planner.cluster.jobs import Budget
+from planner.cluster.pool import ExecutorOptions, RayPool
+from planner.core import examples
+from planner.core.cost import load_device
+from planner.core.errors import UsageError
+from planner.core.regions import split_regions
+from planner.model.plancache import PlanCache
+from planner.pipeline import PlanOptions, plan_graph
+from planner.registry import get_backend
+from planner.rules.load import load_rules
+from planner.search.engine import SearchError
+from planner.search.results import SearchOptions
+
+SPEC = load_device("h200")
+#: a layer stack of six distinct regions
+STACK = examples.transformer(2, 64, 16, "fp32")
+
+
+def model_options(executor: ExecutorOptions, budget_s: float = 60.0) -> PlanOptions:
+    return PlanOptions("model", SPEC, tuple(load_rules()), search=SearchOptions(max_candidates=8,
+                       time_budget_s=budget_s), executor=executor)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_the_cli_starts_a_local_cluster_and_plans_every_region_on_its_workers(capsys):
+    assert not ray.is_initialized()
+    code = main(["plan", "--example", "transformer", "--layers", "2", "--d-model", "64", "--seq", "16", "--dtype",
+                 "fp32", "--backend", "cpu", "--max-candidates", "4", "--executor", "ray", "--workers", "2", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0 and doc["unique_regions"] == 6 and doc["verified"] == "whole graph"
+    assert doc["executor"][0] == "searched on 2 workers (1 core each) of a local Ray cluster"
+    cores = sorted(note.rsplit("cores ", 1)[1] for note in doc["executor"][1:])
+    assert cores == ["0", "1"]  # each worker times on a core of its own
+    assert not ray.is_initialized()  # the cluster it started is gone
+
+
+def test_the_ray_executor_chooses_the_serial_searchs_plans(cluster):
+    backend = get_backend("model", SPEC)
+    serial = plan_graph(STACK, model_options(ExecutorOptions()), backend, cache=None)
+    fanned = plan_graph(STACK, model_options(ExecutorOptions("ray", 2)), backend, cache=None)
+    assert fanned.model is not None and serial.model is not None
+    assert fanned.plan.key == serial.plan.key
+    assert [u.plan.key for u in fanned.model.unique.values()] == [u.plan.key for u in serial.model.unique.values()]
+    assert fanned.region_searches.keys() == serial.region_searches.keys()
+    for name, result in fanned.region_searches.items():
+        assert result.best.key == serial.region_searches[name].best.key
+        assert all(line.startswith(("[w1] ", "[w2] ")) for line in result.log_lines)
+    # one log, in the regions' order, as the serial search writes it
+    headers = [line.split("] ", 1)[1] for line in fanned.log_lines if "] Search " in line]
+    assert headers == [line for line in serial.log_lines if line.startswith("Search ")]
+    assert fanned.executor_notes[0].startswith("searched on 2 workers")
+
+
+def test_a_graph_searched_whole_runs_on_a_worker_with_its_candidates(cluster):
+    graph = examples.mlp_epilogue(16, 64, 64, "fp32")
+    backend = get_backend("model", SPEC)
+    serial = plan_graph(graph, model_options(ExecutorOptions()), backend, cache=None)
+    fanned = plan_graph(graph, model_options(ExecutorOptions("ray", 1)), backend, cache=None)
+    assert fanned.search is not None and fanned.candidates is not None
+    assert fanned.plan.key == serial.plan.key and fanned.search.log_lines[0].startswith("[w1] Search ")
+
+
+def jobs(options: PlanOptions) -> list:
+    return [options.job(r) for r in {r.key: r for r in split_regions(STACK)}.values()]
+
+
+def test_a_worker_killed_mid_search_has_its_region_requeued(cluster, caplog):
+    options = model_options(ExecutorOptions("ray", 2))
+    pool = RayPool(options.executor, "model", SPEC, {}, "cpu")
+    try:
+        todo = jobs(options)
+        runs = pool.run(todo, Budget(60.0, len(todo)))
+        first = next(runs)  # both workers have a region; kill the one that did not send this one
+        victim = next(name for name in pool.pids() if name != first.worker)
+        os.kill(pool.pids()[victim], signal.SIGKILL)
+        outcomes = [first, *runs]
+    finally:
+        pool.close()
+    assert sorted(o.plan.region.key for o in outcomes) == sorted(j.region.key for j in todo)  # nothing lost
+    assert pool.died == 1 and pool.hung == 0
+    assert any(f"{victim} died" in e and "re-queued" in e for e in pool.events)
+    assert pool.summary().endswith("(1 died); finished with 1")
+
+
+def test_a_worker_that_hangs_is_killed_and_replaced(cluster):
+    options = model_options(ExecutorOptions("ray", 2, grace_s=3.0), budget_s=2.0)
+    pool = RayPool(options.executor, "model", SPEC, {}, "cpu")
+    try:
+        os.kill(pool.pids()["w2"], signal.SIGSTOP)  # w2 takes a region and never answers
+        todo = jobs(options)
+        outcomes = list(pool.run(todo, Budget(2.0, len(todo))))
+        assert "w2" not in pool.pids() and "w3" in pool.pids()
+    finally:
+        pool.close()
+    assert sorted(o.plan.region.key for o in outcomes) == sorted(j.region.key for j in todo)
+    assert pool.hung == 1 and any("w2 hung" in e and "w3 started" in e for e in pool.events)
+
+
+def test_more_workers_than_the_cluster_holds_is_refused(cluster):
+    with pytest.raises(UsageError, match="too few for 3 worker"):
+        RayPool(ExecutorOptions("ray", 3), "model", SPEC, {}, "cpu")
+
+
+def test_the_executor_is_refused_with_the_install_line_where_ray_is_missing(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    code = main(["plan", "--example", "mlp-epilogue", "--executor", "ray"])
+    assert code == 2 and "pip install 'fusion-planner[ray]'" in capsys.readouterr().err
+
+
+def test_workers_without_the_ray_executor_are_refused(capsys):
+    assert main(["plan", "--example", "mlp-epilogue", "--workers", "2"]) == 2
+    assert "--executor ray" in capsys.readouterr().err
+
+
+def test_regions_searched_before_every_worker_is_lost_stay_in_the_plan_cache(cluster, monkeypatch, tmp_path):
+    real_run = RayPool.run
+
+    def run_then_lose_every_worker(self, jobs, budget):
+        runs = real_run(self, jobs, budget)
+        yield next(runs)
+        for pid in self.pids().values():
+            os.kill(pid, signal.SIGKILL)
+        yield from runs
+
+    monkeypatch.setattr(RayPool, "run", run_then_lose_every_worker)
+    cache = PlanCache(tmp_path)
+    backend = get_backend("model", SPEC)
+    with pytest.raises(SearchError, match="every Ray worker was lost"):
+        plan_graph(STACK, model_options(ExecutorOptions("ray", 2)), backend, cache=cache)
+    again = plan_graph(STACK, model_options(ExecutorOptions()), backend, cache=cache)
+    assert again.model is not None and again.model.cache_hits >= 1
