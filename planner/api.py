@@ -250,6 +250,7 @@ def plan(
     threads: int | None = None,
     on_change: str | None = "replan",
     exact_weights: bool = False,
+    by_region: bool = False,
     executor: str = "serial",
     workers: int | None = None,
     ray_address: str | None = None,
@@ -276,7 +277,8 @@ def plan(
     again, through the plan cache, up to 8 plans), ``eager`` (run the module eagerly) or ``error`` (raise
     ``GuardError``); None: no guard (the caller vouches that nothing changes). Parameters are bound again when
     they are replaced or written (``exact_weights``: compare every byte each call, not a sample; docs/torch.md).
-    ``executor="ray"`` fans the distinct regions out over a Ray cluster's workers, each on its own device: a local
+    ``by_region`` plans region by region even where no region repeats (docs/scaling.md). ``executor="ray"`` fans
+    the distinct regions out over a Ray cluster's workers, each on its own device: a local
     cluster of ``workers`` (default: the cores over ``threads``, which defaults to 1 there), or the cluster at
     ``ray_address`` (docs/scaling.md, "Many machines").
     """
@@ -319,7 +321,7 @@ def plan(
             "before torch is imported for stable timings"
         )
     options = PlanOptions(backend, spec, tuple(load_rules(rules)), limits, cap, k, SearchOptions(**search_opts), dedup,
-                          fanout, {"threads": threads})
+                          executor=fanout, by_region=by_region, backend_options={"threads": threads})
     options.search.validate()
     be = get_backend(backend, spec, threads=threads)
     planned = plan_graph(graph, options, be, cache=PlanCache() if cache else None, inputs=feed)
@@ -343,7 +345,8 @@ def plan(
     if on_change is not None and imported is not None and isinstance(module, _nn_module()) and args is not None:
         result.guard = module_guard(result, module, args, on_change, functools.partial(
             plan, module, backend=backend, device=spec, rules=rules, limits=limits, cap=cap, k=k, verify=verify,
-            dedup=dedup, cache=cache, threads=threads, on_change=None, exact_weights=exact_weights, executor=executor,
+            dedup=dedup, cache=cache, threads=threads, on_change=None, exact_weights=exact_weights, by_region=by_region,
+            executor=executor,
             workers=workers, ray_address=ray_address, **search_opts))
     return result
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from planner.backend import Backend
-from planner.cluster.jobs import Budget, RegionJob, RegionOutcome, search_region
+from planner.cluster.jobs import Budget, RegionJob, RegionOutcome, search_region, work
 from planner.cluster.pool import ExecutorOptions, RayPool
 from planner.core.cost import DeviceSpec
 from planner.core.graph import Graph
@@ -66,6 +66,9 @@ class PlanOptions:
     search: SearchOptions = field(default_factory=SearchOptions)
     dedup: bool = True
     executor: ExecutorOptions = field(default_factory=ExecutorOptions)
+    #: plan region by region even where no region repeats (each distinct region its own e-graph and search, the
+    #: unit a cluster fans out: the ray executor does so whatever this says); ``dedup=False`` overrides it
+    by_region: bool = False
     #: the keyword options the backend was made with (``threads``, ``source``): a cluster's workers make theirs so
     backend_options: Mapping[str, Any] = field(default_factory=dict)
 
@@ -84,6 +87,12 @@ class PlanOptions:
 
     def cache_key(self, region: Region, backend: Backend) -> str:
         return PlanCache.key(region.key, self.spec, self.cache_tag(backend), rules_hash(self.rules))
+
+    def splits(self, regions: Sequence[Region]) -> bool:
+        """Whether a graph of these regions (more than one) is planned region by region: where regions repeat,
+        where asked, and on a cluster."""
+        repeats = len({r.key for r in regions}) < len(regions)
+        return repeats or self.by_region or self.executor.kind == "ray"
 
     def job(self, region: Region, inputs: Mapping[str, np.ndarray] | None = None) -> RegionJob:
         return RegionJob(region, region_title(region), self.spec, tuple(self.rules), self.limits, self.cap, self.k,
@@ -142,7 +151,7 @@ def plan_graph(
     need_evaluator(graph)
     segment_ops = (options.limits or Limits()).max_segment_ops
     regions = split_regions(graph, segment_ops)
-    if len(graph.ops) > segment_ops or (options.dedup and len({r.key for r in regions}) < len(regions)):
+    if len(graph.ops) > segment_ops or (options.dedup and len(regions) > 1 and options.splits(regions)):
         return _plan_regions(graph, regions, options, backend, cache, progress)
     whole = whole_graph_region(graph)
     key = options.cache_key(whole, backend)
@@ -193,7 +202,8 @@ def _plan_regions(graph: Graph, regions: Sequence[Region], options: PlanOptions,
 
     def on_cluster(todo: Sequence[Region]) -> Iterator[RegionPlan]:
         with _cluster(options, notes) as pool:
-            for outcome in _logged_in_order(pool.run([options.job(r) for r in todo], budget), todo, progress, label):
+            jobs = [options.job(r) for r in sorted(todo, key=work, reverse=True)]
+            for outcome in _logged_in_order(pool.run(jobs, budget), todo, progress, label):
                 searches[outcome.plan.region.graph.name] = outcome.result
                 yield outcome.plan
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from planner.backend import Backend
 from planner.core.cost import DeviceSpec
+from planner.core.ops import OPS
 from planner.core.regions import Region
 from planner.egraph.candidates import CandidateSet, build_candidates
 from planner.egraph.program import Limits
@@ -62,6 +63,14 @@ def search_region(job: RegionJob, backend: Backend, log: SearchLog,
     result = search(cands, backend, job.inputs, options=job.options, log=log, on_candidate=tick)
     return RegionOutcome(RegionPlan.searched(job.region, result.best, cands), result,
                          candidates=cands if job.keep_candidates else None)
+
+
+def work(region: Region) -> float:
+    """A region's FLOPs plus the bytes its ops write, summed op by op: a cluster starts the largest regions first,
+    so that none of them is left to run alone at the end."""
+    graph = region.graph
+    return sum(OPS[n.op].flops(n.type.shape, [graph[x].type.shape for x in n.inputs], n.attr_dict) + n.type.nbytes
+               for n in graph.ops)
 
 
 class Budget:

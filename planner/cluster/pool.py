@@ -101,7 +101,9 @@ class RayPool:
     """Region searches on a Ray cluster's workers, one device each (see the module docstring)."""
 
     def __init__(self, options: ExecutorOptions, backend: str, spec: DeviceSpec, backend_options: Mapping[str, Any],
-                 device: str, torch_ops: Sequence[str] = ()) -> None:
+                 device: str, torch_ops: Sequence[str] = (), worker: type = RegionWorker) -> None:
+        """``worker``: the actors' class, made with the arguments :class:`RegionWorker` takes and answering its
+        ``describe`` and ``search`` (a simulation's stand-in: benchmarks/distributed.py)."""
         self.ray = import_ray()
         self.options = options
         self.threads = int(backend_options.get("threads") or 1) if device == "cpu" else 1
@@ -111,7 +113,7 @@ class RayPool:
         self.started_cluster = False
         self.workers: dict[str, _Worker] = {}
         self._count = 0
-        self._actor = self.ray.remote(RegionWorker)
+        self._actor = self.ray.remote(worker)
         self._args = (backend, spec, dict(backend_options), device, tuple(torch_ops))
         size = self._join()
         try:

@@ -76,6 +76,9 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
                    help="merge results timed elsewhere (python -m backends.cupy time) instead of running here "
                         "(the measured backend)")
     g.add_argument("--no-dedup", action="store_true", help="search the whole graph even when regions repeat")
+    g.add_argument("--by-region", action="store_true",
+                   help="plan region by region even where no region repeats: each distinct region its own e-graph and "
+                        "search (what --executor ray always does; docs/scaling.md)")
     g.add_argument("--no-cache", action="store_true", help="neither read nor write the plan cache")
     g.add_argument("--cache-dir", help="plan cache folder (default $FUSION_PLANNER_PLAN_CACHE, else $XDG_CACHE_HOME/fusion-planner/plans)")
     c = p.add_argument_group("executor (docs/scaling.md, \"Many machines\")")
@@ -134,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir = _out_dir(args.out)
     options = PlanOptions(args.backend, spec, tuple(load_rules(args.rules)), limits_from_args(args), args.cap,
                           args.top, opts, dedup=not args.no_dedup and not args.measured, executor=executor,
+                          by_region=args.by_region,
                           backend_options=backend_options)
     # remote results answer for exactly the exported candidates: never from or into the cache
     cache = None if args.no_cache or args.measured else PlanCache(args.cache_dir, read=not _wants_search_evidence(args))
