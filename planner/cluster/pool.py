@@ -144,11 +144,11 @@ class RayPool:
 
     def _local_cpus(self) -> int:
         cores = len(os.sched_getaffinity(0))
-        wanted = (self.options.workers or max(cores // self.threads, 1)) * self.threads
-        if self.device == "cpu" and wanted > cores:
-            raise UsageError(f"{self.options.workers} workers x {self.threads} threads need {wanted} cores of their "
+        workers = self.options.workers or max(cores // self.threads, 1)
+        if self.device == "cpu" and workers * self.threads > cores:
+            raise UsageError(f"{workers} workers x {self.threads} threads need {workers * self.threads} cores of their "
                              f"own; this machine has {cores} (a worker times on cores no other worker uses)")
-        return max(wanted, cores)
+        return max(workers * self.threads, cores)
 
     def _new_name(self) -> str:
         self._count += 1

@@ -150,3 +150,18 @@ def test_regions_searched_before_every_worker_is_lost_stay_in_the_plan_cache(clu
         plan_graph(STACK, model_options(ExecutorOptions("ray", 2)), backend, cache=cache)
     again = plan_graph(STACK, model_options(ExecutorOptions()), backend, cache=cache)
     assert again.model is not None and again.model.cache_hits >= 1
+
+
+def test_the_python_api_takes_the_executor(cluster):
+    import planner
+
+    result = planner.plan(STACK, backend="model", executor="ray", workers=2, max_candidates=4)
+    assert result.planned is not None and result.planned.executor_notes[0].startswith("searched on 2 workers")
+    assert any(line.startswith("[w") for line in result.log)
+
+
+def test_results_timed_elsewhere_are_not_fanned_out(tmp_path, capsys):
+    measured = tmp_path / "measured.json"
+    measured.write_text("{}")
+    assert main(["plan", "--example", "mlp-epilogue", "--measured", str(measured), "--executor", "ray"]) == 2
+    assert "nothing to fan out" in capsys.readouterr().err
