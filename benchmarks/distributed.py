@@ -4,10 +4,10 @@ Usage: python benchmarks/distributed.py [--out docs/results/distributed.md] [--r
 
 1. Measured: a model of 12 distinct regions (pre-LN transformer layers of three widths, joined by projections, and a
    head) planned on the cpu backend, one thread per search, by the serial search and by ``--executor ray`` on a
-   local cluster of 2 workers (one core each), in alternating order (serial, ray, ray, serial, ...), after one
-   untimed serial run that fills the kernel cache. Wall time of ``plan_graph`` each (the cluster's start included
-   for ray), and the plans each chose, region by region; where they differ, the two plans are timed against each
-   other here, interleaved.
+   local cluster of 2 workers (one core each), each a fresh ``fusion-planner plan`` process as a user runs it, in
+   alternating order (serial, ray, ray, serial, ...), after one untimed serial run that fills the kernel cache.
+   The regions' search time (the cluster's start included for ray) and the whole command's, and the plans each
+   chose, region by region.
 2. Simulated: the same pool (``planner.cluster.pool.RayPool``, its real dispatch loop) with workers that sleep each
    region's measured search time (scaled down) instead of searching, for 1, 2, 8 and 32 workers and 12 and 48
    regions; beside it the list-scheduling model of the same (regions in order, each to the first free worker),
@@ -22,10 +22,14 @@ import argparse
 import dataclasses
 import datetime
 import heapq
+import json
 import logging
 import os
 import socket
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -38,12 +42,10 @@ from planner.core.cost import load_device
 from planner.core.examples import attention_ops, layer_norm_ops, transformer
 from planner.core.graph import Graph, GraphBuilder
 from planner.core.machine import describe
-from planner.core.reference import random_inputs
-from planner.core.regions import Region, split_regions
-from planner.pipeline import Planned, PlanOptions, plan_graph
-from planner.registry import device_for, get_backend
+from planner.core.regions import split_regions
+from planner.pipeline import PlanOptions
+from planner.registry import device_for
 from planner.rules.load import load_rules
-from planner.search.results import SearchOptions
 
 
 def layers_of_widths(widths: tuple[int, ...] = (512, 768, 1024), seq: int = 128, dtype: str = "fp32") -> Graph:
@@ -74,66 +76,44 @@ def layers_of_widths(widths: tuple[int, ...] = (512, 768, 1024), seq: int = 128,
 # -------------------------------------------------------------------------------------------- 1. measured
 
 
-def plan_once(graph: Graph, executor: ExecutorOptions, budget_s: float, by_region: bool = True
-              ) -> tuple[float, Planned]:
-    spec = device_for(None, "cpu")
-    backend = get_backend("cpu", spec, threads=1)
-    options = PlanOptions("cpu", spec, tuple(load_rules()), search=SearchOptions(time_budget_s=budget_s),
-                          executor=executor, backend_options={"threads": 1}, by_region=by_region)
+def plan_cli(graph_file: Path, budget_s: float, *extra: str) -> tuple[float, dict[str, Any]]:
+    """``fusion-planner plan`` in a fresh process, as a user runs it: its wall time and its JSON."""
+    cmd = [sys.executable, "-m", "planner", "plan", "--graph", str(graph_file), "--backend", "cpu", "--threads", "1",
+           "--time-budget", str(budget_s), "--no-cache", "--json", *extra]
     t0 = time.perf_counter()
-    planned = plan_graph(graph, options, backend, cache=None)
-    return time.perf_counter() - t0, planned
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=3600)
+    return time.perf_counter() - t0, json.loads(out.stdout)
 
 
-def region_plans(planned: Planned) -> dict[str, Any]:
-    assert planned.model is not None
-    return {u.key: u for u in planned.model.unique.values()}
+CONTENDERS = {"serial": ("--by-region",), "ray": ("--executor", "ray", "--workers", "2"), "whole": ()}
 
 
-def versus(region: Region, a: Any, b: Any, rounds: int = 10) -> float:
-    """Median time of plan ``b`` over plan ``a`` on the region's recipe inputs, the two interleaved, one thread."""
-    backend = get_backend("cpu", device_for(None, "cpu"), threads=1)
-    inputs = random_inputs(region.graph, 0)
-    ca, cb = backend.compile(a), backend.compile(b)
-    ta: list[float] = []
-    tb: list[float] = []
-    for _ in range(rounds):
-        ta.append(ca.time(inputs, warmup=1, repeats=5).median_us)
-        tb.append(cb.time(inputs, warmup=1, repeats=5).median_us)
-    return statistics.median(tb) / statistics.median(ta)
-
-
-def measured(graph: Graph, rounds: int, budget_s: float) -> dict[str, Any]:
-    plan_once(graph, ExecutorOptions(), budget_s)  # fills the kernel cache for the contenders
-    times: dict[str, list[float]] = {"serial": [], "ray": [], "whole": []}
+def measured(graph: Graph, rounds: int, budget_s: float, folder: Path) -> dict[str, Any]:
+    graph_file = folder / "graph.json"
+    graph_file.write_text(graph.dumps())
+    plan_cli(graph_file, budget_s, *CONTENDERS["serial"])  # fills the kernel cache for the contenders
+    times: dict[str, list[float]] = {k: [] for k in CONTENDERS}
     searching: dict[str, list[float]] = {"serial": [], "ray": []}  # the regions' search: plan_model's share
     plans: dict[str, list[dict[str, Any]]] = {"serial": [], "ray": []}
-    region_s: list[dict[str, float]] = []
     for r in range(rounds):
-        for kind in (("serial", "ray") if r % 2 == 0 else ("ray", "serial")):
-            ex = ExecutorOptions() if kind == "serial" else ExecutorOptions("ray", 2)
-            seconds, planned = plan_once(graph, ex, budget_s)
+        for kind in (("serial", "ray", "whole") if r % 2 == 0 else ("ray", "serial", "whole")):
+            seconds, doc = plan_cli(graph_file, budget_s, *CONTENDERS[kind])
             times[kind].append(seconds)
-            assert planned.model is not None
-            searching[kind].append(planned.model.times["plan_regions"])
-            plans[kind].append(region_plans(planned))
-            print(f"round {r + 1} {kind}: {seconds:.1f}s, regions searched in {searching[kind][-1]:.1f}s", flush=True)
-            if kind == "serial":
-                region_s.append({u.region.graph.name: res.elapsed_s + sum(u.stats.get(k, 0.0) for k in
-                                 ("build", "saturate", "extract"))
-                                 for u in region_plans(planned).values()
-                                 for res in [planned.region_searches[u.region.graph.name]]})
-        times["whole"].append(plan_once(graph, ExecutorOptions(), budget_s, by_region=False)[0])
+            if kind in searching:
+                searching[kind].append(doc["times_s"]["plan_regions"])
+                plans[kind].append({rp["key"]: rp for rp in doc["region_plans"]})
+            print(f"round {r + 1} {kind}: {seconds:.1f}s", flush=True)
     same, differ = 0, []
     for serial, fanned in zip(plans["serial"], plans["ray"], strict=True):
-        for key, u in serial.items():
-            if fanned[key].plan.key == u.plan.key:
+        for key, region in serial.items():
+            if fanned[key]["plan"]["kernels"] == region["plan"]["kernels"]:
                 same += 1
-            else:
-                differ.append(f"{u.region.graph.name}: ray's plan x{versus(u.region, u.plan, fanned[key].plan):.3f} "
-                              "the serial one's time")
-    durations = {name: statistics.median(d[name] for d in region_s) for name in region_s[0]}
-    return {"times": times, "searching": searching, "same": same, "compared": same + len(differ), "differ": differ, "durations": durations}
+            else:  # each plan's speedup over the unfused plan, interleaved with it on the device that chose it
+                differ.append(f"#{key[:6]} (x{region['speedup_vs_unfused']:.2f} vs x{fanned[key]['speedup_vs_unfused']:.2f}"
+                              " over the unfused plan)")
+    durations = {key: statistics.median(run[key]["search_s"] for run in plans["serial"]) for key in plans["serial"][0]}
+    return {"times": times, "searching": searching, "same": same, "compared": same + len(differ), "differ": differ,
+            "durations": durations}
 
 
 # ------------------------------------------------------------------------------------------- 2. simulated
@@ -175,7 +155,7 @@ def simulated(jobs: list[RegionJob], durations: dict[str, float], scale: float) 
         for count in (12, 48):
             batch = [dataclasses.replace(jobs[i % len(jobs)], title=f"{jobs[i % len(jobs)].title} #{i}")
                      for i in range(count)]
-            slept = {j.title: durations[j.region.graph.name] * scale for j in batch}
+            slept = {j.title: durations[j.region.key] * scale for j in batch}
             for workers in (1, 2, 8, 32):
                 t0 = time.perf_counter()
                 pool = RayPool(ExecutorOptions("ray", workers), "model", load_device("h200"), {"durations": slept},
@@ -198,7 +178,7 @@ def simulated(jobs: list[RegionJob], durations: dict[str, float], scale: float) 
 # ------------------------------------------------------------------------------------------ 3. extrapolated
 
 
-def extrapolated(per_region_s: float, start_s: dict[int, float]) -> list[dict[str, Any]]:
+def extrapolated(per_region_s: float, start_s: float) -> list[dict[str, Any]]:
     """Search time against workers for a 4B-parameter decoder (32 layers, d=3072, 128 tokens), deduplicated and
     with every region distinct, at ``per_region_s`` a region (a model, not a measurement)."""
     graph = transformer(32, 3072, 128, "fp16")
@@ -206,7 +186,7 @@ def extrapolated(per_region_s: float, start_s: dict[int, float]) -> list[dict[st
     rows = []
     for label, count in (("deduplicated", len({r.key for r in regions})), ("every region distinct", len(regions))):
         for workers in (1, 2, 8, 32, 128):
-            t = list_schedule([per_region_s] * count, workers) + start_s.get(workers, max(start_s.values()))
+            t = list_schedule([per_region_s] * count, workers) + start_s
             rows.append({"model": label, "regions": count, "workers": workers, "search_s": t})
     return rows
 
@@ -217,16 +197,20 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="serial/ray pairs, alternating which goes first")
     ap.add_argument("--budget", type=float, default=1200.0, help="the search's time budget (seconds); large, so that "
                     "the searches end on their candidate limits and the two executors search alike")
+    ap.add_argument("--widths", default="512,768,1024", help="the layers' widths (three: 12 regions)")
+    ap.add_argument("--seq", type=int, default=128, help="tokens")
     ap.add_argument("--scale", type=float, default=0.1, help="the simulation sleeps this fraction of each search")
     args = ap.parse_args()
     started = datetime.datetime.now(datetime.UTC)
-    graph = layers_of_widths()
-    m = measured(graph, args.rounds, args.budget)
+    graph = layers_of_widths(tuple(int(w) for w in args.widths.split(",")), args.seq)
+    with tempfile.TemporaryDirectory() as folder:
+        m = measured(graph, args.rounds, args.budget, Path(folder))
     spec = device_for(None, "cpu")
     options = PlanOptions("cpu", spec, tuple(load_rules()))
     jobs = [options.job(r) for r in {r.key: r for r in split_regions(graph)}.values()]
     sim = simulated(jobs, m["durations"], args.scale)
-    start_s = {row["workers"]: row["start_s"] for row in sim if row["regions"] == 12}
+    # on a cluster each machine starts its own workers at once: the start of 2 workers on 2 cores stands for any count
+    start_s = next(row["start_s"] for row in sim if row["regions"] == 12 and row["workers"] == 2)
     ext = extrapolated(statistics.mean(m["durations"].values()), start_s)
     write(args, graph, m, sim, ext, started)
 
@@ -238,22 +222,23 @@ def write(args: argparse.Namespace, graph: Graph, m: dict[str, Any], sim: list[d
     lines = [
         "# The search on a Ray cluster",
         "",
-        f"Command: `python benchmarks/distributed.py --rounds {args.rounds} --scale {args.scale:g}`  ",
+        f"Command: `python benchmarks/distributed.py --rounds {args.rounds} --widths {args.widths} --seq {args.seq} "
+        f"--scale {args.scale:g}`  ",
         f"Machine: {describe()}; shared and noisy  ",
         f"Date: {started:%Y-%m-%d %H:%M} UTC to {datetime.datetime.now(datetime.UTC):%H:%M} UTC; ray {ray.__version__}",
         "",
         "## Measured: 12 distinct regions, serial against a local cluster of 2 workers",
         "",
         f"Graph `{graph.name}`: {len(graph.ops)} ops in {len(split_regions(graph))} regions, all distinct "
-        "(pre-LN transformer layers of widths 512, 768 and 1024, 128 tokens, fp32, joined by projections, and a "
-        "head; `layers_of_widths` in the script). Backend cpu, one thread per search (`--threads 1`); the ray "
+        f"(pre-LN transformer layers of widths {args.widths.replace(',', ', ')}, {args.seq} tokens, fp32, joined by "
+        "projections, and a head; `layers_of_widths` in the script). Backend cpu, one thread per search (`--threads 1`); the ray "
         "executor's workers each own one core, pinned. Search options: the defaults but a time budget of "
         f"{args.budget:g} s, so that the searches end on their own limits (candidates, patience) and both executors "
-        "search the same space. Both plan region by region (`--by-region`, what the ray executor always does); the "
-        "last column is the serial search of the graph whole, one e-graph, its default for a graph whose regions "
-        "do not repeat: a sampled search of a far larger space, shown for scale. Plan cache off; kernel cache filled by an untimed serial run first. Wall time of "
-        "`plan_graph`, the whole planning: e-graphs, searches, the composite plan's check and timing, and for ray "
-        "the cluster's start (about 3 s) and its workers' (imports, backend).",
+        "search the same space. Each run is a fresh `fusion-planner plan --graph layers.json --backend cpu --threads 1 "
+        "--no-cache --json` process, plus `--by-region` (serial) or `--executor ray --workers 2`: both plan region "
+        "by region (the ray executor always does). The last column is the serial search of the graph whole, one "
+        "e-graph, its default for a graph whose regions do not repeat: a sampled search of a far larger space, "
+        "shown for scale. Plan cache off; kernel cache filled by an untimed serial run first.",
         "",
         "| run | serial: search s | ray (2 workers): search s | serial: planning s | ray: planning s | "
         "serial, graph searched whole: planning s |",
@@ -269,14 +254,15 @@ def write(args: argparse.Namespace, graph: Graph, m: dict[str, Any], sim: list[d
     lines += [
         "| median | " + " | ".join(f"{x:.1f}" for x in medians) + " |",
         "",
-        "*search*: the regions' search (`ModelPlan.times['plan_regions']`: for ray the cluster's and the workers' "
-        "start included); *planning*: all of `plan_graph`.",
+        "*search*: the regions' search (`times_s.plan_regions` of the JSON: e-graphs and searches, for ray the "
+        "cluster's start, about 3 s, and its workers', imports and backend, included); *planning*: the whole "
+        "command's wall time (interpreter, imports, the composite plan's check and timing included).",
         "",
         f"**Search time, ray over serial: {search_ratio:.2f}x** (target <= 0.6x: {verdict}); the whole planning "
         f"{fanned / serial:.2f}x. Same plan in "
         f"{m['same']} of {m['compared']} region searches"
-        + ("." if not m["differ"] else "; where not, the two plans timed against each other here, interleaved: "
-           + "; ".join(m["differ"]) + "."),
+        + ("." if not m["differ"] else "; where not, each plan's speedup over the unfused plan as its own search "
+           "measured it, serial's vs ray's: " + "; ".join(m["differ"]) + "."),
         "",
         "## Simulated: 1 to 32 workers",
         "",
@@ -285,7 +271,9 @@ def write(args: argparse.Namespace, graph: Graph, m: dict[str, Any], sim: list[d
         "of searching; 48 regions are the 12 four times over. Times are scaled back up. *model* is the list "
         "schedule (regions in order, each to the first free worker); *overhead* what the pool added over it, in "
         "unscaled milliseconds; *start* the measured start of that many workers (sleeping ones: a real worker also "
-        "imports the planner and builds its backend, about 2 s).",
+        "imports the planner and builds its backend, about 2 s). On this 2-core machine 8 and 32 worker processes, "
+        "and the idle ones Ray starts for 32 logical CPUs, share two cores: the overhead and start of those rows "
+        "are this machine's crowding; on a cluster each machine starts and runs its own.",
         "",
         "| regions | workers | search s (simulated) | model s | overhead ms | start s |",
         "|---|---|---|---|---|---|",
@@ -300,7 +288,8 @@ def write(args: argparse.Namespace, graph: Graph, m: dict[str, Any], sim: list[d
         "",
         "A 4B-parameter decoder, 32 layers of d=3072 with 128 tokens (`--example transformer --layers 32 --d-model "
         f"3072`), each region taking the mean search time measured above ({per:.1f} s; a region at that width times "
-        "longer kernels, so read the figures as a floor) plus the measured start of the workers. Regions are the "
+        "longer kernels, so read the figures as a floor) plus the start of 2 workers measured above (each machine "
+        "of a cluster starts its own at once). Regions are the "
         "unit that fans out: deduplicated, the model has few distinct regions and workers beyond their number wait; "
         "with every region distinct (layers that differ, or `--no-dedup`) the search keeps scaling.",
         "",

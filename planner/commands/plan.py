@@ -297,7 +297,8 @@ def report_regions(args: argparse.Namespace, planned: Planned, out_dir: Path | N
     assert mp is not None
     if args.json:
         emit_json(dict(mp.summary(), backend=args.backend, **meas, executor=planned.executor_notes,
-                       best=mp.plan.to_json(), region_plans=[region_json(u) for u in mp.unique.values()]))
+                       best=mp.plan.to_json(),
+                       region_plans=[region_json(u, results.get(u.region.graph.name)) for u in mp.unique.values()]))
     else:
         print_regions(mp, args.backend, meas)
         for note in planned.executor_notes:
@@ -315,9 +316,14 @@ def region_plots(out: Path, results: dict[str, SearchResult]) -> list[Path]:
     return [p for name, result in results.items() for p in write_plots(result.to_json(), out, name.rsplit(".", 1)[-1])]
 
 
-def region_json(u) -> dict:
-    return {"key": u.key, "instances": u.instances, "from_cache": u.cached, "ops": len(u.region.ops),
-            "plan": u.plan.to_json()}
+def region_json(u, searched: SearchResult | None = None) -> dict:
+    """A distinct region's plan; where it was searched in this run, the search's figures too."""
+    doc = {"key": u.key, "instances": u.instances, "from_cache": u.cached, "ops": len(u.region.ops),
+           "plan": u.plan.to_json()}
+    if searched is not None:
+        doc.update(meas_us=searched.best_entry.meas_us, speedup_vs_unfused=searched.speedup_vs_unfused,
+                   search_s=round(searched.elapsed_s, 4))
+    return doc
 
 
 #: distinct regions listed in the text report (a long graph's segments: --json lists all)
