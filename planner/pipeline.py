@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from planner.backend import Backend
-from planner.cluster.jobs import Budget, RegionJob, RegionOutcome, search_region, work
+from planner.cluster.jobs import Budget, Parts, RegionJob, RegionOutcome, search_region, work
 from planner.cluster.pool import ExecutorOptions, RayPool
 from planner.core.cost import DeviceSpec
 from planner.core.graph import Graph
@@ -165,9 +165,8 @@ def plan_graph(
     job = dataclasses.replace(options.job(as_given, inputs), title=graph.name, keep_candidates=True)
     notes: list[str] = []
     if options.executor.kind == "ray":
-        with _cluster(options, notes) as pool:
-            runs = pool.run([job], Budget(options.search.time_budget_s, 1))
-            outcome = next(_logged_in_order(runs, [as_given], progress, lambda n, region: graph.name))
+        (outcome,) = _on_cluster(options, notes, [job], Budget(options.search.time_budget_s, 1), progress,
+                                 lambda n, region: graph.name)
     else:
         with progress(graph.name) as (slog, tick):
             outcome = search_region(job, backend, slog, tick)
@@ -201,11 +200,9 @@ def _plan_regions(graph: Graph, regions: Sequence[Region], options: PlanOptions,
             yield outcome.plan
 
     def on_cluster(todo: Sequence[Region]) -> Iterator[RegionPlan]:
-        with _cluster(options, notes) as pool:
-            jobs = [options.job(r) for r in sorted(todo, key=work, reverse=True)]
-            for outcome in _logged_in_order(pool.run(jobs, budget), todo, progress, label):
-                searches[outcome.plan.region.graph.name] = outcome.result
-                yield outcome.plan
+        for outcome in _on_cluster(options, notes, [options.job(r) for r in todo], budget, progress, label):
+            searches[outcome.plan.region.graph.name] = outcome.result
+            yield outcome.plan
 
     mp = plan_model(graph, options.spec, backend=options.cache_tag(backend), rules=options.rules,
                     limits=options.limits, dedup=options.dedup, cache=cache, cap=options.cap, k=options.k,
@@ -234,10 +231,24 @@ def _cluster(options: PlanOptions, notes: list[str]) -> Iterator[RayPool]:
         trail.emit(note)
 
 
+def _on_cluster(options: PlanOptions, notes: list[str], jobs: Sequence[RegionJob], budget: Budget,
+                progress: Progress, label: Callable[[int, Region], str]) -> Iterator[RegionOutcome]:
+    """The jobs' regions searched on the cluster's workers, the largest first; where there are fewer regions than
+    workers, each in as many parts as keep every worker busy. Yields each region's outcome as it arrives."""
+    if not jobs:
+        return
+    with _cluster(options, notes) as pool:
+        parts = Parts()
+        split = pool.size // len(jobs) if len(jobs) < pool.size else 1
+        queue = [part for job in sorted(jobs, key=lambda j: work(j.region), reverse=True)
+                 for part in parts.split(job, split)]
+        yield from _logged_in_order(pool.run(queue, budget, parts.after), [j.region for j in jobs], progress, label)
+
+
 def _logged_in_order(outcomes: Iterable[RegionOutcome], todo: Sequence[Region], progress: Progress,
                      label: Callable[[int, Region], str]) -> Iterator[RegionOutcome]:
-    """Yields each outcome as it arrives; writes the searches' logs as one log in the regions' order, each line
-    prefixed by the worker that measured it (a region's log waits for the regions before it)."""
+    """Yields each outcome as it arrives; writes the searches' logs (each line naming its worker) as one log in the
+    regions' order (a region's log waits for the regions before it)."""
     position = {r.index: i for i, r in enumerate(todo)}
     arrived: dict[int, RegionOutcome] = {}
     written = 0
@@ -248,8 +259,7 @@ def _logged_in_order(outcomes: Iterable[RegionOutcome], todo: Sequence[Region], 
             written += 1
             with progress(label(written, todo[written - 1])) as (slog, _):
                 for line in done.result.log_lines:
-                    slog.emit(f"[{done.worker}] {line}")
-            done.result.log_lines = list(slog.lines)
+                    slog.emit(line)
         yield outcome
 
 

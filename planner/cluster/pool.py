@@ -13,9 +13,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import socket
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,9 @@ from planner.registry import plugin
 from planner.search.engine import SearchError
 
 log = logging.getLogger(__name__)
+
+#: what completes a region given a job's outcome, and the jobs now due (``planner.cluster.jobs.Parts.after``)
+After = Callable[[RegionOutcome], tuple[RegionOutcome | None, list[RegionJob]]]
 
 EXECUTORS = ("serial", "ray")
 RAY_MISSING = "the ray executor needs Ray, an optional extra: pip install 'fusion-planner[ray]'"
@@ -128,7 +132,11 @@ class RayPool:
         ray, opts = self.ray, self.options
         if not ray.is_initialized():
             if opts.address:
-                ray.init(address=opts.address, logging_level=logging.ERROR, log_to_driver=False)
+                _reachable(opts.address)
+                try:
+                    ray.init(address=opts.address, logging_level=logging.ERROR, log_to_driver=False)
+                except (ConnectionError, ValueError) as exc:
+                    raise UsageError(f"cannot join the Ray cluster at {opts.address}: {_cause(exc)}") from None
             else:
                 ray.init(num_cpus=self._local_cpus(), include_dashboard=False, logging_level=logging.ERROR,
                          log_to_driver=False)
@@ -189,8 +197,9 @@ class RayPool:
         log.log(level, "%s", text)
 
     # -- the jobs
-    def run(self, jobs: Sequence[RegionJob], budget: Budget) -> Iterator[RegionOutcome]:
-        """Search every job on the workers; yields each outcome as it arrives (not in the jobs' order)."""
+    def run(self, jobs: Sequence[RegionJob], budget: Budget, after: After | None = None) -> Iterator[RegionOutcome]:
+        """Search every job on the workers; yields each outcome as it arrives (not in the jobs' order). ``after``
+        takes each outcome and says what it completes and which jobs are now due (a region's parts: ``Parts``)."""
         queue: deque[tuple[RegionJob, int]] = deque((job, 0) for job in jobs)
         running: dict[Any, _Running] = {}
         idle = list(self.workers)
@@ -211,10 +220,14 @@ class RayPool:
             for ref in ready:
                 job_run = running.pop(ref)
                 outcome = self._outcome(ref, job_run, queue)
-                if outcome is not None:
-                    idle.append(job_run.worker)
+                if outcome is None:
+                    continue
+                idle.append(job_run.worker)
+                done, due = after(outcome) if after is not None else (outcome, [])
+                queue.extendleft((job, 0) for job in reversed(due))  # a region's final first: it completes one
+                if done is not None:
                     budget.done()
-                    yield outcome
+                    yield done
             now = time.perf_counter()
             for ref, job_run in [(ref, r) for ref, r in running.items() if r.deadline < now]:
                 del running[ref]
@@ -230,7 +243,7 @@ class RayPool:
         except self.ray.exceptions.RayActorError as exc:
             self.workers.pop(job_run.worker, None)
             self.died += 1
-            self._note(f"{job_run.worker} died searching {job_run.job.title} ({_cause(exc)}): region re-queued, "
+            self._note(f"{job_run.worker} died searching {_what(job_run.job)} ({_cause(exc)}): re-queued, "
                        f"{len(self.workers)} of {self.size} workers left")
             self._requeue(job_run, queue)
             return None
@@ -241,8 +254,8 @@ class RayPool:
         self.ray.kill(hung.handle, no_restart=True)
         self.hung += 1
         name = self._new_name()
-        self._note(f"{job_run.worker} hung searching {job_run.job.title} (past its budget + {self.options.grace_s:g}s "
-                   f"grace): killed, {name} started in its place, region re-queued")
+        self._note(f"{job_run.worker} hung searching {_what(job_run.job)} (past its budget + {self.options.grace_s:g}s "
+                   f"grace): killed, {name} started in its place, re-queued")
         self._requeue(job_run, queue)
         self._start([name])
         return name
@@ -250,7 +263,7 @@ class RayPool:
     def _requeue(self, job_run: _Running, queue: deque[tuple[RegionJob, int]]) -> None:
         tries = job_run.tries + 1
         if tries >= MAX_TRIES:
-            raise SearchError(f"{job_run.job.title}: {tries} workers died or hung searching it; "
+            raise SearchError(f"{_what(job_run.job)}: {tries} workers died or hung searching it; "
                               + "; ".join(self.events))
         queue.appendleft((job_run.job, tries))
 
@@ -263,6 +276,22 @@ class RayPool:
     @property
     def threads_text(self) -> str:
         return "one GPU each" if self.device == "gpu" else f"{self.threads} core{'s' * (self.threads > 1)} each"
+
+
+def _reachable(address: str, timeout_s: float = 10.0) -> None:
+    """Refuse at once a ``host:port`` nothing answers on (Ray itself would retry for minutes); ``auto`` and other
+    forms are Ray's to resolve."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise UsageError(f"cannot join the Ray cluster at {address}: {exc.strerror or exc}") from None
+
+
+def _what(job: RegionJob) -> str:
+    return job.title if job.stage == "whole" else f"{job.title} ({job.stage})"
 
 
 def _cause(exc: BaseException) -> str:
