@@ -130,9 +130,10 @@ class RayPool:
     # -- the cluster
     def _join(self) -> int:
         ray, opts = self.ray, self.options
-        if not ray.is_initialized():
+        if opts.address:
+            _reachable(opts.address)
+        if not ray.is_initialized():  # else: this process's cluster (a caller's own ray.init)
             if opts.address:
-                _reachable(opts.address)
                 try:
                     ray.init(address=opts.address, logging_level=logging.ERROR, log_to_driver=False)
                 except (ConnectionError, ValueError) as exc:
