@@ -346,8 +346,7 @@ def plan(
         result.guard = module_guard(result, module, args, on_change, functools.partial(
             plan, module, backend=backend, device=spec, rules=rules, limits=limits, cap=cap, k=k, verify=verify,
             dedup=dedup, cache=cache, threads=threads, on_change=None, exact_weights=exact_weights, by_region=by_region,
-            executor=executor,
-            workers=workers, ray_address=ray_address, **search_opts))
+            executor=executor, workers=workers, ray_address=ray_address, **search_opts))
     return result
 
 

@@ -191,10 +191,8 @@ def _plan_regions(graph: Graph, regions: Sequence[Region], options: PlanOptions,
 
     def here(todo: Sequence[Region]) -> Iterator[RegionPlan]:
         for region in todo:
-            job = options.job(region)
-            job = dataclasses.replace(job, options=dataclasses.replace(job.options, time_budget_s=budget.share()))
             with progress(label(len(searches) + 1, region)) as (slog, tick):
-                outcome = search_region(job, backend, slog, tick)
+                outcome = search_region(options.job(region).with_budget(budget.share()), backend, slog, tick)
             budget.done()
             searches[region.graph.name] = outcome.result
             yield outcome.plan

@@ -51,6 +51,10 @@ class RegionJob:
     #: the parts' best plans: this job compares them with the unfused plan, interleaved, on one device
     finalists: tuple[Plan, ...] = ()
 
+    def with_budget(self, seconds: float) -> RegionJob:
+        """This job with ``seconds`` of search budget (its share of ``--time-budget`` when it starts)."""
+        return dataclasses.replace(self, options=dataclasses.replace(self.options, time_budget_s=seconds))
+
     @property
     def stage(self) -> str:
         if self.finalists:

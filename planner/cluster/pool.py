@@ -10,7 +10,6 @@ logged (``logging``) and kept in :attr:`RayPool.events`."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import socket
@@ -209,9 +208,9 @@ class RayPool:
                 job, tries = queue.popleft()
                 name = idle.pop(0)
                 share = budget.share(len(self.workers))
-                sent = dataclasses.replace(job, options=dataclasses.replace(job.options, time_budget_s=share))
                 deadline = time.perf_counter() + share + self.options.grace_s
-                running[self.workers[name].handle.search.remote(sent)] = _Running(name, job, tries, deadline)
+                running[self.workers[name].handle.search.remote(job.with_budget(share))] = _Running(name, job, tries,
+                                                                                                     deadline)
             if not running:
                 raise SearchError(f"every Ray worker was lost, {len(queue)} region(s) left unsearched: "
                                   + "; ".join(self.events))

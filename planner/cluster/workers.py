@@ -82,10 +82,8 @@ class RegionWorker:
         self.backend = get_backend(backend, spec, **options)
 
     def describe(self) -> dict[str, Any]:
-        device = f"cores {','.join(map(str, self.cores))}" if self.cores else "one GPU"
-        gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if not self.cores and gpus:
-            device = f"GPU {gpus}"
+        device = (f"cores {','.join(map(str, self.cores))}" if self.cores
+                  else f"GPU {os.environ.get('CUDA_VISIBLE_DEVICES', '(Ray set none)')}")
         return {"name": self.name, "host": socket.gethostname(), "pid": os.getpid(), "device": device}
 
     def search(self, job: RegionJob) -> RegionOutcome:

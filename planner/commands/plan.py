@@ -113,9 +113,6 @@ def options_from_args(args: argparse.Namespace) -> SearchOptions:
 
 
 def executor_from_args(args: argparse.Namespace) -> ExecutorOptions:
-    given = args.workers is not None or args.ray_address is not None
-    if args.executor == "serial" and given:
-        raise UsageError("--workers and --ray-address are options of --executor ray")
     if args.measured and args.executor != "serial":
         raise UsageError("--measured merges results timed elsewhere: there is nothing to fan out (--executor serial)")
     ex = ExecutorOptions(args.executor, args.workers, args.ray_address, args.worker_grace)
@@ -137,8 +134,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir = _out_dir(args.out)
     options = PlanOptions(args.backend, spec, tuple(load_rules(args.rules)), limits_from_args(args), args.cap,
                           args.top, opts, dedup=not args.no_dedup and not args.measured, executor=executor,
-                          by_region=args.by_region,
-                          backend_options=backend_options)
+                          by_region=args.by_region, backend_options=backend_options)
     # remote results answer for exactly the exported candidates: never from or into the cache
     cache = None if args.no_cache or args.measured else PlanCache(args.cache_dir, read=not _wants_search_evidence(args))
     try:
