@@ -216,9 +216,10 @@ def _plan_regions(graph: Graph, regions: Sequence[Region], options: PlanOptions,
 @contextlib.contextmanager
 def _cluster(options: PlanOptions, notes: list[str]) -> Iterator[RayPool]:
     """The cluster's workers for one planning; afterwards ``notes`` say where the regions ran and what befell the
-    workers (also the search trail's last lines)."""
+    workers (the search trail's first line says where it runs, its last lines these notes)."""
     with contextlib.redirect_stdout(sys.stderr):  # Ray prints its reports of a lost worker on stdout: --json's
         pool = options.pool()
+        SearchLog().emit(f"Searching on {pool.where}")  # the trail's first line; its last ones say how it went
         try:
             yield pool
         finally:

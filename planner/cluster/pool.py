@@ -268,14 +268,16 @@ class RayPool:
         queue.appendleft((job_run.job, tries))
 
     def summary(self) -> str:
-        where = f"the Ray cluster at {self.options.address}" if self.options.address else "a local Ray cluster"
+        """Where the search ran and what befell the workers, once it is over."""
         lost = [f"{n} {what}" for n, what in ((self.died, "died"), (self.hung, "hung and replaced")) if n]
         tail = f" ({', '.join(lost)}); finished with {self.size - self.died}" if lost else ""
-        return f"searched on {self.size} workers ({self.threads_text}) of {where}{tail}"
+        return f"searched on {self.where}{tail}"
 
     @property
-    def threads_text(self) -> str:
-        return "one GPU each" if self.device == "gpu" else f"{self.threads} core{'s' * (self.threads > 1)} each"
+    def where(self) -> str:
+        each = "one GPU each" if self.device == "gpu" else f"{self.threads} core{'s' * (self.threads > 1)} each"
+        cluster = f"the Ray cluster at {self.options.address}" if self.options.address else "a local Ray cluster"
+        return f"{self.size} workers ({each}) of {cluster}"
 
 
 def _reachable(address: str, timeout_s: float = 10.0) -> None:
