@@ -42,6 +42,11 @@ prepare() {
       --device h200 -o "$BUNDLES/mlp_4096.json"
   $py -m planner export-candidates --example mlp-epilogue --m 16 --n 4096 --k 4096 --dtype fp16 \
       --device h200 -o "$BUNDLES/mlp_decode16.json"
+  # the planner's own search rows beside the seed's: the heavy example and one fp16 transformer layer
+  # (LayerNorm, attention, softmax, GEMMs with epilogues), every exported candidate verified and timed
+  $py -m planner export-candidates --example heavy --dtype fp16 --device h200 -o "$BUNDLES/heavy.json"
+  $py -m planner export-candidates --example transformer --layers 1 --dtype fp16 --device h200 --top 16 \
+      -o "$BUNDLES/transformer_l1.json"
   # every kernel that travels compiles under cupy's NVRTC options with the device's header layout
   $py -m backends.cupy nvrtc tests/data/gpu/*.json "$BUNDLES"/*.json
   # dry run of the device side on the CPU: the same runner, numpy executor, decode bundle
@@ -66,7 +71,11 @@ device() {
       echo "== no $WHEELS/*.whl carried (run 'gpu_suite.sh prepare' here and carry $WHEELS): nvmath-python and crt/ missing"
     fi
   } 2>&1 | tee "$out/suite.log"
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+  # fastjsonschema is the project's own dependency: every step imports it (planner.core reads files through
+  # it), so it goes on the base path; the cuda-* wheels stay in /tmp/site, for the steps that need them
+  compgen -G "$WHEELS/fastjsonschema-*.whl" >/dev/null && $py -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target /tmp/site-base "$WHEELS"/fastjsonschema-*.whl 2>&1 | tee -a "$out/suite.log"
+  export PYTHONPATH=$PWD:/tmp/site-base${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
   # the carried wheels (nvmath-python and the cuda-* packages it was checked with, crt/) shadow the image's
   # copies, so only the steps that call cuBLASLt through nvmath or compile the wmma kernels see them; torch
   # (eager and torch.compile) runs on the image's own packages
@@ -93,6 +102,10 @@ device() {
     step "torch $shape" 60 $py benchmarks/torch_baseline.py "$BUNDLES/$shape.json" -o "$res/torch_$shape.json"
   done
   step "report" 20 $py benchmarks/gpu_report.py "$res"
+  step "time heavy" 40 "${with_wheels[@]}" $py -m backends.cupy time "$BUNDLES/heavy.json" -o "$res/measured_heavy.json" \
+    --executor cupy
+  step "time transformer_l1" 90 "${with_wheels[@]}" $py -m backends.cupy time "$BUNDLES/transformer_l1.json" \
+    -o "$res/measured_transformer_l1.json" --executor cupy
   step "smoke" 60 "${with_wheels[@]}" $py benchmarks/device_smoke.py --out "$out/smoke.md"
   step "calibrate" 45 "${with_wheels[@]}" $py -m backends.cupy calibrate -o "$out/calibration.json"
   step "gpu tests" 90 "${with_wheels[@]}" $py -m pytest -q -m gpu tests/backends/cupy/test_cupy_gpu.py -p no:cacheprovider

@@ -200,9 +200,13 @@ def run_seed(mode: str, k: int, *, n: int = SEED_N, warmup: int = 2, repeats: in
     grid = (SEED_GRID_PER_SM * sms,)
     kernels = {k_.name: raw_kernel(k_) for k_ in seed_kernels()}
     x = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
-    bufs = {"x": cp.asarray(x), "out": cp.empty(n, cp.float32), "scratch": cp.empty(n, cp.float32),
-            "sink": cp.zeros(1, cp.float32)}
     stream = cp.cuda.Stream(non_blocking=True)
+    # the input's copy and the sink's zeros on the program's own stream: a non-blocking stream is not ordered
+    # after the legacy default stream, so the first run could read x before its copy landed (seen on the H200)
+    with stream:
+        bufs = {"x": cp.asarray(x), "out": cp.empty(n, cp.float32), "scratch": cp.empty(n, cp.float32),
+                "sink": cp.zeros(1, cp.float32)}
+    stream.synchronize()
     rt = cp.cuda.runtime
     nbytes = n * 4
 

@@ -63,8 +63,9 @@ def measure(copy_mib: tuple[int, ...] = COPY_MIB, gemm_sizes: tuple[int, ...] = 
     host_us = (time.perf_counter() - t0) / (6 * launches) * 1e6  # six bursts in event_us
     copies = {}
     for mib in copy_mib:
-        src = cp.ones(mib * 2**20 // 4, dtype=cp.float32)
-        dst = cp.empty_like(src)
+        with stream:  # filled on the timed stream: a non-blocking stream is not ordered after the default one
+            src = cp.ones(mib * 2**20 // 4, dtype=cp.float32)
+            dst = cp.empty_like(src)
 
         def copy(src: Any = src, dst: Any = dst) -> None:
             cp.copyto(dst, src)
@@ -76,9 +77,10 @@ def measure(copy_mib: tuple[int, ...] = COPY_MIB, gemm_sizes: tuple[int, ...] = 
         np_dtype = cp.float16 if dtype == "fp16" else cp.float32
         gemm[dtype] = {}
         for n in gemm_sizes:
-            a = cp.random.standard_normal((n, n), dtype=cp.float32).astype(np_dtype)
-            b = cp.random.standard_normal((n, n), dtype=cp.float32).astype(np_dtype)
-            out = cp.empty((n, n), dtype=np_dtype)
+            with stream:
+                a = cp.random.standard_normal((n, n), dtype=cp.float32).astype(np_dtype)
+                b = cp.random.standard_normal((n, n), dtype=cp.float32).astype(np_dtype)
+                out = cp.empty((n, n), dtype=np_dtype)
 
             def product(a: Any = a, b: Any = b, out: Any = out) -> None:
                 cp.matmul(a, b, out=out)

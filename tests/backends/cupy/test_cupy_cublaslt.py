@@ -82,3 +82,15 @@ def test_a_library_refusing_the_in_place_form_still_gives_the_result_and_says_so
     r = g()
     assert r.flags.c_contiguous and not g.layout_copy  # column-major D^T is row-major D: no copy
     np.testing.assert_allclose(r, bufs["a"] @ bufs["b"] + bufs["bias"], rtol=1e-6)
+
+
+def test_a_plan_the_library_cannot_free_is_logged_and_the_run_goes_on(gpu, caplog, monkeypatch):
+    bufs = _bufs()
+    g = gpu.CublasLtGemm(CublasCall("a", "b", "bias", "BIAS", 5, 4, 3, "fp32"), bufs, "out", stream=None)
+
+    def refuse():
+        raise RuntimeError("CUDA_ERROR_INVALID_VALUE")
+
+    monkeypatch.setattr(g.mm, "free", refuse)
+    g.close()
+    assert "cuBLASLt BIAS plan not freed (CUDA_ERROR_INVALID_VALUE)" in caplog.text

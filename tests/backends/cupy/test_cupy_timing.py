@@ -59,3 +59,36 @@ def test_without_a_flush_the_runs_follow_each_other(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(gpu, "cp", _fake_cupy(order, 60 << 20))
     gpu.event_times(lambda: order.append("run"), _Stream(order), warmup=0, repeats=2)
     assert order == ["sync", "event", "run", "event", "event", "run", "event"]
+
+
+class _CapturingStream(_Stream):
+    def __init__(self, order: list[str]) -> None:
+        super().__init__(order)
+        self.capturing = False
+
+    def begin_capture(self) -> None:
+        self.capturing = True
+
+    def end_capture(self) -> SimpleNamespace:
+        self.capturing = False
+        return SimpleNamespace(launch=lambda stream: self.order.append("replay"))
+
+    def is_capturing(self) -> bool:
+        return self.capturing
+
+
+def test_after_a_graph_replay_the_plan_runs_once_uncaptured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """nvmath frees a Matmul after waiting on the event of its last execution; an event recorded inside the
+    capture is refused outside it, so the last execution before close() must not be the captured one."""
+    order: list[str] = []
+    monkeypatch.setattr(gpu, "cp", _fake_cupy(order, 60 << 20))
+    stream = _CapturingStream(order)
+    last_event: list[str] = []
+
+    def library_step() -> None:
+        last_event[:] = ["captured" if stream.capturing else "recorded"]
+
+    prepared = gpu.CupyPrepared(SimpleNamespace(), {}, [library_step], (), stream)
+    assert prepared.time_graph(warmup=1, repeats=2) == 2.0
+    assert last_event == ["recorded"]
+    assert order[-1] == "sync"
