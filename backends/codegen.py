@@ -157,6 +157,9 @@ class RowEmitter:
     #: nothing else reads (RMSNorm's ``x * x``) is computed in the loop over the partials: storing it
     #: and reading it back cost RMSNorm 3.5 ms against 2.8 ms on 2048 rows of 2048 with cold caches
     buffer_limit: int = 0
+    #: threads sharing one row (a CUDA block per row: thread t takes columns t, t + threads, ...; the
+    #: reductions combine across the warp by shuffles, then across warps in ``fp_red``); 0: a row per thread
+    threads: int = 0
     lines: list[str] = field(default_factory=list)
     _row: dict[int, str] = field(default_factory=dict)
     _buffers: dict[int, str] = field(default_factory=dict)
@@ -220,6 +223,9 @@ class RowEmitter:
             self._buffers[id(e.args[0])] = buf
             body, value = [], f"{buf}[c]"
         acc = self._name("acc")
+        if self.threads:
+            self.lines += self._cooperative_partials(acc, body, value, init, red.combine)
+            return red.finish.format(acc=acc, width=self.width)
         vector = red.vector is not None and self.lanes == 16 and not body and self.width >= 16
         if vector and _ARRAY_AT_C.fullmatch(value):
             self.lines += self._vector_partials(acc, value, init, red)
@@ -258,6 +264,28 @@ class RowEmitter:
         return lines + [f"float {acc} = {part}[0];",
                         f"for (long long j = 1; j < {lanes}; ++j) {acc} = {combine.format(a=acc, b=f'{part}[j]')};"]
 
+    def _cooperative_partials(self, acc: str, body: list[str], value: str, init: str, combine: str) -> list[str]:
+        """One partial per thread over its columns, combined across the warp (shuffles), then across the block's
+        warps in ``fp_red``; every thread takes lane 0's and the warps' values in one order, so all hold the
+        same bits (an exchange can disagree on the sign of a zero maximum)."""
+        part, t = self._name("part"), self.threads
+        lines = [f"float {part} = {init};", *self._column_loop([*body, f"{part} = {combine.format(a=part, b=value)};"]),
+                 "for (int o = 16; o > 0; o >>= 1) {",
+                 f"    const float other = __shfl_xor_sync(0xffffffffu, {part}, o);",
+                 f"    {part} = {combine.format(a=part, b='other')};", "}",
+                 f"{part} = __shfl_sync(0xffffffffu, {part}, 0);"]
+        if t == 32:
+            return [*lines, f"const float {acc} = {part};"]
+        return [*lines, f"if ((threadIdx.x & 31) == 0) fp_red[threadIdx.x >> 5] = {part};", "__syncthreads();",
+                f"float {acc} = fp_red[0];", f"for (int w = 1; w < {t // 32}; ++w) {acc} = {combine.format(a=acc, b='fp_red[w]')};",
+                "__syncthreads();  // fp_red is written again by the next reduction"]
+
+    def _column_loop(self, body: list[str]) -> list[str]:
+        """A loop over this thread's columns of the row (all of them, or every ``threads``-th)."""
+        head = (f"for (long long c = threadIdx.x; c < {self.width}; c += {self.threads}) {{" if self.threads
+                else f"for (long long c = 0; c < {self.width}; ++c) {{")
+        return [head, *(f"    {s}" for s in body), "}"]
+
     def output(self, root: Expr, store: Callable[[str, str], str]) -> list[str]:
         """The row's statements, ending with the store of the output (``store(value, index)``)."""
         for e in root.walk():
@@ -268,11 +296,10 @@ class RowEmitter:
                 self.row_value(e)
         if self.per_row(root):
             value = self.row_value(root)
-            return [*self.lines, store(value, "r")]
+            return [*self.lines, ("if (threadIdx.x == 0) " if self.threads else "") + store(value, "r")]
         body: list[str] = []
         value = self.loop_value(root, {}, body)
-        return [*self.lines, f"for (long long c = 0; c < {self.width}; ++c) {{", *(f"    {s}" for s in body),
-                f"    {store(value, f'r * {self.width} + c')}", "}"]
+        return [*self.lines, *self._column_loop([*body, store(value, f"r * {self.width} + c")])]
 
 
 def row_level(shape: Sequence[int], width: int, rows: int, tensor: str, out_shape: Sequence[int] = ()) -> Level:

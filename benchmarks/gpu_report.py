@@ -1,8 +1,8 @@
-"""Markdown reports from one gpu_suite.sh run: c05_h200.md and mlp_epilogue_h200.md.
+"""Markdown reports from one gpu_suite.sh run: c05_h200.md, mlp_epilogue_h200.md and gpu_search_h200.md.
 
 ``python benchmarks/gpu_report.py RESULTS_DIR`` reads the JSON the suite wrote
 (c05_sweep.json, c05_modes.json, measured_*.json, torch_*.json) and writes the
-two markdown files beside them, with the exact commands, date and device.
+three markdown files beside them, with the exact commands, date and device.
 Every figure printed comes from those files; nothing is estimated here.
 """
 
@@ -137,12 +137,72 @@ def mlp_markdown(d: Path, when: str) -> str:
     return "\n".join(lines)
 
 
+SEARCHES = (("heavy", "heavy example, n = 2^26 fp16", "--example heavy --dtype fp16"),
+            ("transformer_l1", "one transformer layer, d_model 1024, 128 tokens, fp16 (16 best of the cost model)",
+             "--example transformer --layers 1 --dtype fp16 --top 16"),
+            ("transformer_s1024", "one transformer layer, d_model 1024, 1024 tokens, fp16 (8 best of the cost model)",
+             "--example transformer --layers 1 --dtype fp16 --seq 1024 --top 8"))
+
+
+def _kernel_label(f: dict) -> str:
+    return f"cublaslt({f.get('epilogue')})" if f.get("kind") == "cublaslt" else f"{f.get('kind')} {f.get('name', '')}"
+
+
+def search_markdown(d: Path, when: str) -> str:
+    """The planner's own searches beside the seed's tables: every candidate ranked, the estimate beside the
+    measurement, and where the best plan's time goes, kernel by kernel."""
+    lines = ["# The planner's search on H200", "", f"Date: {when}.",
+             "Commands: `fusion-planner export-candidates ARGS --device h200 -o F` (CPU), then "
+             "`python -m backends.cupy time F -o measured.json` (H200). Every candidate is verified against the "
+             "numpy reference before it is timed: CUDA events, 2 warm-ups, median of 7, L2 flushed before each run; "
+             "each kernel's time within the run (an event after each) beside its registers and occupancy.", ""]
+    for name, label, args in SEARCHES:
+        meas = _load(d, f"measured_{name}")
+        lines += [f"## {label}", "", f"`export-candidates {args}`", ""]
+        if meas is None:
+            lines += ["Not run.", ""]
+            continue
+        by_graph = ranks_by_graph(meas["candidates"])
+
+        def rank_us(c: dict, by_graph: bool = by_graph) -> float:
+            return c["graph_us"] if by_graph else c["meas_us"]
+
+        timed = sorted((c for c in meas["candidates"] if c["meas_us"] is not None), key=rank_us)
+        lines += [f"Device: {meas['machine'].get('device')}. Ranked by "
+                  f"{'CUDA-graph replay' if by_graph else 'event-timed'} time.", "",
+                  "| # | kernels | est us (h200 spec) | measured us | CUDA graph us | verdict |", "|---|---|---|---|---|---|"]
+        for i, c in enumerate(timed + [c for c in meas["candidates"] if c["meas_us"] is None], 1):
+            g = c.get("graph_us")
+            meas_s = f"{c['meas_us']:.2f}" if c["meas_us"] is not None else "-"
+            lines.append(f"| {i} | {c['composition']} | {c['est_us']:.2f} | {meas_s} | {f'{g:.2f}' if g else '-'} | "
+                         f"{c['verdict']} |")
+        if not timed:
+            lines.append("")
+            continue
+        best = timed[0]
+        unfused = max(meas["candidates"], key=lambda c: len(c.get("kernels", [])))
+        rho = spearman([c["est_us"] for c in timed], [rank_us(c) for c in timed])
+        lines += ["", f"Best: {best['composition']} at {rank_us(best):.2f} us"
+                  + (f", {rank_us(unfused) / rank_us(best):.2f}x the most decomposed plan ({len(unfused['kernels'])} "
+                     f"kernels, {rank_us(unfused):.2f} us)." if unfused["meas_us"] is not None else "."),
+                  f"Spearman rho, estimate against measurement, {len(timed)} candidates: "
+                  f"{'n/a' if rho is None else f'{rho:.2f}'}.", "", "The best plan, kernel by kernel:", "",
+                  "| kernel | regs | blocks/SM | measured us |", "|---|---|---|---|"]
+        for f in best.get("kernels", []):
+            us = f.get("meas_us")
+            lines.append(f"| {_kernel_label(f)} | {f.get('regs', '-')} | {f.get('occupancy', '-')} | "
+                         f"{'-' if us is None else f'{us:.2f}'} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main() -> int:
     d = Path(sys.argv[1])
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     (d / "c05_h200.md").write_text(c05_markdown(d, when))
     (d / "mlp_epilogue_h200.md").write_text(mlp_markdown(d, when))
-    print(f"wrote {d / 'c05_h200.md'} and {d / 'mlp_epilogue_h200.md'}")
+    (d / "gpu_search_h200.md").write_text(search_markdown(d, when))
+    print(f"wrote {d / 'c05_h200.md'}, {d / 'mlp_epilogue_h200.md'} and {d / 'gpu_search_h200.md'}")
     return 0
 
 

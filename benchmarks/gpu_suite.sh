@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_suite.sh device    # on the H200 (python3 with numpy, cupy, torch, pytest), with .whl carried;
 #                                          # logs, reports and one tarball -> $OUT (or ./out), within 8 minutes:
 #                                          # one device call of at most 540 s keeps a 60 s margin
+#   ONLY="time heavy|gpu tests" bash benchmarks/gpu_suite.sh device   # only the steps named (a rerun's budget)
 #
 # docs/gpu.md says what runs, what travels and what comes back.
 set -uo pipefail  # no -e: in the device phase a failing step is logged and the rest still runs
@@ -47,6 +48,8 @@ prepare() {
   $py -m planner export-candidates --example heavy --dtype fp16 --device h200 -o "$BUNDLES/heavy.json"
   $py -m planner export-candidates --example transformer --layers 1 --dtype fp16 --device h200 --top 16 \
       -o "$BUNDLES/transformer_l1.json"
+  $py -m planner export-candidates --example transformer --layers 1 --dtype fp16 --seq 1024 --device h200 --top 8 \
+      -o "$BUNDLES/transformer_s1024.json"
   # every kernel that travels compiles under cupy's NVRTC options with the device's header layout
   $py -m backends.cupy nvrtc tests/data/gpu/*.json "$BUNDLES"/*.json
   # dry run of the device side on the CPU: the same runner, numpy executor, decode bundle
@@ -59,7 +62,7 @@ prepare() {
 }
 
 device() {
-  # $OUT gets at most 8 files back: the log, the smoke report, two reports, the calibration and one tarball
+  # $OUT gets at most 8 files back: the log, the smoke report, three reports, the calibration and one tarball
   local py=${PYTHON:-python3} out=${OUT:-out} res=${RES:-/tmp/gpu_suite_results}
   mkdir -p "$out" "$res"
   {
@@ -83,6 +86,7 @@ device() {
   [ -d /tmp/site ] && carried=/tmp/site:$PYTHONPATH
   step() {  # one device step on its own, within what is left of the deadline: a failure is logged, never the end
     local name=$1 cap=$2; shift 2
+    if [ -n "${ONLY:-}" ] && [[ "|$ONLY|" != *"|$name|"* ]]; then echo "== $name not chosen (ONLY)" >>"$out/suite.log"; return; fi
     local left=$((DEADLINE_S - SECONDS))
     if [ "$left" -le 5 ]; then echo "== $name SKIPPED (deadline of ${DEADLINE_S}s reached)" | tee -a "$out/suite.log"; return; fi
     [ "$cap" -lt "$left" ] || cap=$left
@@ -101,15 +105,17 @@ device() {
       --executor cupy
     step "torch $shape" 60 $py benchmarks/torch_baseline.py "$BUNDLES/$shape.json" -o "$res/torch_$shape.json"
   done
-  step "report" 20 $py benchmarks/gpu_report.py "$res"
   step "time heavy" 40 "${with_wheels[@]}" $py -m backends.cupy time "$BUNDLES/heavy.json" -o "$res/measured_heavy.json" \
     --executor cupy
   step "time transformer_l1" 90 "${with_wheels[@]}" $py -m backends.cupy time "$BUNDLES/transformer_l1.json" \
     -o "$res/measured_transformer_l1.json" --executor cupy
+  step "time transformer_s1024" 90 "${with_wheels[@]}" $py -m backends.cupy time "$BUNDLES/transformer_s1024.json" \
+    -o "$res/measured_transformer_s1024.json" --executor cupy
+  step "report" 20 $py benchmarks/gpu_report.py "$res"
   step "smoke" 60 "${with_wheels[@]}" $py benchmarks/device_smoke.py --out "$out/smoke.md"
   step "calibrate" 45 "${with_wheels[@]}" $py -m backends.cupy calibrate -o "$out/calibration.json"
   step "gpu tests" 90 "${with_wheels[@]}" $py -m pytest -q -m gpu tests/backends/cupy/test_cupy_gpu.py -p no:cacheprovider
-  cp "$res/c05_h200.md" "$res/mlp_epilogue_h200.md" "$out/" 2>/dev/null || echo "== reports missing" | tee -a "$out/suite.log"
+  cp "$res/c05_h200.md" "$res/mlp_epilogue_h200.md" "$res/gpu_search_h200.md" "$out/" 2>/dev/null || echo "== reports missing" | tee -a "$out/suite.log"
   tar -czf "$out/results.tar.gz" -C "$res" .
   echo "== done at ${SECONDS}s" | tee -a "$out/suite.log"
 }

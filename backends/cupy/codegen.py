@@ -331,13 +331,22 @@ def _used_outside(body: Expr, mm: Expr, tensor: str) -> bool:
     return any(e is not mm and any(isinstance(a, Load) and a.tensor == tensor for a in e.args) for e in body.walk())
 
 
-#: threads per block of a row kernel (one thread per row)
-ROW_BLOCK = 128
+#: a row kernel's block: one block per row, its threads striding over the columns, at least 4 columns each
+ROW_THREADS_MIN, ROW_THREADS_MAX = 32, 256
+
+
+def row_threads(width: int) -> int:
+    """Threads per row: a power of two from one warp to ``ROW_THREADS_MAX``, about 4 columns per thread."""
+    t = ROW_THREADS_MIN
+    while t * 2 <= min(ROW_THREADS_MAX, width // 4):
+        t *= 2
+    return t
 
 
 def row_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
-    """A row kernel (a body with a row reduction or per-row values) as one thread per row, running the
-    row's loops in turn: the same statements as the C backend's row kernel, one partial per reduction."""
+    """A row kernel (a body with a row reduction or per-row values) as one block per row: the C backend's row
+    statements (``RowEmitter``), each column loop shared by the block's threads (coalesced reads), each
+    reduction combined by warp shuffles and across warps in shared memory."""
     body = k.body
     out_t = tensors.get(k.out, body.type)
     leaves = loads(body)
@@ -352,16 +361,16 @@ def row_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
         return row_read(level, width, tile,  # type: ignore[arg-type]
                         lambda at: TO_FLOAT[tensors[tensor].dtype].format(f"p{index[tensor]}[{at}]"), "LL")
 
-    emitter = RowEmitter(width, levels.__getitem__, load, 1)
+    threads = row_threads(width)
+    emitter = RowEmitter(width, levels.__getitem__, load, 1, threads=threads)
     lines = emitter.output(body, lambda value, at: f"out[{at}] = {FROM_FLOAT[out_t.dtype].format(value)};")
     params = [f"const {CTYPE[tensors[t].dtype]}* __restrict__ p{index[t]}" for t in leaves]
     params.append(f"{CTYPE[out_t.dtype]}* __restrict__ out")
     name = kernel_name(KernelKind.ELEMENTWISE, k.out, shape_salt(k, tensors))
-    src = [PRELUDE, f'extern "C" __global__ void {name}({", ".join(params)}) {{',
-           "  const long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x;",
-           f"  if (r >= {rows}LL) return;", *(f"  {line}" for line in lines), "}"]
-    grid = (max(1, -(-rows // ROW_BLOCK)), 1)
-    return CudaKernel(name, KernelKind.ELEMENTWISE, "\n".join(src) + "\n", (*leaves, k.out), ROW_BLOCK, grid)
+    shared = ["  __shared__ float fp_red[32];"] if threads > 32 else []
+    src = [PRELUDE, f'extern "C" __global__ void {name}({", ".join(params)}) {{', *shared,
+           "  const long long r = blockIdx.x;", *(f"  {line}" for line in lines), "}"]
+    return CudaKernel(name, KernelKind.ELEMENTWISE, "\n".join(src) + "\n", (*leaves, k.out), threads, (rows, 1))
 
 
 def generate(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:

@@ -194,6 +194,26 @@ class CupyPrepared:
         return round(statistics.median(replay), 3)
 
 
+    def time_steps(self, repeats: int) -> list[float]:
+        """Median µs of each step (a kernel or a library call) within whole runs: an event after each step, the
+        L2 flushed before each run. A step the GPU finished before the host launched the next one also counts
+        the host's launch gap, as it does in the run."""
+        flush = l2_flusher(self.stream)
+        samples: list[list[float]] = [[] for _ in self.steps]
+        with self.stream:
+            for _ in range(repeats):
+                flush()
+                events = [cp.cuda.Event() for _ in range(len(self.steps) + 1)]
+                events[0].record(self.stream)
+                for step, done in zip(self.steps, events[1:], strict=True):
+                    step()
+                    done.record(self.stream)
+                events[-1].synchronize()
+                for i, got in enumerate(samples):
+                    got.append(cp.cuda.get_elapsed_time(events[i], events[i + 1]) * 1e3)
+        return [round(statistics.median(s), 3) for s in samples]
+
+
 def l2_flusher(stream: Any) -> Callable[[], None]:
     """A memset of twice the device's L2 cache on ``stream``: enqueued before each timed run (outside its events),
     it leaves no input or weight of the previous run in L2 (the H200's 60 MiB L2 holds the decode GEMM's 33.5 MB

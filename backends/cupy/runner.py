@@ -144,6 +144,10 @@ def _verify_and_time(entry: dict[str, Any], cand: Candidate, prepared: Any,
         graph_time = getattr(prepared, "time_graph", None)
         if graph_time is not None:
             entry["graph_us"] = graph_time(warmup, repeats)
+        step_times = getattr(prepared, "time_steps", None)
+        if step_times is not None:  # where a plan's time goes: one figure per kernel, beside its facts
+            for facts, us in zip(entry["kernels"], step_times(repeats), strict=True):
+                facts["meas_us"] = us
     except Exception as exc:
         _failed(entry, cand, "timing", exc)
 

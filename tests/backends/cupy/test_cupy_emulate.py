@@ -28,7 +28,8 @@ pytestmark = pytest.mark.nvcc
 GRID = 3  # few blocks so the grid-stride loop wraps several times
 
 
-def _host_program(src: str, name: str, params: list[str], dtypes: list[str], block: int, out_bytes: int) -> str:
+def _host_program(src: str, name: str, params: list[str], dtypes: list[str], block: int, out_bytes: int,
+                  grid: int = GRID) -> str:
     body = src.replace('extern "C" __global__ void', "void")
     for v in ("blockIdx", "threadIdx", "blockDim", "gridDim"):
         body = re.sub(rf"\b{v}\.x\b", f"emu_{v}", body)
@@ -47,8 +48,8 @@ static void* read_file(const char* path) {{
 }}
 int main(int argc, char** argv) {{
 {chr(10).join(loads)}
-  emu_blockDim = {block}; emu_gridDim = {GRID};
-  for (emu_blockIdx = 0; emu_blockIdx < {GRID}; ++emu_blockIdx)
+  emu_blockDim = {block}; emu_gridDim = {grid};
+  for (emu_blockIdx = 0; emu_blockIdx < {grid}; ++emu_blockIdx)
     for (emu_threadIdx = 0; emu_threadIdx < {block}; ++emu_threadIdx) {name}({args});
   FILE* f = fopen(argv[{len(params)}], "wb");
   fwrite(b{n_out}, 1, {out_bytes}, f); fclose(f);
@@ -68,9 +69,13 @@ def _run_host(plan, inputs, tmp_path):
         c = generate(k, plan.tensors)
         dtypes = [plan.tensors[p].dtype for p in c.params]
         prog = tmp_path / f"k{idx}.cu"
-        prog.write_text(_host_program(c.source, c.name, list(c.params), dtypes, c.block, plan.tensors[k.out].nbytes))
+        cooperative = "__syncthreads" in c.source or "__shfl" in c.source  # a block per row
+        prog.write_text(_threaded_host_program(c, dtypes, plan.tensors[k.out].nbytes) if cooperative else
+                        _host_program(c.source, c.name, list(c.params), dtypes, c.block, plan.tensors[k.out].nbytes,
+                                      GRID if c.grid_per_sm else c.grid[0]))  # grid-stride loops wrap; rows don't
         exe = tmp_path / f"k{idx}"
-        subprocess.run(["nvcc", "-O1", "-o", str(exe), str(prog)], check=True, capture_output=True, timeout=300)
+        subprocess.run(["nvcc", "-O1", "-std=c++20", "-o", str(exe), str(prog)], check=True, capture_output=True,
+                       timeout=300)
         files = []
         for i, p in enumerate(c.params):
             f = tmp_path / f"k{idx}_p{i}.bin"
@@ -111,7 +116,10 @@ def _plan(graph, pred):
         (mlp_epilogue(13, 16, 8, "fp16"), lambda p: p.partition == (1, 3) and p.kernels[0].kind == "gemm_epilogue"),
         # bf16, bias of 12 columns: scalar path with i % cols
         (mlp_epilogue(7, 12, 8, "bf16"), lambda p: p.partition == (1, 1, 2) and p.kernels[0].kind == "gemm_epilogue"),
-        # row kernels, one thread per row: residual + LayerNorm in one kernel (fp16), and op by op
+        # row kernels, a block per row: residual + LayerNorm in one kernel (fp16), and op by op; one warp per
+        # row up to 255 columns, then warps that combine their partials in shared memory (128 and 256 threads)
+        (layer_norm(3, 1030, "fp16"), lambda p: len(p.kernels) == 1),
+        (softmax(2, 520, "fp32"), lambda p: len(p.kernels) == 1),
         (layer_norm(9, 40, "fp16"), lambda p: len(p.kernels) == 1),
         (layer_norm(5, 24, "fp32"), lambda p: len(p.kernels) == 10),
         (softmax(6, 33, "bf16"), lambda p: len(p.kernels) == 1),
@@ -169,6 +177,14 @@ static std::barrier<>* emu_block_bar;
 static std::barrier<>* emu_warp_bar[32];
 static void emu_sync() { emu_block_bar->arrive_and_wait(); }
 static void emu_syncwarp() { emu_warp_bar[emu_tx / 32]->arrive_and_wait(); }
+// a warp's lanes exchange through a table: write, wait for the warp, read the other lane, wait again
+static float emu_lanes[32][32];
+static float emu_shfl(float v, int lane) {
+  const int w = emu_tx / 32;
+  emu_lanes[w][emu_tx % 32] = v; emu_syncwarp();
+  const float got = emu_lanes[w][lane]; emu_syncwarp();
+  return got;
+}
 static float emu_f(float v) { return v; }
 static float emu_f(__half v) { return __half2float(v); }
 static float emu_f(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -199,11 +215,15 @@ inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, 
 """
 
 
-def _gemm_host_program(c, dtypes, out_bytes: int) -> str:
+def _threaded_host_program(c, dtypes, out_bytes: int) -> str:
+    """A kernel that shares memory, waits at barriers or shuffles between lanes, one host thread per CUDA
+    thread of each block in turn."""
     body = c.source.replace("#include <mma.h>", "").replace("using namespace nvcuda;", "")
     body = body.replace('extern "C" __global__ void', "void").replace(f"__launch_bounds__({c.block}) ", "")
     body = body.replace("__shared__", "static").replace("__syncthreads()", "emu_sync()")
     body = body.replace("__syncwarp()", "emu_syncwarp()")
+    body = re.sub(r"__shfl_xor_sync\(0xffffffffu, (\w+), (\w+)\)", r"emu_shfl(\1, (emu_tx % 32) ^ \2)", body)
+    body = re.sub(r"__shfl_sync\(0xffffffffu, (\w+), (\w+)\)", r"emu_shfl(\1, \2)", body)
     body = body.replace("blockIdx.x", "emu_bx").replace("blockIdx.y", "emu_by").replace("threadIdx.x", "emu_tx")
     loads = "\n".join(
         f"  {CTYPE[dt]}* b{i} = ({CTYPE[dt]}*)read_file(argv[{i + 1}]);" for i, dt in enumerate(dtypes)
@@ -253,7 +273,7 @@ def test_generated_gemm_epilogue_matches_the_reference(m, n, k, dtype, partition
     inputs = random_inputs(graph, seed=5, scale=0.5)
     dtypes = [plan.tensors[p].dtype for p in c.params]
     prog = tmp_path / "g.cu"
-    prog.write_text(_gemm_host_program(c, dtypes, plan.tensors[kern.out].nbytes))
+    prog.write_text(_threaded_host_program(c, dtypes, plan.tensors[kern.out].nbytes))
     exe = tmp_path / "g"
     subprocess.run(["nvcc", "-O1", "-std=c++20", "-o", str(exe), str(prog)], check=True, capture_output=True,
                    timeout=300)

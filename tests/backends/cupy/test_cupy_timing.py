@@ -92,3 +92,13 @@ def test_after_a_graph_replay_the_plan_runs_once_uncaptured(monkeypatch: pytest.
     assert prepared.time_graph(warmup=1, repeats=2) == 2.0
     assert last_event == ["recorded"]
     assert order[-1] == "sync"
+
+
+def test_each_step_is_timed_between_its_own_events_after_a_flush(monkeypatch: pytest.MonkeyPatch) -> None:
+    order: list[str] = []
+    monkeypatch.setattr(gpu, "cp", _fake_cupy(order, 60 << 20))
+    stream = _Stream(order)
+    steps = [lambda: order.append("k0"), lambda: order.append("k1")]
+    prepared = gpu.CupyPrepared(SimpleNamespace(), {}, steps, (), stream)
+    assert prepared.time_steps(repeats=2) == [2.0, 2.0]
+    assert order == ["alloc 125829120", *["flush", "event", "k0", "event", "k1", "event"] * 2]
