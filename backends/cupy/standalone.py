@@ -17,12 +17,13 @@ from planner.core.plans import Expr, Kernel, Load
 from planner.core.shapes import WINDOW, window_out
 
 # ---------------------------------------------------------------- standalone kernels
-# attention's layouts, batched products and the fused attention, each one thread per output element (or per
-# query row) in a grid-stride loop: no shared memory, no barrier, the same arithmetic as the C backend's
+# attention's layouts and batched products, each one thread per output element in a grid-stride loop (no shared
+# memory, no barrier, the same arithmetic as the C backend's); the fused attention, a warp per query row
 
 STANDALONE_BLOCK = 128
 #: the channels-last image ops (``core.ops``): layout copies, Im2col, the pools
 IMAGE_OPS = frozenset({"ChannelsLast", "ChannelsFirst", "Im2col", "MaxPool", "SpatialMean"})
+ATTENTION_OPS = frozenset({"Attention", "MaskedAttention", "BiasedAttention"})
 
 
 def _grid_stride(total: int, lines: list[str]) -> list[str]:
@@ -108,9 +109,11 @@ def _product_lines(body: Expr, shapes: list[tuple[int, ...]], load: Callable[[in
 
 def _attention_lines(body: Expr, shapes: list[tuple[int, ...]], load: Callable[[int, str], str],
                      store_at: Callable[[str, str], str]) -> list[str]:
-    """One query row of softmax(scale * q@k^T [+ mask]) @ v with an online softmax: the running max, sum and
-    output are rescaled as the max grows; a key whose score is -inf (hidden) adds nothing, so a query whose
-    every key is hidden gives 0/0 (NaN) as the unfused form does; a NaN score makes its row NaN."""
+    """One query row of softmax(scale * q@k^T [+ mask]) @ v per warp, with an online softmax: the lanes split the
+    head's columns (the query's in registers), each score is their sum by shuffles, taken from lane 0 so every
+    lane holds the same bits; the running max, sum and output columns are rescaled as the max grows. A key whose
+    score is -inf (hidden) adds nothing, so a query whose every key is hidden gives 0/0 (NaN) as the unfused
+    form does; a NaN score makes its row NaN."""
     (_, s_, d_), (_, t_, _), (_, _, e_) = shapes[:3]
     a = body.attr_dict
     scale, causal = float(a["scale"]), bool(a.get("causal", 0))
@@ -118,21 +121,60 @@ def _attention_lines(body: Expr, shapes: list[tuple[int, ...]], load: Callable[[
           "BiasedAttention": f"(g * {s_} + i) * {t_} + j"}.get(body.op)  # a row per query
     mask = "" if at is None else f" + {load(3, at)}"
     last = f"(i + 1 < {t_} ? i + 1 : {t_})" if causal else f"{t_}"
+    dq, eq = -(-d_ // 32), -(-e_ // 32)  # this lane's query and output columns: lane, lane + 32, ...
     return [f"const long long i = e % {s_}, g = e / {s_};",
-            f"float acc[{e_}];", f"for (int c = 0; c < {e_}; ++c) acc[c] = 0.0f;",
+            f"float q[{dq}], acc[{eq}];",
+            f"for (int u = 0; u < {dq}; ++u) {{ const long long x = lane + 32 * u; "
+            f"q[u] = x < {d_} ? {load(0, f'(g * {s_} + i) * {d_} + x')} : 0.0f; }}",
+            f"for (int u = 0; u < {eq}; ++u) acc[u] = 0.0f;",
             "float m = fp_neg_inf(), l = 0.0f;",
             f"for (long long j = 0; j < {last}; ++j) {{",
             "  float dot = 0.0f;",
-            f"  for (long long x = 0; x < {d_}; ++x) dot += {load(0, f'(g * {s_} + i) * {d_} + x')} * "
-            f"{load(1, f'(g * {t_} + j) * {d_} + x')};",
+            f"  for (int u = 0; u < {dq}; ++u) {{ const long long x = lane + 32 * u; "
+            f"if (x < {d_}) dot += q[u] * {load(1, f'(g * {t_} + j) * {d_} + x')}; }}",
+            "  for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);",
+            "  dot = __shfl_sync(0xffffffffu, dot, 0);",
             f"  const float sc = {scale!r}f * dot{mask};",
-            "  if (sc == fp_neg_inf()) continue;",
+            "  if (sc == fp_neg_inf()) continue;  // the same on every lane",
             "  const float mn = fp_max(m, sc), alpha = expf(m - mn), pj = expf(sc - mn);",
             "  l = l * alpha + pj;",
-            f"  for (int c = 0; c < {e_}; ++c) acc[c] = acc[c] * alpha + pj * {load(2, f'(g * {t_} + j) * {e_} + c')};",
+            f"  for (int u = 0; u < {eq}; ++u) {{ const long long c = lane + 32 * u; "
+            f"if (c < {e_}) acc[u] = acc[u] * alpha + pj * {load(2, f'(g * {t_} + j) * {e_} + c')}; }}",
             "  m = mn;",
             "}",
-            f"for (int c = 0; c < {e_}; ++c) {store_at(f'(g * {s_} + i) * {e_} + c', 'acc[c] / l')}"]
+            f"for (int u = 0; u < {eq}; ++u) {{ const long long c = lane + 32 * u; "
+            f"if (c < {e_}) {{ {store_at(f'(g * {s_} + i) * {e_} + c', 'acc[u] / l')} }} }}"]
+
+
+def _warp_stride(rows: int, lines: list[str]) -> list[str]:
+    """A warp per row ``e``, the warps striding over the rows (every lane of a warp takes the same rows)."""
+    return ["  const int lane = threadIdx.x & 31;",
+            f"  for (long long e = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; e < {rows}LL;",
+            "       e += ((long long)blockDim.x * gridDim.x) >> 5) {", *(f"    {line}" for line in lines), "  }"]
+
+
+def _loop(body: Expr, shapes: list[tuple[int, ...]], out_shape: tuple[int, ...],
+          load: Callable[[int, str], str], store_at: Callable[[str, str], str]) -> tuple[int, list[str]]:
+    """The kernel's threads (for its grid) and its body: a grid-stride loop over the output's elements, or over
+    query rows a warp each (the fused attention)."""
+    total = math.prod(out_shape)
+    if body.op in ATTENTION_OPS:
+        rows = math.prod(out_shape[:-1])
+        return rows * 32, _warp_stride(rows, _attention_lines(body, shapes, load, store_at))
+    if body.op in IMAGE_OPS:
+        lines = _image_lines(body, shapes[0], out_shape, load, lambda v: store_at("e", v))
+    elif body.op in LAYOUT_COPIES:
+        lines = _layout_lines(body, shapes[0], out_shape)
+    elif body.op in GATHERS:  # ids carried as fp32: one that is no row of the table stops the kernel (an error)
+        d, rows = int(out_shape[-1]), shapes[1][0]
+        lines = [f"const float f = p0[e / {d}]; const long long r = (long long)f;",
+                 f"if (!(f == (float)r && r >= 0 && r < {rows}LL)) fp_bad_index();",
+                 f"out[e] = p1[r * {d} + e % {d}];"]
+    elif body.op in ("BatchScores", "BatchApply"):
+        lines = _product_lines(body, shapes, load, lambda v: store_at("e", v))
+    else:
+        raise CodegenError(f"standalone op {body.op} has no CUDA form")
+    return total, _grid_stride(total, lines)
 
 
 def standalone_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
@@ -145,26 +187,11 @@ def standalone_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
     shapes = [tuple(tensors[t].shape) for t in ins]
     load = lambda i, at: TO_FLOAT[tensors[ins[i]].dtype].format(f"p{i}[{at}]")  # noqa: E731
     store_at = lambda at, v: f"out[{at}] = {FROM_FLOAT[out_t.dtype].format(v)};"  # noqa: E731
-    if body.op in IMAGE_OPS:
-        total = math.prod(out_t.shape)
-        lines = _image_lines(body, shapes[0], tuple(out_t.shape), load, lambda v: store_at("e", v))
-    elif body.op in LAYOUT_COPIES:
-        total, lines = math.prod(out_t.shape), _layout_lines(body, shapes[0], tuple(out_t.shape))
-    elif body.op in GATHERS:  # ids carried as fp32: one that is no row of the table stops the kernel (an error)
-        total, d, rows = math.prod(out_t.shape), int(out_t.shape[-1]), shapes[1][0]
-        lines = [f"const float f = p0[e / {d}]; const long long r = (long long)f;",
-                 f"if (!(f == (float)r && r >= 0 && r < {rows}LL)) fp_bad_index();",
-                 f"out[e] = p1[r * {d} + e % {d}];"]
-    elif body.op in ("BatchScores", "BatchApply"):
-        total, lines = math.prod(out_t.shape), _product_lines(body, shapes, load, lambda v: store_at("e", v))
-    elif body.op in ("Attention", "MaskedAttention", "BiasedAttention"):
-        total, lines = math.prod(out_t.shape[:-1]), _attention_lines(body, shapes, load, store_at)
-    else:
-        raise CodegenError(f"standalone op {body.op} has no CUDA form")
+    total, loop = _loop(body, shapes, tuple(out_t.shape), load, store_at)
     params = [f"const {CTYPE[tensors[t].dtype]}* __restrict__ p{i}" for i, t in enumerate(ins)]
     params.append(f"{CTYPE[out_t.dtype]}* __restrict__ out")
     name = kernel_name(KernelKind.STANDALONE, k.out, shape_salt(k, tensors))
-    src = [PRELUDE, f'extern "C" __global__ void {name}({", ".join(params)}) {{', *_grid_stride(total, lines), "}"]
+    src = [PRELUDE, f'extern "C" __global__ void {name}({", ".join(params)}) {{', *loop, "}"]
     work = max(1, -(-total // STANDALONE_BLOCK))
     return CudaKernel(name, KernelKind.STANDALONE, "\n".join(src) + "\n", (*ins, k.out), STANDALONE_BLOCK,
                       (work, 1), grid_per_sm=8)

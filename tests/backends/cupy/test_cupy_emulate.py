@@ -225,6 +225,7 @@ def _threaded_host_program(c, dtypes, out_bytes: int) -> str:
     body = re.sub(r"__shfl_xor_sync\(0xffffffffu, (\w+), (\w+)\)", r"emu_shfl(\1, (emu_tx % 32) ^ \2)", body)
     body = re.sub(r"__shfl_sync\(0xffffffffu, (\w+), (\w+)\)", r"emu_shfl(\1, \2)", body)
     body = body.replace("blockIdx.x", "emu_bx").replace("blockIdx.y", "emu_by").replace("threadIdx.x", "emu_tx")
+    body = body.replace("blockDim.x", str(c.block)).replace("gridDim.x", str(c.grid[0]))
     loads = "\n".join(
         f"  {CTYPE[dt]}* b{i} = ({CTYPE[dt]}*)read_file(argv[{i + 1}]);" for i, dt in enumerate(dtypes)
     )
