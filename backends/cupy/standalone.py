@@ -109,11 +109,11 @@ def _product_lines(body: Expr, shapes: list[tuple[int, ...]], load: Callable[[in
 
 def _attention_lines(body: Expr, shapes: list[tuple[int, ...]], load: Callable[[int, str], str],
                      store_at: Callable[[str, str], str]) -> list[str]:
-    """One query row of softmax(scale * q@k^T [+ mask]) @ v per warp, 32 keys at a time with an online softmax:
-    lane t scores key j0 + t against the query (staged in the warp's shared row), the tile's max and sum come from
-    shuffles (lane 0's bits, so every lane agrees), and each lane accumulates its output columns (lane, lane + 32,
-    ...) over the tile's keys, their weights broadcast by shuffles. A hidden key (score -inf) weighs 0, so a query
-    whose every key is hidden gives 0/0 (NaN) as the unfused form does; a NaN score makes its row NaN."""
+    """One query row of softmax(scale * q@k^T [+ mask]) @ v per warp, with an online softmax: the lanes split the
+    head's columns (the query's in registers), each score is their sum by shuffles, taken from lane 0 so every
+    lane holds the same bits; the running max, sum and output columns are rescaled as the max grows. A key whose
+    score is -inf (hidden) adds nothing, so a query whose every key is hidden gives 0/0 (NaN) as the unfused
+    form does; a NaN score makes its row NaN."""
     (_, s_, d_), (_, t_, _), (_, _, e_) = shapes[:3]
     a = body.attr_dict
     scale, causal = float(a["scale"]), bool(a.get("causal", 0))
@@ -121,41 +121,25 @@ def _attention_lines(body: Expr, shapes: list[tuple[int, ...]], load: Callable[[
           "BiasedAttention": f"(g * {s_} + i) * {t_} + j"}.get(body.op)  # a row per query
     mask = "" if at is None else f" + {load(3, at)}"
     last = f"(i + 1 < {t_} ? i + 1 : {t_})" if causal else f"{t_}"
-    eq = -(-e_ // 32)  # this lane's output columns: lane, lane + 32, ...
+    dq, eq = -(-d_ // 32), -(-e_ // 32)  # this lane's query and output columns: lane, lane + 32, ...
     return [f"const long long i = e % {s_}, g = e / {s_};",
-            "__syncwarp();  // the warp's previous row has been read",
-            f"for (int x = lane; x < {d_}; x += 32) fp_q[warp][x] = {load(0, f'(g * {s_} + i) * {d_} + x')};",
-            "__syncwarp();",
-            f"float acc[{eq}];",
+            f"float q[{dq}], acc[{eq}];",
+            f"for (int u = 0; u < {dq}; ++u) {{ const long long x = lane + 32 * u; "
+            f"q[u] = x < {d_} ? {load(0, f'(g * {s_} + i) * {d_} + x')} : 0.0f; }}",
             f"for (int u = 0; u < {eq}; ++u) acc[u] = 0.0f;",
             "float m = fp_neg_inf(), l = 0.0f;",
-            f"const long long last = {last};",
-            "for (long long j0 = 0; j0 < last; j0 += 32) {",
-            "  const long long j = j0 + lane;",
-            "  float sc = fp_neg_inf();",
-            "  if (j < last) {",
-            "    float dot = 0.0f;",
-            f"    for (int x = 0; x < {d_}; ++x) dot += fp_q[warp][x] * {load(1, f'(g * {t_} + j) * {d_} + x')};",
-            f"    sc = {scale!r}f * dot{mask};",
-            "  }",
-            "  float top = sc;",
-            "  for (int o = 16; o > 0; o >>= 1) { const float other = __shfl_xor_sync(0xffffffffu, top, o); "
-            "top = fp_max(top, other); }",
-            "  top = __shfl_sync(0xffffffffu, top, 0);",
-            "  if (top == fp_neg_inf()) continue;  // every key of the tile hidden: the same on every lane",
-            "  const float mn = fp_max(m, top), alpha = expf(m - mn);",
-            "  const float pj = expf(sc - mn);",
-            "  float sum = pj;",
-            "  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);",
-            "  sum = __shfl_sync(0xffffffffu, sum, 0);",
-            "  l = l * alpha + sum;",
-            f"  for (int u = 0; u < {eq}; ++u) acc[u] *= alpha;",
-            "  const int tile = (int)(last - j0 < 32 ? last - j0 : 32);",
-            "  for (int t = 0; t < tile; ++t) {",
-            "    const float p = __shfl_sync(0xffffffffu, pj, t);",
-            f"    for (int u = 0; u < {eq}; ++u) {{ const long long c = lane + 32 * u; "
-            f"if (c < {e_}) acc[u] += p * {load(2, f'(g * {t_} + j0 + t) * {e_} + c')}; }}",
-            "  }",
+            f"for (long long j = 0; j < {last}; ++j) {{",
+            "  float dot = 0.0f;",
+            f"  for (int u = 0; u < {dq}; ++u) {{ const long long x = lane + 32 * u; "
+            f"if (x < {d_}) dot += q[u] * {load(1, f'(g * {t_} + j) * {d_} + x')}; }}",
+            "  for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);",
+            "  dot = __shfl_sync(0xffffffffu, dot, 0);",
+            f"  const float sc = {scale!r}f * dot{mask};",
+            "  if (sc == fp_neg_inf()) continue;  // the same on every lane",
+            "  const float mn = fp_max(m, sc), alpha = expf(m - mn), pj = expf(sc - mn);",
+            "  l = l * alpha + pj;",
+            f"  for (int u = 0; u < {eq}; ++u) {{ const long long c = lane + 32 * u; "
+            f"if (c < {e_}) acc[u] = acc[u] * alpha + pj * {load(2, f'(g * {t_} + j) * {e_} + c')}; }}",
             "  m = mn;",
             "}",
             f"for (int u = 0; u < {eq}; ++u) {{ const long long c = lane + 32 * u; "
@@ -164,7 +148,7 @@ def _attention_lines(body: Expr, shapes: list[tuple[int, ...]], load: Callable[[
 
 def _warp_stride(rows: int, lines: list[str]) -> list[str]:
     """A warp per row ``e``, the warps striding over the rows (every lane of a warp takes the same rows)."""
-    return ["  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;",
+    return ["  const int lane = threadIdx.x & 31;",
             f"  for (long long e = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; e < {rows}LL;",
             "       e += ((long long)blockDim.x * gridDim.x) >> 5) {", *(f"    {line}" for line in lines), "  }"]
 
@@ -176,8 +160,7 @@ def _loop(body: Expr, shapes: list[tuple[int, ...]], out_shape: tuple[int, ...],
     total = math.prod(out_shape)
     if body.op in ATTENTION_OPS:
         rows = math.prod(out_shape[:-1])
-        staged = f"  __shared__ float fp_q[{STANDALONE_BLOCK // 32}][{shapes[0][-1]}];  // each warp's query row"
-        return rows * 32, [staged, *_warp_stride(rows, _attention_lines(body, shapes, load, store_at))]
+        return rows * 32, _warp_stride(rows, _attention_lines(body, shapes, load, store_at))
     if body.op in IMAGE_OPS:
         lines = _image_lines(body, shapes[0], out_shape, load, lambda v: store_at("e", v))
     elif body.op in LAYOUT_COPIES:
