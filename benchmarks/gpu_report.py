@@ -196,9 +196,17 @@ def search_markdown(d: Path, when: str) -> str:
     return "\n".join(lines)
 
 
+def measured_when(d: Path) -> str:
+    """When the results were measured: the newest ``date`` of the measured files (the runner writes it), else
+    now (a report written on the device, right after the run)."""
+    dates = [json.loads(p.read_text()).get("date") for p in sorted(d.glob("measured_*.json"))]
+    stamps = sorted(datetime.fromisoformat(x) for x in dates if isinstance(x, str))
+    return (stamps[-1] if stamps else datetime.now(UTC)).strftime("%Y-%m-%d %H:%M UTC")
+
+
 def main() -> int:
     d = Path(sys.argv[1])
-    when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    when = measured_when(d)
     (d / "c05_h200.md").write_text(c05_markdown(d, when))
     (d / "mlp_epilogue_h200.md").write_text(mlp_markdown(d, when))
     (d / "gpu_search_h200.md").write_text(search_markdown(d, when))

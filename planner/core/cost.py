@@ -71,21 +71,25 @@ BUILTIN_DEVICES: dict[str, DeviceSpec] = {
         gemm_efficiency={"cublaslt": 1.0, "custom": 1.0},
         source="seed 000 (K4), docs/cost-model.md; SM figures are not used by its tables",
     ),
-    # NVIDIA H200 SXM datasheet: 4.8 TB/s HBM3e, 989 TFLOP/s dense FP16/BF16 tensor,
-    # 67 TFLOP/s FP32; Hopper (CC 9.0): 132 SMs, 64K regs, 2048 threads, 32 blocks per SM.
+    # NVIDIA H200 SXM datasheet: 989 TFLOP/s dense FP16/BF16 tensor, 67 TFLOP/s FP32; Hopper (CC 9.0): 132 SMs,
+    # 64K regs, 2048 threads, 32 blocks per SM. Measured on an H200 (docs/results/h200/calibration.json,
+    # `fusion-planner calibrate --from-measured`): 4232 GB/s copy bandwidth (datasheet 4.8 TB/s), 3.95 us per
+    # launch (assumed 3), cuBLAS fp16 at 0.72 of the peak (assumed 0.75); the generated wmma GEMM at 0.105
+    # (assumed 0.4: [4] took 1329 us at 4096^3, docs/results/mlp_epilogue_h200.md).
     "h200": DeviceSpec(
         name="h200",
-        bandwidth_gbps=4800.0,
+        bandwidth_gbps=4231.9,
         matmul_tflops={"fp16": 989.0, "bf16": 989.0, "fp32": 67.0},
         vector_tflops=67.0,
-        launch_us=3.0,
+        launch_us=3.952,
         sm_count=132,
         regs_per_sm=65536,
         max_threads_per_sm=2048,
         max_blocks_per_sm=32,
-        gemm_efficiency={"cublaslt": 0.75, "custom": 0.4},
+        gemm_efficiency={"cublaslt": 0.721, "custom": 0.105},
         measured_registers=True,
-        source="NVIDIA H200 Tensor Core GPU datasheet; CUDA C Programming Guide table for CC 9.0",
+        source="NVIDIA H200 Tensor Core GPU datasheet; CUDA C Programming Guide table for CC 9.0; bandwidth, launch "
+               "and GEMM efficiencies measured on an H200 on 2026-12-04 (docs/results/h200)",
     ),
     # NVIDIA RTX Blackwell GPU architecture whitepaper (GeForce RTX 5090): 1792 GB/s GDDR7,
     # 209.5 TFLOP/s dense FP16 tensor with FP32 accumulate, 104.8 TFLOP/s FP32;

@@ -65,3 +65,24 @@ def test_the_c05_report_puts_the_seed_program_before_the_planners_kernels(report
     assert text.index("## Sweep: the seed's program") < text.index("## Sweep: the planner's kernels")
     assert "| 2 | 0.300 | 0.300 | 0.050 | 6.000x |" in text
     assert "- failed: fused k=2: RuntimeError: boom" in text
+
+
+def test_the_search_report_ranks_every_candidate_and_breaks_the_best_into_kernels(report, tmp_path):
+    def cand(comp, est, graph, kernels):
+        return {"plan": comp, "composition": comp, "est_us": est, "meas_us": graph + 10, "graph_us": graph,
+                "verdict": "timed", "kernels": kernels}
+
+    fused = [{"kind": "elementwise", "name": "fp_ew_x", "regs": 21, "occupancy": 8, "meas_us": 13.6},
+             {"kind": "cublaslt", "epilogue": "BIAS", "meas_us": 45.9}]
+    unfused = [{"kind": "elementwise", "name": f"k{i}", "meas_us": 10.0} for i in range(5)]
+    (tmp_path / "measured_transformer_l1.json").write_text(json.dumps(
+        {"machine": {"device": "H200"}, "date": "2026-12-04T18:14:12+00:00",
+         "candidates": [cand("unfused", 148.0, 800.0, unfused), cand("fused", 49.0, 125.0, fused),
+                        {**cand("lost", 50.0, 1.0, []), "meas_us": None, "graph_us": None, "verdict": "rejected: x"}]}))
+    text = report.search_markdown(tmp_path, report.measured_when(tmp_path))
+    assert "| 1 | fused | 49.00 | 135.00 | 125.00 | timed |" in text
+    assert "| 3 | lost | 50.00 | - | - | rejected: x |" in text  # untimed candidates stay, last
+    assert "Best: fused at 125.00 us, 6.40x the most decomposed plan (5 kernels, 800.00 us)." in text
+    assert "| cublaslt(BIAS) | - | - | 45.90 |" in text and "| elementwise fp_ew_x | 21 | 8 | 13.60 |" in text
+    assert "## heavy example" in text and "Not run." in text  # a search the run left out says so
+    assert report.measured_when(tmp_path) == "2026-12-04 18:14 UTC"  # when it was measured, not when written
