@@ -191,6 +191,7 @@ def with_facts(spec: DeviceSpec, k: Kernel, facts: dict[str, Any]) -> Kernel:
             ew_flops=k.cost.ew_flops,
             regs=int(facts["regs"]),
             spills=int(facts["spill_bytes"]) > 0,
+            out_shape=k.body.type.shape,
         )
     return replace(k, cost=cost, facts=dict(facts))
 

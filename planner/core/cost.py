@@ -8,6 +8,8 @@ register peak is the max over kernels.  ``docs/cost-model.md`` has the tables.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,9 @@ class DeviceSpec:
     measured_registers: bool = False
     #: shared memory per SM in bytes (occupancy of kernels that use shared memory)
     smem_per_sm: int = 233472
+    #: the generated GEMM's output tile (rows = columns) per block: a GEMM of fewer tiles than SMs keeps only that
+    #: share of the device busy (0: not modelled)
+    gemm_tile: int = 0
     source: str = ""
 
     def to_json(self) -> dict[str, Any]:
@@ -88,6 +93,7 @@ BUILTIN_DEVICES: dict[str, DeviceSpec] = {
         max_blocks_per_sm=32,
         gemm_efficiency={"cublaslt": 0.721, "custom": 0.105},
         measured_registers=True,
+        gemm_tile=128,
         source="NVIDIA H200 Tensor Core GPU datasheet; CUDA C Programming Guide table for CC 9.0; bandwidth, launch "
                "and GEMM efficiencies measured on an H200 on 2026-12-04 (docs/results/h200)",
     ),
@@ -107,6 +113,7 @@ BUILTIN_DEVICES: dict[str, DeviceSpec] = {
         smem_per_sm=102400,
         gemm_efficiency={"cublaslt": 0.75, "custom": 0.4},
         measured_registers=True,
+        gemm_tile=128,
         source="NVIDIA RTX Blackwell architecture whitepaper; CUDA C Programming Guide, CC 12.0",
     ),
 }
@@ -157,6 +164,17 @@ class KernelCost:
         return self.gemm_flops + self.ew_flops
 
 
+def gemm_busy_share(spec: DeviceSpec, out_shape: Sequence[int]) -> float:
+    """The share of the device a generated GEMM keeps busy: one block per output tile, at most one SM each
+    (measured on the H200: the wmma kernel at M=16, N=4096 has 32 tiles for 132 SMs and took 265 us, 26 times
+    the estimate that filled the device)."""
+    if not spec.gemm_tile or len(out_shape) < 2:
+        return 1.0
+    rows = math.prod(int(d) for d in out_shape[:-1])
+    tiles = -(-rows // spec.gemm_tile) * -(-int(out_shape[-1]) // spec.gemm_tile)
+    return min(1.0, tiles / spec.sm_count)
+
+
 def kernel_cost(
     spec: DeviceSpec,
     *,
@@ -167,17 +185,20 @@ def kernel_cost(
     ew_flops: float,
     regs: int,
     spills: bool | None = None,
+    out_shape: Sequence[int] = (),
 ) -> KernelCost:
     """Seed K4's kernel time: ``max(bytes/bw, flops/peak) + launch`` with the spill cliff.
 
     ``spills`` overrides the register-sum test when a compiled kernel's spill
-    count is known (measured registers never exceed the hardware limit).
+    count is known (measured registers never exceed the hardware limit). ``out_shape``: a generated GEMM's
+    output, whose tiles (``spec.gemm_tile``) may be fewer than the device's SMs.
     """
-    mem_us = nbytes / (spec.bandwidth_gbps * 1e9) * 1e6
+    busy = gemm_busy_share(spec, out_shape) if kind == KernelKind.GEMM_EPILOGUE else 1.0
+    mem_us = nbytes / (spec.bandwidth_gbps * 1e9) * 1e6 / busy
     impl = "cublaslt" if kind == KernelKind.CUBLASLT else "custom"
     compute_s = 0.0
     if gemm_flops:
-        compute_s += gemm_flops / (spec.peak_matmul(dtype) * spec.gemm_efficiency.get(impl, 1.0))
+        compute_s += gemm_flops / (spec.peak_matmul(dtype) * spec.gemm_efficiency.get(impl, 1.0) * busy)
     compute_s += ew_flops / (spec.vector_tflops * 1e12)
     compute_us = compute_s * 1e6
     # A library GEMM's register use is the library's business: never costed as spilling.

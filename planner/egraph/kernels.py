@@ -259,7 +259,7 @@ class KernelOptions:
         nbytes = sum(self._nbytes(leaf) for leaf in leaves) + self._nbytes(cls)
         cost = kernel_cost(
             self.spec, kind=body.kind, dtype=v.types[cls].dtype, nbytes=nbytes, gemm_flops=body.gemm,
-            ew_flops=body.ew, regs=body.regs,
+            ew_flops=body.ew, regs=body.regs, out_shape=v.types[cls].shape,
         )
         return Option(cls, body.kind, body.assign, leaves, len(body.assign), cost, view=v)
 
