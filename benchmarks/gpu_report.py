@@ -148,6 +148,20 @@ def _kernel_label(f: dict) -> str:
     return f"cublaslt({f.get('epilogue')})" if f.get("kind") == "cublaslt" else f"{f.get('kind')} {f.get('name', '')}"
 
 
+def _torch_lines(torch: dict | None, best: dict) -> list[str]:
+    """torch eager and torch.compile on the same graph and inputs (event-timed, as our ``meas_us``)."""
+    if torch is None:
+        return []
+    te, tc = torch["torch_eager"]["meas_us"], torch["torch_compile"]["meas_us"]
+    lines = ["", f"torch {torch['torch']} on the same graph (op by op, `benchmarks/torch_graph.py`) and inputs: "
+             f"eager {te} us, torch.compile {tc} us (event-timed, no CUDA graph)."]
+    timed = [t for t in (te, tc) if t is not None]
+    if timed:
+        ratio = min(timed) / best["meas_us"]
+        lines.append(f"The best plan, event-timed ({best['meas_us']:.2f} us), is {ratio:.2f}x the faster of them.")
+    return lines
+
+
 def search_markdown(d: Path, when: str) -> str:
     """The planner's own searches beside the seed's tables: every candidate ranked, the estimate beside the
     measurement, and where the best plan's time goes, kernel by kernel."""
@@ -182,6 +196,7 @@ def search_markdown(d: Path, when: str) -> str:
         best = timed[0]
         unfused = max(meas["candidates"], key=lambda c: len(c.get("kernels", [])))
         rho = spearman([c["est_us"] for c in timed], [rank_us(c) for c in timed])
+        lines += _torch_lines(_load(d, f"torch_{name}"), best)
         lines += ["", f"Best: {best['composition']} at {rank_us(best):.2f} us"
                   + (f", {rank_us(unfused) / rank_us(best):.2f}x the most decomposed plan ({len(unfused['kernels'])} "
                      f"kernels, {rank_us(unfused):.2f} us)." if unfused["meas_us"] is not None else "."),

@@ -57,6 +57,7 @@ prepare() {
       --executor numpy --warmup 0 --repeats 1 --max-candidates 3
   $py -m backends.cupy c05 "$BUNDLES/c05_modes.json"
   $py benchmarks/torch_baseline.py "$BUNDLES/mlp_decode16.json" -o /dev/null --check-cpu
+  $py benchmarks/torch_baseline.py "$BUNDLES/transformer_l1.json" -o /dev/null --check-cpu
   mkdir -p /tmp/gpu_suite_dry && $py benchmarks/gpu_report.py /tmp/gpu_suite_dry
   $py -m pytest -q tests/backends/cupy/test_cupy_gpu.py -p no:cacheprovider
 }
@@ -107,10 +108,11 @@ device() {
   done
   step "time heavy" 40 "${with_wheels[@]}" $py -m backends.cupy time "$BUNDLES/heavy.json" -o "$res/measured_heavy.json" \
     --executor cupy
-  step "time transformer_l1" 90 "${with_wheels[@]}" $py -m backends.cupy time "$BUNDLES/transformer_l1.json" \
-    -o "$res/measured_transformer_l1.json" --executor cupy
-  step "time transformer_s1024" 90 "${with_wheels[@]}" $py -m backends.cupy time "$BUNDLES/transformer_s1024.json" \
-    -o "$res/measured_transformer_s1024.json" --executor cupy
+  for layer in transformer_l1 transformer_s1024; do
+    step "time $layer" 90 "${with_wheels[@]}" $py -m backends.cupy time "$BUNDLES/$layer.json" \
+      -o "$res/measured_$layer.json" --executor cupy
+    step "torch $layer" 90 $py benchmarks/torch_baseline.py "$BUNDLES/$layer.json" -o "$res/torch_$layer.json"
+  done
   step "report" 20 $py benchmarks/gpu_report.py "$res"
   step "smoke" 60 "${with_wheels[@]}" $py benchmarks/device_smoke.py --out "$out/smoke.md"
   step "calibrate" 45 "${with_wheels[@]}" $py -m backends.cupy calibrate -o "$out/calibration.json"

@@ -1,11 +1,13 @@
-"""torch eager and torch.compile on an mlp-epilogue bundle's graph, same inputs, same timing.
+"""torch eager and torch.compile on a bundle's graph, same inputs, same timing.
 
 ``python benchmarks/torch_baseline.py BUNDLE.json -o torch.json``: the
 competitor for ``python -m backends.cupy time`` on the GPU machine (no
-egglog).  The graph is mlp-epilogue: ``gelu(x @ w + b) + r`` with the GELU form
-of the bundle's reference.  Both are verified against the bundle's numpy
-reference before they are timed with CUDA events (2 warm-ups after
-compilation, median of 7, the L2 flushed before each timed call as for the plans).
+egglog).  The graph is the bundle's reference plan run op by op in torch
+(``benchmarks/torch_graph.py``: ``gelu(x @ w + b) + r`` for mlp-epilogue, a whole
+transformer layer, ...), so torch.compile fuses what Inductor fuses.  Both are
+verified against the bundle's numpy reference before they are timed with CUDA
+events (2 warm-ups after compilation, median of 7, the L2 flushed before each
+timed call as for the plans).
 """
 
 from __future__ import annotations
@@ -21,17 +23,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backends.cupy.bundle import load_bundle  # noqa: E402
-from backends.cupy.verify import allclose_report  # noqa: E402
+from benchmarks.torch_graph import TorchFormError, torch_program  # noqa: E402
 from planner.core.reference import execute_plan  # noqa: E402
+from planner.core.tolerance import check_outputs  # noqa: E402
 
 TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
-
-
-def gelu_form(bundle) -> str:
-    ops = {e.op for k in bundle.reference.kernels for e in k.body.walk()}
-    if {"MatMul", "BiasAdd", "Add"} - ops or not ops & {"GeluTanh", "GeluErf"}:
-        raise SystemExit(f"{bundle.graph}: not an mlp-epilogue graph (ops {sorted(ops)})")
-    return "tanh" if "GeluTanh" in ops else "none"
 
 
 def event_median_us(torch, fn, warmup: int, repeats: int) -> float:
@@ -63,39 +59,47 @@ def main() -> int:
     args = ap.parse_args()
 
     import torch
-    import torch.nn.functional as F
 
     bundle = load_bundle(args.bundle)
-    approx = gelu_form(bundle)
+    try:
+        program = torch_program(torch, bundle.reference)
+    except TorchFormError as exc:
+        print(f"{ap.prog}: error: {bundle.graph}: {exc}", file=sys.stderr)
+        return 2
     inputs = bundle.make_inputs()
-    (want,) = execute_plan(bundle.reference, inputs, mode="oracle")
-    dtype = bundle.tensors[bundle.reference.outputs[0]].dtype
-    tdt = getattr(torch, TORCH_DTYPES[dtype])
+    device_out = execute_plan(bundle.reference, inputs, mode="device")
+    oracle = execute_plan(bundle.reference, inputs, mode="oracle")
     dev = "cpu" if args.check_cpu else "cuda"
     if dev == "cuda" and not torch.cuda.is_available():
         print(f"{ap.prog}: error: torch {torch.__version__} sees no CUDA device", file=sys.stderr)
         return 2
-    x, w, b, r = (torch.from_numpy(np.asarray(inputs[n], np.float32)).to(dev, tdt) for n in ("x", "w", "b", "r"))
+    tensors = {name: torch.from_numpy(np.asarray(v, np.float32)).to(dev, getattr(torch, TORCH_DTYPES[
+        bundle.tensors[name].dtype])) for name, v in inputs.items()}
 
-    def eager():
-        return F.gelu(x @ w + b, approximate=approx) + r
+    def eager() -> list:
+        return program(tensors)
+
+    def verdict(fn) -> tuple[str | None, float, float]:
+        got = [o.float().cpu().numpy() for o in fn()]  # the first call compiles (outside any timed region)
+        return check_outputs(bundle.reference, got, device_out, oracle=oracle)
 
     if args.check_cpu:
-        ok, max_abs, _ = allclose_report(eager().float().numpy(), want, dtype)
-        print(f"{bundle.graph} torch eager on the CPU: {'verified' if ok else 'MISMATCH'} (max_abs {max_abs:.3g})")
-        return 0 if ok else 1
+        reason, max_abs, _ = verdict(eager)
+        print(f"{bundle.graph} torch eager on the CPU: {'verified' if reason is None else 'MISMATCH: ' + reason} "
+              f"(max_abs {max_abs:.3g})")
+        return 0 if reason is None else 1
 
     compiled = torch.compile(eager)
     out = {"graph": bundle.graph, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    for name, fn in (("torch_eager", eager), ("torch_compile", compiled)):
-        got = fn().float().cpu().numpy()  # first call compiles (outside any timed region)
-        ok, max_abs, max_rel = allclose_report(got, want, dtype)
-        entry = {"ok": ok, "max_abs": max_abs, "max_rel": max_rel, "meas_us": None}
-        if ok:
-            entry["meas_us"] = round(event_median_us(torch, fn, args.warmup, args.repeats), 3)
-        out[name] = entry
-        print(f"{bundle.graph} {name}: {'verified' if ok else 'MISMATCH'} (max_abs {max_abs:.3g})  "
-              f"{entry['meas_us']} us")
+    with torch.no_grad():
+        for name, fn in (("torch_eager", eager), ("torch_compile", compiled)):
+            reason, max_abs, max_rel = verdict(fn)
+            entry = {"ok": reason is None, "max_abs": max_abs, "max_rel": max_rel, "meas_us": None}
+            if reason is None:
+                entry["meas_us"] = round(event_median_us(torch, fn, args.warmup, args.repeats), 3)
+            out[name] = entry
+            print(f"{bundle.graph} {name}: {'verified' if reason is None else 'MISMATCH: ' + reason} "
+                  f"(max_abs {max_abs:.3g})  {entry['meas_us']} us")
     Path(args.output).write_text(json.dumps(out, indent=1))
     return 0
 

@@ -79,7 +79,11 @@ def test_the_search_report_ranks_every_candidate_and_breaks_the_best_into_kernel
         {"machine": {"device": "H200"}, "date": "2026-12-04T18:14:12+00:00",
          "candidates": [cand("unfused", 148.0, 800.0, unfused), cand("fused", 49.0, 125.0, fused),
                         {**cand("lost", 50.0, 1.0, []), "meas_us": None, "graph_us": None, "verdict": "rejected: x"}]}))
+    (tmp_path / "torch_transformer_l1.json").write_text(json.dumps(
+        {"torch": "2.11", "torch_eager": {"meas_us": 540.0}, "torch_compile": {"meas_us": 270.0}}))
     text = report.search_markdown(tmp_path, report.measured_when(tmp_path))
+    assert "eager 540.0 us, torch.compile 270.0 us" in text
+    assert "The best plan, event-timed (135.00 us), is 2.00x the faster of them." in text
     assert "| 1 | fused | 49.00 | 135.00 | 125.00 | timed |" in text
     assert "| 3 | lost | 50.00 | - | - | rejected: x |" in text  # untimed candidates stay, last
     assert "Best: fused at 125.00 us, 6.40x the most decomposed plan (5 kernels, 800.00 us)." in text
