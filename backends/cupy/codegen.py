@@ -333,6 +333,8 @@ def _used_outside(body: Expr, mm: Expr, tensor: str) -> bool:
 
 #: a row kernel's block: one block per row, its threads striding over the columns, at least 4 columns each
 ROW_THREADS_MIN, ROW_THREADS_MAX = 32, 256
+#: CUDA's largest grid in x
+MAX_GRID_X = 2**31 - 1
 
 
 def row_threads(width: int) -> int:
@@ -361,6 +363,9 @@ def row_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
         return row_read(level, width, tile,  # type: ignore[arg-type]
                         lambda at: TO_FLOAT[tensors[tensor].dtype].format(f"p{index[tensor]}[{at}]"), "LL")
 
+    if rows > MAX_GRID_X:
+        raise CodegenError(f"row kernel writing {k.out!r}: {rows} rows, a block each, pass CUDA's grid limit of "
+                           f"{MAX_GRID_X} blocks")
     threads = row_threads(width)
     emitter = RowEmitter(width, levels.__getitem__, load, 1, threads=threads)
     lines = emitter.output(body, lambda value, at: f"out[{at}] = {FROM_FLOAT[out_t.dtype].format(value)};")

@@ -1,6 +1,7 @@
 """CUDA generation and offline kernel facts (nvcc -arch=sm_90 where nvcc exists)."""
 
 import re
+from dataclasses import replace
 
 import pytest
 from gpu_bundles import example_kernels
@@ -15,8 +16,8 @@ from backends.cupy.facts import (
 )
 from backends.cupy.kernel import sanitize
 from planner.core.cost import load_device
-from planner.core.examples import ew_chain, mlp_epilogue
-from planner.core.graph import GraphBuilder
+from planner.core.examples import ew_chain, mlp_epilogue, softmax
+from planner.core.graph import GraphBuilder, TensorType
 from planner.egraph.candidates import build_candidates
 
 H200 = load_device("h200")
@@ -124,6 +125,16 @@ def test_custom_gemm_rejects_fp32_with_a_clear_error():
     k = next(k for p in cands.plans for k in p.kernels if k.kind == "gemm_epilogue")
     with pytest.raises(CodegenError, match="fp16 or bf16"):
         generate(k, cands.plans[0].tensors)
+
+
+def test_a_row_kernel_of_more_rows_than_cudas_grid_is_refused_by_name():
+    """A row kernel launches a block per row: past 2^31 - 1 rows it cannot launch, and says so."""
+    plan = next(p for p in build_candidates(softmax(4, 8, "fp32"), load_device("h200")).plans if len(p.kernels) == 1)
+    (k,) = plan.kernels
+    tensors = {n: replace(t, shape=(2**31, *t.shape[1:])) if isinstance(t, TensorType) else t
+               for n, t in plan.tensors.items()}
+    with pytest.raises(CodegenError, match=f"{k.out!r}: 2147483648 rows"):
+        generate(k, tensors)
 
 
 def test_parse_resource_usage():
