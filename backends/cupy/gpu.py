@@ -193,7 +193,6 @@ class CupyPrepared:
         self.stream.synchronize()
         return round(statistics.median(replay), 3)
 
-
     def time_steps(self, repeats: int) -> list[float]:
         """Median µs of each step (a kernel or a library call) within whole runs: an event after each step, the
         L2 flushed before each run. A step the GPU finished before the host launched the next one also counts
