@@ -10,7 +10,7 @@ GPU.
 
 import re
 import subprocess
-from pathlib import Path
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -19,8 +19,9 @@ from backends.cupy.codegen import generate
 from backends.cupy.kernel import CTYPE
 from planner.core.cost import load_device
 from planner.core.dtypes import numpy_dtype
-from planner.core.examples import ew_chain, layer_norm, mlp_epilogue, rms_norm, rope, softmax
-from planner.core.reference import execute_plan, random_inputs
+from planner.core.examples import attention, ew_chain, layer_norm, mlp_epilogue, rms_norm, rope, softmax
+from planner.core.graph import GraphBuilder
+from planner.core.reference import execute_plan, prepare_inputs, random_inputs, run_kernel
 from planner.egraph.candidates import build_candidates
 
 pytestmark = pytest.mark.nvcc
@@ -28,34 +29,76 @@ pytestmark = pytest.mark.nvcc
 GRID = 3  # few blocks so the grid-stride loop wraps several times
 
 
-def _host_program(src: str, name: str, params: list[str], dtypes: list[str], block: int, out_bytes: int,
-                  grid: int = GRID) -> str:
-    body = src.replace('extern "C" __global__ void', "void")
-    for v in ("blockIdx", "threadIdx", "blockDim", "gridDim"):
-        body = re.sub(rf"\b{v}\.x\b", f"emu_{v}", body)
-    decl = "static long long emu_blockIdx, emu_threadIdx, emu_blockDim, emu_gridDim;\n"
-    loads = []
-    for i, (p, dt) in enumerate(zip(params, dtypes, strict=True)):
-        loads.append(f"  {CTYPE[dt]}* b{i} = ({CTYPE[dt]}*)read_file(argv[{i + 1}]);  // {p}")
-    args = ", ".join(f"b{i}" for i in range(len(params)))
-    n_out = len(params) - 1
-    return f"""#include <cstdio>
-#include <cstdlib>
-{decl}{body}
-static void* read_file(const char* path) {{
+READ_FILE = r"""
+static void* read_file(const char* path) {
   FILE* f = fopen(path, "rb"); fseek(f, 0, SEEK_END); long n = ftell(f); fseek(f, 0, SEEK_SET);
   void* p = aligned_alloc(64, (n + 63) / 64 * 64 + 64); if (fread(p, 1, n, f) != (size_t)n) exit(3); fclose(f); return p;
-}}
-int main(int argc, char** argv) {{
-{chr(10).join(loads)}
-  emu_blockDim = {block}; emu_gridDim = {grid};
-  for (emu_blockIdx = 0; emu_blockIdx < {grid}; ++emu_blockIdx)
-    for (emu_threadIdx = 0; emu_threadIdx < {block}; ++emu_threadIdx) {name}({args});
-  FILE* f = fopen(argv[{len(params)}], "wb");
-  fwrite(b{n_out}, 1, {out_bytes}, f); fclose(f);
-  return 0;
-}}
+}
+static void write_file(const char* path, const void* p, long n) {
+  FILE* f = fopen(path, "wb"); fwrite(p, 1, n, f); fclose(f);
+}
 """
+
+
+def _sequential(c) -> tuple[str, str]:
+    """A kernel without barriers or shuffles: every (block, thread) pair in turn is exact. Its body (the built-in
+    index variables as host globals) and the launch, over buffers named by the kernel's parameters."""
+    body = c.source.replace('extern "C" __global__ void', "void")
+    for v in ("blockIdx", "threadIdx", "blockDim", "gridDim"):
+        body = re.sub(rf"\b{v}\.x\b", f"emu_{v}", body)
+    grid = GRID if c.grid_per_sm else c.grid[0]  # grid-stride loops wrap several times; a block per row doesn't
+    launch = (f"  emu_blockDim = {c.block}; emu_gridDim = {grid};\n"
+              f"  for (emu_blockIdx = 0; emu_blockIdx < {grid}; ++emu_blockIdx)\n"
+              f"    for (emu_threadIdx = 0; emu_threadIdx < {c.block}; ++emu_threadIdx) {c.name}(ARGS);\n")
+    return body, launch
+
+
+def _threaded(c) -> tuple[str, str]:
+    """A kernel that shares memory, waits at barriers or shuffles between lanes: one host thread per CUDA thread of
+    each block in turn (``WMMA_SHIM``'s barriers, lane table and wmma model)."""
+    body = c.source.replace("#include <mma.h>", "").replace("using namespace nvcuda;", "")
+    body = body.replace('extern "C" __global__ void', "void").replace(f"__launch_bounds__({c.block}) ", "")
+    body = body.replace("__shared__", "static").replace("__syncthreads()", "emu_sync()")
+    body = body.replace("__syncwarp()", "emu_syncwarp()")
+    body = re.sub(r"__shfl_xor_sync\(0xffffffffu, (\w+), (\w+)\)", r"emu_shfl(\1, (emu_tx % 32) ^ \2)", body)
+    body = re.sub(r"__shfl_sync\(0xffffffffu, (\w+), (\w+)\)", r"emu_shfl(\1, \2)", body)
+    body = body.replace("blockIdx.x", "emu_bx").replace("blockIdx.y", "emu_by").replace("threadIdx.x", "emu_tx")
+    body = body.replace("blockDim.x", str(c.block)).replace("gridDim.x", str(c.grid[0]))
+    gx, gy = c.grid
+    launch = (f"  {{ std::barrier<> block_bar({c.block}); emu_block_bar = &block_bar;\n"
+              f"    for (int w = 0; w < {c.block // 32}; ++w) emu_warp_bar[w] = new std::barrier<>(32);\n"
+              f"    for (emu_by = 0; emu_by < {gy}; ++emu_by)\n"
+              f"      for (emu_bx = 0; emu_bx < {gx}; ++emu_bx) {{\n"
+              f"        std::vector<std::thread> ts;\n"
+              f"        for (int t = 0; t < {c.block}; ++t) ts.emplace_back([=] {{ emu_tx = t; {c.name}(ARGS); }});\n"
+              f"        for (auto& t : ts) t.join();\n"
+              f"      }}\n"
+              f"    for (int w = 0; w < {c.block // 32}; ++w) delete emu_warp_bar[w]; }}\n")
+    return body, launch
+
+
+def _program(kernels, tensors, inputs: list[str], outputs: list[str]) -> str:
+    """One host program running ``kernels`` (generated CUDA) in order over host buffers: the inputs read from the
+    files named first on its command line, the outputs written to the files named after them."""
+    index = {t: i for i, t in enumerate(tensors)}
+    lines = [f"  {CTYPE[tensors[t].dtype]}* t{index[t]} = ({CTYPE[tensors[t].dtype]}*)read_file(argv[{i + 1}]);"
+             for i, t in enumerate(inputs)]
+    made = set(inputs)
+    bodies = []
+    for c in kernels:
+        body, launch = (_threaded if "__syncthreads" in c.source or "__shfl" in c.source else _sequential)(c)
+        bodies.append(body)
+        out = c.params[-1]
+        if out not in made:
+            lines.append(f"  {CTYPE[tensors[out].dtype]}* t{index[out]} = ({CTYPE[tensors[out].dtype]}*)"
+                         f"aligned_alloc(64, ({tensors[out].nbytes} + 63) / 64 * 64);")
+            made.add(out)
+        lines.append(launch.replace("ARGS", ", ".join(f"t{index[p]}" for p in c.params)))
+    lines += [f"  write_file(argv[{len(inputs) + 1 + i}], t{index[t]}, {tensors[t].nbytes});"
+              for i, t in enumerate(outputs)]
+    return "\n".join(["#include <cuda_fp16.h>", "#include <cuda_bf16.h>", WMMA_SHIM,
+                      "static long long emu_blockIdx, emu_threadIdx, emu_blockDim, emu_gridDim;", *bodies, READ_FILE,
+                      "int main(int argc, char** argv) {", *lines, "  return 0;", "}", ""])
 
 
 def _to_storage(x: np.ndarray, dtype: str) -> bytes:
@@ -63,36 +106,29 @@ def _to_storage(x: np.ndarray, dtype: str) -> bytes:
 
 
 def _run_host(plan, inputs, tmp_path):
-    """Execute every kernel of ``plan`` through its generated source; returns the outputs."""
-    mem = {name: np.asarray(v) for name, v in inputs.items()}
-    for idx, k in enumerate(plan.kernels):
-        c = generate(k, plan.tensors)
-        dtypes = [plan.tensors[p].dtype for p in c.params]
-        prog = tmp_path / f"k{idx}.cu"
-        cooperative = "__syncthreads" in c.source or "__shfl" in c.source  # a block per row
-        prog.write_text(_threaded_host_program(c, dtypes, plan.tensors[k.out].nbytes) if cooperative else
-                        _host_program(c.source, c.name, list(c.params), dtypes, c.block, plan.tensors[k.out].nbytes,
-                                      GRID if c.grid_per_sm else c.grid[0]))  # grid-stride loops wrap; rows don't
-        exe = tmp_path / f"k{idx}"
-        subprocess.run(["nvcc", "-O1", "-std=c++20", "-o", str(exe), str(prog)], check=True, capture_output=True,
-                       timeout=300)
-        files = []
-        for i, p in enumerate(c.params):
-            f = tmp_path / f"k{idx}_p{i}.bin"
-            t = plan.tensors[p]
-            f.write_bytes(_to_storage(mem[p], t.dtype) if i < len(c.params) - 1 else bytes(t.nbytes))
-            files.append(str(f))
-        subprocess.run([str(exe), *files], check=True, capture_output=True, timeout=300)
-        t = plan.tensors[k.out]
-        raw = np.frombuffer(Path(files[-1]).read_bytes(), dtype=numpy_dtype(t.dtype)).reshape(t.shape)
-        mem[k.out] = raw.astype(np.float32)
-    return [mem[o] for o in plan.outputs]
+    """Execute every kernel of ``plan`` through its generated source, all in one host program (one compile);
+    returns the outputs."""
+    kernels = [generate(k, plan.tensors) for k in plan.kernels]
+    written = {k.out for k in plan.kernels}
+    reads = sorted({p for c in kernels for p in c.params[:-1]} - written)
+    prog = tmp_path / "plan.cu"
+    prog.write_text(_program(kernels, plan.tensors, reads, list(plan.outputs)))
+    exe = tmp_path / "plan"
+    subprocess.run(["nvcc", "-O1", "-std=c++20", "-o", str(exe), str(prog)], check=True, capture_output=True,
+                   timeout=300)
+    files = []
+    for i, t in enumerate(reads):
+        f = tmp_path / f"in{i}.bin"
+        f.write_bytes(_to_storage(np.asarray(inputs[t]), plan.tensors[t].dtype))
+        files.append(str(f))
+    outs = [tmp_path / f"out{i}.bin" for i in range(len(plan.outputs))]
+    subprocess.run([str(exe), *files, *map(str, outs)], check=True, capture_output=True, timeout=300)
+    return [np.frombuffer(f.read_bytes(), dtype=numpy_dtype(plan.tensors[o].dtype)).reshape(plan.tensors[o].shape)
+            .astype(np.float32) for f, o in zip(outs, plan.outputs, strict=True)]
 
 
 def _masked_softmax(groups: int, seq: int, keys: int, dtype: str):
     """softmax(x + m) over scores x (G, S, T) and a mask m of one row of keys per group (G, 1, T)."""
-    from planner.core.graph import GraphBuilder
-
     b = GraphBuilder(f"masked-softmax-{groups}x{seq}x{keys}-{dtype}")
     b.input("x", (groups, seq, keys), dtype)
     b.input("m", (groups, 1, keys), dtype)
@@ -146,12 +182,8 @@ def test_generated_elementwise_code_matches_the_reference(graph, pred, tmp_path)
     mem = dict(inputs)
     if gemm:  # the GEMM itself runs in numpy; only elementwise kernels are emulated
         for k in gemm:
-            from planner.core.reference import prepare_inputs, run_kernel
-
             store = prepare_inputs(plan.tensors, inputs, list(inputs), "device")
             mem[k.out] = run_kernel(k, store, "device")
-        from dataclasses import replace
-
         plan = replace(plan, kernels=tuple(k for k in plan.kernels if k.kind == "elementwise"))
     got = _run_host(plan, mem, tmp_path)
     want = execute_plan(plan, mem, mode="device")
@@ -215,49 +247,6 @@ inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, 
 """
 
 
-def _threaded_host_program(c, dtypes, out_bytes: int) -> str:
-    """A kernel that shares memory, waits at barriers or shuffles between lanes, one host thread per CUDA
-    thread of each block in turn."""
-    body = c.source.replace("#include <mma.h>", "").replace("using namespace nvcuda;", "")
-    body = body.replace('extern "C" __global__ void', "void").replace(f"__launch_bounds__({c.block}) ", "")
-    body = body.replace("__shared__", "static").replace("__syncthreads()", "emu_sync()")
-    body = body.replace("__syncwarp()", "emu_syncwarp()")
-    body = re.sub(r"__shfl_xor_sync\(0xffffffffu, (\w+), (\w+)\)", r"emu_shfl(\1, (emu_tx % 32) ^ \2)", body)
-    body = re.sub(r"__shfl_sync\(0xffffffffu, (\w+), (\w+)\)", r"emu_shfl(\1, \2)", body)
-    body = body.replace("blockIdx.x", "emu_bx").replace("blockIdx.y", "emu_by").replace("threadIdx.x", "emu_tx")
-    body = body.replace("blockDim.x", str(c.block)).replace("gridDim.x", str(c.grid[0]))
-    loads = "\n".join(
-        f"  {CTYPE[dt]}* b{i} = ({CTYPE[dt]}*)read_file(argv[{i + 1}]);" for i, dt in enumerate(dtypes)
-    )
-    args = ", ".join(f"b{i}" for i in range(len(dtypes)))
-    gx, gy = c.grid
-    return f"""#include <cuda_fp16.h>
-#include <cuda_bf16.h>
-{WMMA_SHIM}
-{body}
-static void* read_file(const char* path) {{
-  FILE* f = fopen(path, "rb"); fseek(f, 0, SEEK_END); long n = ftell(f); fseek(f, 0, SEEK_SET);
-  void* p = aligned_alloc(64, (n + 63) / 64 * 64 + 64); if (fread(p, 1, n, f) != (size_t)n) exit(3); fclose(f); return p;
-}}
-int main(int argc, char** argv) {{
-{loads}
-  std::barrier<> block_bar({c.block});
-  emu_block_bar = &block_bar;
-  std::vector<std::barrier<>*> warps;
-  for (int w = 0; w < {c.block // 32}; ++w) emu_warp_bar[w] = new std::barrier<>(32);
-  for (emu_by = 0; emu_by < {gy}; ++emu_by)
-    for (emu_bx = 0; emu_bx < {gx}; ++emu_bx) {{
-      std::vector<std::thread> ts;
-      for (int t = 0; t < {c.block}; ++t) ts.emplace_back([=] {{ emu_tx = t; {c.name}({args}); }});
-      for (auto& t : ts) t.join();
-    }}
-  FILE* f = fopen(argv[{len(dtypes)}], "wb");
-  fwrite(b{len(dtypes) - 1}, 1, {out_bytes}, f); fclose(f);
-  return 0;
-}}
-"""
-
-
 @pytest.mark.parametrize(
     ("m", "n", "k", "dtype", "partition"),
     [
@@ -270,25 +259,8 @@ def test_generated_gemm_epilogue_matches_the_reference(m, n, k, dtype, partition
     graph = mlp_epilogue(m, n, k, dtype)
     plan = _plan(graph, lambda p: p.partition == partition and p.kernels[0].kind == "gemm_epilogue")
     kern = plan.kernels[0]
-    c = generate(kern, plan.tensors)
     inputs = random_inputs(graph, seed=5, scale=0.5)
-    dtypes = [plan.tensors[p].dtype for p in c.params]
-    prog = tmp_path / "g.cu"
-    prog.write_text(_threaded_host_program(c, dtypes, plan.tensors[kern.out].nbytes))
-    exe = tmp_path / "g"
-    subprocess.run(["nvcc", "-O1", "-std=c++20", "-o", str(exe), str(prog)], check=True, capture_output=True,
-                   timeout=300)
-    files = []
-    for i, p in enumerate(c.params):
-        f = tmp_path / f"p{i}.bin"
-        t = plan.tensors[p]
-        f.write_bytes(_to_storage(inputs[p], t.dtype) if i < len(c.params) - 1 else bytes(t.nbytes))
-        files.append(str(f))
-    subprocess.run([str(exe), *files], check=True, capture_output=True, timeout=300)
-    t = plan.tensors[kern.out]
-    got = np.frombuffer(Path(files[-1]).read_bytes(), dtype=numpy_dtype(t.dtype)).reshape(t.shape).astype(np.float32)
-    from planner.core.reference import prepare_inputs, run_kernel
-
+    (got,) = _run_host(replace(plan, kernels=(kern,), outputs=(kern.out,)), inputs, tmp_path)
     want = run_kernel(kern, prepare_inputs(plan.tensors, inputs, list(inputs), "device"), "device")
     # fp32 accumulation in another order, then one rounding to fp16/bf16
     np.testing.assert_allclose(got, want, rtol=2e-2 if dtype == "bf16" else 2e-3, atol=2e-2 if dtype == "bf16" else 2e-3)
@@ -306,8 +278,6 @@ def test_generated_gemm_epilogue_matches_the_reference(m, n, k, dtype, partition
 def test_generated_attention_kernels_match_the_reference(dtype, causal, masked, fused, seq, tmp_path):
     """A whole attention plan through its generated CUDA (the layouts, the batched products, the row kernels, the
     fused online-softmax kernel, the mask repeated over heads), executed on the host, equals the reference."""
-    from planner.core.examples import attention
-
     graph = attention(batch=2, seq=seq, d_model=24, heads=3, dtype=dtype, causal=causal, masked=masked)
     attn_ops = {"Attention", "MaskedAttention"}
     plans = build_candidates(graph, load_device("h200")).plans
@@ -330,8 +300,6 @@ def test_generated_gather_and_column_copies_match_the_reference(dtype, tmp_path)
     """Rows of a table at token ids (the Embedding gather with its id check) and columns of the rows taken
     (Columns), then an elementwise kernel, through their generated CUDA executed on the host, equal the
     reference; an id outside the table stops the kernel."""
-    from planner.core.graph import GraphBuilder
-
     b = GraphBuilder(f"gather-columns-{dtype}")
     b.input("ids", (4, 6), "fp32")
     b.input("table", (50, 40), dtype)
@@ -352,8 +320,6 @@ def test_generated_image_kernels_match_the_reference(dtype, tmp_path):
     """A small convolutional network's standalone kernels through their generated CUDA (channels-last copies,
     Im2col with padding, stride and dilation, max pooling, the spatial mean), executed on the host, equal the
     reference."""
-    from planner.core.graph import GraphBuilder
-
     window = {"height": 7, "width": 6, "kh": 3, "kw": 2, "sh": 2, "sw": 1, "ph": 1, "pw": 1, "dh": 1, "dw": 2}
     pool = {"height": 7, "width": 6, "kh": 3, "kw": 3, "sh": 2, "sw": 2, "ph": 1, "pw": 1, "dh": 1, "dw": 1}
     b = GraphBuilder(f"images-{dtype}")
@@ -378,8 +344,6 @@ def test_generated_image_kernels_match_the_reference(dtype, tmp_path):
 def test_generated_biased_attention_matches_the_reference(dtype, tmp_path):
     """softmax(scale * q@kT + bias) @ v with a bias row per query (T5's relative position bias), the rule's
     one BiasedAttention kernel, through its generated CUDA executed on the host, equals the reference."""
-    from planner.core.graph import GraphBuilder
-
     b = GraphBuilder(f"biased-attention-{dtype}")
     for name, shape in (("q", (3, 9, 8)), ("k", (3, 11, 8)), ("v", (3, 11, 6)), ("bias", (3, 9, 11))):
         b.input(name, shape, dtype)
