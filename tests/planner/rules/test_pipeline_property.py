@@ -28,10 +28,29 @@ from planner.rules.load import user_rules
 MAX_PLANS = 24  # executed per graph (all when there are fewer)
 
 
-@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+# derandomized, as the other fuzz tests: the same 500 graphs on every run, so CI's verdict is the code's, not the
+# draw's; a random run found the case below, which stays as a known failure until it is fixed
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+          derandomize=True, database=None)
 @given(graph=graphs(), seed=st.integers(0, 3))
 def test_every_candidate_agrees_with_the_unfused_plan(graph: dict, seed: int) -> None:
     check_candidates(graph, seed)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="known: fp16 value stored rounded by one kernel and recomputed unrounded by "
+                   "another; the difference survives a cancellation (the search rejects such a plan on its output check)")
+def test_a_stored_and_a_recomputed_copy_of_one_fp16_value_agree() -> None:
+    """Found by a random run of the property above: n1 = n0 + n0 is stored in fp16 by one kernel, while the next
+    recomputes n0 in fp32 and takes n0 - (relu(n1) - n0), which is 0 on the unrounded and on the unfused values
+    but twice n0's rounding error on the mix: 0.0084 against outputs of about 0.2."""
+    found = json.loads((FIXTURES / "fp16_recompute_cancellation.json").read_text())
+
+    @settings(max_examples=1, database=None, phases=[Phase.generate])
+    @given(graph=st.just(found), seed=st.just(3))
+    def found_case(graph: dict, seed: int) -> None:
+        check_candidates(graph, seed)
+
+    found_case()
 
 
 def check_candidates(graph_json: dict, seed: int, rules: list[RuleFile] | None = None) -> None:
