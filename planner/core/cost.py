@@ -44,8 +44,8 @@ class DeviceSpec:
     measured_registers: bool = False
     #: shared memory per SM in bytes (occupancy of kernels that use shared memory)
     smem_per_sm: int = 233472
-    #: the generated GEMM's output tile (rows = columns) per block: a GEMM of fewer tiles than SMs keeps only that
-    #: share of the device busy (0: not modelled)
+    #: the generated GEMM's output tile (rows = columns) per block (``backends.cupy.kernel.GEMM_TILE``, which a
+    #: test keeps equal): a GEMM of fewer tiles than SMs keeps only that share of the device busy (0: not modelled)
     gemm_tile: int = 0
     source: str = ""
 

@@ -14,8 +14,8 @@ from backends.cupy.facts import (
     occupancy,
     parse_resource_usage,
 )
-from backends.cupy.kernel import sanitize
-from planner.core.cost import load_device
+from backends.cupy.kernel import GEMM_TILE, sanitize
+from planner.core.cost import BUILTIN_DEVICES, load_device
 from planner.core.examples import ew_chain, mlp_epilogue, softmax
 from planner.core.graph import GraphBuilder, TensorType
 from planner.egraph.candidates import build_candidates
@@ -135,6 +135,12 @@ def test_a_row_kernel_of_more_rows_than_cudas_grid_is_refused_by_name():
                for n, t in plan.tensors.items()}
     with pytest.raises(CodegenError, match=f"{k.out!r}: 2147483648 rows"):
         generate(k, tensors)
+
+
+def test_the_cost_models_gemm_tile_is_the_generated_kernels():
+    """The device specs cost a generated GEMM by its tile count (``DeviceSpec.gemm_tile``): the tile the kernel uses."""
+    tiled = [d for d in BUILTIN_DEVICES.values() if d.gemm_tile]
+    assert tiled and all(d.gemm_tile == GEMM_TILE[0] == GEMM_TILE[1] for d in tiled)
 
 
 def test_parse_resource_usage():
