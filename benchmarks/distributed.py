@@ -8,6 +8,8 @@ Usage: python benchmarks/distributed.py [--out docs/results/distributed.md] [--r
    alternating order (serial, ray, ray, serial, ...), after one untimed serial run that fills the kernel cache.
    The regions' search time (the cluster's start included for ray) and the whole command's, and the plans each
    chose, region by region.
+   Then, on one standing cluster, serial searches alternate with ray searches that take the workers an earlier
+   search kept (``--keep-workers``, the default with ``--ray-address``).
 2. Simulated: the same pool (``planner.cluster.pool.RayPool``, its real dispatch loop) with workers that sleep each
    region's measured search time (scaled down) instead of searching, for 1, 2, 8 and 32 workers and 12 and 48
    regions; beside it the list-scheduling model of the same (regions in order, each to the first free worker),
@@ -94,7 +96,8 @@ CONTENDERS = {"serial": ("--by-region",), "ray": ("--executor", "ray", "--worker
 
 @contextlib.contextmanager
 def running_cluster() -> Iterator[None]:
-    """A local Ray cluster of 2 CPUs started beforehand (``ray start --head``), as a standing cluster is."""
+    """A local Ray cluster of 2 CPUs started beforehand (``ray start --head``), as a standing cluster is; its
+    workers end with it."""
     ray_cli = str(Path(sys.executable).parent / "ray")
     subprocess.run([ray_cli, "start", "--head", "--num-cpus", "2", "--port", PORT,
                     "--include-dashboard=false"], check=True, capture_output=True, timeout=120)
@@ -137,7 +140,23 @@ def measured(graph: Graph, rounds: int, budget_s: float, folder: Path) -> dict[s
                               " over the unfused plan)")
     durations = {key: statistics.median(run[key]["search_s"] for run in plans["serial"]) for key in plans["serial"][0]}
     return {"times": times, "searching": searching, "same": same, "compared": same + len(differ), "differ": differ,
-            "durations": durations}
+            "durations": durations, "kept": kept_workers(graph_file, rounds, budget_s)}
+
+
+def kept_workers(graph_file: Path, rounds: int, budget_s: float) -> dict[str, list[float]]:
+    """A standing cluster whose workers are kept between searches (``--ray-address``'s default): one untimed
+    search starts them, then serial and ray searches alternate, each ray search taking the kept workers."""
+    searching: dict[str, list[float]] = {"serial": [], "kept": []}
+    with running_cluster():
+        plan_cli(graph_file, budget_s, *CONTENDERS["joined"])  # starts the workers; they stay for the next search
+        for r in range(rounds):
+            for kind in ("serial", "kept") if r % 2 == 0 else ("kept", "serial"):
+                seconds, doc = plan_cli(graph_file, budget_s, *CONTENDERS["joined" if kind == "kept" else kind])
+                if kind == "kept" and not any("kept from an earlier search" in n for n in doc["executor"]):
+                    raise SystemExit(f"the kept workers were not taken: {doc['executor']}")
+                searching[kind].append(doc["times_s"]["plan_regions"])
+                print(f"kept workers, round {r + 1} {kind}: {seconds:.1f}s", flush=True)
+    return searching
 
 
 # ------------------------------------------------------------------------------------------- 2. simulated
@@ -240,6 +259,29 @@ def main() -> None:
     write(args, graph, m, sim, ext, started)
 
 
+def kept_lines(kept: dict[str, list[float]]) -> list[str]:
+    serial, fanned = statistics.median(kept["serial"]), statistics.median(kept["kept"])
+    rows = [f"| {i + 1} | {a:.1f} | {b:.1f} |" for i, (a, b) in enumerate(zip(kept["serial"], kept["kept"], strict=True))]
+    return [
+        "### Kept workers: a standing cluster's next search",
+        "",
+        "On a cluster the command did not start (`--ray-address`), the workers stay for the next search of the same "
+        "kind (`--keep-workers`, 600 s by default there): one untimed search on a freshly started cluster of 2 CPUs "
+        "starts them, then serial and ray searches alternate (serial first, then ray first), each ray search taking "
+        "the two kept workers, warm (imported, backend built, calibrated), as a standing cluster serves a team's "
+        "searches one after another.",
+        "",
+        "| run | search s: serial | ray, kept workers |",
+        "|---|---|---|",
+        *rows,
+        f"| median | {serial:.1f} | {fanned:.1f} |",
+        "",
+        f"**Search time, ray with kept workers over serial: {fanned / serial:.2f}x** (target <= 0.6x: "
+        f"{'met' if fanned / serial <= 0.6 else 'not met'}).",
+        "",
+    ]
+
+
 def write(args: argparse.Namespace, graph: Graph, m: dict[str, Any], sim: list[dict[str, Any]],
           ext: list[dict[str, Any]], started: datetime.datetime) -> None:
     serial, fanned = statistics.median(m["times"]["serial"]), statistics.median(m["times"]["ray"])
@@ -292,6 +334,7 @@ def write(args: argparse.Namespace, graph: Graph, m: dict[str, Any], sim: list[d
         + ("." if not m["differ"] else "; where not, each plan's speedup over the unfused plan as its own search "
            "measured it, serial's vs ray's: " + "; ".join(m["differ"]) + "."),
         "",
+        *kept_lines(m["kept"]),
         "## Simulated: 1 to 32 workers",
         "",
         "The pool's own dispatch loop (`RayPool.run`) on a local Ray cluster of 32 logical CPUs, with workers that "

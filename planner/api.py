@@ -254,6 +254,7 @@ def plan(
     executor: str = "serial",
     workers: int | None = None,
     ray_address: str | None = None,
+    keep_workers: float | None = None,
     **search_opts: Any,
 ) -> PlanResult:
     """Plan a torch module (or an IR graph) and return the executable :class:`PlanResult`.
@@ -280,9 +281,10 @@ def plan(
     ``by_region`` plans region by region even where no region repeats (docs/scaling.md). ``executor="ray"`` fans
     the distinct regions out over a Ray cluster's workers, each on its own device: a local
     cluster of ``workers`` (default: the cores over ``threads``, which defaults to 1 there), or the cluster at
-    ``ray_address`` (docs/scaling.md, "Many machines").
+    ``ray_address`` (docs/scaling.md, "Many machines"); ``keep_workers``: seconds the workers are kept for
+    the next search on a cluster this call did not start (default 600 with ``ray_address``, else 0).
     """
-    fanout = ExecutorOptions(executor, workers, ray_address)
+    fanout = ExecutorOptions(executor, workers, ray_address, keep_s=keep_workers)
     fanout.validate()
     threads = fanout.threads(backend, threads)
     if allow_torch_ops:
@@ -346,7 +348,8 @@ def plan(
         result.guard = module_guard(result, module, args, on_change, functools.partial(
             plan, module, backend=backend, device=spec, rules=rules, limits=limits, cap=cap, k=k, verify=verify,
             dedup=dedup, cache=cache, threads=threads, on_change=None, exact_weights=exact_weights, by_region=by_region,
-            executor=executor, workers=workers, ray_address=ray_address, **search_opts))
+            executor=executor, workers=workers, ray_address=ray_address, keep_workers=keep_workers,
+            **search_opts))
     return result
 
 

@@ -3,17 +3,22 @@ regions fanned out over the workers of a Ray cluster, docs/scaling.md "Many mach
 
 :class:`RayPool` starts a local cluster (``workers``) or joins one (``address``), starts one
 :class:`~planner.cluster.workers.RegionWorker` actor per device, and runs the region jobs on them, a budget share
-each. A worker that dies has its region re-queued on another; a worker whose region runs past its budget plus a
+each. On a cluster it did not start, the workers are kept (``keep_s``, by default :data:`DEFAULT_KEEP_S` where an
+address is given): detached actors that the next search of the same kind leases instead of starting its own, so
+that it pays no worker start (the imports, the backend, its calibration); idle ones of another kind are retired
+when their cores are wanted. A worker that dies has its region re-queued on another; a worker whose region runs past its budget plus a
 grace (``grace_s``) is taken for hung, killed and replaced, and its region re-queued. A region that loses
 :data:`MAX_TRIES` workers ends the search with an error; so does a cluster left with no worker. Each such event is
 logged (``logging``) and kept in :attr:`RayPool.events`."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,7 +26,7 @@ from typing import Any
 
 from planner.backend import BackendUnavailable
 from planner.cluster.jobs import Budget, RegionJob, RegionOutcome
-from planner.cluster.workers import RegionWorker
+from planner.cluster.workers import RegionWorker, worker_key
 from planner.core.cost import DeviceSpec
 from planner.core.errors import UsageError
 from planner.registry import plugin
@@ -40,6 +45,12 @@ DEFAULT_GRACE_S = 300.0
 MAX_TRIES = 3
 #: how long a new worker may take to start (import the planner, build its backend)
 START_TIMEOUT_S = 300.0
+#: how long a kept worker waits for the next search (``--keep-workers``) where an address is given
+DEFAULT_KEEP_S = 600.0
+#: the Ray namespace of kept workers
+NAMESPACE = "fusion-planner"
+#: how long a planner waits for a kept worker busy with another planner's search to answer a lease
+LEASE_WAIT_S = 2.0
 #: the environment a worker takes from the planner's process (the kernel cache, compiler, GEMM and thread
 #: settings); the plan cache stays the driver's
 PASSED_ENV = ("FUSION_PLANNER_", "OMP_", "SEARCH_OP_NAMES")
@@ -56,6 +67,15 @@ class ExecutorOptions:
     workers: int | None = None
     address: str | None = None
     grace_s: float = DEFAULT_GRACE_S
+    #: seconds a worker is kept for the next search on a cluster this search did not start (None: the default,
+    #: :data:`DEFAULT_KEEP_S` where an address is given, else 0: workers end with the search)
+    keep_s: float | None = None
+
+    @property
+    def keep_workers_s(self) -> float:
+        if self.keep_s is not None:
+            return self.keep_s
+        return DEFAULT_KEEP_S if self.address else 0.0
 
     def threads(self, backend: str, threads: int | None) -> int | None:
         """The threads a backend that takes them times on: as given; else a ray worker's one core (a serial
@@ -72,6 +92,9 @@ class ExecutorOptions:
             raise UsageError(f"workers must be at least 1, got {self.workers!r}")
         if not self.grace_s > 0:
             raise UsageError(f"the worker grace must be positive, got {self.grace_s}")
+        if self.keep_s is not None and (self.kind == "serial" or not self.keep_s >= 0):
+            raise UsageError(f"keeping workers is an option of the ray executor, in seconds >= 0, got {self.keep_s!r}"
+                             if self.kind == "ray" else "keeping workers is an option of the ray executor (--executor ray)")
         if self.kind == "ray":
             import_ray()  # refused now, before any planning, where Ray is not installed
 
@@ -90,6 +113,7 @@ class _Worker:
     handle: Any
     pid: int
     where: str
+    kept: bool = False  # a detached actor, leased: released, not killed, at the end
 
 
 @dataclass
@@ -118,8 +142,19 @@ class RayPool:
         self._count = 0
         self._actor = self.ray.remote(worker)
         self._args = (backend, spec, dict(backend_options), device, tuple(torch_ops))
+        self._env = {k: v for k, v in os.environ.items() if k.startswith(PASSED_ENV) and k not in KEPT_HERE}
+        self._token = uuid.uuid4().hex  # this search's leases
+        self._slot = 0  # the next kept-worker name to try
+        self.reused = 0  # kept workers taken from an earlier search
         size = self._join()
+        self.keep_s = options.keep_workers_s
+        if self.keep_s and self.started_cluster:
+            log.info("workers are not kept: the cluster this search started ends with it")
+            self.keep_s = 0.0
+        self._key = worker_key(self._args, self._env) if self.keep_s else ""
         try:
+            if self.keep_s:
+                self._retire_others(size)
             self._start([self._new_name() for _ in range(size)])
         except BaseException:
             self.close()
@@ -162,31 +197,85 @@ class RayPool:
         self._count += 1
         return f"w{self._count}"
 
+    def _resources(self) -> dict[str, Any]:
+        return {"num_gpus": 1, "num_cpus": 1} if self.device == "gpu" else {"num_cpus": self.threads}
+
     def _start(self, names: Sequence[str]) -> None:
-        """Start workers and wait until each has built its backend."""
-        resources = {"num_gpus": 1, "num_cpus": 1} if self.device == "gpu" else {"num_cpus": self.threads}
-        env = {k: v for k, v in os.environ.items() if k.startswith(PASSED_ENV) and k not in KEPT_HERE}
-        started = {name: self._actor.options(**resources, max_restarts=0, max_task_retries=0,
-                                             runtime_env={"env_vars": env}).remote(name, *self._args)
+        """Start workers (or lease kept ones) and wait until each has built its backend."""
+        started = {name: self._kept_worker() if self.keep_s else (self._new_worker(name), None, False)
                    for name in names}
-        for name, handle in started.items():
-            try:
-                where = self.ray.get(handle.describe.remote(), timeout=START_TIMEOUT_S)
-            except Exception as exc:
-                for h in started.values():
-                    self.ray.kill(h, no_restart=True)
-                raise BackendUnavailable(f"Ray worker {name} could not start: {_cause(exc)}") from None
+        for name in started:
+            while True:
+                handle, lease, reused = started[name]
+                try:
+                    where = self.ray.get(handle.describe.remote(), timeout=START_TIMEOUT_S)
+                    if lease is None or self.ray.get(lease, timeout=START_TIMEOUT_S):
+                        break
+                except Exception as exc:
+                    for h, _, _ in started.values():
+                        self.ray.kill(h, no_restart=True)
+                    raise BackendUnavailable(f"Ray worker {name} could not start: {_cause(exc)}") from None
+                started[name] = self._kept_worker()  # another planner made and leased this one first
+            self.reused += reused
             self.workers[name] = _Worker(name, handle, where["pid"], f"pid {where['pid']} on {where['host']}, "
-                                                                     f"{where['device']}")
+                                         f"{where['device']}" + (", kept from an earlier search" if reused else ""),
+                                         kept=lease is not None)
             self._note(f"{name}: {self.workers[name].where}", logging.INFO)
+
+    def _new_worker(self, label: str, **placement: Any) -> Any:
+        return self._actor.options(**self._resources(), **placement, max_restarts=0, max_task_retries=0,
+                                   runtime_env={"env_vars": self._env}).remote(label, *self._args)
+
+    def _kept_worker(self) -> tuple[Any, Any, bool]:
+        """A kept worker of this search's kind that no other planner holds, its lease, and whether an earlier
+        search left it: an idle one an earlier search left (leased here), else a new one (detached, so that it
+        outlives this search; its lease is answered once it has started)."""
+        while True:
+            self._slot += 1
+            actor = f"{self._key}-{self._slot}"
+            try:
+                handle = self.ray.get_actor(actor, namespace=NAMESPACE)
+            except ValueError:  # none of that name: a new one (or the one another planner made just now)
+                handle = self._new_worker(actor, name=actor, namespace=NAMESPACE, lifetime="detached",
+                                          get_if_exists=True)
+                return handle, handle.lease.remote(self._token, START_TIMEOUT_S, self.keep_s), False
+            lease = handle.lease.remote(self._token, START_TIMEOUT_S, self.keep_s)
+            with contextlib.suppress(self.ray.exceptions.GetTimeoutError, self.ray.exceptions.RayActorError):
+                if self.ray.get(lease, timeout=LEASE_WAIT_S):
+                    return handle, lease, True
+            log.info("kept worker %s is held by another search (or gone)", actor)
+
+    def _retire_others(self, size: int) -> None:
+        """Where the cluster lacks the free devices for ``size`` workers, end the idle kept workers of other
+        kinds (another backend, thread count or planner version) that hold them."""
+        kind = "GPU" if self.device == "gpu" else "CPU"
+        need = size * (1 if self.device == "gpu" else self.threads)
+        if self.ray.available_resources().get(kind, 0) >= need:
+            return
+        for actor in self.ray.util.list_named_actors(all_namespaces=True):
+            if actor["namespace"] != NAMESPACE or actor["name"].startswith(self._key):
+                continue
+            try:
+                handle = self.ray.get_actor(actor["name"], namespace=NAMESPACE)
+                if self.ray.get(handle.retire.remote(), timeout=LEASE_WAIT_S):
+                    self.ray.kill(handle, no_restart=True)
+                    self._note(f"retired the idle kept worker {actor['name']} (another kind) for its "
+                               f"{kind.lower()}s", logging.INFO)
+            except (ValueError, self.ray.exceptions.GetTimeoutError, self.ray.exceptions.RayActorError):
+                continue  # gone already, or busy with another search
 
     def pids(self) -> dict[str, int]:
         """Each live worker's process id (on its own host)."""
         return {name: w.pid for name, w in self.workers.items()}
 
     def close(self) -> None:
+        """Kill the workers, or release the kept ones for the next search."""
+        kept = [w.handle.release.remote(self._token) for w in self.workers.values() if w.kept]
         for w in self.workers.values():
-            self.ray.kill(w.handle, no_restart=True)
+            if not w.kept:
+                self.ray.kill(w.handle, no_restart=True)
+        with contextlib.suppress(Exception):  # a worker that died meanwhile is not released, and needs not be
+            self.ray.get(kept, timeout=LEASE_WAIT_S)
         self.workers.clear()
         if self.started_cluster:
             self.ray.shutdown()
@@ -209,6 +298,8 @@ class RayPool:
                 name = idle.pop(0)
                 share = budget.share(len(self.workers))
                 deadline = time.perf_counter() + share + self.options.grace_s
+                if self.workers[name].kept:  # held while it searches, and as long as it may before taken for hung
+                    self.workers[name].handle.lease.remote(self._token, share + self.options.grace_s + 60.0, self.keep_s)
                 running[self.workers[name].handle.search.remote(job.with_budget(share))] = _Running(name, job, tries,
                                                                                                      deadline)
             if not running:
@@ -237,7 +328,9 @@ class RayPool:
         """The region's outcome; None where its worker died (the region re-queued). An error the search itself
         raised (no candidate verified, bad input) is raised here, as the serial search raises it."""
         try:
-            return self.ray.get(ref)
+            outcome: RegionOutcome = self.ray.get(ref)
+            outcome.worker = job_run.worker  # this search's name of it (a kept worker's actor name is its kind's)
+            return outcome
         except self.ray.exceptions.RayTaskError as exc:
             raise exc.cause if isinstance(exc.cause, Exception) else exc from None
         except self.ray.exceptions.RayActorError as exc:

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from planner.cluster.pool import DEFAULT_GRACE_S, EXECUTORS, ExecutorOptions
+from planner.cluster.pool import DEFAULT_GRACE_S, DEFAULT_KEEP_S, EXECUTORS, ExecutorOptions
 from planner.commands.common import (
     add_graph_args,
     add_planning_args,
@@ -92,6 +92,10 @@ def add_search_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--worker-grace", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
                    help="ray: a worker still searching a region this long after its budget ran out is taken for "
                         "hung, killed and replaced (default %(default)g)")
+    c.add_argument("--keep-workers", type=float, default=None, metavar="SECONDS",
+                   help="ray: keep the workers this long for the next search on a cluster this command did not start "
+                        f"(the next search takes them warm; default {DEFAULT_KEEP_S:g} with --ray-address; 0: end "
+                        "them with the search)")
 
 
 def options_from_args(args: argparse.Namespace) -> SearchOptions:
@@ -115,7 +119,7 @@ def options_from_args(args: argparse.Namespace) -> SearchOptions:
 def executor_from_args(args: argparse.Namespace) -> ExecutorOptions:
     if args.measured and args.executor != "serial":
         raise UsageError("--measured merges results timed elsewhere: there is nothing to fan out (--executor serial)")
-    ex = ExecutorOptions(args.executor, args.workers, args.ray_address, args.worker_grace)
+    ex = ExecutorOptions(args.executor, args.workers, args.ray_address, args.worker_grace, args.keep_workers)
     ex.validate()
     return ex
 

@@ -9,13 +9,14 @@ import logging
 import os
 import signal
 import sys
+import time
 
 import pytest
 import ray
 
 from planner.cli import main
 from planner.cluster.jobs import Budget
-from planner.cluster.pool import ExecutorOptions, RayPool
+from planner.cluster.pool import NAMESPACE, ExecutorOptions, RayPool
 from planner.core import examples
 from planner.core.cost import load_device
 from planner.core.errors import UsageError
@@ -192,3 +193,97 @@ def test_results_timed_elsewhere_are_not_fanned_out(tmp_path, capsys):
 def test_an_address_nothing_answers_on_is_refused_at_once(capsys):
     assert main(["plan", "--example", "mlp-epilogue", "--executor", "ray", "--ray-address", "127.0.0.1:1"]) == 2
     assert "cannot join the Ray cluster at 127.0.0.1:1" in capsys.readouterr().err
+
+
+# -- kept workers: a standing cluster's next search takes the workers warm
+
+
+def end_kept_workers() -> None:
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"] == NAMESPACE:
+            ray.kill(ray.get_actor(actor["name"], namespace=NAMESPACE), no_restart=True)
+
+
+@pytest.fixture
+def kept(cluster):
+    yield
+    end_kept_workers()
+
+
+def searched(pool: RayPool, options: PlanOptions) -> list:
+    todo = jobs(options)[:2]
+    return list(pool.run(todo, Budget(60.0, len(todo))))
+
+
+def test_kept_workers_serve_the_next_search_of_their_kind_warm(kept):
+    options = model_options(ExecutorOptions("ray", 2, keep_s=60.0))
+    first = RayPool(options.executor, "model", SPEC, {}, "cpu")
+    try:
+        outcomes = searched(first, options)
+        pids = first.pids()
+    finally:
+        first.close()
+    assert first.reused == 0 and {o.worker for o in outcomes} <= {"w1", "w2"}  # this search's names in its log
+    second = RayPool(options.executor, "model", SPEC, {}, "cpu")
+    try:
+        assert sorted(second.pids().values()) == sorted(pids.values())  # the same processes, started once
+        assert second.reused == 2 and all("kept from an earlier search" in e for e in second.events)
+        assert len(searched(second, options)) == 2
+    finally:
+        second.close()
+
+
+def test_a_kept_worker_another_search_holds_is_not_shared(kept):
+    options = model_options(ExecutorOptions("ray", 1, keep_s=60.0))
+    holder = RayPool(options.executor, "model", SPEC, {}, "cpu")
+    try:
+        other = RayPool(options.executor, "model", SPEC, {}, "cpu")  # the cluster's other core: a worker of its own
+        try:
+            assert set(other.pids().values()).isdisjoint(holder.pids().values()) and other.reused == 0
+            assert len(searched(other, options)) == 2
+        finally:
+            other.close()
+    finally:
+        holder.close()
+    both = RayPool(dataclasses.replace(options.executor, workers=2), "model", SPEC, {}, "cpu")
+    try:
+        assert both.reused == 2  # each released at its search's end
+    finally:
+        both.close()
+
+
+def test_an_idle_kept_worker_ends_itself_after_its_keep(kept):
+    options = model_options(ExecutorOptions("ray", 1, keep_s=1.0))
+    pool = RayPool(options.executor, "model", SPEC, {}, "cpu")
+    pid = pool.pids()["w1"]
+    pool.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and alive(pid):
+        time.sleep(0.2)
+    assert not alive(pid)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_idle_kept_workers_of_another_kind_are_retired_for_their_cores(kept):
+    options = model_options(ExecutorOptions("ray", 2, keep_s=60.0))
+    RayPool(options.executor, "model", SPEC, {}, "cpu").close()  # two kept workers hold both cores, idle
+    other_kind = RayPool(options.executor, "model", load_device("rtx5090"), {}, "cpu")
+    try:
+        assert other_kind.reused == 0 and len(other_kind.pids()) == 2
+        assert sum("retired the idle kept worker" in e for e in other_kind.events) == 2
+    finally:
+        other_kind.close()
+
+
+def test_workers_are_not_kept_where_the_search_starts_its_cluster():
+    assert ExecutorOptions("ray", 2).keep_workers_s == 0 and ExecutorOptions("ray", address="auto").keep_workers_s == 600
+    with pytest.raises(UsageError, match="option of the ray executor"):
+        ExecutorOptions("serial", keep_s=10.0).validate()
+    assert main(["plan", "--example", "mlp-epilogue", "--executor", "ray", "--keep-workers", "-1"]) == 2
