@@ -85,8 +85,9 @@ class PlanResult:
             return self.guard(inputs)
         return self.call_plan(inputs)
 
-    def call_plan(self, inputs: Sequence[Any]) -> Any:
-        """Execute this plan, unguarded."""
+    def call_plan(self, inputs: Sequence[Any], arrays: Sequence[np.ndarray] | None = None) -> Any:
+        """Execute this plan, unguarded. ``arrays``: the inputs (tensors of the layout this plan was made for,
+        fp32 on the host, needing no grad: the guard checked) as numpy arrays over their memory."""
         assert self._runner is not None
         if self.imported is None:
             (feed,) = inputs
@@ -95,7 +96,8 @@ class PlanResult:
             from planner.torch.importer import BoundInputs
 
             self._bound = BoundInputs(self.imported, self.module, exact=self.exact_weights)
-        return self.imported.wrap_outputs(self._runner(self._bound.feed(inputs)), self.imported.check_args(inputs))
+        flat = list(inputs) if arrays is not None else self.imported.check_args(inputs)
+        return self.imported.wrap_outputs(self._runner(self._bound.feed_checked(flat, arrays)), flat)
 
     @property
     def bound(self) -> Any:

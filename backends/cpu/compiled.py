@@ -39,6 +39,8 @@ from planner.core.kinds import KernelKind
 from planner.core.plans import Plan
 
 log = logging.getLogger(__name__)
+#: the pools of a plan that needs no thread setting (reused: no context object a call)
+_NOTHING = contextlib.nullcontext()
 
 
 class CpuCompiledPlan(CompiledPlan):
@@ -86,8 +88,8 @@ class CpuCompiledPlan(CompiledPlan):
         self.loads = 0  # inputs copied into buffers so far (tests count them)
         self.packs = 0  # weights packed by oneDNN for this plan's calls (tests count them)
         self.binds = 0  # inputs the kernels read in place, without a copy
-        #: the output array each output got last, and the array owning its memory
-        self._handed_out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        #: the output array each output got last, the array owning its memory, and its address
+        self._handed_out: dict[str, tuple[np.ndarray, np.ndarray, int]] = {}
         self.reused = 0  # output arrays reused because their caller had dropped them
 
     def _load_inputs(self, inputs: Mapping[str, np.ndarray]) -> None:
@@ -161,7 +163,7 @@ class CpuCompiledPlan(CompiledPlan):
         fresh = aligned_empty(self.memory.own[name].shape, self.memory.own[name].dtype)
         base = fresh.base
         assert isinstance(base, np.ndarray) and base.base is None  # numpy points every view at the memory's owner
-        self._handed_out[name] = (fresh, base)
+        self._handed_out[name] = (fresh, base, fresh.ctypes.data)
         return fresh
 
     def _spare(self, name: str) -> np.ndarray | None:
@@ -169,7 +171,7 @@ class CpuCompiledPlan(CompiledPlan):
         spare = self._handed_out.get(name)
         if spare is None:
             return None
-        arr, owner = spare
+        arr, owner, _ = spare
         # arr: the dict's tuple, ``arr`` and getrefcount's argument; a torch tensor of it adds one. A numpy
         # view of arr refers to the owner of its memory, ``owner``: arr's base, the tuple, ``owner`` and the
         # argument, and one more for each view
@@ -201,15 +203,17 @@ class CpuCompiledPlan(CompiledPlan):
             if spare is None:
                 self.memory.restore(name)
             else:
-                self.memory.bind(name, spare)
+                self.memory.bind(name, spare, self._handed_out[name][2])
         try:
             with self._pools():
                 self._execute()
         finally:
             self._own_outputs()
 
-    def _pools(self) -> contextlib.ExitStack:
+    def _pools(self) -> contextlib.AbstractContextManager[Any]:
         """BLAS at its pinned count and torch's pool at the plan's thread count while the plan runs."""
+        if not (self.uses_blas or self.uses_torch):
+            return _NOTHING
         stack = contextlib.ExitStack()
         if self.uses_blas:
             stack.enter_context(limit_blas_threads(self.blas_threads, self.controller))
@@ -233,7 +237,7 @@ class CpuCompiledPlan(CompiledPlan):
         fresh = {}
         for name in fresh_names:
             fresh[name] = self._output_array(name)
-            self.memory.bind(name, fresh[name])
+            self.memory.bind(name, fresh[name], self._handed_out[name][2])
         try:
             with self._pools():
                 self._execute()

@@ -144,6 +144,7 @@ class Memory:
         self.own = own
         self.arrays = dict(own)
         self.addr = {n: a.ctypes.data for n, a in own.items()}
+        self._own_addr = dict(self.addr)
         self.outputs = outputs  # tensors handed out to the caller (a fresh array each call)
         #: 16-bit weights a GEMM may multiply from oneDNN's packed form: those bound read-only have it in ``packed``
         self.packable = packable
@@ -167,12 +168,15 @@ class Memory:
             arena = self._arenas[slot] = aligned_empty((need,), np.uint8)
         return typed_view(arena, shape, dtype)
 
-    def bind(self, name: str, array: np.ndarray) -> None:
+    def bind(self, name: str, array: np.ndarray, addr: int | None = None) -> None:
+        """Let the kernels read (write) ``array`` as tensor ``name``; ``addr``: its address, where known (numpy's
+        ``ctypes`` is a costly call right after a kernel)."""
         self.arrays[name] = array
-        self.addr[name] = array.ctypes.data
+        self.addr[name] = array.__array_interface__["data"][0] if addr is None else addr
 
     def restore(self, name: str) -> None:
-        self.bind(name, self.own[name])
+        self.arrays[name] = self.own[name]
+        self.addr[name] = self._own_addr[name]
 
 
 @dataclass

@@ -107,16 +107,19 @@ class ImportedModule:
                 leaves.append(t if t.shape == o.shape else t.view(o.shape))
                 continue
             base = bases.get(o.index)
-            if base is None:
-                bases[o.index] = base = self._tensor(arrays[o.index], o.dtype)
+            if base is None:  # shaped in numpy: a torch view is the costlier call just after a kernel
+                bases[o.index] = base = self._tensor(arrays[o.index], o.dtype, o.shape)
+                leaves.append(base)
+                continue
             leaves.append(base if base.shape == o.shape else base.view(o.shape))
         if len(leaves) == 1 and self.out_tree.is_leaf():  # one tensor returned: no pytree rebuild
             return leaves[0]
         return pytree.tree_unflatten(leaves, self.out_tree)
 
     @staticmethod
-    def _tensor(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.from_numpy(arr if arr.flags.c_contiguous else np.ascontiguousarray(arr))
+    def _tensor(arr: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        arr = arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
+        t = torch.from_numpy(arr if arr.shape == shape else arr.reshape(shape))
         if t.dtype == torch.uint16 and dtype in BITS_16:  # a 16-bit output handed out as its bits
             return t.view(dtype)
         return t if t.dtype == dtype else t.to(dtype)
@@ -227,13 +230,21 @@ class BoundInputs:
         self._owners.clear()
 
     def feed(self, args: Sequence[Any]) -> dict[str, np.ndarray]:
-        flat = self.imported.check_args(args)
+        return self.feed_checked(self.imported.check_args(args))
+
+    def feed_checked(self, flat: Sequence[torch.Tensor], arrays: Sequence[np.ndarray] | None = None
+                     ) -> dict[str, np.ndarray]:
+        """:meth:`feed` of call inputs ``check_args`` passed (flattened); ``arrays``: fp32 host inputs as numpy
+        arrays over their memory (``guards.call_layout``)."""
         out: dict[str, np.ndarray] = {}
         for b in self.imported.bindings:
             if b.source == "const":
                 out[b.name] = self.imported.constants[b.name]
             elif b.source == "arg":
-                out[b.name] = to_numpy(flat[int(b.key)], b.transpose)  # type: ignore[arg-type]
+                i = int(b.key)  # type: ignore[arg-type]
+                a = arrays[i] if arrays is not None else None
+                out[b.name] = fp32_array(a, b.transpose) if a is not None and a.flags.c_contiguous else to_numpy(
+                    flat[i], b.transpose)
             elif b.source == "packed":
                 out[b.name] = self._packed_input(b)
             else:
@@ -289,14 +300,19 @@ class BoundInputs:
         return arr
 
 
+def fp32_array(a: np.ndarray, transpose: bool = False) -> np.ndarray:
+    """A C-ordered fp32 array over a tensor's memory as the graph input reads it: flattened to its IR shape, or
+    a Linear weight (N, K) read as (K, N), its transpose (a view: the GEMM library takes either order)."""
+    return a.T if transpose else a.reshape(flat_shape(a.shape))
+
+
 def to_numpy(t: torch.Tensor, transpose: bool = False) -> np.ndarray:
     if t.dtype in INDEX_DTYPES and t.numel() and int(t.abs().max()) >= INDEX_LIMIT:
         raise TorchImportError(f"integer input {describe_tensor(t)} holds values of {INDEX_LIMIT} or more: a plan carries "
                                "indices as fp32, exact only below that")
     if t.dtype == torch.float32 and t.is_cpu and t.is_contiguous():
-        a = t.detach().numpy()  # the tensor's own memory: no conversion call on the way
-        # a Linear weight (N, K) read as (K, N): its transpose, a view (the GEMM library takes either order)
-        return a.T if transpose else a.reshape(flat_shape(a.shape))
+        # the tensor's own memory: no conversion on the way
+        return fp32_array((t.detach() if t.requires_grad else t).numpy(), transpose)
     t = t.detach()
     if t.dtype in BITS_16:  # 16-bit: an array of its own dtype over the tensor's bits (a view where contiguous)
         bits = t.cpu().contiguous().view(torch.int16).numpy().view(numpy_dtype(TORCH_DTYPES[t.dtype]))

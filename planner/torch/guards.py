@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -81,7 +82,8 @@ class ModuleState:
             t = getattr(owner, name, None)
             if not isinstance(t, torch.Tensor):
                 return f"parameter or buffer {key} is gone"
-            if tuple(t.shape) != shape or t.dtype != dtype or t.device != device:
+            # is_cpu before device: making a torch.device is among the costlier calls just after a kernel
+            if t.shape != shape or t.dtype != dtype or not (t.is_cpu if device.type == "cpu" else t.device == device):
                 return (f"parameter or buffer {key} is {list(t.shape)} {_dtype(t.dtype)} on {t.device}, planned for "
                         f"{list(shape)} {_dtype(dtype)} on {device}")
         for owner, key, name, snapshot in self.derived:
@@ -141,14 +143,38 @@ ArgLayout = tuple[Any, ...]
 def input_signature(args: Sequence[Any]) -> tuple[ArgLayout, ...]:
     """The call inputs' layouts a plan is made for: each tensor's shape, dtype, device and whether it is
     contiguous; another Python value as itself (it was baked into the plan)."""
-    flat = list(args) if all(type(a) is torch.Tensor for a in args) else pytree.tree_flatten(tuple(args))[0]
+    return call_layout(args)[0]
+
+
+def call_layout(args: Sequence[Any]) -> tuple[tuple[ArgLayout, ...], list[np.ndarray] | None]:
+    """:func:`input_signature`, and where every input is a plain fp32 host tensor that needs no grad, each one as
+    a numpy array over its memory (else None). Such a call reads each tensor's layout from its array: one torch
+    call a tensor, where each distinct torch getter costs tens of µs just after a kernel evicted the caches."""
+    plain = all(type(a) is torch.Tensor for a in args)
+    views = _fp32_arrays(args) if plain else None
+    if views is not None:
+        return tuple((a.shape, torch.float32, "cpu", a.flags.c_contiguous) for a in views), views
+    flat = list(args) if plain else pytree.tree_flatten(tuple(args))[0]
     out: list[ArgLayout] = []
     for a in flat:
         if isinstance(a, torch.Tensor):
             out.append((tuple(a.shape), a.dtype, a.device.type, a.is_contiguous()))
         else:
             out.append(("value", repr(a)[:200]))
-    return tuple(out)
+    return tuple(out), None
+
+
+def _fp32_arrays(args: Sequence[torch.Tensor]) -> list[np.ndarray] | None:
+    arrays = []
+    for a in args:
+        try:
+            v = a.numpy()  # refused for a tensor that needs grad, off the host, conjugated or negated
+        except (RuntimeError, TypeError):
+            return None
+        if v.dtype != np.float32:
+            return None
+        arrays.append(v)
+    return arrays
 
 
 def unplannable(args: Sequence[Any]) -> str | None:
@@ -158,7 +184,7 @@ def unplannable(args: Sequence[Any]) -> str | None:
     for i, a in enumerate(flat):
         if not isinstance(a, torch.Tensor):
             continue
-        if a.device.type != "cpu":
+        if not a.is_cpu:
             return f"input {i} is on {a.device}; a plan takes host tensors: pass it with .cpu()"
         if a.requires_grad and torch.is_grad_enabled():
             return (f"input {i} requires grad, but a plan computes no gradients: call it under torch.no_grad() or "
@@ -191,7 +217,7 @@ class GuardError(RuntimeError):
 class Planned(Protocol):
     """A plan of the module for one input layout, callable without guards."""
 
-    def call_plan(self, inputs: Sequence[Any]) -> Any: ...
+    def call_plan(self, inputs: Sequence[Any], arrays: Sequence[np.ndarray] | None = None) -> Any: ...
 
 
 @dataclass
@@ -224,14 +250,15 @@ class CallGuard:
                 self._module_changed(changed)
         if self.eager_since is not None:
             return self._eager(args)
-        refusal = unplannable(args)
-        if refusal is not None:
-            raise TorchImportError(refusal)
-        sig = input_signature(args)
+        sig, arrays = call_layout(args)
+        if arrays is None:  # else: fp32 host tensors that need no grad, plannable
+            refusal = unplannable(args)
+            if refusal is not None:
+                raise TorchImportError(refusal)
         if sig not in self.plans:
             self._new_layout(sig, args)
         chosen = self.plans.get(sig)
-        return self._eager(args) if chosen is None else chosen.call_plan(args)
+        return self._eager(args) if chosen is None else chosen.call_plan(args, arrays)
 
     def _module_changed(self, reason: str) -> None:
         if self.on_change == "error":

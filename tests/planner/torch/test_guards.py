@@ -10,7 +10,7 @@ from torch import nn  # noqa: E402
 
 import planner  # noqa: E402
 from planner.torch.errors import TorchImportError  # noqa: E402
-from planner.torch.guards import MAX_PLANS, GuardError  # noqa: E402
+from planner.torch.guards import MAX_PLANS, GuardError, call_layout  # noqa: E402
 
 FAST = dict(backend="cpu", max_candidates=3, warmup=0, repeats=2)
 
@@ -165,3 +165,44 @@ class TransposedAlias(nn.Module):
 def test_an_output_that_is_a_transposed_view_of_another_is_refused_naming_it():
     with pytest.raises(TorchImportError, match="strided view"):
         planner.plan(TransposedAlias(), (torch.randn(4, 8),), backend="reference")
+
+
+def _torch_layout(t):
+    return (tuple(t.shape), t.dtype, t.device.type, t.is_contiguous())
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(4, 16),
+    lambda: torch.randn(16, 4).t(),  # strided
+    lambda: torch.randn(4, 1, 16).as_strided((4, 1, 16), (16, 7, 1)),  # a size-1 dim of any stride: contiguous
+    lambda: torch.randn(0, 16),
+    lambda: torch.randn(3, 8)[:, ::2],
+    lambda: torch.tensor(2.0),
+])
+def test_a_calls_layout_read_through_numpy_is_the_one_torch_reports(make):
+    t = make()
+    sig, arrays = call_layout((t,))
+    assert sig == (_torch_layout(t),) and arrays is not None
+    assert t.numel() == 0 or arrays[0].ctypes.data == t.data_ptr()  # its memory, not a copy
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(4, 16, requires_grad=True),
+    lambda: torch.randn(4, 16, dtype=torch.bfloat16),
+    lambda: torch.randn(4, 16, dtype=torch.float64),
+    lambda: torch.randn(4, 16, dtype=torch.complex64).conj(),
+    lambda: nn.Parameter(torch.randn(4, 16)),
+])
+def test_other_inputs_take_torchs_own_layout_and_no_arrays(make):
+    t = make()
+    sig, arrays = call_layout((t,))
+    assert arrays is None and sig == (_torch_layout(t),)
+
+
+def test_a_grad_input_under_no_grad_and_a_strided_one_agree_with_eager():
+    m, x, result = _planned()
+    _agrees(result, m, x)
+    with torch.no_grad():
+        assert torch.allclose(result(x.clone().requires_grad_()), m(x), atol=1e-5)
+        wide = torch.randn(16, 4).t()  # the same shape, strided: planned again for that layout
+        assert torch.allclose(result(wide), m(wide), atol=1e-5)
