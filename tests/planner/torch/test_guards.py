@@ -9,6 +9,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import planner  # noqa: E402
+from planner.torch.binding import Sampler  # noqa: E402
 from planner.torch.errors import TorchImportError  # noqa: E402
 from planner.torch.guards import MAX_PLANS, GuardError, call_layout  # noqa: E402
 
@@ -206,3 +207,17 @@ def test_a_grad_input_under_no_grad_and_a_strided_one_agree_with_eager():
         assert torch.allclose(result(x.clone().requires_grad_()), m(x), atol=1e-5)
         wide = torch.randn(16, 4).t()  # the same shape, strided: planned again for that layout
         assert torch.allclose(result(wide), m(wide), atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [3, 16, 100, 4096, 100_003])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("write", ["mul_", "add_", "zero_", "copy_"])
+def test_a_weights_sample_sees_a_write_through_data_and_reads_few_cache_lines(n, dtype, write):
+    w = nn.Parameter(torch.randn(n, dtype=dtype) + 3)
+    sample = Sampler(w)
+    assert sample.same(w)
+    {"mul_": lambda d: d.mul_(2), "add_": lambda d: d.add_(1), "zero_": lambda d: d.zero_(),
+     "copy_": lambda d: d.copy_(torch.randn(n, dtype=dtype))}[write](w.data)
+    assert not sample.same(w)
+    if sample.index is not None:
+        assert len(set((sample.index // 64).tolist())) <= Sampler.RUNS and len(sample.index) == Sampler.SAMPLES
