@@ -205,7 +205,7 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
         if k.kind == KernelKind.STANDALONE:
             source = standalone.source_of(k.body, {n: t[0] for n, t in types.items()})
             dtype = k.body.type.dtype
-            if source is None or dtype == "fp32":
+            if source is None or dtype == "fp32" or k.body.op == "MaxPool":  # pooling: of its own dtype
                 return [] if source is None else [source]
             if self.native(dtype):
                 return []  # torch's fused attention

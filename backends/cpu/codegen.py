@@ -53,6 +53,11 @@ _STORAGE: dict[str, tuple[str, str, str]] = {
 assert set(_STORAGE) == set(DTYPES)
 
 
+def storage_forms(dtype: str) -> tuple[str, str, str]:
+    """A dtype's C storage type, and the format strings that load one as a float and store a float as one."""
+    return _STORAGE[dtype]
+
+
 @dataclass(frozen=True)
 class Param:
     """One pointer parameter of a generated kernel (``tensor`` is never printed)."""

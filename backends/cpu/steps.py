@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -31,6 +32,7 @@ from planner.core.opaque import opaque_writer
 from planner.core.ops import GATHERS, LAYOUT_COPIES, POOLS, epilogue_has_bias
 from planner.core.plans import Expr, Kernel, Load
 from planner.core.reference import eval_expr
+from planner.core.shapes import window_out
 
 log = logging.getLogger(__name__)
 
@@ -405,6 +407,8 @@ class StandaloneSteps(StepsBase):
                 standalone.gather_rows(arrays[order[0]], arrays[order[1]], arrays[out_name])
 
             return Step(k, call_gather, reads, memory.own[k.out], {"impl": "numpy-take"})
+        if body.op == "MaxPool" and body.type.dtype == tensors[order[0]].dtype:
+            return self._maxpool(k, memory, order[0], reads)
         if body.op in POOLS:
             pool = standalone.torch_pool(body, body.type.dtype)
             if pool is None or tensors[order[0]].dtype != body.type.dtype:
@@ -484,6 +488,14 @@ class StandaloneSteps(StepsBase):
         scratch = result.nbytes + sum(w.nbytes for w in wide.values())
         return Step(k, call_widened, reads, memory.own[out_name], dict(facts, impl=f"c-attention-{dtype}-widened",
                                                                  scratch_bytes=scratch))
+
+    def _maxpool(self, k: Kernel, memory: Memory, source: str, reads: list[np.ndarray]) -> Step:
+        """The generated max pooling of channels-last rows, its output rows split across the pool."""
+        body, addr, out_name = k.body, memory.addr, k.out
+        rows = math.prod(body.type.shape[:-1]) // window_out(body.attr_dict)[1]  # images x output rows
+        fn = self.compiler.function(standalone.maxpool_source(body, int(body.type.shape[-1])), 2)
+        call = standalone.rows_call(fn, self.pool, self.threads, rows, lambda: [addr[source], addr[out_name]])
+        return Step(k, call, reads, memory.own[out_name], {"impl": "c-maxpool", "threads": min(self.threads, rows)})
 
     def _torch_attention(self, k: Kernel, tensors: Mapping[str, TensorType]) -> bool:
         """Is kernel ``k`` an attention that torch's fused kernel computes (16-bit, natively multiplied)?"""

@@ -11,6 +11,7 @@ from backends.cpu.backend import CpuBackend
 from backends.cpu.standalone import KEY_BLOCK, attention_source
 from planner.core import examples
 from planner.core.cost import load_device
+from planner.core.dtypes import numpy_dtype
 from planner.core.graph import GraphBuilder, TensorType
 from planner.core.kinds import KernelKind
 from planner.core.ops import OPS
@@ -265,3 +266,31 @@ def test_biased_attention_kernel_equals_the_op_tables_semantics(g, s, t, d, e, t
     want = OPS["BiasedAttention"].evaluate([inputs[n].astype(np.float64) for n in ("q", "k", "v", "bias")],
                                            {"scale": 0.7})
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize(("shape", "window"), [
+    ((2, 5, 7, 6), (3, 3, 2, 2, 1, 1, 1, 1)),  # ResNet's 3x3 stride-2 pooling, odd sizes, 5 channels
+    ((1, 16, 9, 11), (3, 2, 1, 2, 1, 0, 2, 1)),  # unequal window, stride, padding and dilation
+    ((3, 32, 8, 8), (2, 2, 2, 2, 0, 0, 1, 1)),
+])
+def test_the_compiled_max_pooling_is_torchs_nan_and_inf_included(shape, window, dtype, threads) -> None:
+    torch = pytest.importorskip("torch")
+    n, c, h, w = shape
+    kh, kw, sh, sw, ph, pw, dh, dw = window
+    attrs = {"height": h, "width": w, "kh": kh, "kw": kw, "sh": sh, "sw": sw, "ph": ph, "pw": pw, "dh": dh, "dw": dw}
+    b = GraphBuilder("maxpool-kernel")
+    b.input("x", (n * h * w, c), dtype)
+    b.op("out", "MaxPool", ["x"], attrs)
+    plan = build_candidates(b.build(["out"]), SPEC).unfused
+    x = torch.randn(shape)
+    x[0, 0, 1, 1], x[-1, -1, 0, 0], x[0, 1] = float("nan"), float("inf"), -float("inf")
+    x = x.to(getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[dtype]))
+    rows = x.permute(0, 2, 3, 1).reshape(-1, c).contiguous()
+    compiled = CpuBackend(SPEC, threads=threads).compile(plan)
+    assert compiled.kernel_facts[0]["impl"] == "c-maxpool"
+    got = compiled.run({"x": rows.float().numpy() if dtype == "fp32" else rows.view(torch.int16).numpy().view(
+        numpy_dtype(dtype))})[0]
+    want = torch.nn.functional.max_pool2d(x.float(), (kh, kw), (sh, sw), (ph, pw), (dh, dw)).permute(0, 2, 3, 1)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want.reshape(-1, c).numpy())
