@@ -95,6 +95,7 @@ class HeldWeights:
             rows, cols = arr.shape
             out = padded_matrix(rows, cols, np.float32)
             np.copyto(out, arr)
+            out.setflags(write=False)  # as its source: what is derived from it (a reordered weight) is kept
             return out
 
         return self.form(arr, "padded", copy)

@@ -40,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
@@ -191,7 +192,7 @@ def _import_graph(gm: fx.GraphModule, ph_values: Sequence[Any], sources: list[tu
     return ImportedModule(
         graph=graph,
         bindings=bindings,
-        constants=dict(imp.constants),
+        constants={n: _read_only(a) for n, a in imp.constants.items()},
         arg_specs=arg_specs,
         outputs=tuple(specs),
         out_tree=tree if out_spec is None else out_spec,
@@ -199,6 +200,13 @@ def _import_graph(gm: fx.GraphModule, ph_values: Sequence[Any], sources: list[tu
         tracer=tracer,
         folded_from=tuple(sorted(imp.folded_from)),
     )
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    """A constant, computed at import, never written: read-only, so the backend keeps what it derives from it once
+    (oneDNN's reordered convolution weight, a packed GEMM weight) instead of deriving it again each call."""
+    a.setflags(write=False)
+    return a
 
 
 def _packed_projections(graph: Graph, imp: Importer) -> tuple[Graph, tuple[Binding, ...]]:
