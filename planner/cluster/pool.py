@@ -6,10 +6,10 @@ regions fanned out over the workers of a Ray cluster, docs/scaling.md "Many mach
 each. On a cluster it did not start, the workers are kept (``keep_s``, by default :data:`DEFAULT_KEEP_S` where an
 address is given): detached actors that the next search of the same kind leases instead of starting its own, so
 that it pays no worker start (the imports, the backend, its calibration); idle ones of another kind are retired
-when their cores are wanted. A worker that dies has its region re-queued on another; a worker whose region runs past its budget plus a
-grace (``grace_s``) is taken for hung, killed and replaced, and its region re-queued. A region that loses
-:data:`MAX_TRIES` workers ends the search with an error; so does a cluster left with no worker. Each such event is
-logged (``logging``) and kept in :attr:`RayPool.events`."""
+when their cores are wanted. A worker that dies has its region re-queued on another; a worker whose region runs
+past its budget plus a grace (``grace_s``) is taken for hung, killed and replaced, and its region re-queued. A
+region that loses :data:`MAX_TRIES` workers ends the search with an error; so does a cluster left with no worker.
+Each such event is logged (``logging``) and kept in :attr:`RayPool.events`."""
 
 from __future__ import annotations
 
@@ -92,9 +92,10 @@ class ExecutorOptions:
             raise UsageError(f"workers must be at least 1, got {self.workers!r}")
         if not self.grace_s > 0:
             raise UsageError(f"the worker grace must be positive, got {self.grace_s}")
-        if self.keep_s is not None and (self.kind == "serial" or not self.keep_s >= 0):
-            raise UsageError(f"keeping workers is an option of the ray executor, in seconds >= 0, got {self.keep_s!r}"
-                             if self.kind == "ray" else "keeping workers is an option of the ray executor (--executor ray)")
+        if self.keep_s is not None and self.kind == "serial":
+            raise UsageError("keeping workers is an option of the ray executor (--executor ray)")
+        if self.keep_s is not None and not self.keep_s >= 0:
+            raise UsageError(f"the workers' keep must be 0 or more seconds, got {self.keep_s!r}")
         if self.kind == "ray":
             import_ray()  # refused now, before any planning, where Ray is not installed
 
