@@ -149,8 +149,8 @@ class RayPool:
         self.reused = 0  # kept workers taken from an earlier search
         size = self._join()
         self.keep_s = options.keep_workers_s
-        if self.keep_s and self.started_cluster:
-            log.info("workers are not kept: the cluster this search started ends with it")
+        if self.keep_s and self.started_cluster and not options.address:
+            log.info("workers are not kept: the local cluster this search started ends with it")
             self.keep_s = 0.0
         self._key = worker_key(self._args, self._env) if self.keep_s else ""
         try:

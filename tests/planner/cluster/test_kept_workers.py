@@ -1,0 +1,51 @@
+"""Workers kept between searches on a standing cluster joined by its address (``ray start --head``, as a team's
+cluster is): the next search takes them warm. The pools' own lease tests are in test_pool.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+
+from planner.cluster.jobs import Budget
+from planner.cluster.pool import ExecutorOptions, RayPool
+from planner.core import examples
+from planner.core.cost import load_device
+from planner.core.regions import split_regions
+from planner.pipeline import PlanOptions
+from planner.rules.load import load_rules
+from planner.search.results import SearchOptions
+
+SPEC = load_device("h200")
+PORT = "6391"
+RAY = str(Path(sys.executable).parent / "ray")
+
+
+@pytest.fixture
+def standing_cluster():
+    assert not ray.is_initialized()
+    subprocess.run([RAY, "start", "--head", "--num-cpus", "2", "--port", PORT, "--include-dashboard=false"],
+                   check=True, capture_output=True, timeout=120)
+    try:
+        yield "auto"  # the cluster started last on this machine, as `ray start` tells its users to join it
+    finally:
+        subprocess.run([RAY, "stop", "--force"], check=True, capture_output=True, timeout=120)
+
+
+def test_the_next_search_joining_a_standing_cluster_takes_its_workers_warm(standing_cluster):
+    options = PlanOptions("model", SPEC, tuple(load_rules()), search=SearchOptions(max_candidates=4),
+                          executor=ExecutorOptions("ray", 2, address=standing_cluster))
+    jobs = [options.job(r) for r in {r.key: r for r in split_regions(examples.transformer(1, 64, 16, "fp32"))}.values()]
+    pids = []
+    for _ in range(2):
+        pool = RayPool(options.executor, "model", SPEC, {}, "cpu")
+        try:
+            assert len(list(pool.run(jobs, Budget(60.0, len(jobs))))) == len(jobs)
+            pids.append(sorted(pool.pids().values()))
+        finally:
+            pool.close()
+        assert not ray.is_initialized()  # the search left the cluster; its workers stay
+    assert pids[0] == pids[1] and pool.reused == 2
