@@ -360,38 +360,22 @@ def channels_copy(body: Expr) -> Callable[[np.ndarray, np.ndarray], None]:
     return copy
 
 
-def torch_pool(body: Expr, dtype: str) -> Callable[[np.ndarray, np.ndarray], None] | None:
-    """``pool(x, out)`` for MaxPool and SpatialMean as torch's own pooling of the channels-last rows (where
-    torch is loaded and takes the window), else None (the reference's numpy form)."""
+def torch_mean(dtype: str, pixels: int) -> Callable[[np.ndarray, np.ndarray], None] | None:
+    """``mean(x, out)`` for SpatialMean as torch's mean of the channels-last rows (where torch is loaded), else
+    None (the reference's numpy form). MaxPool is a generated kernel (:func:`maxpool_source`)."""
     if "torch" not in sys.modules:
         return None
     import torch  # optional dependency
 
     kind = getattr(torch, DTYPES[dtype].torch_name)
-    attrs = body.attr_dict
 
     def tensor(a: np.ndarray) -> Any:
         return _bits_tensor(a).view(kind)
 
-    if body.op == "SpatialMean":
-        pixels = int(attrs["pixels"])
+    def mean(x: np.ndarray, out: np.ndarray) -> None:
+        tensor(out).copy_(tensor(x).view(-1, pixels, x.shape[-1]).mean(1))
 
-        def mean(x: np.ndarray, out: np.ndarray) -> None:
-            tensor(out).copy_(tensor(x).view(-1, pixels, x.shape[-1]).mean(1))
-
-        return mean
-    h, w, kh, kw, sh, sw, ph, pw, dh, dw = (int(attrs[a]) for a in WINDOW)
-    if 2 * ph > kh or 2 * pw > kw:  # torch's limit on max pooling's padding
-        return None
-    oh, ow = window_out(attrs)
-
-    def max_pool(x: np.ndarray, out: np.ndarray) -> None:
-        c = x.shape[-1]
-        y = torch.nn.functional.max_pool2d(tensor(x).view(-1, h, w, c).permute(0, 3, 1, 2), (kh, kw), (sh, sw),
-                                           (ph, pw), (dh, dw))
-        tensor(out).view(-1, oh, ow, c).copy_(y.permute(0, 2, 3, 1))
-
-    return max_pool
+    return mean
 
 
 def layout_copy(body: Expr) -> Callable[[np.ndarray, np.ndarray], None]:

@@ -407,12 +407,14 @@ class StandaloneSteps(StepsBase):
                 standalone.gather_rows(arrays[order[0]], arrays[order[1]], arrays[out_name])
 
             return Step(k, call_gather, reads, memory.own[k.out], {"impl": "numpy-take"})
-        if body.op == "MaxPool" and body.type.dtype == tensors[order[0]].dtype:
-            return self._maxpool(k, memory, order[0], reads)
         if body.op in POOLS:
-            pool = standalone.torch_pool(body, body.type.dtype)
-            if pool is None or tensors[order[0]].dtype != body.type.dtype:
+            if tensors[order[0]].dtype != body.type.dtype:
                 return self._converted(k, tensors, memory)  # the reference's numpy form
+            if body.op == "MaxPool":
+                return self._maxpool(k, memory, order[0], reads)
+            pool = standalone.torch_mean(body.type.dtype, int(body.attr_dict["pixels"]))
+            if pool is None:
+                return self._converted(k, tensors, memory)
 
             def call_pool() -> None:  # on the plan's torch threads (CpuCompiledPlan._pools)
                 pool(arrays[order[0]], arrays[out_name])

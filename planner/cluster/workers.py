@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -97,21 +98,19 @@ def trust_torch_ops(names: Sequence[str]) -> None:
 #: the packages whose code a worker runs: a kept worker answers only planners of the same code
 CODE_PACKAGES = ("planner", "backends", "rewrite_rules")
 _CODE_SUFFIXES = (".py", ".egg", ".json", ".c", ".h", ".cu")
-_fingerprint: list[str] = []  # this process's code fingerprint, once computed
 
 
+@functools.cache
 def code_fingerprint() -> str:
     """A hash of the planner's installed code (its packages' source and data files): a worker kept by a planner of
     other code is never taken by this one."""
-    if not _fingerprint:
-        root = Path(__file__).resolve().parents[2]
-        h = hashlib.sha256()
-        for package in CODE_PACKAGES:
-            for f in sorted((root / package).rglob("*")):
-                if f.suffix in _CODE_SUFFIXES and f.is_file() and "__pycache__" not in f.parts:
-                    h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
-        _fingerprint.append(h.hexdigest()[:16])
-    return _fingerprint[0]
+    root = Path(__file__).resolve().parents[2]
+    h = hashlib.sha256()
+    for package in CODE_PACKAGES:
+        for f in sorted((root / package).rglob("*")):
+            if f.suffix in _CODE_SUFFIXES and f.is_file() and "__pycache__" not in f.parts:
+                h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def worker_key(args: Sequence[Any], env: Mapping[str, str]) -> str:
