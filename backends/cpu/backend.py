@@ -55,6 +55,7 @@ from backends.cpu.memory import (
     streams,
 )
 from backends.cpu.steps import GemmSteps, StandaloneSteps
+from backends.cpu.stream_probe import machine_probe
 from planner.backend import (
     Backend,
     BackendError,
@@ -125,7 +126,7 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
             tile_bytes = size // 4
             log.info("GEMM tiles up to %d bytes (a quarter of %d, from %s)", tile_bytes, size, origin)
         self.tile_bytes = tile_bytes
-        #: outputs of at least this many bytes are written with streaming stores (elementwise kernels)
+        #: a fixed threshold for streaming stores (:meth:`_streams`); None: measured on this machine
         self.stream_bytes = stream_bytes if stream_bytes is not None else stream_bytes_default()
         self._types_of: tuple[Mapping[str, TensorType], dict[str, tuple[tuple[int, ...], str]]] | None = None
 
@@ -213,15 +214,20 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
         return []
 
     def _streams(self, k: Kernel, tensors: Mapping[str, TensorType]) -> bool:
-        """Is an elementwise kernel's output written with streaming stores?  Where what it reads and writes
-        together passes the threshold (the last-level cache) and its output is at least an eighth of that: a
-        kernel whose arrays all fit in the cache finds its output's lines there on the next call (or the next
-        kernel finds them), which a streaming store would have sent to memory."""
+        """Is an elementwise or row kernel's output written with streaming stores?  Where what it reads and
+        writes together is at a size where streaming pays on this machine (``stream_probe``; else at least the
+        fixed threshold) and its output is at least an eighth of that: a kernel whose arrays stay in a cache
+        finds its output's lines there on the next call (or the next kernel finds them), which a streaming
+        store would have sent to memory."""
         def nbytes(name: str) -> int:
             return math.prod(tensors[name].shape) * storage_dtype(tensors[name].dtype).itemsize
 
         out = nbytes(k.out)
-        return out * 8 >= self.stream_bytes and out + sum(nbytes(r) for r in k.reads) >= self.stream_bytes
+        total = out + sum(nbytes(r) for r in k.reads)
+        if self.stream_bytes is not None:
+            return out * 8 >= self.stream_bytes and total >= self.stream_bytes
+        probe = machine_probe()
+        return out * 8 >= min(total, probe.ceiling) and probe.pays(total)
 
     @property
     def identity(self) -> str:

@@ -116,11 +116,10 @@ def cache_bytes() -> tuple[int, str]:
     return DEFAULT_CACHE_BYTES, "default"
 
 
-def stream_bytes_default() -> int:
-    """``FUSION_PLANNER_STREAM_BYTES``, else the last-level cache: a kernel whose inputs and output pass it
-    cannot keep its output in the cache, so the output skips it (and the read of each line before its write)."""
-    n = parallel.count_from_env("FUSION_PLANNER_STREAM_BYTES")
-    return cache_bytes()[0] if n is None else n
+def stream_bytes_default() -> int | None:
+    """``FUSION_PLANNER_STREAM_BYTES``: a fixed threshold for streaming stores; None (unset): where they pay is
+    measured on this machine (``backends.cpu.stream_probe``)."""
+    return parallel.count_from_env("FUSION_PLANNER_STREAM_BYTES")
 
 
 def gemm_tile_rows(rows: int, cols: int, kdim: int, tile_bytes: int) -> int:

@@ -1,0 +1,123 @@
+"""Where streaming stores pay: measured once per size class and machine, kept, and followed by the backend."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from backends.cpu import backend as cpu_backend
+from backends.cpu import stream_probe
+from backends.cpu.compiler import CompilerUnavailable
+from backends.cpu.stream_probe import MARGIN, StreamProbe, bucket_of, cache_levels, time_copy
+from planner.backend import BackendUnavailable
+from planner.core import examples
+from planner.core.cost import load_device
+from planner.egraph.candidates import build_candidates
+
+SPEC = load_device("seed-k4")
+MiB = 1 << 20
+
+
+def cpu(threads: int) -> cpu_backend.CpuBackend:
+    try:
+        return cpu_backend.CpuBackend(SPEC, threads=threads)
+    except BackendUnavailable as exc:
+        pytest.skip(f"no C compiler: {exc}")
+
+
+def probe_timing(stream_us: float, plain_us: float) -> tuple[StreamProbe, list[int]]:
+    asked: list[int] = []
+
+    def measure(size: int) -> dict[str, float]:
+        asked.append(size)
+        return {"stream_us": stream_us, "plain_us": plain_us}
+
+    return StreamProbe(floor=4 * MiB, ceiling=64 * MiB, measure=measure), asked
+
+
+def test_bucket_is_the_power_of_two_at_or_above() -> None:
+    assert [bucket_of(n) for n in (1, 2, 3, 4 * MiB, 4 * MiB + 1)] == [1, 2, 4, 4 * MiB, 8 * MiB]
+
+
+def test_below_the_floor_plain_and_from_the_ceiling_streaming_without_measuring() -> None:
+    probe, asked = probe_timing(1.0, 100.0)
+    assert not probe.pays(4 * MiB - 1)
+    assert probe.pays(64 * MiB) and probe.pays(1 << 40)
+    assert probe.pays(40 * MiB) is True  # a bucket of 64 MiB: the ceiling
+    assert asked == []
+
+
+def test_each_size_class_is_measured_once() -> None:
+    probe, asked = probe_timing(80.0, 100.0)
+    assert probe.pays(5 * MiB) and probe.pays(7 * MiB) and probe.pays(8 * MiB)
+    assert probe.pays(9 * MiB)
+    assert asked == [8 * MiB, 16 * MiB]
+
+
+@pytest.mark.parametrize(("stream_us", "streams"), [(100.0, False), (100.0 * (1 - MARGIN / 2), False),
+                                                     (100.0 * (1 - 2 * MARGIN), True), (120.0, False)])
+def test_streaming_must_win_beyond_the_margin(stream_us: float, streams: bool) -> None:
+    probe, _ = probe_timing(stream_us, 100.0)
+    assert probe.pays(6 * MiB) is streams
+
+
+def test_cache_levels_read_from_sysfs(tmp_path) -> None:
+    for i, (level, kind, size) in enumerate([(1, "Data", "48K"), (1, "Instruction", "32K"), (2, "Unified", "2048K"),
+                                              (3, "Unified", "32M")]):
+        d = tmp_path / f"index{i}"
+        d.mkdir()
+        (d / "level").write_text(f"{level}\n")
+        (d / "type").write_text(f"{kind}\n")
+        (d / "size").write_text(f"{size}\n")
+    assert cache_levels(str(tmp_path)) == {1: 48 << 10, 2: 2 * MiB, 3: 32 * MiB}
+    assert cache_levels(str(tmp_path / "missing")) == {}
+
+
+def test_the_copy_kernel_is_timed_both_ways() -> None:
+    try:
+        us = time_copy(MiB)
+    except CompilerUnavailable:
+        pytest.skip("no C compiler")
+    assert set(us) == {"stream_us", "plain_us"} and all(0 < v < 1e6 for v in us.values())
+
+
+def test_a_verdict_is_kept_for_this_machine(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    timed: list[int] = []
+
+    def fake_copy(size: int) -> dict[str, float]:
+        timed.append(size)
+        return {"stream_us": 50.0, "plain_us": 100.0}
+
+    monkeypatch.setattr(stream_probe, "time_copy", fake_copy)
+    first = StreamProbe(floor=MiB, ceiling=64 * MiB)
+    assert first.pays(3 * MiB) and timed == [4 * MiB]
+    second = StreamProbe(floor=MiB, ceiling=64 * MiB)
+    second.verdicts.update(second._kept())
+    assert second.verdicts == {4 * MiB: True}
+    other = StreamProbe(floor=MiB, ceiling=32 * MiB)  # another machine's (its caches differ): measured again
+    assert other._kept() == {}
+
+
+@pytest.mark.parametrize("streams", [True, False])
+def test_the_backend_follows_the_measured_verdict(monkeypatch, streams: bool) -> None:
+    graph = examples.ew_chain(3, 1 << 18, "fp32")  # 1 MiB in, 1 MiB out
+    plan = min(build_candidates(graph, SPEC).plans, key=lambda p: len(p.kernels))
+    probe, asked = probe_timing(50.0 if streams else 100.0, 100.0)
+    probe.floor = MiB
+    monkeypatch.setattr(cpu_backend, "machine_probe", lambda: probe)
+    compiled = cpu(1).compile(plan)
+    assert [f["streaming_stores"] for f in compiled.kernel_facts] == [streams]
+    assert asked == [2 * MiB]
+    plain = cpu_backend.CpuBackend(SPEC, threads=1, stream_bytes=1 << 40).compile(plan)
+    x = np.linspace(-1, 1, 1 << 18, dtype=np.float32)
+    assert np.array_equal(compiled.run({"x": x})[0], plain.run({"x": x})[0])
+
+
+def test_a_fixed_threshold_is_not_measured(monkeypatch) -> None:
+    monkeypatch.setenv("FUSION_PLANNER_STREAM_BYTES", str(MiB))
+    monkeypatch.setattr(cpu_backend, "machine_probe", lambda: pytest.fail("measured despite a fixed threshold"))
+    graph = examples.ew_chain(3, 1 << 18, "fp32")
+    plan = min(build_candidates(graph, SPEC).plans, key=lambda p: len(p.kernels))
+    compiled = cpu(1).compile(plan)
+    assert [f["streaming_stores"] for f in compiled.kernel_facts] == [True]
