@@ -34,6 +34,9 @@ from planner.core.plans import Expr, Kernel, Load
 from planner.core.reference import eval_expr
 from planner.core.shapes import window_out
 
+#: layout copies a generated transpose makes (of 2- and 4-byte elements)
+CHANNEL_COPIES = frozenset({"ChannelsLast", "ChannelsFirst"})
+
 log = logging.getLogger(__name__)
 
 
@@ -420,6 +423,8 @@ class StandaloneSteps(StepsBase):
                 pool(arrays[order[0]], arrays[out_name])
 
             return Step(k, call_pool, reads, memory.own[k.out], {"impl": f"torch-{body.op.lower()}"})
+        if body.op in CHANNEL_COPIES and memory.own[out_name].itemsize in (2, 4):
+            return self._channels(k, tensors, memory, order[0], reads)
         if body.op in LAYOUT_COPIES:  # a copy of the stored bits: any dtype
             copy = standalone.layout_copy(body)
 
@@ -490,6 +495,21 @@ class StandaloneSteps(StepsBase):
         scratch = result.nbytes + sum(w.nbytes for w in wide.values())
         return Step(k, call_widened, reads, memory.own[out_name], dict(facts, impl=f"c-attention-{dtype}-widened",
                                                                  scratch_bytes=scratch))
+
+    def _channels(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory, source: str,
+                  reads: list[np.ndarray]) -> Step:
+        """ChannelsLast / ChannelsFirst as the generated transpose of each image's (C, pixels) or (pixels, C)
+        plane, its units split across the pool."""
+        body, addr, out_name = k.body, memory.addr, k.out
+        pixels = int(body.attr_dict["pixels"])
+        channels = int(body.attr_dict["channels"]) if body.op == "ChannelsLast" else int(tensors[source].shape[-1])
+        rows, cols = (channels, pixels) if body.op == "ChannelsLast" else (pixels, channels)
+        itemsize = memory.own[out_name].itemsize
+        images = memory.own[out_name].size // (rows * cols)
+        units = standalone.transpose_units(images, rows, itemsize)
+        fn = self.compiler.function(standalone.transpose_source(rows, cols, itemsize), 2)
+        call = standalone.rows_call(fn, self.pool, self.threads, units, lambda: [addr[source], addr[out_name]])
+        return Step(k, call, reads, memory.own[out_name], {"impl": "c-transpose", "threads": min(self.threads, units)})
 
     def _maxpool(self, k: Kernel, memory: Memory, source: str, reads: list[np.ndarray]) -> Step:
         """The generated max pooling of channels-last rows, its output rows split across the pool."""

@@ -8,6 +8,7 @@ import pytest
 
 from backends.codegen import CodegenError
 from backends.cpu.backend import CpuBackend
+from backends.cpu.memory import from_storage
 from backends.cpu.standalone import KEY_BLOCK, attention_source
 from planner.core import examples
 from planner.core.cost import load_device
@@ -294,3 +295,29 @@ def test_the_compiled_max_pooling_is_torchs_nan_and_inf_included(shape, window, 
         numpy_dtype(dtype))})[0]
     want = torch.nn.functional.max_pool2d(x.float(), (kh, kw), (sh, sw), (ph, pw), (dh, dw)).permute(0, 2, 3, 1)
     np.testing.assert_array_equal(np.asarray(got, np.float32), want.reshape(-1, c).numpy())
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize(("images", "channels", "height", "width"), [
+    (2, 5, 7, 6),  # fewer channels and pixels than a block on every side
+    (1, 64, 9, 13),  # 117 pixels: ragged blocks, whole lines of channels
+    (3, 37, 8, 8),  # a ragged line of channels, several images split across threads
+])
+def test_the_generated_channel_transposes_are_the_op_tables(images, channels, height, width, dtype, threads) -> None:
+    """ChannelsLast then ChannelsFirst as generated transposes: each exactly the op table's copy, and back where
+    they started; the stored bits of a 16-bit dtype moved as they are."""
+    pixels = height * width
+    b = GraphBuilder("channel-transposes")
+    b.input("x", (images * channels * height, width), dtype)
+    rows = b.op("rows", "ChannelsLast", ["x"], {"channels": channels, "pixels": pixels})
+    back = b.op("back", "ChannelsFirst", [rows], {"pixels": pixels, "width": width})
+    plan = build_candidates(b.build([rows, back]), SPEC).unfused
+    compiled = CpuBackend(SPEC, threads=threads).compile(plan)
+    assert [f["impl"] for f in compiled.kernel_facts] == ["c-transpose", "c-transpose"]
+    x = random_inputs(b.build([rows, back]), seed=9)["x"]
+    got_rows, got_back = compiled.run_stored({"x": x})
+    want_rows = OPS["ChannelsLast"].evaluate([x], {"channels": channels, "pixels": pixels})
+    assert got_rows.shape == (images * pixels, channels)
+    np.testing.assert_array_equal(from_storage(got_rows, dtype), want_rows)
+    np.testing.assert_array_equal(from_storage(got_back, dtype), x)
