@@ -80,6 +80,29 @@ def from_storage(buf: np.ndarray, dtype: str) -> np.ndarray:
     return buf.view(numpy_dtype(dtype)).astype(np.float32)
 
 
+#: where Linux describes cpu0's caches
+SYSFS_CACHE = "/sys/devices/system/cpu/cpu0/cache"
+
+
+def cache_levels(base: str = SYSFS_CACHE) -> dict[int, int]:
+    """Bytes of each data (or unified) cache level of cpu0 that sysfs reports, by level; empty if none."""
+    levels: dict[int, int] = {}
+    try:
+        for entry in sorted(e for e in os.listdir(base) if e.startswith("index")):
+            with open(f"{base}/{entry}/type") as f:
+                kind = f.read().strip()
+            with open(f"{base}/{entry}/level") as f:
+                level = int(f.read().strip())
+            with open(f"{base}/{entry}/size") as f:
+                size = f.read().strip()
+            if kind in ("Unified", "Data"):
+                mult = {"K": 1024, "M": 1 << 20}.get(size[-1], 1)
+                levels[level] = max(levels.get(level, 0), int(size.rstrip("KM")) * mult)
+    except (OSError, ValueError):
+        return {}
+    return levels
+
+
 def cache_bytes() -> tuple[int, str]:
     """Size of the last-level data cache (bytes) and where the figure came from.
 
@@ -89,23 +112,9 @@ def cache_bytes() -> tuple[int, str]:
     a quarter of a 1 MiB L2 allows at N=K=1024) cost more GEMM throughput than
     fusion saves; a quarter of L3 still keeps the tile out of DRAM.
     """
-    base = "/sys/devices/system/cpu/cpu0/cache"
-    best = 0
-    try:
-        for entry in sorted(os.listdir(base)):
-            if not entry.startswith("index"):
-                continue
-            with open(f"{base}/{entry}/type") as f:
-                kind = f.read().strip()
-            with open(f"{base}/{entry}/size") as f:
-                size = f.read().strip()
-            if kind in ("Unified", "Data"):
-                mult = {"K": 1024, "M": 1 << 20}.get(size[-1], 1)
-                best = max(best, int(size.rstrip("KM")) * mult)
-    except (OSError, ValueError):
-        best = 0
-    if best:
-        return best, "sysfs"
+    levels = cache_levels()
+    if levels:
+        return max(levels.values()), "sysfs"
     for name in ("SC_LEVEL3_CACHE_SIZE", "SC_LEVEL2_CACHE_SIZE"):
         try:
             v = os.sysconf(name)

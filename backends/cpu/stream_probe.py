@@ -27,7 +27,7 @@ import numpy as np
 from backends.cpu.buffers import aligned_empty
 from backends.cpu.codegen import generate
 from backends.cpu.compiler import Compiler, cache_dir, keep_record, read_record
-from backends.cpu.memory import cache_bytes, streams
+from backends.cpu.memory import cache_bytes, cache_levels, streams
 from planner.core.graph import TensorType
 from planner.core.machine import cpu_model
 from planner.core.plans import Expr, Load
@@ -39,27 +39,6 @@ MARGIN = 0.03
 #: timed rounds per size, each timing both forms (after one untimed round)
 ROUNDS = 7
 PROBE_FILE = "streaming.json"
-SYSFS_CACHE = "/sys/devices/system/cpu/cpu0/cache"
-
-
-def cache_levels(base: str = SYSFS_CACHE) -> dict[int, int]:
-    """Bytes of each data (or unified) cache level of cpu0 that sysfs reports, by level; empty if none."""
-    levels: dict[int, int] = {}
-    try:
-        entries = sorted(e for e in os.listdir(base) if e.startswith("index"))
-        for entry in entries:
-            with open(f"{base}/{entry}/type") as f:
-                kind = f.read().strip()
-            with open(f"{base}/{entry}/level") as f:
-                level = int(f.read().strip())
-            with open(f"{base}/{entry}/size") as f:
-                size = f.read().strip()
-            if kind in ("Unified", "Data"):
-                mult = {"K": 1024, "M": 1 << 20}.get(size[-1], 1)
-                levels[level] = max(levels.get(level, 0), int(size.rstrip("KM")) * mult)
-    except (OSError, ValueError):
-        return {}
-    return levels
 
 
 def bucket_of(total_bytes: int) -> int:

@@ -8,7 +8,8 @@ import pytest
 from backends.cpu import backend as cpu_backend
 from backends.cpu import stream_probe
 from backends.cpu.compiler import CompilerUnavailable
-from backends.cpu.stream_probe import MARGIN, StreamProbe, bucket_of, cache_levels, time_copy
+from backends.cpu.memory import cache_levels
+from backends.cpu.stream_probe import MARGIN, StreamProbe, bucket_of, time_copy
 from planner.backend import BackendUnavailable
 from planner.core import examples
 from planner.core.cost import load_device
