@@ -226,8 +226,8 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
         total = out + sum(nbytes(r) for r in k.reads)
         if self.stream_bytes is not None:
             return out * 8 >= self.stream_bytes and total >= self.stream_bytes
-        probe = machine_probe()
-        return out * 8 >= min(total, probe.ceiling) and probe.pays(total)
+        probe = machine_probe(self.threads)
+        return out * 8 >= min(total, probe.ceiling) and probe.pays(total, self.pool)
 
     @property
     def identity(self) -> str:

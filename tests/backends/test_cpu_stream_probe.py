@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from backends.cpu import backend as cpu_backend
-from backends.cpu import stream_probe
+from backends.cpu import parallel, stream_probe
 from backends.cpu.compiler import CompilerUnavailable
 from backends.cpu.memory import cache_levels
 from backends.cpu.stream_probe import MARGIN, StreamProbe, bucket_of, time_copy
@@ -74,11 +74,15 @@ def test_cache_levels_read_from_sysfs(tmp_path) -> None:
     assert cache_levels(str(tmp_path / "missing")) == {}
 
 
-def test_the_copy_kernel_is_timed_both_ways() -> None:
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_copy_kernel_is_timed_both_ways(threads: int) -> None:
+    pool = parallel.WorkerPool(threads)
     try:
-        us = time_copy(MiB)
+        us = time_copy(4 * MiB, pool)
     except CompilerUnavailable:
         pytest.skip("no C compiler")
+    finally:
+        pool.close()
     assert set(us) == {"stream_us", "plain_us"} and all(0 < v < 1e6 for v in us.values())
 
 
@@ -86,7 +90,7 @@ def test_a_verdict_is_kept_for_this_machine(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     timed: list[int] = []
 
-    def fake_copy(size: int) -> dict[str, float]:
+    def fake_copy(size: int, pool: object = None) -> dict[str, float]:
         timed.append(size)
         return {"stream_us": 50.0, "plain_us": 100.0}
 
@@ -98,6 +102,7 @@ def test_a_verdict_is_kept_for_this_machine(monkeypatch, tmp_path) -> None:
     assert second.verdicts == {4 * MiB: True}
     other = StreamProbe(floor=MiB, ceiling=32 * MiB)  # another machine's (its caches differ): measured again
     assert other._kept() == {}
+    assert StreamProbe(floor=MiB, ceiling=64 * MiB, threads=2)._kept() == {}  # and for plans on 2 threads
 
 
 @pytest.mark.parametrize("streams", [True, False])
@@ -106,7 +111,7 @@ def test_the_backend_follows_the_measured_verdict(monkeypatch, streams: bool) ->
     plan = min(build_candidates(graph, SPEC).plans, key=lambda p: len(p.kernels))
     probe, asked = probe_timing(50.0 if streams else 100.0, 100.0)
     probe.floor = MiB
-    monkeypatch.setattr(cpu_backend, "machine_probe", lambda: probe)
+    monkeypatch.setattr(cpu_backend, "machine_probe", lambda threads: probe)
     compiled = cpu(1).compile(plan)
     assert [f["streaming_stores"] for f in compiled.kernel_facts] == [streams]
     assert asked == [2 * MiB]
@@ -117,7 +122,7 @@ def test_the_backend_follows_the_measured_verdict(monkeypatch, streams: bool) ->
 
 def test_a_fixed_threshold_is_not_measured(monkeypatch) -> None:
     monkeypatch.setenv("FUSION_PLANNER_STREAM_BYTES", str(MiB))
-    monkeypatch.setattr(cpu_backend, "machine_probe", lambda: pytest.fail("measured despite a fixed threshold"))
+    monkeypatch.setattr(cpu_backend, "machine_probe", lambda threads: pytest.fail("measured despite a fixed threshold"))
     graph = examples.ew_chain(3, 1 << 18, "fp32")
     plan = min(build_candidates(graph, SPEC).plans, key=lambda p: len(p.kernels))
     compiled = cpu(1).compile(plan)
