@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from backends.codegen import find_matmul, loads
+from backends.codegen import find_matmul, is_row_kernel, loads
 from backends.cpu import gemm, native_pool, parallel, standalone
 from backends.cpu.buffers import (
     HeldWeights,
@@ -227,7 +227,8 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
         if self.stream_bytes is not None:
             return out * 8 >= self.stream_bytes and total >= self.stream_bytes
         probe = machine_probe(self.threads)
-        return out * 8 >= min(total, probe.ceiling) and probe.pays(total, self.pool)
+        kind = "row" if is_row_kernel(k.body, {t: tensors[t].shape for t in loads(k.body)}) else "flat"
+        return out * 8 >= min(total, probe.ceiling) and probe.pays(total, kind, self.pool)
 
     @property
     def identity(self) -> str:

@@ -6,11 +6,13 @@ depends on how much of the last-level cache a process really has: sysfs under a 
 host's (480 MiB on one Intel VM, where streaming was faster from 16 MiB of traffic), and on an AMD EPYC with a
 32 MiB L3 plain stores still won at 25 MiB.  So between twice the next-to-last cache level (below: the arrays
 live in caches of the core's own, plain stores) and the last level sysfs reports (from there: streaming), a
-kernel's traffic is rounded up to a power of two and, the first time a plan needs that size, a copy kernel is
-timed both ways, interleaved, on the plan's threads (split as an elementwise kernel is: on two threads of the
-Intel VM RMSNorm's 32 MiB ran 0.68 ms with plain stores and 0.81 streaming, on one thread 2.18 against 1.61);
-the faster by more than :data:`MARGIN` wins, a tie keeps plain stores.  Each size's verdict is kept in the
-kernel cache (:data:`PROBE_FILE`) for this machine and thread count.
+kernel's traffic is rounded down to a power of two and, the first time a plan needs that size, a kernel of its
+kind moving that many bytes is timed both ways, interleaved, on the plan's threads, split as the backend splits
+it: a copy for a loop over elements, an RMSNorm of rows of 1024 for a row kernel (their stores differ: a row is
+staged on the stack).  Both matter: on two threads of the Intel VM RMSNorm's 32 MiB ran 0.68 ms with plain stores
+and 0.81 streaming, on one thread 2.18 against 1.61, while the copy streamed faster on both.  The faster by more
+than :data:`MARGIN` wins, a tie keeps plain stores.  Each verdict is kept in the kernel cache (:data:`PROBE_FILE`)
+for this machine and thread count.
 """
 
 from __future__ import annotations
@@ -42,11 +44,16 @@ MARGIN = 0.03
 #: timed rounds per size, each timing both forms (after one untimed round)
 ROUNDS = 7
 PROBE_FILE = "streaming.json"
+#: the kernels measured: a loop over elements (a copy) and a row kernel (an RMSNorm)
+KINDS = ("flat", "row")
+#: the row kernel's row length (a multiple of 16, as a streaming row kernel's must be)
+ROW_WIDTH = 1024
 
 
 def bucket_of(total_bytes: int) -> int:
-    """The power of two at or above ``total_bytes``: the size class one measurement answers for."""
-    return 1 << max(0, total_bytes - 1).bit_length()
+    """The power of two at or below ``total_bytes`` (at least 1): the size class one measurement answers for. Not
+    the one above: RMSNorm's 32 MiB and its 8 KiB weight are a 32 MiB kernel, not a 64 MiB one."""
+    return 1 << max(0, total_bytes.bit_length() - 1)
 
 
 @dataclass
@@ -62,49 +69,53 @@ class StreamProbe:
     ceiling: int
     threads: int = 1
     measure: Callable[[int], dict[str, float]] | None = None
-    verdicts: dict[int, bool] = field(default_factory=dict)
+    #: (kind, size) -> streams
+    verdicts: dict[tuple[str, int], bool] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
-    def pays(self, total: int, pool: parallel.WorkerPool | None = None) -> bool:
-        """``pool``: where a measurement runs (the plan's; one of :attr:`threads` threads), else the calling
-        thread."""
+    def pays(self, total: int, kind: str = "flat", pool: parallel.WorkerPool | None = None) -> bool:
+        """``kind``: the kernel's, one of :data:`KINDS`; ``pool``: where a measurement runs (the plan's, of
+        :attr:`threads` threads), else the calling thread."""
         if total >= self.ceiling:
             return True
         if total < self.floor:
             return False
         size = bucket_of(total)
-        if size >= self.ceiling:
-            return True
         with self._lock:
-            verdict = self.verdicts.get(size)
+            verdict = self.verdicts.get((kind, size))
             if verdict is None:
-                verdict = self.verdicts[size] = self._measure(size, pool)
+                verdict = self.verdicts[kind, size] = self._measure(kind, size, pool)
         return verdict
 
-    def _measure(self, size: int, pool: parallel.WorkerPool | None) -> bool:
+    def _measure(self, kind: str, size: int, pool: parallel.WorkerPool | None) -> bool:
         t0 = time.perf_counter()
-        us = self.measure(size) if self.measure is not None else time_copy(size, pool)
+        us = self.measure(size) if self.measure is not None else time_kernel(kind, size, pool)
         verdict = us["stream_us"] < (1.0 - MARGIN) * us["plain_us"]
-        log.info("streaming stores at %d MiB of traffic on %d thread(s): %.0f µs against %.0f µs with plain stores: "
-                 "%s (%.2f s)", size >> 20, self.threads, us["stream_us"], us["plain_us"],
+        log.info("streaming stores for a %s kernel moving %d MiB on %d thread(s): %.0f µs against %.0f µs with plain "
+                 "stores: %s (%.2f s)", kind, size >> 20, self.threads, us["stream_us"], us["plain_us"],
                  "streams" if verdict else "plain stores", time.perf_counter() - t0)
         if self.measure is None:
-            self._keep(size, verdict, us)
+            self._keep(f"{kind}:{size}", verdict, us)
         return verdict
 
     def _key(self) -> dict[str, Any]:
         return {"cpu": cpu_model(), "cpus": os.cpu_count(), "ceiling": self.ceiling, "floor": self.floor,
                 "threads": self.threads}
 
-    def _kept(self) -> dict[int, bool]:
+    def _kept(self) -> dict[tuple[str, int], bool]:
         record = read_record(cache_dir() / PROBE_FILE, self._key())
         sizes = record.get("sizes", {}) if record is not None else {}
-        return {int(s): bool(v["streams"]) for s, v in sizes.items() if isinstance(v, dict) and "streams" in v}
+        kept = {}
+        for name, v in sizes.items():
+            kind, _, size = str(name).partition(":")
+            if kind in KINDS and size.isdigit() and isinstance(v, dict) and "streams" in v:
+                kept[kind, int(size)] = bool(v["streams"])
+        return kept
 
-    def _keep(self, size: int, verdict: bool, us: dict[str, float]) -> None:
+    def _keep(self, name: str, verdict: bool, us: dict[str, float]) -> None:
         record = read_record(cache_dir() / PROBE_FILE, self._key()) or {"key": self._key(), "sizes": {}}
-        record.setdefault("sizes", {})[str(size)] = {"streams": verdict, **{k: round(v, 1) for k, v in us.items()}}
+        record.setdefault("sizes", {})[name] = {"streams": verdict, **{k: round(v, 1) for k, v in us.items()}}
         keep_record(cache_dir() / PROBE_FILE, record, "the streaming-store measurement")
 
 
@@ -124,25 +135,39 @@ def _copy_body(n: int) -> Expr:
     return Expr("Affine", (Load("x"),), (("a", 1.0), ("b", 0.0)), "", TensorType((n,), "fp32"))
 
 
-def time_copy(size: int, pool: parallel.WorkerPool | None = None, compiler: Compiler | None = None
-              ) -> dict[str, float]:
-    """The fastest of :data:`ROUNDS` interleaved rounds (µs) of a generated fp32 copy moving ``size`` bytes (half
-    read, half written), with streaming and with plain stores, split across ``pool`` as the backend splits a
-    flat elementwise kernel (else on the calling thread).  Where the compiler does not target AVX there is no
-    streaming form: both times are the plain kernel's."""
-    n = max(16, size // 8)
+def _row_body(rows: int) -> Expr:
+    """RMSNorm of ``rows`` rows of :data:`ROW_WIDTH` (x times the rsqrt of its rows' mean square)."""
+    def t(cols: int) -> TensorType:
+        return TensorType((rows, cols), "fp32")
+
+    ms = Expr("RowMean", (Expr("Square", (Load("x"),), (), "square", t(ROW_WIDTH)),), (), "ms", t(1))
+    rstd = Expr("Rsqrt", (Expr("Affine", (ms,), (("a", 1.0), ("b", 1e-6)), "eps", t(1)),), (), "rstd", t(1))
+    return Expr("MulRow", (Load("x"), rstd), (), "out", t(ROW_WIDTH))
+
+
+def time_kernel(kind: str, size: int, pool: parallel.WorkerPool | None = None, compiler: Compiler | None = None
+                ) -> dict[str, float]:
+    """The fastest of :data:`ROUNDS` interleaved rounds (µs) of a generated fp32 kernel of ``kind`` (a copy, or
+    an RMSNorm of rows) moving ``size`` bytes (half read, half written), with streaming and with plain stores,
+    split across ``pool`` as the backend splits such a kernel (else on the calling thread).  Where the compiler
+    does not target AVX there is no streaming form: both times are the plain kernel's."""
+    rows = max(1, size // (8 * ROW_WIDTH)) if kind == "row" else 1
+    n = rows * ROW_WIDTH if kind == "row" else max(16, size // 8)
     x = aligned_empty((n,), np.float32)
     x.fill(1.0)
-    out = aligned_empty((n,), np.float32)
-    out.fill(0.0)  # the pages exist before either form is timed
+    outs = {name: aligned_empty((n,), np.float32) for name in ("stream_us", "plain_us")}
+    for out in outs.values():  # each form its own output, as each plan has: plain stores find theirs cached
+        out.fill(0.0)  # the pages exist before either form is timed
     compiler = compiler or Compiler()
-    body = _copy_body(n)
+    body, shape = (_row_body(rows), (rows, ROW_WIDTH)) if kind == "row" else (_copy_body(n), (n,))
     calls = {}
     for name, stream in (("stream_us", True), ("plain_us", False)):
-        ck = generate(body, {"x": ((n,), "fp32")}, stream=stream)
+        ck = generate(body, {"x": (shape, "fp32")}, stream=stream)
         if stream and not streams(ck.source):
-            ck = generate(body, {"x": ((n,), "fp32")})
-        calls[name] = _split_call(compiler.function(ck.source, len(ck.params) + 1), x, out, pool)
+            ck = generate(body, {"x": (shape, "fp32")})
+        fn = compiler.function(ck.source, len(ck.params) + 1)
+        out = outs[name]
+        calls[name] = _split_rows(fn, x, out, rows, pool) if kind == "row" else _split_call(fn, x, out, pool)
     best = dict.fromkeys(calls, float("inf"))
     for r in range(ROUNDS + 1):
         for name, call in calls.items():
@@ -150,8 +175,8 @@ def time_copy(size: int, pool: parallel.WorkerPool | None = None, compiler: Comp
             call()
             if r:
                 best[name] = min(best[name], (time.perf_counter_ns() - t0) / 1e3)
-    if not np.array_equal(out[:16], x[:16]):
-        raise RuntimeError("the streaming probe's copy kernel computed a wrong result")
+    if not all(np.allclose(out[:16], 1.0) for out in outs.values()):
+        raise RuntimeError(f"the streaming probe's {kind} kernel computed a wrong result")
     return best
 
 
@@ -163,4 +188,15 @@ def _split_call(fn: Any, x: np.ndarray, out: np.ndarray, pool: parallel.WorkerPo
         return lambda: fn(xa, oa, 0, 1, n)
     ranges = parallel.split(n, parts, parallel.CHUNK_ALIGN)
     args = [[xa + 4 * e0, oa + 4 * e0, 0, 1, e1 - e0] for e0, e1 in ranges]
+    return lambda: pool.run_kernel(fn, 2, args)
+
+
+def _split_rows(fn: Any, x: np.ndarray, out: np.ndarray, rows: int,
+                pool: parallel.WorkerPool | None) -> Callable[[], None]:
+    """The row kernel ``fn`` over ``rows`` rows of ``x`` into ``out``, its rows split as the backend splits them."""
+    xa, oa = x.ctypes.data, out.ctypes.data
+    parts = parallel.loop_parts(pool.threads, rows * ROW_WIDTH) if pool is not None else 1
+    if pool is None or parts == 1:
+        return lambda: fn(xa, oa, 0, rows, ROW_WIDTH)
+    args = [[xa, oa, r0, r1, ROW_WIDTH] for r0, r1 in parallel.split(rows, parts)]
     return lambda: pool.run_kernel(fn, 2, args)

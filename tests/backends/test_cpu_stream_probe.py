@@ -9,10 +9,11 @@ from backends.cpu import backend as cpu_backend
 from backends.cpu import parallel, stream_probe
 from backends.cpu.compiler import CompilerUnavailable
 from backends.cpu.memory import cache_levels
-from backends.cpu.stream_probe import MARGIN, StreamProbe, bucket_of, time_copy
+from backends.cpu.stream_probe import MARGIN, StreamProbe, bucket_of, time_kernel
 from planner.backend import BackendUnavailable
 from planner.core import examples
 from planner.core.cost import load_device
+from planner.core.reference import random_inputs
 from planner.egraph.candidates import build_candidates
 
 SPEC = load_device("seed-k4")
@@ -36,23 +37,22 @@ def probe_timing(stream_us: float, plain_us: float) -> tuple[StreamProbe, list[i
     return StreamProbe(floor=4 * MiB, ceiling=64 * MiB, measure=measure), asked
 
 
-def test_bucket_is_the_power_of_two_at_or_above() -> None:
-    assert [bucket_of(n) for n in (1, 2, 3, 4 * MiB, 4 * MiB + 1)] == [1, 2, 4, 4 * MiB, 8 * MiB]
+def test_bucket_is_the_power_of_two_at_or_below() -> None:
+    assert [bucket_of(n) for n in (0, 1, 2, 3, 4 * MiB, 8 * MiB - 1)] == [1, 1, 2, 2, 4 * MiB, 4 * MiB]
 
 
 def test_below_the_floor_plain_and_from_the_ceiling_streaming_without_measuring() -> None:
     probe, asked = probe_timing(1.0, 100.0)
     assert not probe.pays(4 * MiB - 1)
     assert probe.pays(64 * MiB) and probe.pays(1 << 40)
-    assert probe.pays(40 * MiB) is True  # a bucket of 64 MiB: the ceiling
     assert asked == []
 
 
 def test_each_size_class_is_measured_once() -> None:
     probe, asked = probe_timing(80.0, 100.0)
-    assert probe.pays(5 * MiB) and probe.pays(7 * MiB) and probe.pays(8 * MiB)
-    assert probe.pays(9 * MiB)
-    assert asked == [8 * MiB, 16 * MiB]
+    assert probe.pays(5 * MiB) and probe.pays(7 * MiB) and probe.pays(4 * MiB)
+    assert probe.pays(9 * MiB) and probe.pays(63 * MiB)
+    assert asked == [4 * MiB, 8 * MiB, 32 * MiB]
 
 
 @pytest.mark.parametrize(("stream_us", "streams"), [(100.0, False), (100.0 * (1 - MARGIN / 2), False),
@@ -74,11 +74,12 @@ def test_cache_levels_read_from_sysfs(tmp_path) -> None:
     assert cache_levels(str(tmp_path / "missing")) == {}
 
 
+@pytest.mark.parametrize("kind", ["flat", "row"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_copy_kernel_is_timed_both_ways(threads: int) -> None:
+def test_each_kind_of_kernel_is_timed_both_ways(threads: int, kind: str) -> None:
     pool = parallel.WorkerPool(threads)
     try:
-        us = time_copy(4 * MiB, pool)
+        us = time_kernel(kind, 4 * MiB, pool)
     except CompilerUnavailable:
         pytest.skip("no C compiler")
     finally:
@@ -90,34 +91,40 @@ def test_a_verdict_is_kept_for_this_machine(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     timed: list[int] = []
 
-    def fake_copy(size: int, pool: object = None) -> dict[str, float]:
+    def fake_copy(kind: str, size: int, pool: object = None) -> dict[str, float]:
         timed.append(size)
         return {"stream_us": 50.0, "plain_us": 100.0}
 
-    monkeypatch.setattr(stream_probe, "time_copy", fake_copy)
+    monkeypatch.setattr(stream_probe, "time_kernel", fake_copy)
     first = StreamProbe(floor=MiB, ceiling=64 * MiB)
-    assert first.pays(3 * MiB) and timed == [4 * MiB]
+    assert first.pays(5 * MiB) and timed == [4 * MiB]
     second = StreamProbe(floor=MiB, ceiling=64 * MiB)
     second.verdicts.update(second._kept())
-    assert second.verdicts == {4 * MiB: True}
+    assert second.verdicts == {("flat", 4 * MiB): True}
+    assert second.pays(5 * MiB, "row") and timed == [4 * MiB, 4 * MiB]  # a row kernel: measured apart
+    third = StreamProbe(floor=MiB, ceiling=64 * MiB)
+    assert third._kept() == {("flat", 4 * MiB): True, ("row", 4 * MiB): True}
     other = StreamProbe(floor=MiB, ceiling=32 * MiB)  # another machine's (its caches differ): measured again
     assert other._kept() == {}
     assert StreamProbe(floor=MiB, ceiling=64 * MiB, threads=2)._kept() == {}  # and for plans on 2 threads
 
 
 @pytest.mark.parametrize("streams", [True, False])
-def test_the_backend_follows_the_measured_verdict(monkeypatch, streams: bool) -> None:
-    graph = examples.ew_chain(3, 1 << 18, "fp32")  # 1 MiB in, 1 MiB out
+@pytest.mark.parametrize("kind", ["flat", "row"])
+def test_the_backend_follows_the_measured_verdict_of_its_kind(monkeypatch, streams: bool, kind: str) -> None:
+    graph = (examples.ew_chain(3, 1 << 18, "fp32") if kind == "flat" else  # 1 MiB in, 1 MiB out
+             examples.rms_norm(256, 1024, "fp32", residual=False))  # 1 MiB in, 1 MiB out, a 4 KiB weight
     plan = min(build_candidates(graph, SPEC).plans, key=lambda p: len(p.kernels))
+    assert len(plan.kernels) == 1
     probe, asked = probe_timing(50.0 if streams else 100.0, 100.0)
     probe.floor = MiB
     monkeypatch.setattr(cpu_backend, "machine_probe", lambda threads: probe)
     compiled = cpu(1).compile(plan)
     assert [f["streaming_stores"] for f in compiled.kernel_facts] == [streams]
-    assert asked == [2 * MiB]
+    assert list(probe.verdicts) == [(kind, 2 * MiB)] and len(asked) == 1
     plain = cpu_backend.CpuBackend(SPEC, threads=1, stream_bytes=1 << 40).compile(plan)
-    x = np.linspace(-1, 1, 1 << 18, dtype=np.float32)
-    assert np.array_equal(compiled.run({"x": x})[0], plain.run({"x": x})[0])
+    inputs = random_inputs(graph, seed=2)
+    assert np.array_equal(compiled.run(inputs)[0], plain.run(inputs)[0])
 
 
 def test_a_fixed_threshold_is_not_measured(monkeypatch) -> None:
