@@ -1,18 +1,18 @@
 """Where streaming (non-temporal) stores pay on this machine: measured, not read off the cache size.
 
 A kernel that writes its output with streaming stores sends it to memory without first reading the
-destination's lines; one with plain stores keeps it in the cache, where the next call finds it.  Which is faster
-depends on how much of the last-level cache a process really has: sysfs under a hypervisor can report the
-host's (480 MiB on one Intel VM, where streaming was faster from 16 MiB of traffic), and on an AMD EPYC with a
-32 MiB L3 plain stores still won at 25 MiB.  So between twice the next-to-last cache level (below: the arrays
-live in caches of the core's own, plain stores) and the last level sysfs reports (from there: streaming), a
-kernel's traffic is rounded down to a power of two and, the first time a plan needs that size, a kernel of its
-kind moving that many bytes is timed both ways, interleaved, on the plan's threads, split as the backend splits
-it: a copy for a loop over elements, an RMSNorm of rows of 1024 for a row kernel (their stores differ: a row is
-staged on the stack).  Both matter: on two threads of the Intel VM RMSNorm's 32 MiB ran 0.68 ms with plain stores
-and 0.81 streaming, on one thread 2.18 against 1.61, while the copy streamed faster on both.  The faster by more
-than :data:`MARGIN` wins, a tie keeps plain stores.  Each verdict is kept in the kernel cache (:data:`PROBE_FILE`)
-for this machine and thread count.
+destination's lines; one with plain stores keeps it in the cache, where the next call (or the next kernel) finds
+it.  Which is faster depends on how much of the last-level cache a process really has: sysfs under a hypervisor
+can report the host's (480 MiB on one Intel VM, where plain stores stopped paying between 32 and 64 MiB of
+traffic), and on an AMD EPYC with a 32 MiB L3 plain stores still won at 25 MiB.  So between twice the
+next-to-last cache level (below: the arrays live in caches of the core's own, plain stores) and the last level
+sysfs reports (from there: streaming), a kernel's traffic is rounded down to a power of two and, the first time
+a plan needs that size, a kernel of its kind moving that many bytes is timed both ways, interleaved, on the
+plan's threads, split as the backend splits it: a copy for a loop over elements, an RMSNorm of rows of 1024 for
+a row kernel (a row is staged on the stack before its stores).  Each form writes an output of its own, as each
+plan does: with one shared output the plain form never found its lines cached and streaming looked 1.1-1.5x
+faster at every size.  The faster by more than :data:`MARGIN` wins, a tie keeps plain stores.  Each verdict is
+kept in the kernel cache (:data:`PROBE_FILE`) for this machine and thread count.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class StreamProbe:
     output, on this machine.
 
     ``floor``: below it plain stores, unmeasured; ``ceiling``: from it streaming, unmeasured; in between, one
-    measurement per power of two (:func:`time_copy` on the caller's pool, kept in the kernel cache; ``measure``:
+    measurement per power of two (:func:`time_kernel` on the caller's pool, kept in the kernel cache; ``measure``:
     a timing of its own, nothing kept)."""
 
     floor: int
@@ -72,7 +72,6 @@ class StreamProbe:
     #: (kind, size) -> streams
     verdicts: dict[tuple[str, int], bool] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
 
     def pays(self, total: int, kind: str = "flat", pool: parallel.WorkerPool | None = None) -> bool:
         """``kind``: the kernel's, one of :data:`KINDS`; ``pool``: where a measurement runs (the plan's, of
