@@ -423,7 +423,8 @@ class StandaloneSteps(StepsBase):
                 pool(arrays[order[0]], arrays[out_name])
 
             return Step(k, call_pool, reads, memory.own[k.out], {"impl": f"torch-{body.op.lower()}"})
-        if body.op in CHANNEL_COPIES and memory.own[out_name].itemsize in (2, 4):
+        if body.op in CHANNEL_COPIES and memory.own[out_name].itemsize in (2, 4) and (
+                memory.own[order[0]].itemsize == memory.own[out_name].itemsize):
             return self._channels(k, tensors, memory, order[0], reads)
         if body.op in LAYOUT_COPIES:  # a copy of the stored bits: any dtype
             copy = standalone.layout_copy(body)
