@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,7 +44,8 @@ log = logging.getLogger(__name__)
 MARGIN = 0.03
 #: timed rounds per size, each timing both forms (after one untimed round)
 ROUNDS = 7
-PROBE_FILE = "streaming.json"
+#: the kernel cache's record of the verdicts for plans on a number of threads
+PROBE_FILE = "streaming-{threads}.json"
 #: the kernels measured: a loop over elements (a copy) and a row kernel (an RMSNorm)
 KINDS = ("flat", "row")
 #: the row kernel's row length (a multiple of 16, as a streaming row kernel's must be)
@@ -103,7 +105,7 @@ class StreamProbe:
                 "threads": self.threads}
 
     def _kept(self) -> dict[tuple[str, int], bool]:
-        record = read_record(cache_dir() / PROBE_FILE, self._key())
+        record = read_record(self._path(), self._key())
         sizes = record.get("sizes", {}) if record is not None else {}
         kept = {}
         for name, v in sizes.items():
@@ -113,9 +115,12 @@ class StreamProbe:
         return kept
 
     def _keep(self, name: str, verdict: bool, us: dict[str, float]) -> None:
-        record = read_record(cache_dir() / PROBE_FILE, self._key()) or {"key": self._key(), "sizes": {}}
+        record = read_record(self._path(), self._key()) or {"key": self._key(), "sizes": {}}
         record.setdefault("sizes", {})[name] = {"streams": verdict, **{k: round(v, 1) for k, v in us.items()}}
-        keep_record(cache_dir() / PROBE_FILE, record, "the streaming-store measurement")
+        keep_record(self._path(), record, "the streaming-store measurement")
+
+    def _path(self) -> Path:
+        return cache_dir() / PROBE_FILE.format(threads=self.threads)
 
 
 @functools.cache

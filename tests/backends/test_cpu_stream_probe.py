@@ -106,7 +106,9 @@ def test_a_verdict_is_kept_for_this_machine(monkeypatch, tmp_path) -> None:
     assert third._kept() == {("flat", 4 * MiB): True, ("row", 4 * MiB): True}
     other = StreamProbe(floor=MiB, ceiling=32 * MiB)  # another machine's (its caches differ): measured again
     assert other._kept() == {}
-    assert StreamProbe(floor=MiB, ceiling=64 * MiB, threads=2)._kept() == {}  # and for plans on 2 threads
+    two = StreamProbe(floor=MiB, ceiling=64 * MiB, threads=2)  # plans on 2 threads: measured apart, kept apart
+    assert two._kept() == {} and two.pays(5 * MiB) and len(timed) == 3
+    assert third._kept() == {("flat", 4 * MiB): True, ("row", 4 * MiB): True}
 
 
 @pytest.mark.parametrize("streams", [True, False])
