@@ -117,9 +117,9 @@ def main() -> int:
             f"\n\nOne thread, pinned by the script to core {core}. The fused plan is one generated C loop; "
             "the unfused plan one generated kernel per op. memcpy is numpy's `copyto` and triad `add(a, b, out=c)` on "
             f"{args.n:,}-element fp32 arrays, timed in the same rounds; GB/s counts bytes read plus written "
-            "(the byte ledger's bytes for the fused kernel). A kernel whose inputs and output together pass the "
-            "last-level cache writes its output with streaming stores, as glibc's memcpy writes large copies "
-            "(docs/backends.md).\n"
+            "(the byte ledger's bytes for the fused kernel). A kernel writes its output with streaming stores "
+            "where a measurement on this machine says they pay, as glibc's memcpy writes large copies "
+            "(docs/backends.md, \"Streaming stores\").\n"
         )
         Path(args.out).write_text("# CPU backend: fused vs unfused ew-chain\n\n" + meta + "\n".join(lines) + note)
     return 0
