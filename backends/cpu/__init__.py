@@ -10,6 +10,7 @@ import shutil
 from backends.cpu.backend import CpuBackend
 from backends.cpu.calibrate import calibrate_cpu, machine_spec, record_machine_spec
 from backends.cpu.compiler import CompilerUnavailable
+from backends.cpu.stream_probe import forget_verdicts
 from planner.backend import BackendPlugin, BackendUnavailable, Calibration
 from planner.core.cost import DeviceSpec
 from planner.core.errors import UsageError
@@ -26,7 +27,8 @@ def _calibration_args(parser: argparse.ArgumentParser) -> None:
 
 def calibrate(args: argparse.Namespace) -> tuple[DeviceSpec, str]:
     """Measure this machine: triad bandwidth, an empty kernel's call, GEMM and vector FLOP/s; the result also
-    becomes the spec a cpu search is costed with by default (``machine_spec``)."""
+    becomes the spec a cpu search is costed with by default (``machine_spec``).  The kept streaming-store verdicts
+    are dropped, to be measured again as plans need them (``stream_probe``)."""
     try:
         cal = calibrate_cpu()
     except (CompilerUnavailable, BackendUnavailable) as exc:
@@ -36,6 +38,7 @@ def calibrate(args: argparse.Namespace) -> tuple[DeviceSpec, str]:
             f"(row-tiled {cal.tiled_gemm_gflops:.1f}) | vector {cal.vector_gflops:.2f} GFLOP/s | {cal.seconds:.1f} s")
     record_machine_spec(cal.spec())
     machine_spec.cache_clear()
+    forget_verdicts()
     return cal.spec(args.name or "cpu-calibrated"), line
 
 

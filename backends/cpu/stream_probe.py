@@ -135,6 +135,21 @@ def machine_probe(threads: int) -> StreamProbe:
     return probe
 
 
+def forget_verdicts() -> int:
+    """Drop every kept streaming verdict (all thread counts) and this process's: each size is measured again when a
+    plan next needs it (``fusion-planner calibrate --backend cpu``: a verdict measured under a passing load
+    should not last).  Returns how many records were removed."""
+    removed = 0
+    for path in cache_dir().glob(PROBE_FILE.format(threads="*")):
+        try:
+            path.unlink()
+            removed += 1
+        except OSError as exc:
+            log.warning("cannot remove %s: %s", path, exc)
+    machine_probe.cache_clear()
+    return removed
+
+
 def _copy_body(n: int) -> Expr:
     return Expr("Affine", (Load("x"),), (("a", 1.0), ("b", 0.0)), "", TensorType((n,), "fp32"))
 

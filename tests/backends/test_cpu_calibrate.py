@@ -66,12 +66,15 @@ def test_the_backend_chooses_the_spec_unless_one_is_named(measured):
     assert device_for(None, "model").name == "h200"
 
 
-def test_calibrate_refreshes_the_spec_searches_use(measured, monkeypatch, capsys):
+def test_calibrate_refreshes_the_spec_searches_use(measured, monkeypatch, capsys, tmp_path):
     import backends.cpu as cpu_plugin
 
     assert machine_spec().bandwidth_gbps == 30.0
+    kept = tmp_path / "fusion-planner" / "cpu" / "streaming-1.json"
+    kept.write_text('{"key": {}, "sizes": {}}')
     monkeypatch.setattr(cpu_plugin, "calibrate_cpu", lambda: _fake(77.0))
     assert main(["calibrate", "--backend", "cpu"]) == 0
+    assert not kept.exists()  # the streaming verdicts are measured again
     capsys.readouterr()
     assert machine_spec().bandwidth_gbps == 77.0  # the refreshed record, not the first measurement
     assert main(["plan", "--example", "ew-chain", "--k", "2", "--n", "4096", "--backend", "cpu", "--no-cache",

@@ -136,3 +136,13 @@ def test_a_fixed_threshold_is_not_measured(monkeypatch) -> None:
     plan = min(build_candidates(graph, SPEC).plans, key=lambda p: len(p.kernels))
     compiled = cpu(1).compile(plan)
     assert [f["streaming_stores"] for f in compiled.kernel_facts] == [True]
+
+
+def test_forgetting_drops_every_thread_counts_verdicts(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(stream_probe, "time_kernel", lambda kind, size, pool=None: {"stream_us": 1.0, "plain_us": 2.0})
+    for threads in (1, 2):
+        assert StreamProbe(floor=MiB, ceiling=64 * MiB, threads=threads).pays(2 * MiB)
+    assert len(list((tmp_path / "fusion-planner" / "cpu").glob("streaming-*.json"))) == 2
+    assert stream_probe.forget_verdicts() == 2
+    assert StreamProbe(floor=MiB, ceiling=64 * MiB)._kept() == {}
