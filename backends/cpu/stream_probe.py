@@ -10,7 +10,7 @@ sysfs reports (from there: streaming), a kernel's traffic is rounded down to a p
 a plan needs that size, a kernel of its kind moving that many bytes is timed both ways, interleaved, on the
 plan's threads, split as the backend splits it: a copy for a loop over elements, an RMSNorm of rows of 1024 for
 a row kernel (a row is staged on the stack before its stores).  Each form writes an output of its own, as each
-plan does: with one shared output the plain form never found its lines cached and streaming looked 1.1-1.5x
+plan does: with one shared output the plain form never found its lines cached and streaming looked 1.1-1.8x
 faster at every size.  The faster by more than :data:`MARGIN` wins, a tie keeps plain stores.  Each verdict is
 kept in the kernel cache (:data:`PROBE_FILE`) for this machine and thread count.
 """
