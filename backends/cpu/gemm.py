@@ -239,11 +239,11 @@ def _blas_builds() -> list[str]:
     return sorted(f"{i.get('internal_api')} {i.get('version')}" for i in threadpool_info() if i.get("user_api") == "blas")
 
 
-def _fastest(calls: Mapping[str, Callable[[], Any]]) -> dict[str, float]:
-    """Each call's fastest of :data:`PROBE_ROUNDS` rounds (seconds), the calls interleaved round by round after
-    a first round that warms them up."""
+def fastest_of(calls: Mapping[str, Callable[[], Any]], rounds: int = PROBE_ROUNDS) -> dict[str, float]:
+    """Each call's fastest of ``rounds`` rounds (seconds), the calls interleaved round by round after a first
+    round that warms them up (the measured choices here, and ``stream_probe``'s)."""
     runs: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(PROBE_ROUNDS + 1):
+    for _ in range(rounds + 1):
         for name, call in calls.items():
             t0 = time.perf_counter()
             call()
@@ -273,7 +273,7 @@ def _time_libraries() -> dict[str, float]:
         for m, k, n in PROBE_SHAPES:
             a, b = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32)
             out = np.empty((m, n), np.float32)
-            fastest = _fastest({name: functools.partial(mm, a, b, out) for name, mm in mms.items()})
+            fastest = fastest_of({name: functools.partial(mm, a, b, out) for name, mm in mms.items()})
             for name in mms:
                 best[name] += fastest[name]
     return best
@@ -342,7 +342,7 @@ def time_layouts(mm: MatMul, packs: bool = False) -> dict[str, list[float]]:
                                                    "given": functools.partial(mm, a, weight.T, out)}
             if linear is not None:
                 calls["packed"] = functools.partial(linear, a, pack_weight(weight.T, "fp32"))
-            fastest = _fastest(calls)
+            fastest = fastest_of(calls)
             for layout in layouts:
                 best[layout].append(fastest[layout])
     return best
@@ -513,8 +513,8 @@ def time_16bit_layouts(dtype: str) -> dict[str, list[float]]:
                                   .view(torch.uint16).numpy())  # nn.Linear's (N, K)
             packed = pack_weight(weight.T, dtype)
             out = aligned_empty((m, n), np.uint16)
-            fastest = _fastest({"given": functools.partial(mm, a, weight.T, out),
-                                "packed": functools.partial(linear, a, packed)})
+            fastest = fastest_of({"given": functools.partial(mm, a, weight.T, out),
+                                  "packed": functools.partial(linear, a, packed)})
             for layout in WEIGHT_LAYOUTS_16BIT:
                 best[layout].append(fastest[layout])
     return best

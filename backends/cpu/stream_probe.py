@@ -33,6 +33,7 @@ from backends.cpu import parallel
 from backends.cpu.buffers import aligned_empty
 from backends.cpu.codegen import generate
 from backends.cpu.compiler import Compiler, cache_dir, keep_record, read_record
+from backends.cpu.gemm import fastest_of
 from backends.cpu.memory import cache_bytes, cache_levels, streams
 from planner.core.graph import TensorType
 from planner.core.machine import cpu_model
@@ -187,13 +188,7 @@ def time_kernel(kind: str, size: int, pool: parallel.WorkerPool | None = None, c
         fn = compiler.function(ck.source, len(ck.params) + 1)
         out = outs[name]
         calls[name] = _split_rows(fn, x, out, rows, pool) if kind == "row" else _split_call(fn, x, out, pool)
-    best = dict.fromkeys(calls, float("inf"))
-    for r in range(ROUNDS + 1):
-        for name, call in calls.items():
-            t0 = time.perf_counter_ns()
-            call()
-            if r:
-                best[name] = min(best[name], (time.perf_counter_ns() - t0) / 1e3)
+    best = {name: seconds * 1e6 for name, seconds in fastest_of(calls, ROUNDS).items()}
     if not all(np.allclose(out[:16], 1.0) for out in outs.values()):
         raise RuntimeError(f"the streaming probe's {kind} kernel computed a wrong result")
     return best
