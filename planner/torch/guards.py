@@ -14,8 +14,10 @@ What is not guarded: global variables and closures the forward reads, and hooks 
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, Protocol
 
 import numpy as np
@@ -23,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from planner.torch.binding import Sampler
+from planner.torch.binding import Sampler, TensorWatch
 from planner.torch.errors import TorchImportError
 
 log = logging.getLogger(__name__)
@@ -43,7 +45,74 @@ def _same(a: Any, b: Any) -> bool:
     return a is b or (type(a) is type(b) and a == b)
 
 
-@dataclass(frozen=True)
+#: the dicts of a module that hold its submodules, parameters and buffers
+_HOLDERS = ("_modules", "_parameters", "_buffers")
+_shape_of = operator.attrgetter("shape")
+_dtype_of = operator.attrgetter("dtype")
+
+
+@dataclass(frozen=True, eq=False)
+class QuickCheck:
+    """:meth:`ModuleState.changed`'s first look, made for a call just after a kernel evicted the caches, where
+    every Python call costs several times its warm time (a small CNN's guard took 140-210 µs a call, one object at
+    a time). It compares, a module or a list at a time: each module's plain attributes and the dicts that hold its
+    submodules, parameters and buffers, those dicts' keys and values, all as the very objects they were (it holds
+    them, so no new object can take an old one's id); each state tensor's layout and memory; each derived tensor's
+    version too, and their sampled bytes in one gather (:class:`TensorWatch`). ``same()`` true: nothing the state guards changed. False
+    says only: look closer (an attribute set to an equal value, a bound tensor written in place)."""
+
+    #: per module: its ``__dict__``, the keys looked at (plain attributes and the holders), a default per key,
+    #: the ids of the values
+    attrs: tuple[tuple[dict[str, Any], tuple[str, ...], tuple[object, ...], list[int]], ...]
+    holders: tuple[dict[str, Any], ...]
+    sizes: list[int]
+    key_ids: list[int]
+    value_ids: list[int]
+    #: the state tensors whose layout the plan assumed, and their shapes, dtypes and addresses
+    layouts: tuple[torch.Tensor, ...]
+    layout_facts: tuple[list[Any], list[Any], list[int]]
+    #: the tensors values at import were computed from
+    derived: TensorWatch
+    #: every object whose id is compared, held so that none can be freed and its id reused
+    held: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, module: nn.Module, state: ModuleState) -> QuickCheck:
+        modules = list(module.modules())
+        attrs, kept = [], []
+        for m in modules:
+            d = m.__dict__
+            keys = tuple(k for k, v in d.items() if k in _HOLDERS or (not k.startswith("_") and _plain(v)))
+            values = [d[k] for k in keys]
+            kept += values
+            attrs.append((d, keys, (_MISSING,) * len(keys), [id(v) for v in values]))
+        holders = tuple(h for m in modules for h in (m._modules, m._parameters, m._buffers) if h)
+        names = [k for h in holders for k in h]
+        members = [v for h in holders for v in h.values()]
+        layouts = tuple(t for t in (getattr(o, n, None) for o, _, n, *_ in state.tensors) if isinstance(t, torch.Tensor))
+        return cls(
+            tuple(attrs), holders, [len(h) for h in holders], [id(k) for k in names], [id(v) for v in members],
+            layouts, (list(map(_shape_of, layouts)), list(map(_dtype_of, layouts)), list(map(torch.Tensor.data_ptr, layouts))),
+            TensorWatch([(s.tensor, s.sample) for *_, s in state.derived]),
+            (tuple(kept), tuple(names), tuple(members)),
+        )
+
+    def same(self) -> bool:
+        for d, keys, missing, ids in self.attrs:
+            if list(map(id, map(d.get, keys, missing))) != ids:
+                return False
+        if (list(map(len, self.holders)) != self.sizes
+                or list(map(id, chain.from_iterable(self.holders))) != self.key_ids
+                or list(map(id, chain.from_iterable(map(dict.values, self.holders)))) != self.value_ids):
+            return False
+        shapes, dtypes, ptrs = self.layout_facts
+        t = self.layouts
+        if list(map(torch.Tensor.data_ptr, t)) != ptrs or list(map(_shape_of, t)) != shapes or list(map(_dtype_of, t)) != dtypes:
+            return False
+        return self.derived.same()
+
+
+@dataclass(eq=False)
 class ModuleState:
     """A module tree as its plan assumed it: each submodule edge, each plain attribute, each state tensor's
     layout."""
@@ -57,6 +126,9 @@ class ModuleState:
     #: (owner module, the tensor's path, attribute, the tensor as it was) for the parameters and buffers that
     #: values the plan holds were computed from at import: any write to them is a change of the module
     derived: tuple[tuple[nn.Module, str, str, StateSnapshot], ...] = ()
+    #: the module, for :class:`QuickCheck` (None: every check looks closer)
+    module: nn.Module | None = None
+    quick: QuickCheck | None = field(default=None, repr=False)
 
     @classmethod
     def record(cls, module: nn.Module, state_keys: Sequence[str] = (), folded_from: Sequence[str] = ()) -> ModuleState:
@@ -66,10 +138,22 @@ class ModuleState:
             attrs += [(m, path, k, v) for k, v in vars(m).items() if not k.startswith("_") and _plain(v)]
         tensors = [(owner, key, name, tuple(t.shape), t.dtype, t.device) for owner, key, name, t in _state(module, state_keys)]
         derived = [(owner, key, name, StateSnapshot.of(t)) for owner, key, name, t in _state(module, folded_from)]
-        return cls(tuple(edges), tuple(attrs), tuple(tensors), tuple(derived))
+        state = cls(tuple(edges), tuple(attrs), tuple(tensors), tuple(derived), module)
+        state.quick = QuickCheck.of(module, state)
+        return state
 
     def changed(self) -> str | None:
-        """What differs from when the plan was made (the first thing found), or None."""
+        """What differs from when the plan was made (the first thing found), or None. The :class:`QuickCheck`
+        answers most calls; where it cannot, every guarded fact is compared, and if none differs the quick check
+        is made again from the module as it is now."""
+        if self.quick is not None and self.quick.same():
+            return None
+        reason = self._compare()
+        if reason is None and self.module is not None:
+            self.quick = QuickCheck.of(self.module, self)
+        return reason
+
+    def _compare(self) -> str | None:
         for parent, path, name, child in self.edges:
             if parent._modules.get(name) is not child:
                 return f"submodule {_join(path, name)} was replaced"
@@ -113,14 +197,17 @@ class StateSnapshot:
     version: int
     ptr: int
     sample: Sampler
+    shape: torch.Size
+    dtype: torch.dtype
 
     @classmethod
     def of(cls, t: torch.Tensor) -> StateSnapshot:
-        return cls(t, t._version, t.data_ptr(), Sampler(t))
+        return cls(t, t._version, t.data_ptr(), Sampler(t), t.shape, t.dtype)
 
     def fresh(self, t: Any) -> bool:
+        """The same tensor, unwritten, of the same layout (``p.data = p.data.view(...)`` keeps memory and version)."""
         return (t is self.tensor and t._version == self.version and t.data_ptr() == self.ptr
-                and self.sample.same(t))
+                and t.shape == self.shape and t.dtype == self.dtype and self.sample.same(t))
 
 
 def _join(path: str, name: str) -> str:

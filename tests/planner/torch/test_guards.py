@@ -221,3 +221,89 @@ def test_a_weights_sample_sees_a_write_through_data_and_reads_few_cache_lines(n,
     assert not sample.same(w)
     if sample.index is not None:
         assert len(set((sample.index // 64).tolist())) <= Sampler.RUNS and len(sample.index) == Sampler.SAMPLES
+
+
+class ConvBn(nn.Module):
+    """A convolution whose BatchNorm the importer folds into its weights: a plan holds values computed from them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+FOLDED_CHANGES = {
+    "bn.weight.data.mul_": lambda m: m.bn.weight.data.mul_(3),
+    "conv.weight.data.copy_": lambda m: m.conv.weight.data.copy_(torch.randn_like(m.conv.weight)),
+    "bn.running_var.add_": lambda m: m.bn.running_var.add_(1.0),
+    "bn.running_mean.data set": lambda m: setattr(m.bn.running_mean, "data", torch.randn(8)),
+    "bn.eps": lambda m: setattr(m.bn, "eps", 0.5),
+    "head.weight.data.zero_": lambda m: m.head.weight.data.zero_(),
+    "a replaced head": lambda m: setattr(m, "head", nn.Linear(8, 3)),
+}
+
+
+@pytest.mark.parametrize("change", sorted(FOLDED_CHANGES))
+def test_a_change_to_a_folded_or_bound_tensor_gives_eager_torchs_answer(change):
+    torch.manual_seed(0)
+    m = ConvBn().eval()
+    with torch.no_grad():
+        m.bn.running_var.uniform_(0.5, 1.5)
+    x = torch.randn(2, 4, 8, 8)
+    result = planner.plan(m, (x,), **FAST)
+    assert result.imported.folded_from  # the BatchNorm was folded at import
+    _agrees(result, m, x)
+    FOLDED_CHANGES[change](m)
+    _agrees(result, m, x)
+
+
+def test_the_quick_check_answers_an_unchanged_module_and_is_made_again_after_an_equal_value():
+    from planner.torch.guards import ModuleState
+
+    m = ConvBn().eval()
+    keys = [k for k, _ in m.head.named_parameters(prefix="head")]
+    state = ModuleState.record(m, keys, [k for k, _ in m.named_parameters() if not k.startswith("head")])
+    assert state.quick is not None and state.quick.same() and state.changed() is None
+    m.bn.eps = float("1e-5")  # an equal value, another object: the quick check looks closer, finds nothing
+    assert not state.quick.same()
+    assert state.changed() is None and state.quick.same()
+    m.bn.weight.data = m.bn.weight.data.view(2, 4)  # the same memory and version, another shape
+    assert "bn.weight" in (state.changed() or "")
+    m.bn.weight.data = m.bn.weight.data.view(8)
+    assert state.changed() is None
+    m.conv.weight.data = m.conv.weight.data.transpose(2, 3)  # the same memory and shape, strided
+    assert "conv.weight" in (state.changed() or "")
+
+
+def test_a_sample_set_sees_a_write_to_any_of_its_tensors_and_compares_a_strided_one_apart():
+    from planner.torch.binding import SampleSet
+
+    tensors = [torch.randn(n) + 3 for n in (5, 64, 1000, 100_003)] + [torch.randn(40, 30).t()]
+    samples = SampleSet([(Sampler(t), t) for t in tensors])
+    assert samples.same() and len(samples.apart) == 1
+    for t in tensors:
+        before = t.clone()
+        t.mul_(2)
+        assert not samples.same()
+        t.copy_(before)
+        assert samples.same()
+
+
+def test_the_bound_state_watch_sees_a_replaced_parameter_a_replaced_holder_and_a_write():
+    m, x, result = _planned()
+    result(x)
+    bound = result.bound
+    assert bound._watch is not None and bound._watch.same()
+    conversions = bound.conversions
+    result(x)
+    assert bound.conversions == conversions  # nothing converted again
+    m.l1.weight.data.mul_(2)
+    assert not bound._watch.same()
+    _agrees(result, m, x)
+    m.l2._parameters = dict(m.l2._parameters)  # the same parameters in another dict
+    assert not bound._watch.same()
+    _agrees(result, m, x)
+    assert bound._watch.same()
