@@ -49,7 +49,9 @@ class PlanMismatchError(RuntimeError):
     """The chosen plan's outputs differ from eager torch beyond the dtype's tolerance."""
 
 
-Runner = Callable[[Mapping[str, np.ndarray]], list[np.ndarray]]
+#: runs a plan on its graph inputs and returns ``hand_out(outputs)``; ``early``: ``hand_out`` reads no value
+#: (``CompiledPlan.run_handed``)
+Runner = Callable[[Mapping[str, np.ndarray], Callable[[list[np.ndarray]], Any], bool], Any]
 
 
 @dataclass
@@ -91,13 +93,21 @@ class PlanResult:
         assert self._runner is not None
         if self.imported is None:
             (feed,) = inputs
-            return self._runner(feed)
+            return self._runner(feed, list, False)
         if self._bound is None:
             from planner.torch.importer import BoundInputs
 
             self._bound = BoundInputs(self.imported, self.module, exact=self.exact_weights)
         flat = list(inputs) if arrays is not None else self.imported.check_args(inputs)
-        return self.imported.wrap_outputs(self._runner(self._bound.feed_checked(flat, arrays)), flat)
+        imported = self.imported
+        return self._runner(self._bound.feed_checked(flat, arrays), lambda outs: imported.wrap_outputs(outs, flat),
+                            self._views_only)
+
+    @functools.cached_property
+    def _views_only(self) -> bool:
+        """Does handing the outputs out as torch tensors only view their arrays (no conversion reads a value)?"""
+        assert self.imported is not None
+        return self.imported.wraps_views([self.plan.tensors[o].dtype for o in self.plan.outputs])
 
     @property
     def bound(self) -> Any:
@@ -225,9 +235,11 @@ def _runner(name: str, plan: Plan, backend: Backend, stored: bool) -> tuple[Runn
     """How the plan runs for the caller; ``stored``: outputs as the backend stores them (a torch module's call,
     whose 16-bit outputs are handed out as their bits), else float32 arrays (a graph's numpy outputs)."""
     if name == "reference":  # the numpy executor in device mode, without timing machinery
-        return (lambda feed: execute_plan(plan, feed, mode="device")), None
+        return (lambda feed, hand_out, early: hand_out(execute_plan(plan, feed, mode="device"))), None
     compiled = backend.compile(plan)
-    return (compiled.run_stored if stored else compiled.run), compiled
+    if stored:
+        return compiled.run_handed, compiled
+    return (lambda feed, hand_out, early: hand_out(compiled.run(feed))), compiled
 
 
 def _omp_quiet() -> bool:

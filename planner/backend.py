@@ -85,6 +85,13 @@ class CompiledPlan(ABC):
         ``uint16`` array of its bits, which a torch face views as the dtype), else as :meth:`run` returns it."""
         return self.run(inputs)
 
+    def run_handed(self, inputs: Mapping[str, np.ndarray], hand_out: Callable[[list[np.ndarray]], Any],
+                   early: bool = False) -> Any:
+        """Execute once and return ``hand_out(outputs)``, the outputs as :meth:`run_stored` gives them. ``early``:
+        ``hand_out`` only wraps the arrays and reads no value, so a backend that has the outputs' arrays before its
+        kernels run may call it then, while the caches still hold what the call just touched (the cpu backend)."""
+        return hand_out(self.run_stored(inputs))
+
     def time(
         self,
         inputs: Mapping[str, np.ndarray],

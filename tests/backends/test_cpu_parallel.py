@@ -476,3 +476,29 @@ def test_the_layout_probe_times_each_layout_of_each_shape() -> None:
         seconds = gemm.time_layouts(gemm.numpy_mm, packs=True)
         assert set(seconds) == set(gemm.WEIGHT_LAYOUTS)
         assert all(len(v) == len(gemm.LAYOUT_SHAPES) and min(v) > 0 for v in seconds.values())
+
+
+def test_an_early_hand_out_wraps_the_arrays_the_kernels_then_write_and_reuses_them_once_dropped() -> None:
+    graph = examples.ew_chain(2, 4096)
+    compiled = cpu(1).compile(build_candidates(graph, SPEC).best)
+    x = random_inputs(graph, seed=0)["x"]
+    want = compiled.run({"x": x})[0].copy()
+    seen: list[list[np.ndarray]] = []
+
+    def hand_out(arrays: list[np.ndarray]) -> list[np.ndarray]:
+        seen.append([a.copy() for a in arrays])  # what the arrays hold when handed out early: not yet written
+        return arrays
+
+    (kept,) = compiled.run_handed({"x": x}, hand_out, early=True)
+    assert np.array_equal(kept, want)
+    reused = compiled.reused
+    address = compiled.run_handed({"x": x}, hand_out, early=True)[0].ctypes.data  # dropped at once
+    out = compiled.run_handed({"x": x}, hand_out, early=True)[0]
+    assert compiled.reused == reused + 1 and out.ctypes.data == address and np.array_equal(out, want)
+    assert not np.shares_memory(out, kept) and np.array_equal(kept, want)  # the kept one is left alone
+    compiled.execute()  # the bare kernels: into the plan's own buffer while ``out`` is held
+    out[:] = -1.0
+    compiled.execute()
+    assert np.all(out == -1.0) and np.array_equal(compiled.run({"x": x})[0], want)
+    late = compiled.run_handed({"x": x}, lambda arrays: [a.sum() for a in arrays])  # a hand-out that reads values
+    assert np.allclose(late[0], want.sum(), rtol=1e-5)
