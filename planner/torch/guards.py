@@ -47,6 +47,10 @@ def _same(a: Any, b: Any) -> bool:
 
 #: the dicts of a module that hold its submodules, parameters and buffers
 _HOLDERS = ("_modules", "_parameters", "_buffers")
+#: a dict's version tag (PEP 509: a new one at every change of the dict), as torch.compile's guards read it; None
+#: where this torch or Python has none (the dicts are then compared by the ids of what they hold)
+_dict_version: Callable[[dict[str, Any]], int] | None = getattr(
+    getattr(getattr(torch._C, "_dynamo", None), "guards", None), "dict_version", None)
 _shape_of = operator.attrgetter("shape")
 _dtype_of = operator.attrgetter("dtype")
 
@@ -59,8 +63,13 @@ class QuickCheck:
     submodules, parameters and buffers, those dicts' keys and values, all as the very objects they were (it holds
     them, so no new object can take an old one's id); each state tensor's layout and memory; each derived tensor's
     version too, and their sampled bytes in one gather (:class:`TensorWatch`). ``same()`` true: nothing the state guards changed. False
-    says only: look closer (an attribute set to an equal value, a bound tensor written in place)."""
+    says only: look closer (an attribute set to an equal value, a bound tensor written in place). Where Python
+    gives dicts version tags (PEP 509, read as torch.compile's guards read them), every dict is first compared by
+    its tag alone: unchanged tags mean unchanged dicts, and the ids are not looked at."""
 
+    #: every dict compared, and its version tag when this was made (empty where there are none)
+    dicts: tuple[dict[str, Any], ...]
+    versions: list[int]
     #: per module: its ``__dict__``, the keys looked at (plain attributes and the holders), a default per key,
     #: the ids of the values
     attrs: tuple[tuple[dict[str, Any], tuple[str, ...], tuple[object, ...], list[int]], ...]
@@ -90,7 +99,9 @@ class QuickCheck:
         names = [k for h in holders for k in h]
         members = [v for h in holders for v in h.values()]
         layouts = tuple(t for t in (getattr(o, n, None) for o, _, n, *_ in state.tensors) if isinstance(t, torch.Tensor))
+        dicts = tuple(d for m in modules for d in (m.__dict__, m._modules, m._parameters, m._buffers))
         return cls(
+            dicts, list(map(_dict_version, dicts)) if _dict_version is not None else [],
             tuple(attrs), holders, [len(h) for h in holders], [id(k) for k in names], [id(v) for v in members],
             layouts, (list(map(_shape_of, layouts)), list(map(_dtype_of, layouts)), list(map(torch.Tensor.data_ptr, layouts))),
             TensorWatch([(s.tensor, s.sample) for *_, s in state.derived]),
@@ -98,18 +109,23 @@ class QuickCheck:
         )
 
     def same(self) -> bool:
-        for d, keys, missing, ids in self.attrs:
-            if list(map(id, map(d.get, keys, missing))) != ids:
-                return False
-        if (list(map(len, self.holders)) != self.sizes
-                or list(map(id, chain.from_iterable(self.holders))) != self.key_ids
-                or list(map(id, chain.from_iterable(map(dict.values, self.holders)))) != self.value_ids):
+        if not self._dicts_same():
             return False
         shapes, dtypes, ptrs = self.layout_facts
         t = self.layouts
         if list(map(torch.Tensor.data_ptr, t)) != ptrs or list(map(_shape_of, t)) != shapes or list(map(_dtype_of, t)) != dtypes:
             return False
         return self.derived.same()
+
+    def _dicts_same(self) -> bool:
+        if _dict_version is not None and self.versions:
+            return list(map(_dict_version, self.dicts)) == self.versions
+        for d, keys, missing, ids in self.attrs:
+            if list(map(id, map(d.get, keys, missing))) != ids:
+                return False
+        return (list(map(len, self.holders)) == self.sizes
+                and list(map(id, chain.from_iterable(self.holders))) == self.key_ids
+                and list(map(id, chain.from_iterable(map(dict.values, self.holders)))) == self.value_ids)
 
 
 @dataclass(eq=False)
