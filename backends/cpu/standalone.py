@@ -8,7 +8,6 @@ at a time with an online softmax, groups split across the worker pool.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -253,9 +252,11 @@ def attention_shapes(body: Expr, shapes: Mapping[str, tuple[int, ...]]) -> tuple
 
 
 def source_of(body: Expr, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
-    """The generated C a standalone kernel loads: attention's, and max pooling's."""
+    """The generated C a standalone kernel loads: attention's, and pooling's."""
     if body.op == "MaxPool":
         return maxpool_source(body, int(body.type.shape[-1]))
+    if body.op == "SpatialMean":
+        return spatial_mean_source(int(body.attr_dict["pixels"]), int(body.type.shape[-1]), body.type.dtype)
     if body.op not in ATTENTION_OPS:
         return None
     _, s, t, d, e = attention_shapes(body, shapes)
@@ -453,22 +454,33 @@ def channels_copy(body: Expr) -> Callable[[np.ndarray, np.ndarray], None]:
     return copy
 
 
-def torch_mean(dtype: str, pixels: int) -> Callable[[np.ndarray, np.ndarray], None] | None:
-    """``mean(x, out)`` for SpatialMean as torch's mean of the channels-last rows (where torch is loaded), else
-    None (the reference's numpy form). MaxPool is a generated kernel (:func:`maxpool_source`)."""
-    if "torch" not in sys.modules:
-        return None
-    import torch  # optional dependency
+def spatial_mean_source(pixels: int, channels: int, dtype: str) -> str:
+    """The mean of each image's ``pixels`` channels-last rows (global average pooling) of ``dtype``, summed in
+    double as the reference's ``np.mean(..., dtype=float64)``, images ``r0``..``r1`` per call. torch's mean of the
+    same rows, called from a plan just after a convolution, took about 70 µs for 8x32x16x16 fp32 on one core of a
+    Sapphire Rapids VM: several cold torch calls for 256 KB of reads."""
+    ctype, load, store = storage_forms(dtype)
+    return PRELUDE + f"""
+#define FP_P {pixels}
+#define FP_C {channels}
 
-    kind = getattr(torch, DTYPES[dtype].torch_name)
-
-    def tensor(a: np.ndarray) -> Any:
-        return _bits_tensor(a).view(kind)
-
-    def mean(x: np.ndarray, out: np.ndarray) -> None:
-        tensor(out).copy_(tensor(x).view(-1, pixels, x.shape[-1]).mean(1))
-
-    return mean
+void {SYMBOL}(const float* x0, float* out0, int64_t r0, int64_t r1, int64_t unused) {{
+    (void)unused;
+    const {ctype}* restrict x = (const {ctype}*)x0;
+    {ctype}* restrict out = ({ctype}*)out0;
+    double acc[FP_C] __attribute__((aligned(64)));
+    for (int64_t n = r0; n < r1; ++n) {{
+        const {ctype}* restrict image = x + n * FP_P * FP_C;
+        for (int64_t c = 0; c < FP_C; ++c) acc[c] = 0.0;
+        for (int64_t p = 0; p < FP_P; ++p) {{
+            const {ctype}* restrict px = image + p * FP_C;
+            for (int64_t c = 0; c < FP_C; ++c) acc[c] += (double){load.format("px[c]")};
+        }}
+        {ctype}* restrict o = out + n * FP_C;
+        for (int64_t c = 0; c < FP_C; ++c) o[c] = {store.format("(float)(acc[c] / FP_P)")};
+    }}
+}}
+"""
 
 
 def layout_copy(body: Expr) -> Callable[[np.ndarray, np.ndarray], None]:

@@ -413,16 +413,7 @@ class StandaloneSteps(StepsBase):
         if body.op in POOLS:
             if tensors[order[0]].dtype != body.type.dtype:
                 return self._converted(k, tensors, memory)  # the reference's numpy form
-            if body.op == "MaxPool":
-                return self._maxpool(k, memory, order[0], reads)
-            pool = standalone.torch_mean(body.type.dtype, int(body.attr_dict["pixels"]))
-            if pool is None:
-                return self._converted(k, tensors, memory)
-
-            def call_pool() -> None:  # on the plan's torch threads (CpuCompiledPlan._pools)
-                pool(arrays[order[0]], arrays[out_name])
-
-            return Step(k, call_pool, reads, memory.own[k.out], {"impl": f"torch-{body.op.lower()}"})
+            return self._pool(k, memory, order[0], reads)
         if body.op in CHANNEL_COPIES and memory.own[out_name].itemsize in (2, 4) and (
                 memory.own[order[0]].itemsize == memory.own[out_name].itemsize):
             return self._channels(k, tensors, memory, order[0], reads)
@@ -512,13 +503,17 @@ class StandaloneSteps(StepsBase):
         call = standalone.rows_call(fn, self.pool, self.threads, units, lambda: [addr[source], addr[out_name]])
         return Step(k, call, reads, memory.own[out_name], {"impl": "c-transpose", "threads": min(self.threads, units)})
 
-    def _maxpool(self, k: Kernel, memory: Memory, source: str, reads: list[np.ndarray]) -> Step:
-        """The generated max pooling of channels-last rows, its output rows split across the pool."""
+    def _pool(self, k: Kernel, memory: Memory, source: str, reads: list[np.ndarray]) -> Step:
+        """The generated pooling of channels-last rows: max pooling by output rows (image by row), the spatial
+        mean by images, split across the pool."""
         body, addr, out_name = k.body, memory.addr, k.out
-        rows = math.prod(body.type.shape[:-1]) // window_out(body.attr_dict)[1]  # images x output rows
-        fn = self.compiler.function(standalone.maxpool_source(body, int(body.type.shape[-1])), 2)
+        rows = math.prod(body.type.shape[:-1])  # images (the spatial mean), or images x output rows
+        if body.op == "MaxPool":
+            rows //= window_out(body.attr_dict)[1]
+        fn = self.compiler.function(standalone.source_of(body, {}) or "", 2)
+        impl = f"c-{body.op.lower()}"
         call = standalone.rows_call(fn, self.pool, self.threads, rows, lambda: [addr[source], addr[out_name]])
-        return Step(k, call, reads, memory.own[out_name], {"impl": "c-maxpool", "threads": min(self.threads, rows)})
+        return Step(k, call, reads, memory.own[out_name], {"impl": impl, "threads": min(self.threads, rows)})
 
     def _torch_attention(self, k: Kernel, tensors: Mapping[str, TensorType]) -> bool:
         """Is kernel ``k`` an attention that torch's fused kernel computes (16-bit, natively multiplied)?"""

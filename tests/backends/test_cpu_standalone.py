@@ -321,3 +321,29 @@ def test_the_generated_channel_transposes_are_the_op_tables(images, channels, he
     assert got_rows.shape == (images * pixels, channels)
     np.testing.assert_array_equal(from_storage(got_rows, dtype), want_rows)
     np.testing.assert_array_equal(from_storage(got_back, dtype), x)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize(("images", "pixels", "channels"), [
+    (1, 49, 2048),  # ResNet-50's last stage, one image
+    (8, 256, 32),  # the small CNN's head: several images split across threads
+    (3, 5, 7),  # ragged channels
+])
+def test_the_generated_spatial_mean_is_the_op_tables(images, pixels, channels, dtype, threads) -> None:
+    """SpatialMean (global average pooling) as a generated kernel summing in double: the op table's mean, within
+    one rounding of the result; large values next to small ones lose nothing a float sum would."""
+    b = GraphBuilder("spatial-mean")
+    b.input("x", (images * pixels, channels), dtype)
+    b.op("out", "SpatialMean", ["x"], {"pixels": pixels})
+    graph = b.build(["out"])
+    plan = build_candidates(graph, SPEC).unfused
+    compiled = CpuBackend(SPEC, threads=threads).compile(plan)
+    assert compiled.kernel_facts[0]["impl"] == "c-spatialmean"
+    x = random_inputs(graph, seed=4)["x"]
+    if dtype == "fp32":
+        x[::pixels] = 3e7  # one large pixel per image: a float running sum would drop the small ones
+    got = from_storage(compiled.run_stored({"x": x})[0], dtype)
+    want = OPS["SpatialMean"].evaluate([from_storage(x, dtype) if dtype != "fp32" else x], {"pixels": pixels})
+    assert got.shape == (images, channels)
+    np.testing.assert_allclose(got, np.asarray(want, np.float32), rtol=1e-6 if dtype == "fp32" else 8e-3, atol=1e-6)
