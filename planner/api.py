@@ -89,7 +89,8 @@ class PlanResult:
 
     def call_plan(self, inputs: Sequence[Any], arrays: Sequence[np.ndarray] | None = None) -> Any:
         """Execute this plan, unguarded. ``arrays``: the inputs (tensors of the layout this plan was made for,
-        fp32 on the host, needing no grad: the guard checked) as numpy arrays over their memory."""
+        fp32 or 16-bit on the host, needing no grad: the guard checked) as numpy arrays over their memory
+        (``guards.call_layout``)."""
         assert self._runner is not None
         if self.imported is None:
             (feed,) = inputs

@@ -360,13 +360,13 @@ class BoundInputs:
 
     def feed_checked(self, flat: Sequence[torch.Tensor], arrays: Sequence[np.ndarray] | None = None
                      ) -> dict[str, np.ndarray]:
-        """:meth:`feed` of call inputs ``check_args`` passed (flattened); ``arrays``: fp32 host inputs as numpy
-        arrays over their memory (``guards.call_layout``)."""
+        """:meth:`feed` of call inputs ``check_args`` passed (flattened); ``arrays``: fp32 or 16-bit host inputs as
+        numpy arrays over their memory (``guards.call_layout``)."""
         out = self._state_feed()
         for b in self._args:
             i = int(b.key)  # type: ignore[arg-type]
             a = arrays[i] if arrays is not None else None
-            out[b.name] = fp32_array(a, b.transpose) if a is not None and a.flags.c_contiguous else to_numpy(
+            out[b.name] = graph_array(a, b.transpose) if a is not None and a.flags.c_contiguous else to_numpy(
                 flat[i], b.transpose)
         return out
 
@@ -454,9 +454,10 @@ class BoundInputs:
         return arr
 
 
-def fp32_array(a: np.ndarray, transpose: bool = False) -> np.ndarray:
-    """A C-ordered fp32 array over a tensor's memory as the graph input reads it: flattened to its IR shape, or
-    a Linear weight (N, K) read as (K, N), its transpose (a view: the GEMM library takes either order)."""
+def graph_array(a: np.ndarray, transpose: bool = False) -> np.ndarray:
+    """A C-ordered array over a tensor's memory (fp32, or a 16-bit dtype's) as the graph input reads it: flattened
+    to its IR shape, or a Linear weight (N, K) read as (K, N), its transpose (a view: the GEMM library takes either
+    order)."""
     return a.T if transpose else a.reshape(flat_shape(a.shape))
 
 
@@ -466,7 +467,7 @@ def to_numpy(t: torch.Tensor, transpose: bool = False) -> np.ndarray:
                                "indices as fp32, exact only below that")
     if t.dtype == torch.float32 and t.is_cpu and t.is_contiguous():
         # the tensor's own memory: no conversion on the way
-        return fp32_array((t.detach() if t.requires_grad else t).numpy(), transpose)
+        return graph_array((t.detach() if t.requires_grad else t).numpy(), transpose)
     t = t.detach()
     if t.dtype in BITS_16:  # 16-bit: an array of its own dtype over the tensor's bits (a view where contiguous)
         bits = t.cpu().contiguous().view(torch.int16).numpy().view(numpy_dtype(TORCH_DTYPES[t.dtype]))

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from planner.core.dtypes import numpy_dtype
 from planner.torch.binding import Sampler, TensorWatch
 from planner.torch.errors import TorchImportError
 
@@ -250,13 +251,15 @@ def input_signature(args: Sequence[Any]) -> tuple[ArgLayout, ...]:
 
 
 def call_layout(args: Sequence[Any]) -> tuple[tuple[ArgLayout, ...], list[np.ndarray] | None]:
-    """:func:`input_signature`, and where every input is a plain fp32 host tensor that needs no grad, each one as
-    a numpy array over its memory (else None). Such a call reads each tensor's layout from its array: one torch
-    call a tensor, where each distinct torch getter costs tens of µs just after a kernel evicted the caches."""
+    """:func:`input_signature`, and where every input is a plain host tensor of fp32 or a 16-bit dtype that needs no
+    grad, each one as a numpy array over its memory (else None): fp32 and fp16 as numpy's, bf16 as ml_dtypes'
+    bfloat16 over its bits. Such a call reads each tensor's layout from its array: one or two torch calls a
+    tensor, where each distinct torch getter costs tens of µs just after a kernel evicted the caches."""
     plain = all(type(a) is torch.Tensor for a in args)
-    views = _fp32_arrays(args) if plain else None
-    if views is not None:
-        return tuple((a.shape, torch.float32, "cpu", a.flags.c_contiguous) for a in views), views
+    found = _host_arrays(args) if plain else None
+    if found is not None:
+        views, dtypes = found
+        return tuple((a.shape, d, "cpu", a.flags.c_contiguous) for a, d in zip(views, dtypes, strict=True)), views
     flat = list(args) if plain else pytree.tree_flatten(tuple(args))[0]
     out: list[ArgLayout] = []
     for a in flat:
@@ -267,17 +270,25 @@ def call_layout(args: Sequence[Any]) -> tuple[tuple[ArgLayout, ...], list[np.nda
     return tuple(out), None
 
 
-def _fp32_arrays(args: Sequence[torch.Tensor]) -> list[np.ndarray] | None:
-    arrays = []
+#: the numpy dtype of a host tensor's array over its memory, by the torch dtypes a plan takes (bf16: its bits)
+_HOST_DTYPES = {torch.float32: None, torch.float16: None, torch.bfloat16: numpy_dtype("bf16")}
+
+
+def _host_arrays(args: Sequence[torch.Tensor]) -> tuple[list[np.ndarray], list[torch.dtype]] | None:
+    arrays, dtypes = [], []
     for a in args:
-        try:
-            v = a.numpy()  # refused for a tensor that needs grad, off the host, conjugated or negated
+        dtype = a.dtype
+        if dtype not in _HOST_DTYPES:
+            return None
+        bits = _HOST_DTYPES[dtype]
+        if bits is not None and a.requires_grad:  # its int16 view would need none
+            return None
+        try:  # numpy() refuses a tensor that needs grad, off the host, conjugated or negated
+            arrays.append(a.numpy() if bits is None else a.view(torch.int16).numpy().view(bits))
         except (RuntimeError, TypeError):
             return None
-        if v.dtype != np.float32:
-            return None
-        arrays.append(v)
-    return arrays
+        dtypes.append(dtype)
+    return arrays, dtypes
 
 
 def unplannable(args: Sequence[Any]) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
+import numpy as np  # noqa: E402
 from torch import nn  # noqa: E402
 
 import planner  # noqa: E402
@@ -187,10 +188,25 @@ def test_a_calls_layout_read_through_numpy_is_the_one_torch_reports(make):
     assert t.numel() == 0 or arrays[0].ctypes.data == t.data_ptr()  # its memory, not a copy
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("make", [
+    lambda d: torch.randn(4, 16, dtype=d),
+    lambda d: torch.randn(16, 4, dtype=d).t(),
+    lambda d: torch.randn(3, 8, dtype=d)[:, ::2],
+])
+def test_a_16_bit_calls_layout_and_bits_read_through_numpy_are_torchs(make, dtype):
+    t = make(dtype)
+    sig, arrays = call_layout((t,))
+    assert sig == (_torch_layout(t),) and arrays is not None
+    assert arrays[0].ctypes.data == t.data_ptr() and arrays[0].strides == tuple(s * 2 for s in t.stride())
+    assert np.array_equal(np.asarray(arrays[0], np.float32), t.float().numpy())
+
+
 @pytest.mark.parametrize("make", [
     lambda: torch.randn(4, 16, requires_grad=True),
-    lambda: torch.randn(4, 16, dtype=torch.bfloat16),
+    lambda: torch.randn(4, 16, dtype=torch.bfloat16, requires_grad=True),
     lambda: torch.randn(4, 16, dtype=torch.float64),
+    lambda: torch.randint(0, 9, (4, 16)),
     lambda: torch.randn(4, 16, dtype=torch.complex64).conj(),
     lambda: nn.Parameter(torch.randn(4, 16)),
 ])
