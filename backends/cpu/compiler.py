@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -296,6 +296,11 @@ class Compiler:
         """Compile every source not in the cache, a few compiler runs for all of them: each run compiles one
         translation unit holding the prelude once and a share of the kernels (their symbols renamed by
         key), ``jobs`` runs at a time.  Returns how many kernels were compiled."""
+        return self.start_many(sources, jobs)()
+
+    def start_many(self, sources: Sequence[str], jobs: int = 1) -> Callable[[], int]:
+        """:meth:`build_many`, its compiler runs started: the caller works meanwhile, then calls what this returns,
+        which waits for them and returns how many kernels were compiled."""
         assert self.directory is not None
         todo: dict[str, str] = {}
         for src in sources:
@@ -306,20 +311,30 @@ class Compiler:
                 continue
             todo[key] = src
         if not todo:
-            return 0
+            return lambda: 0
         self.directory.mkdir(parents=True, exist_ok=True)
         items = sorted(todo.items())
         groups = [items[i::max(1, jobs)] for i in range(max(1, min(jobs, len(items))))]
-        with tempfile.TemporaryDirectory(dir=self.directory) as d:
-            runs = [self._start_batch(Path(d), group) for group in groups]
+        scratch = tempfile.TemporaryDirectory(dir=self.directory)
+        try:
+            runs = [self._start_batch(Path(scratch.name), group) for group in groups]
+        except BaseException:
+            scratch.cleanup()
+            raise
+
+        def finish() -> int:
             try:
-                built = sum(len(group) for run, tmp, group in runs if self._finish_batch(run, tmp, group, self.build_timeout_s))
+                built = sum(len(group) for run, tmp, group in runs
+                            if self._finish_batch(run, tmp, group, self.build_timeout_s))
             finally:
                 for run, _, _ in runs:  # a timeout ended the loop: the other batches go too
                     if run.proc.poll() is None:
                         run.kill()
-        self.compiled += built
-        return built
+                scratch.cleanup()
+            self.compiled += built
+            return built
+
+        return finish
 
     def _start_batch(self, d: Path, group: list[tuple[str, str]]) -> tuple[process.Running, Path, list[tuple[str, str]]]:
         parts = [PRELUDE]

@@ -31,7 +31,7 @@ import numpy as np
 
 from backends.cpu import parallel
 from backends.cpu.buffers import aligned_empty
-from backends.cpu.codegen import generate
+from backends.cpu.codegen import CKernel, generate
 from backends.cpu.compiler import Compiler, cache_dir, keep_record, read_record
 from backends.cpu.gemm import fastest_of
 from backends.cpu.memory import cache_bytes, cache_levels, streams
@@ -179,12 +179,9 @@ def time_kernel(kind: str, size: int, pool: parallel.WorkerPool | None = None, c
     for out in outs.values():  # each form its own output, as each plan has: plain stores find theirs cached
         out.fill(0.0)  # the pages exist before either form is timed
     compiler = compiler or Compiler()
-    body, shape = (_row_body(rows), (rows, ROW_WIDTH)) if kind == "row" else (_copy_body(n), (n,))
+    compiler.build_many(kernel_sources())
     calls = {}
-    for name, stream in (("stream_us", True), ("plain_us", False)):
-        ck = generate(body, {"x": (shape, "fp32")}, stream=stream)
-        if stream and not streams(ck.source):
-            ck = generate(body, {"x": (shape, "fp32")})
+    for name, ck in _kernels(kind, rows if kind == "row" else n).items():
         fn = compiler.function(ck.source, len(ck.params) + 1)
         out = outs[name]
         calls[name] = _split_rows(fn, x, out, rows, pool) if kind == "row" else _split_call(fn, x, out, pool)
@@ -192,6 +189,23 @@ def time_kernel(kind: str, size: int, pool: parallel.WorkerPool | None = None, c
     if not all(np.allclose(out[:16], 1.0) for out in outs.values()):
         raise RuntimeError(f"the streaming probe's {kind} kernel computed a wrong result")
     return best
+
+
+def kernel_sources() -> list[str]:
+    """The sources of every kernel the probe times (they do not depend on the size), for one compiler run."""
+    return [ck.source for kind in KINDS for ck in _kernels(kind, 1).values()]
+
+
+def _kernels(kind: str, size: int) -> dict[str, CKernel]:
+    """The probe's kernel of ``kind`` over ``size`` rows (or elements) with streaming and with plain stores (the
+    plain one twice where the compiler does not target AVX). Their sources do not depend on the size: every
+    kind's both forms are compiled in one compiler run, the first time any is measured."""
+    body, shape = (_row_body(size), (size, ROW_WIDTH)) if kind == "row" else (_copy_body(size), (size,))
+    forms = {name: generate(body, {"x": (shape, "fp32")}, stream=stream)
+             for name, stream in (("stream_us", True), ("plain_us", False))}
+    if not streams(forms["stream_us"].source):
+        forms["stream_us"] = forms["plain_us"]
+    return forms
 
 
 def _split_call(fn: Any, x: np.ndarray, out: np.ndarray, pool: parallel.WorkerPool | None) -> Callable[[], None]:
