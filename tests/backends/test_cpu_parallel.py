@@ -326,6 +326,22 @@ def _kernel_sources(graph) -> list[str]:  # noqa: ANN001
     return list(dict.fromkeys(generate(k.body, types).source for p in cands.plans for k in p.kernels))
 
 
+def test_a_started_batch_compiles_while_the_caller_works_and_its_finish_waits(tmp_path) -> None:  # noqa: ANN001
+    from backends.cpu.compiler import Compiler
+
+    sources = _kernel_sources(examples.ew_chain(2, 64))
+    compiler = Compiler(directory=tmp_path)
+    finish = compiler.start_many(sources)
+    assert not list(tmp_path.glob("b*.so"))  # nothing done until finished
+    assert finish() == len(sources) and compiler.compiled == len(sources)
+    assert len(list(tmp_path.glob("b*.so"))) == 1 and not [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert compiler.start_many(sources)() == 0  # cached: nothing started
+    x = np.linspace(-2, 2, 64, dtype=np.float32)
+    out = np.empty_like(x)
+    compiler.function(sources[0], 2)(x.ctypes.data, out.ctypes.data, 0, 1, 64)
+    assert np.all(np.isfinite(out))
+
+
 def test_batched_builds_compile_each_kernel_once_and_load_like_single_builds(tmp_path) -> None:  # noqa: ANN001
     from backends.cpu.compiler import Compiler
 
