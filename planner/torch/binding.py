@@ -237,15 +237,17 @@ class SampleSet:
     one gather, most of it the sampled lines' own misses).
 
     The gather reads an array that spans the memory from the lowest sampled byte to the highest, at the sampled
-    offsets only: each lies in a view of a tensor's own memory that a sampler holds and this set keeps, so every
-    byte read is live. A sampler of a copy (a strided tensor's bytes, taken again each time) or of every byte of
-    a large tensor (``exact``) is compared on its own.
+    offsets only: each lies in a view of a tensor's memory that this set holds (not only its sampler, which takes
+    a new view where the tensor turns strided), so every byte read is live; where a tensor was given other memory
+    since, the bytes are its old ones (:class:`TensorWatch` compares the addresses first). A sampler of a copy (a
+    strided tensor's bytes, taken again each time) or of every byte of a large tensor (``exact``) is compared on
+    its own.
     """
 
     def __init__(self, samplers: Sequence[tuple[Sampler, torch.Tensor]]) -> None:
         gathered = [s for s, _ in samplers if s.in_place and (s.index is not None or s.view.size <= Sampler.SAMPLES)]
         self.apart = tuple((s, t) for s, t in samplers if s not in gathered)
-        self.samplers = tuple(gathered)  # holds every view the gather reads
+        self.views = tuple(s.view for s in gathered)  # the memory the gather reads, kept alive
         self.span: np.ndarray | None = None
         self.at = np.zeros(0, np.intp)
         self.seen = b"".join(s.seen for s in gathered)
