@@ -322,7 +322,8 @@ def transpose_source(rows: int, cols: int, itemsize: int) -> str:
     whole lines written, rows read in order), each in 8x8 blocks transposed in registers (AVX: fp32 by
     unpack/shuffle/permute of 256-bit rows; 16-bit by SSE2 unpacks), the edges elementwise.  An image of 64 x 3136
     fp32 took 43-50 µs on one core of a Sapphire Rapids VM, torch's blocked 2-D copy 121-135, numpy's strided one
-    57, memcpy 20."""
+    57, memcpy 20.  Fewer than 8 rows (an RGB image's channels): an image a unit, pixel by pixel, the row count a
+    constant the compiler vectorizes with interleaved stores."""
     if itemsize not in (2, 4):
         raise CodegenError(f"no generated transpose of {itemsize}-byte elements")
     ctype = "float" if itemsize == 4 else "uint16_t"
@@ -375,6 +376,21 @@ static inline void fp_block8(const uint16_t* restrict s, uint16_t* restrict d) {
 }
 #define FP_BLOCK8 1
 #endif
+"""
+    if rows < 8:  # fewer rows than a block (an RGB image's 3 channels): one unit an image, pixel by pixel
+        return PRELUDE + f"""
+#define FP_A {rows}
+#define FP_B {cols}
+
+void {SYMBOL}(const float* x0, float* out0, int64_t r0, int64_t r1, int64_t unused) {{
+    (void)unused;
+    for (int64_t n = r0; n < r1; ++n) {{
+        const {ctype}* restrict x = (const {ctype}*)x0 + n * (int64_t)FP_A * FP_B;
+        {ctype}* restrict out = ({ctype}*)out0 + n * (int64_t)FP_A * FP_B;
+        for (int64_t j = 0; j < FP_B; ++j)  /* the rows' count a constant: interleaved vector stores */
+            for (int64_t i = 0; i < FP_A; ++i) out[j * FP_A + i] = x[i * FP_B + j];
+    }}
+}}
 """
     return PRELUDE + f"""
 #define FP_A {rows}

@@ -301,6 +301,7 @@ def test_the_compiled_max_pooling_is_torchs_nan_and_inf_included(shape, window, 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize(("images", "channels", "height", "width"), [
     (2, 5, 7, 6),  # fewer channels and pixels than a block on every side
+    (4, 3, 9, 7),  # an RGB image's 3 channels: pixel by pixel, images split across threads
     (1, 64, 9, 13),  # 117 pixels: ragged blocks, whole lines of channels
     (3, 37, 8, 8),  # a ragged line of channels, several images split across threads
 ])
