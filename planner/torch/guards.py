@@ -63,10 +63,10 @@ class QuickCheck:
     a time). It compares, a module or a list at a time: each module's plain attributes and the dicts that hold its
     submodules, parameters and buffers, those dicts' keys and values, all as the very objects they were (it holds
     them, so no new object can take an old one's id); each state tensor's layout and memory; each derived tensor's
-    version too, and their sampled bytes in one gather (:class:`TensorWatch`). ``same()`` true: nothing the state guards changed. False
-    says only: look closer (an attribute set to an equal value, a bound tensor written in place). Where Python
-    gives dicts version tags (PEP 509, read as torch.compile's guards read them), every dict is first compared by
-    its tag alone: unchanged tags mean unchanged dicts, and the ids are not looked at."""
+    version too, and their sampled bytes in one gather (:class:`TensorWatch`). ``same()`` true: nothing the state
+    guards changed. False says only: look closer (an attribute set to an equal value, a bound tensor written in
+    place). Where Python gives dicts version tags (PEP 509, read as torch.compile's guards read them), every dict is
+    compared by its tag alone: unchanged tags mean unchanged dicts, and the ids are not looked at."""
 
     #: every dict compared, and its version tag when this was made (empty where there are none)
     dicts: tuple[dict[str, Any], ...]
