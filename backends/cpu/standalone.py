@@ -19,6 +19,7 @@ from backends.cpu.codegen import storage_forms
 from backends.cpu.prelude import PRELUDE, SYMBOL
 from planner.core import semantics as sem
 from planner.core.dtypes import DTYPES, numpy_dtype
+from planner.core.ops import POOLS
 from planner.core.plans import Expr, Load
 from planner.core.shapes import WINDOW, window_out
 
@@ -253,16 +254,21 @@ def attention_shapes(body: Expr, shapes: Mapping[str, tuple[int, ...]]) -> tuple
 
 def source_of(body: Expr, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
     """The generated C a standalone kernel loads: attention's, and pooling's."""
-    if body.op == "MaxPool":
-        return maxpool_source(body, int(body.type.shape[-1]))
-    if body.op == "SpatialMean":
-        return spatial_mean_source(int(body.attr_dict["pixels"]), int(body.type.shape[-1]), body.type.dtype)
+    if body.op in POOLS:
+        return pool_source(body)
     if body.op not in ATTENTION_OPS:
         return None
     _, s, t, d, e = attention_shapes(body, shapes)
     attrs = body.attr_dict
     return attention_source(s, t, d, e, float(attrs["scale"]), bool(attrs.get("causal", 0)),
                             masked=body.op == "MaskedAttention", biased=body.op == "BiasedAttention")
+
+
+def pool_source(body: Expr) -> str:
+    """The generated kernel of a pooling op (``core.ops.POOLS``) of channels-last rows."""
+    if body.op == "MaxPool":
+        return maxpool_source(body, int(body.type.shape[-1]))
+    return spatial_mean_source(int(body.attr_dict["pixels"]), int(body.type.shape[-1]), body.type.dtype)
 
 
 def maxpool_source(body: Expr, channels: int) -> str:

@@ -510,7 +510,7 @@ class StandaloneSteps(StepsBase):
         rows = math.prod(body.type.shape[:-1])  # images (the spatial mean), or images x output rows
         if body.op == "MaxPool":
             rows //= window_out(body.attr_dict)[1]
-        fn = self.compiler.function(standalone.source_of(body, {}) or "", 2)
+        fn = self.compiler.function(standalone.pool_source(body), 2)
         impl = f"c-{body.op.lower()}"
         call = standalone.rows_call(fn, self.pool, self.threads, rows, lambda: [addr[source], addr[out_name]])
         return Step(k, call, reads, memory.own[out_name], {"impl": impl, "threads": min(self.threads, rows)})

@@ -269,6 +269,11 @@ _shape_of = operator.attrgetter("shape")
 _dtype_of = operator.attrgetter("dtype")
 
 
+def layout_facts(tensors: Sequence[torch.Tensor]) -> tuple[list[int], list[Any], list[Any]]:
+    """Each tensor's address, shape and dtype, a list of each (torch's getters mapped over the tensors)."""
+    return list(map(torch.Tensor.data_ptr, tensors)), list(map(_shape_of, tensors)), list(map(_dtype_of, tensors))
+
+
 class TensorWatch:
     """Tensors as they were: each one's version, memory, shape, dtype and contiguity, and its sampled bytes
     (:class:`Sampler`), compared a list at a time (torch's getters mapped over the list, the samples in one
@@ -282,8 +287,7 @@ class TensorWatch:
 
     def _facts(self) -> tuple[list[Any], ...]:
         t = self.tensors
-        return (list(map(_version_of, t)), list(map(torch.Tensor.data_ptr, t)), list(map(_shape_of, t)),
-                list(map(_dtype_of, t)), list(map(torch.Tensor.is_contiguous, t)))
+        return list(map(_version_of, t)), *layout_facts(t), list(map(torch.Tensor.is_contiguous, t))
 
     def same(self) -> bool:
         """Is every tensor unwritten (its version, and the sampled bytes of a write through ``.data``), in the same

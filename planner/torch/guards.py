@@ -14,7 +14,6 @@ What is not guarded: global variables and closures the forward reads, and hooks 
 from __future__ import annotations
 
 import logging
-import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -26,7 +25,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from planner.core.dtypes import numpy_dtype
-from planner.torch.binding import Sampler, TensorWatch
+from planner.torch.binding import Sampler, TensorWatch, layout_facts
 from planner.torch.errors import TorchImportError
 
 log = logging.getLogger(__name__)
@@ -52,8 +51,6 @@ _HOLDERS = ("_modules", "_parameters", "_buffers")
 #: where this torch or Python has none (the dicts are then compared by the ids of what they hold)
 _dict_version: Callable[[dict[str, Any]], int] | None = getattr(
     getattr(getattr(torch._C, "_dynamo", None), "guards", None), "dict_version", None)
-_shape_of = operator.attrgetter("shape")
-_dtype_of = operator.attrgetter("dtype")
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,9 +75,9 @@ class QuickCheck:
     sizes: list[int]
     key_ids: list[int]
     value_ids: list[int]
-    #: the state tensors whose layout the plan assumed, and their shapes, dtypes and addresses
+    #: the state tensors whose layout the plan assumed, and their addresses, shapes and dtypes (``layout_facts``)
     layouts: tuple[torch.Tensor, ...]
-    layout_facts: tuple[list[Any], list[Any], list[int]]
+    layout_facts: tuple[list[int], list[Any], list[Any]]
     #: the tensors values at import were computed from
     derived: TensorWatch
     #: every object whose id is compared, held so that none can be freed and its id reused
@@ -104,7 +101,7 @@ class QuickCheck:
         return cls(
             dicts, list(map(_dict_version, dicts)) if _dict_version is not None else [],
             tuple(attrs), holders, [len(h) for h in holders], [id(k) for k in names], [id(v) for v in members],
-            layouts, (list(map(_shape_of, layouts)), list(map(_dtype_of, layouts)), list(map(torch.Tensor.data_ptr, layouts))),
+            layouts, layout_facts(layouts),
             TensorWatch([(s.tensor, s.sample) for *_, s in state.derived]),
             (tuple(kept), tuple(names), tuple(members)),
         )
@@ -112,11 +109,7 @@ class QuickCheck:
     def same(self) -> bool:
         if not self._dicts_same():
             return False
-        shapes, dtypes, ptrs = self.layout_facts
-        t = self.layouts
-        if list(map(torch.Tensor.data_ptr, t)) != ptrs or list(map(_shape_of, t)) != shapes or list(map(_dtype_of, t)) != dtypes:
-            return False
-        return self.derived.same()
+        return layout_facts(self.layouts) == self.layout_facts and self.derived.same()
 
     def _dicts_same(self) -> bool:
         if _dict_version is not None and self.versions:
