@@ -239,12 +239,16 @@ def _blas_builds() -> list[str]:
     return sorted(f"{i.get('internal_api')} {i.get('version')}" for i in threadpool_info() if i.get("user_api") == "blas")
 
 
-def fastest_of(calls: Mapping[str, Callable[[], Any]], rounds: int = PROBE_ROUNDS) -> dict[str, float]:
+def fastest_of(calls: Mapping[str, Callable[[], Any]], rounds: int = PROBE_ROUNDS,
+               before: Mapping[str, Callable[[], Any]] | None = None) -> dict[str, float]:
     """Each call's fastest of ``rounds`` rounds (seconds), the calls interleaved round by round after a first
-    round that warms them up (the measured choices here, and ``stream_probe``'s)."""
+    round that warms them up (the measured choices here, and ``stream_probe``'s); ``before``: what runs, untimed,
+    before each run of a call (the streaming probe evicts the call's arrays from the caches)."""
     runs: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(rounds + 1):
         for name, call in calls.items():
+            if before is not None:
+                before[name]()
             t0 = time.perf_counter()
             call()
             runs[name].append(time.perf_counter() - t0)

@@ -1,18 +1,24 @@
 """Where streaming (non-temporal) stores pay on this machine: measured, not read off the cache size.
 
 A kernel that writes its output with streaming stores sends it to memory without first reading the
-destination's lines; one with plain stores keeps it in the cache, where the next call (or the next kernel) finds
-it.  Which is faster depends on how much of the last-level cache a process really has: sysfs under a hypervisor
-can report the host's (480 MiB on one Intel VM, where plain stores stopped paying between 32 and 64 MiB of
-traffic), and on an AMD EPYC with a 32 MiB L3 plain stores still won at 25 MiB.  So between twice the
-next-to-last cache level (below: the arrays live in caches of the core's own, plain stores) and the last level
-sysfs reports (from there: streaming), a kernel's traffic is rounded down to a power of two and, the first time
-a plan needs that size, a kernel of its kind moving that many bytes is timed both ways, interleaved, on the
-plan's threads, split as the backend splits it: a copy for a loop over elements, an RMSNorm of rows of 1024 for
-a row kernel (a row is staged on the stack before its stores).  Each form writes an output of its own, as each
-plan does: with one shared output the plain form never found its lines cached and streaming looked 1.1-1.8x
-faster at every size.  The faster by more than :data:`MARGIN` wins, a tie keeps plain stores.  Each verdict is
-kept in the kernel cache (:data:`PROBE_FILE`) for this machine and thread count.
+destination's lines; one with plain stores reads each line into the cache first (unless it is there already)
+and keeps it there, where the next kernel finds it.  Which is faster depends on how much of the last-level
+cache a process really has: sysfs under a hypervisor can report the host's (480 MiB on one Intel VM), and on an
+AMD EPYC with a 32 MiB L3 plain stores still won at 25 MiB.  So between twice the next-to-last cache level
+(below: the arrays live in caches of the core's own, plain stores) and the last level sysfs reports (from there:
+streaming), a kernel's traffic is rounded down to a power of two and, the first time a plan needs that size, a
+kernel of its kind moving that many bytes is timed both ways, interleaved, on the plan's threads, split as the
+backend splits it: a copy for a loop over elements, an RMSNorm of rows of 1024 for a row kernel (a row is
+staged on the stack before its stores).  The faster by more than :data:`MARGIN` wins, a tie keeps plain stores.
+Each verdict is kept in the kernel cache (:data:`PROBE_FILE`) for this machine and thread count.
+
+Each timed run starts with the kernel's arrays out of every cache level (:data:`FLUSH_SOURCE`), each form
+writing an output of its own: the state a planned call meets when other work (the rest of the model, the
+caller's own) ran since the last one.  Timed back to back instead, the arrays stay in the large cache of the
+Intel VM and plain stores looked faster to 32 MiB (RMSNorm 1.25 ms plain, 1.55 ms streaming), while in
+``cpu_peers``' interleaved rounds the same RMSNorm kernel ran 2.14 ms with plain stores and 1.52 ms
+streaming; from a cold start streaming won there at every size from 4 MiB, also when the time of reading the
+output back was counted (the next kernel's loss when its input is not left in the cache).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from backends.cpu.codegen import CKernel, generate
 from backends.cpu.compiler import Compiler, cache_dir, keep_record, read_record
 from backends.cpu.gemm import fastest_of
 from backends.cpu.memory import cache_bytes, cache_levels, streams
+from backends.cpu.prelude import SYMBOL
 from planner.core.graph import TensorType
 from planner.core.machine import cpu_model
 from planner.core.plans import Expr, Load
@@ -49,8 +56,27 @@ ROUNDS = 7
 PROBE_FILE = "streaming-{threads}.json"
 #: the kernels measured: a loop over elements (a copy) and a row kernel (an RMSNorm)
 KINDS = ("flat", "row")
+#: the state each timed run starts from, in the kept record's key (verdicts timed back to back, before, are
+#: measured again)
+START = "arrays evicted"
 #: the row kernel's row length (a multiple of 16, as a streaming row kernel's must be)
 ROW_WIDTH = 1024
+#: a "kernel" that evicts bytes ``start``..``end`` of an array from every cache level (64-byte lines); off x86
+#: there is no streaming form to measure (``codegen`` streams only on AVX targets), and it does nothing
+FLUSH_SOURCE = f"""#include <stdint.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+void {SYMBOL}(const char* p, int64_t start, int64_t end, int64_t unused) {{
+    (void)unused;
+#if defined(__x86_64__) || defined(__i386__)
+    for (int64_t i = start; i < end; i += 64) _mm_clflush(p + i);
+    _mm_mfence();
+#else
+    (void)p; (void)start; (void)end;
+#endif
+}}
+"""
 
 
 def bucket_of(total_bytes: int) -> int:
@@ -103,7 +129,7 @@ class StreamProbe:
 
     def _key(self) -> dict[str, Any]:
         return {"cpu": cpu_model(), "cpus": os.cpu_count(), "ceiling": self.ceiling, "floor": self.floor,
-                "threads": self.threads}
+                "threads": self.threads, "start": START}
 
     def _kept(self) -> dict[tuple[str, int], bool]:
         record = read_record(self._path(), self._key())
@@ -169,31 +195,44 @@ def time_kernel(kind: str, size: int, pool: parallel.WorkerPool | None = None, c
                 ) -> dict[str, float]:
     """The fastest of :data:`ROUNDS` interleaved rounds (µs) of a generated fp32 kernel of ``kind`` (a copy, or
     an RMSNorm of rows) moving ``size`` bytes (half read, half written), with streaming and with plain stores,
-    split across ``pool`` as the backend splits such a kernel (else on the calling thread).  Where the compiler
-    does not target AVX there is no streaming form: both times are the plain kernel's."""
+    split across ``pool`` as the backend splits such a kernel (else on the calling thread), each run started
+    with its input and output out of the caches.  Where the compiler does not target AVX there is no streaming
+    form: both times are the plain kernel's."""
     rows = max(1, size // (8 * ROW_WIDTH)) if kind == "row" else 1
     n = rows * ROW_WIDTH if kind == "row" else max(16, size // 8)
     x = aligned_empty((n,), np.float32)
     x.fill(1.0)
     outs = {name: aligned_empty((n,), np.float32) for name in ("stream_us", "plain_us")}
-    for out in outs.values():  # each form its own output, as each plan has: plain stores find theirs cached
+    for out in outs.values():  # each form its own output, as each plan has
         out.fill(0.0)  # the pages exist before either form is timed
     compiler = compiler or Compiler()
     compiler.build_many(kernel_sources())
-    calls = {}
+    flush = compiler.function(FLUSH_SOURCE, 1)
+    calls, evictions = {}, {}
     for name, ck in _kernels(kind, rows if kind == "row" else n).items():
         fn = compiler.function(ck.source, len(ck.params) + 1)
         out = outs[name]
         calls[name] = _split_rows(fn, x, out, rows, pool) if kind == "row" else _split_call(fn, x, out, pool)
-    best = {name: seconds * 1e6 for name, seconds in fastest_of(calls, ROUNDS).items()}
+        evictions[name] = _evicting(flush, x, out)
+    best = {name: seconds * 1e6 for name, seconds in fastest_of(calls, ROUNDS, before=evictions).items()}
     if not all(np.allclose(out[:16], 1.0) for out in outs.values()):
         raise RuntimeError(f"the streaming probe's {kind} kernel computed a wrong result")
     return best
 
 
+def _evicting(flush: Any, *arrays: np.ndarray) -> Callable[[], None]:
+    """A call that evicts ``arrays`` from the caches."""
+    spans = [(a.ctypes.data, a.nbytes) for a in arrays]
+
+    def evict() -> None:
+        for address, nbytes in spans:
+            flush(address, 0, nbytes, 0)
+    return evict
+
+
 def kernel_sources() -> list[str]:
     """The sources of every kernel the probe times (they do not depend on the size), for one compiler run."""
-    return [ck.source for kind in KINDS for ck in _kernels(kind, 1).values()]
+    return [FLUSH_SOURCE, *(ck.source for kind in KINDS for ck in _kernels(kind, 1).values())]
 
 
 def _kernels(kind: str, size: int) -> dict[str, CKernel]:

@@ -7,7 +7,7 @@ import pytest
 
 from backends.cpu import backend as cpu_backend
 from backends.cpu import parallel, stream_probe
-from backends.cpu.compiler import CompilerUnavailable
+from backends.cpu.compiler import Compiler, CompilerUnavailable
 from backends.cpu.memory import cache_levels
 from backends.cpu.stream_probe import MARGIN, StreamProbe, bucket_of, time_kernel
 from planner.backend import BackendUnavailable
@@ -85,6 +85,59 @@ def test_each_kind_of_kernel_is_timed_both_ways(threads: int, kind: str) -> None
     finally:
         pool.close()
     assert set(us) == {"stream_us", "plain_us"} and all(0 < v < 1e6 for v in us.values())
+
+
+def test_each_timed_run_starts_with_its_own_arrays_evicted(monkeypatch) -> None:
+    evicted: list[set[int]] = []
+    timed: list[tuple[str, int]] = []
+    real_evicting = stream_probe._evicting
+
+    def recording(flush, *arrays):  # noqa: ANN001, ANN202
+        evict = real_evicting(flush, *arrays)
+        spans = {a.ctypes.data for a in arrays}
+
+        def run() -> None:
+            evict()
+            evicted.append(spans)
+        return run
+
+    def fastest_of(calls, rounds, before=None):  # noqa: ANN001, ANN202
+        assert before is not None and set(before) == set(calls)
+        for _ in range(rounds + 1):
+            for name, call in calls.items():
+                before[name]()
+                timed.append((name, len(evicted)))
+                call()
+        return {name: 1e-3 for name in calls}
+
+    monkeypatch.setattr(stream_probe, "_evicting", recording)
+    monkeypatch.setattr(stream_probe, "fastest_of", fastest_of)
+    try:
+        time_kernel("row", 4 * MiB)
+    except CompilerUnavailable:
+        pytest.skip("no C compiler")
+    assert len(timed) == 2 * (stream_probe.ROUNDS + 1) and [n for _, n in timed] == list(range(1, len(timed) + 1))
+    inputs = set.intersection(*evicted)
+    assert len(inputs) == 1  # the shared input, and each form's own output
+    assert len({frozenset(s - inputs) for s in evicted}) == 2 and all(len(s) == 2 for s in evicted)
+
+
+def test_the_flush_kernel_keeps_the_values() -> None:
+    try:
+        flush = Compiler().function(stream_probe.FLUSH_SOURCE, 1)
+    except CompilerUnavailable:
+        pytest.skip("no C compiler")
+    a = np.arange(100_003, dtype=np.float32)
+    flush(a.ctypes.data, 0, a.nbytes, 0)
+    assert np.array_equal(a, np.arange(100_003, dtype=np.float32))
+
+
+def test_verdicts_timed_from_another_start_are_measured_again(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(stream_probe, "time_kernel", lambda kind, size, pool=None: {"stream_us": 1.0, "plain_us": 2.0})
+    assert StreamProbe(floor=MiB, ceiling=64 * MiB).pays(2 * MiB)
+    monkeypatch.setattr(stream_probe, "START", "back to back")
+    assert StreamProbe(floor=MiB, ceiling=64 * MiB)._kept() == {}
 
 
 def test_a_verdict_is_kept_for_this_machine(monkeypatch, tmp_path) -> None:
