@@ -70,7 +70,8 @@ FLUSH_SOURCE = f"""#include <stdint.h>
 void {SYMBOL}(const char* p, int64_t start, int64_t end, int64_t unused) {{
     (void)unused;
 #if defined(__CLFLUSHOPT__)
-    for (int64_t i = start; i < end; i += 64) _mm_clflushopt(p + i);  /* weakly ordered: many lines in flight, the fence waits for them */
+    /* weakly ordered: many lines in flight at once, the fence waits for them all */
+    for (int64_t i = start; i < end; i += 64) _mm_clflushopt(p + i);
     _mm_mfence();
 #elif defined(__x86_64__) || defined(__i386__)
     for (int64_t i = start; i < end; i += 64) _mm_clflush(p + i);
