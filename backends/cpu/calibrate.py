@@ -123,10 +123,13 @@ def _triad_body(n: int) -> Expr:
 
 
 def triad_gbps(n: int) -> float:
-    b, c = np.full(n, 0.5, np.float32), np.full(n, -0.25, np.float32)  # values do not matter; drawing 2n took 0.4 s
+    fill_b, fill_c = 0.5, -0.25  # values do not matter (drawing 2n took 0.4 s); b + 3 * c is exact in fp32
+    b, c = np.full(n, fill_b, np.float32), np.full(n, fill_c, np.float32)
     a = np.zeros(n, np.float32)
     us = _best_us(_kernel(_triad_body(n), {"b": b, "c": c}, a), repeats=7, warmup=2)
-    if not np.allclose(a, b + 3 * c, rtol=1e-6, atol=1e-6):
+    # exact: a min and a max check every element (np.allclose's temporaries, fresh memory, took 0.07-0.78 s of a
+    # cold first plan on a VM, where page faults are slow)
+    if not float(a.min()) == float(a.max()) == fill_b + 3 * fill_c:
         raise RuntimeError("triad kernel computed a wrong result")
     return 3 * 4 * n / (us * 1e-6) / 1e9
 
