@@ -121,7 +121,7 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
         except CompilerUnavailable as exc:
             raise BackendUnavailable(str(exc)) from None
         if self.threads > 1:  # the generated kernels' parts run on the process's pthreads
-            self.pool.native = native_pool.shared_pool(self.compiler, self.threads)
+            self.pool.attach(native_pool.start_shared_pool(self.compiler, self.threads))
         if tile_bytes is None:
             size, origin = cache_bytes()
             tile_bytes = size // 4

@@ -217,28 +217,44 @@ class Compiler:
 
     def build(self, source: str, extra: Sequence[str] = ()) -> Path:
         """The shared object of ``source``, compiling it (with the ``extra`` flags too) unless cached."""
+        return self.start_build(source, extra)()
+
+    def start_build(self, source: str, extra: Sequence[str] = ()) -> Callable[[], Path]:
+        """:meth:`build`, its compiler run started: the caller works meanwhile, then calls what this returns, which
+        waits for the run and returns the shared object."""
         assert self.directory is not None
         key = self.key(source, extra)
         so = self.directory / f"k{key[:32]}.so"
         if so.exists():
             if _sealed(so):
-                return so
+                return lambda: so
             log.warning("kernel cache entry %s does not match its recorded size and hash; rebuilding it", so.name)
             so.unlink(missing_ok=True)
         self.directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=self.directory) as d:
-            src = Path(d) / "kernel.c"
+        scratch = tempfile.TemporaryDirectory(dir=self.directory)
+        src, tmp = Path(scratch.name) / "kernel.c", Path(scratch.name) / "kernel.so"
+        try:
             src.write_text(source)
-            tmp = Path(d) / "kernel.so"
-            r = _run([shutil.which(self.cc) or self.cc, *self.flags, *extra, "-o", str(tmp), str(src), *self.libs, "-lm"],
-                     self.build_timeout_s, f"{self.cc} on a generated kernel", CodegenError)
-            if r.returncode != 0:
-                raise CodegenError(f"{self.cc} failed on a generated kernel: {r.stderr.strip()[:2000]}")
-            seal = _seal(tmp)
-            os.replace(tmp, so)  # atomic: concurrent builders of one key agree
-            _write_atomic(so.with_suffix(".sha256"), seal)
-        self.compiled += 1
-        return so
+            run = process.Running([shutil.which(self.cc) or self.cc, *self.flags, *extra, "-o", str(tmp), str(src),
+                                   *self.libs, "-lm"], f"{self.cc} on a generated kernel", CodegenError)
+        except BaseException:
+            scratch.cleanup()
+            raise
+
+        def finish() -> Path:
+            try:
+                r = run.finish(self.build_timeout_s, TIMEOUT_HINT)
+                if r.returncode != 0:
+                    raise CodegenError(f"{self.cc} failed on a generated kernel: {r.stderr.strip()[:2000]}")
+                seal = _seal(tmp)
+                os.replace(tmp, so)  # atomic: concurrent builders of one key agree
+                _write_atomic(so.with_suffix(".sha256"), seal)
+            finally:
+                scratch.cleanup()
+            self.compiled += 1
+            return so
+
+        return finish
 
     def vectorisation_report(self, source: str) -> str:
         """What the compiler says it vectorised in ``source`` (gcc's ``-fopt-info-vec-optimized``), with

@@ -18,10 +18,12 @@ calls it through a function pointer of that arity with ``void*`` pointers, exact
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from backends.codegen import CodegenError
 from backends.cpu import parallel
@@ -186,8 +188,9 @@ def spin_us_from_env() -> int:
 class NativePool:
     """``threads - 1`` pthreads that run a loaded kernel's parts (see the module docstring)."""
 
-    def __init__(self, compiler: Compiler, threads: int, spin_us: int) -> None:
-        lib = ctypes.CDLL(str(compiler.build(pool_source(), extra=("-pthread",))))
+    def __init__(self, library: Path, threads: int, spin_us: int) -> None:
+        """The pool of the compiled :func:`pool_source` at ``library`` (:func:`build_library`)."""
+        lib = ctypes.CDLL(str(library))
         lib.fp_pool_new.argtypes = [ctypes.c_int, ctypes.c_int64]
         lib.fp_pool_new.restype = ctypes.c_void_p
         lib.fp_pool_workers.argtypes = [ctypes.c_void_p]
@@ -215,14 +218,50 @@ _shared: dict[tuple[int, int, int], NativePool | None] = {}
 _shared_lock = threading.Lock()
 
 
+def start_library(compiler: Compiler) -> Callable[[], Path]:
+    """The pool's shared object, its compiler run started (``Compiler.start_build``)."""
+    return compiler.start_build(pool_source(), extra=("-pthread",))
+
+
 def shared_pool(compiler: Compiler, threads: int) -> NativePool | None:
     """This process's pool of ``threads`` threads (made on first use; a forked child makes its own), or None
     when it cannot be built (the caller then runs kernels on its Python pool; the reason is logged)."""
+    return start_shared_pool(compiler, threads)()
+
+
+def start_shared_pool(compiler: Compiler, threads: int) -> Callable[[], NativePool | None]:
+    """:func:`shared_pool`, its compiler run started where the pool is not made yet: the caller works meanwhile
+    (a cold kernel cache compiles the pool for about 0.3 s), then calls what this returns."""
     key = (os.getpid(), threads, spin_us_from_env())
+    with _shared_lock:
+        if key in _shared:
+            made = _shared[key]
+            return lambda: made
+    try:
+        library = start_library(compiler)
+    except (CodegenError, OSError) as exc:
+        return functools.partial(_made, key, None, exc)
+
+    def finish() -> NativePool | None:
+        try:
+            path = library()
+        except (CodegenError, OSError) as exc:
+            return _made(key, None, exc)
+        return _made(key, path, None)
+
+    return finish
+
+
+def _made(key: tuple[int, int, int], library: Path | None, failure: Exception | None) -> NativePool | None:
+    """The shared pool of ``key``: the one made already, else made from ``library``; None where ``failure``
+    stopped the library's build or the pool cannot start (the reason is logged)."""
     with _shared_lock:
         if key not in _shared:
             try:
-                _shared[key] = NativePool(compiler, threads, key[2])
+                if failure is not None:
+                    raise failure
+                assert library is not None
+                _shared[key] = NativePool(library, key[1], key[2])
             except (CodegenError, OSError) as exc:
                 log.warning("no native worker pool (%s); kernels are split across Python threads", exc)
                 _shared[key] = None

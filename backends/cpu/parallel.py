@@ -85,8 +85,26 @@ class WorkerPool:
         self.threads = threads
         self._executor = ThreadPoolExecutor(threads - 1, thread_name_prefix="fusion-planner") if threads > 1 else None
         self.parallel_runs = 0  # calls that used more than one thread (tests count them)
-        self.native: KernelPool | None = None
+        self._native: KernelPool | None = None
+        self._pending: Callable[[], KernelPool | None] | None = None
         self.native_runs = 0  # of those, the ones the native pool ran
+
+    @property
+    def native(self) -> KernelPool | None:
+        """The native pool attached (:meth:`attach`), the first run waiting for it to be made."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._native = pending()
+        return self._native
+
+    @native.setter
+    def native(self, pool: KernelPool | None) -> None:
+        self._pending, self._native = None, pool
+
+    def attach(self, pending: Callable[[], KernelPool | None]) -> None:
+        """Run kernels on the native pool ``pending()`` returns, called when a kernel first needs it (its compiler
+        run overlaps the caller's work until then)."""
+        self._pending = pending
 
     def run_kernel(self, fn: Callable[..., None], n_pointers: int, parts: Sequence[Sequence[int]]) -> None:
         """Call the loaded C kernel ``fn`` (``n_pointers`` pointers, then three integers) with each part's

@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import pytest
 
+from backends.codegen import CodegenError
 from backends.cpu import native_pool, parallel
 from backends.cpu.compiler import Compiler
 from planner.backend import BackendUnavailable
@@ -34,7 +35,7 @@ def _count_kernel(compiler: Compiler):  # noqa: ANN202
 
 
 def test_every_part_runs_once_with_more_parts_than_threads(compiler: Compiler) -> None:
-    pool = native_pool.NativePool(compiler, 3, spin_us=0)
+    pool = native_pool.NativePool(native_pool.start_library(compiler)(), 3, spin_us=0)
     fn = _count_kernel(compiler)
     counts, owner = np.zeros(700, np.int64), np.zeros(700, np.int64)
     parts = [[counts.ctypes.data, owner.ctypes.data, r0, r1, 20_000] for r0, r1 in parallel.split(700, 7)]
@@ -46,7 +47,7 @@ def test_every_part_runs_once_with_more_parts_than_threads(compiler: Compiler) -
 
 def test_the_workers_take_parts_from_the_caller(compiler: Compiler) -> None:
     """Parts slow enough that the caller cannot run them all before a worker wakes: more than one thread ran."""
-    pool = native_pool.NativePool(compiler, 2, spin_us=0)
+    pool = native_pool.NativePool(native_pool.start_library(compiler)(), 2, spin_us=0)
     fn = _count_kernel(compiler)
     counts, owner = np.zeros(64, np.int64), np.zeros(64, np.int64)
     pool.run(parallel.kernel_address(fn), 2, [[counts.ctypes.data, owner.ctypes.data, r, r + 1, 2_000_000]
@@ -56,7 +57,7 @@ def test_the_workers_take_parts_from_the_caller(compiler: Compiler) -> None:
 
 def test_concurrent_callers_each_get_every_part(compiler: Compiler) -> None:
     """A caller that finds the pool busy runs its parts itself: nothing is lost or run twice."""
-    pool = native_pool.NativePool(compiler, 3, spin_us=30)
+    pool = native_pool.NativePool(native_pool.start_library(compiler)(), 3, spin_us=30)
     fn = _count_kernel(compiler)
     arrays = [(np.zeros(90, np.int64), np.zeros(90, np.int64)) for _ in range(4)]
     failures: list[BaseException] = []
@@ -116,3 +117,33 @@ def test_the_spin_time_comes_from_the_environment(monkeypatch: pytest.MonkeyPatc
     assert native_pool.spin_us_from_env() == 0
     monkeypatch.delenv("FUSION_PLANNER_SPIN_US")
     assert native_pool.spin_us_from_env() == native_pool.SPIN_US
+
+
+def test_a_pool_attached_while_its_compiler_runs_is_made_when_a_kernel_first_needs_it(compiler: Compiler) -> None:
+    """The backend starts the pool's build and works on; the first kernel run waits for it, once."""
+    made: list[int] = []
+
+    def pending() -> native_pool.NativePool | None:
+        made.append(1)
+        return native_pool.shared_pool(compiler, 2)
+
+    pool = parallel.WorkerPool(2)
+    pool.attach(pending)
+    assert not made
+    fn = _count_kernel(compiler)
+    counts, owner = np.zeros(8, np.int64), np.zeros(8, np.int64)
+    for _ in range(3):
+        pool.run_kernel(fn, 2, [[counts.ctypes.data, owner.ctypes.data, r0, r1, 10] for r0, r1 in parallel.split(8, 2)])
+    assert made == [1] and pool.native is native_pool.shared_pool(compiler, 2)
+    assert pool.native_runs == 3 and np.array_equal(counts, np.full(8, 3))
+
+
+def test_a_pool_whose_build_fails_is_none_and_says_why(compiler: Compiler, monkeypatch, caplog) -> None:
+    def broken(_compiler: Compiler):  # noqa: ANN202
+        raise CodegenError("cc failed on the pool")
+
+    monkeypatch.setattr(native_pool, "start_library", broken)
+    monkeypatch.setattr(native_pool, "_shared", {})
+    with caplog.at_level("WARNING"):
+        assert native_pool.start_shared_pool(compiler, 2)() is None
+    assert "cc failed on the pool" in caplog.text
