@@ -1,6 +1,8 @@
 """What the torch-module benchmarks share (``transformers_layers.py``, ``cnn_blocks.py``): a model planned by
 fusion-planner, checked against eager torch, then timed against eager torch and torch.compile in interleaved
-rounds, in a child process per thread mode and dtype; the report's table."""
+rounds, in a child process per thread mode and dtype; the report's table. With ``--first-call``, each model's
+cold first call too: in a fresh process on one pinned core with empty caches (kernels, plans, calibration,
+inductor), planning or compiling the model and calling it once, fusion-planner against torch.compile."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -53,6 +56,59 @@ def steady(build: Build, name: str, dtype: str, rounds: int, mode: str) -> dict[
             "kernels": len(kinds), "opaque": kinds.count("opaque"), "composition": result.plan.composition()}
 
 
+#: the contenders of the cold first call
+FIRST_CONTENDERS = ("torch.compile", "fp.call")
+
+
+def first_call(build: Build, name: str, dtype: str, contender: str) -> dict[str, Any]:
+    """In a fresh process: plan (or compile) the model and call it once; wall seconds (fusion-planner's includes
+    its check against eager torch and its interleaved re-measurement, as ``planner.plan`` makes them)."""
+    import torch
+
+    import planner
+
+    module, x = build(name, dtype)
+    t0 = time.perf_counter()
+    if contender == "fp.call":
+        result = planner.plan(module, (x,), backend="cpu")
+        call = lambda: result(x)  # noqa: E731
+    else:
+        compiled = torch.compile(module)
+        call = lambda: compiled(x)  # noqa: E731
+    with torch.no_grad():
+        call()
+    return {"first_call_s": time.perf_counter() - t0}
+
+
+def first_calls(names: list[str], dtypes: list[str], script: str) -> list[dict[str, Any]]:
+    """Each model's cold first call per contender, each in its own child on one pinned core with empty caches."""
+    core = {max(os.sched_getaffinity(0))}
+    rows = []
+    for name in names:
+        for dtype in dtypes:
+            row: dict[str, Any] = {"name": name, "dtype": dtype}
+            for c in FIRST_CONTENDERS:
+                with tempfile.TemporaryDirectory() as caches:
+                    row[c] = run_child(["--first", name, dtype, c], child_env("1", Path(caches)), core, script)
+                print(f"[first] {name} {dtype} {c}: {row[c]['first_call_s']:.2f} s", file=sys.stderr)
+            rows.append(row)
+    return rows
+
+
+def first_call_report(column: str, rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["## Cold first call (one thread, pinned; empty caches)", "",
+             "Seconds from the model built to its first call returned: `planner.plan` (calibration, search, check "
+             "against eager torch, re-measurement) or `torch.compile` (inductor), then one call.", "",
+             f"| {column} | dtype | torch.compile cold | fusion-planner cold | ratio | ≤ torch.compile |",
+             "|---|---|---|---|---|---|"]
+    for row in rows:
+        tc, fp = row["torch.compile"]["first_call_s"], row["fp.call"]["first_call_s"]
+        lines.append(f"| {row['name']} | {row['dtype']} | {tc:.2f} | {fp:.2f} | {tc / fp:.2f} | "
+                     f"{'met' if fp <= tc else '**not met**'} |")
+    met = sum(r["fp.call"]["first_call_s"] <= r["torch.compile"]["first_call_s"] for r in rows)
+    return [*lines, "", f"Cold first call ≤ torch.compile's: {met} of {len(rows)}.", ""]
+
+
 def report(title: str, column: str, script: str, rows: dict[str, list[dict[str, Any]]], command: str) -> str:
     from planner.core.machine import cpu_model
 
@@ -87,14 +143,20 @@ def main(doc: str, build: Build, names: tuple[str, ...], title: str, column: str
     p.add_argument(f"--{column}s", dest="names", default=",".join(names))
     p.add_argument("--dtypes", default="fp32,bf16")
     p.add_argument("--modes", default="1,all", help="thread modes: 1 (one pinned thread), all (every core)")
+    p.add_argument("--first-call", action="store_true",
+                   help="also each model's cold first call (one pinned thread, empty caches) against torch.compile's")
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--first", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         print(json.dumps(steady(build, args.child[0], args.child[1], args.rounds, args.child[2])))
         return
+    if args.first:
+        print(json.dumps(first_call(build, *args.first)))
+        return
     cores = os.sched_getaffinity(0)
     rows: dict[str, list[dict[str, Any]]] = {}
-    for mode in args.modes.split(","):
+    for mode in filter(None, args.modes.split(",")):
         rows[mode] = []
         with tempfile.TemporaryDirectory() as caches:
             env = child_env(mode, Path(caches))
@@ -105,6 +167,9 @@ def main(doc: str, build: Build, names: tuple[str, ...], title: str, column: str
                                                 {max(cores)} if mode == "1" else None, script))
     text = report(title, column, f"benchmarks/{Path(script).name}", rows,
                   (f"python benchmarks/{Path(script).name} " + " ".join(sys.argv[1:])).strip())
+    if args.first_call:
+        firsts = first_calls(args.names.split(","), args.dtypes.split(","), script)
+        text += "\n" + "\n".join(first_call_report(column, firsts))
     if args.out:
         Path(args.out).write_text(text)
     print(text)
