@@ -214,9 +214,13 @@ def test_spearman_matches_scipy():
     from scipy.stats import spearmanr
 
     rng = np.random.default_rng(0)
-    x = rng.integers(0, 5, 30).astype(float)
-    y = x + rng.normal(0, 2, 30)
-    assert spearman(x, y) == pytest.approx(spearmanr(x, y).statistic)
+    for n in (3, 7, 30, 101):
+        x = rng.integers(0, 5, n).astype(float)  # ties
+        y = x + rng.normal(0, 2, n)
+        assert spearman(x, y) == pytest.approx(spearmanr(x, y).statistic)
+        y = np.round(y)  # ties in both
+        if len(set(y)) > 1:
+            assert spearman(x, y) == pytest.approx(spearmanr(x, y).statistic)
     assert spearman([1, 2], [2, 1]) is None
     assert spearman([1, 1, 1], [1, 2, 3]) is None
     assert spearman([1, 2, 3], [30, 20, 10]) == pytest.approx(-1.0)
