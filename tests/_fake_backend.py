@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from planner.backend import Backend, CompiledPlan, Timing
-from planner.core.plans import Plan
+from planner.core.plans import Kernel, Plan
 from planner.core.reference import execute_plan
 
 
@@ -135,9 +135,11 @@ class NoisyTimed(TimedReference):
     """Timings of a shared machine: each run takes the plan's true time (``truth``) times lognormal noise, and
     now and then a spike (another process took the core)."""
 
-    def __init__(self, plan: Plan, truth_us: float, rng: random.Random, sigma: float, spikes: float) -> None:
+    def __init__(self, plan: Plan, truth_us: float, rng: random.Random, sigma: float, spikes: float,
+                 kernel_us: Callable[[Kernel], float] | None = None) -> None:
         super().__init__(plan)
         self.truth_us, self.rng, self.sigma, self.spikes = truth_us, rng, sigma, spikes
+        self.kernel_us = kernel_us
 
     def sample(self) -> float:
         spike = self.rng.uniform(1.5, 3.0) if self.rng.random() < self.spikes else 1.0
@@ -149,7 +151,10 @@ class NoisyTimed(TimedReference):
             samples.append(self.sample())
             if stop_if is not None and stop_if(float(np.median(samples))):
                 return Timing(samples, warmup, stopped_early=True)
-        return Timing(samples, warmup)
+        timing = Timing(samples, warmup)
+        if self.kernel_us is not None:  # as a backend that times each kernel reports its fastest run
+            timing.kernel_min_us = [self.kernel_us(k) for k in self.plan.kernels]
+        return timing
 
 
 class NoisyBackend(Backend):
@@ -159,10 +164,10 @@ class NoisyBackend(Backend):
     name = "noisy"
 
     def __init__(self, spec, truth: Callable[[Plan], float], *, seed: int = 0, sigma: float = 0.1,  # type: ignore[no-untyped-def]
-                 spikes: float = 0.05) -> None:
+                 spikes: float = 0.05, kernel_us: Callable[[Kernel], float] | None = None) -> None:
         super().__init__(spec)
-        self.truth, self.sigma, self.spikes = truth, sigma, spikes
+        self.truth, self.sigma, self.spikes, self.kernel_us = truth, sigma, spikes, kernel_us
         self.rng = random.Random(seed)
 
     def compile(self, plan: Plan) -> CompiledPlan:
-        return NoisyTimed(plan, self.truth(plan), self.rng, self.sigma, self.spikes)
+        return NoisyTimed(plan, self.truth(plan), self.rng, self.sigma, self.spikes, self.kernel_us)

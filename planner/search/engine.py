@@ -34,6 +34,7 @@ import logging
 import math
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -298,7 +299,32 @@ class _Run:
             self.slog.tie(entry.plan, f"median x{meas / best.time_us:.3f} within the noise, not lower", best.plan,
                           _origin(entry))
             return
+        twins = self._near_twins(entry, best)
+        if twins is not None:
+            if entry.plan.sort_key() < best.plan.sort_key():
+                self._crown(entry, compiled, faster=False)
+            entry.duel = f"tie: {twins}, not timed in rounds"
+            self.slog.tie(entry.plan, twins, self.best.plan if self.best else best.plan, _origin(entry))
+            return
         self._duel(entry, compiled, best)
+
+    def _near_twins(self, entry: Entry, best: Entry) -> str | None:
+        """Why no duel could call ``entry`` faster or slower than the best, or None: the kernels one plan has and
+        the other lacks take, at their fastest, at most :data:`DUEL_MARGIN` of the best's time on each side, so
+        neither plan can beat the other beyond the margin a duel asks for. Its rounds would time mostly the
+        kernels both share (a layer's GEMMs), 24 rounds of whole plans to call a tie (0.6 s each in a BERT
+        layer's search); a tie keeps the cost model's choice, as the duel's would."""
+        mine = Counter(kernel_sig(k) for k in entry.plan.kernels)
+        theirs = Counter(kernel_sig(k) for k in best.plan.kernels)
+        own, other = mine - theirs, theirs - mine
+        if any(sig not in self.kernel_min for sig in (*own, *other)):
+            return None
+        own_us = sum(self.kernel_min[sig] * n for sig, n in own.items())
+        other_us = sum(self.kernel_min[sig] * n for sig, n in other.items())
+        if max(own_us, other_us) > DUEL_MARGIN * best.time_us:
+            return None
+        return (f"the kernels they differ in take {own_us:,.0f} and {other_us:,.0f} µs of its {best.time_us:,.0f}: "
+                f"within the {DUEL_MARGIN:.0%} margin either way")
 
     def _duel(self, entry: Entry, compiled: CompiledPlan, best: Entry) -> None:
         """A candidate within the noise of the best: paired, interleaved rounds decide; a tie keeps the plan the

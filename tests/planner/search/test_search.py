@@ -346,6 +346,37 @@ def test_plans_equal_within_the_noise_keep_the_cost_models_choice(deep_stack):
     assert kept >= 15 and not_lower >= 20
 
 
+def test_plans_differing_only_in_kernels_within_the_margin_tie_without_rounds(deep_stack):
+    """A layer's candidates share its GEMMs and differ in kernels worth well under 1% of the plan: no duel could
+    call one faster beyond the margin, so none is run, and the cost model's favourite is kept."""
+    shared = 1000 * max(p.est_us for p in deep_stack.plans)  # the differing kernels: 0.1% of a plan at most
+    kept = twin_ties = 0
+    for seed in range(5):
+        backend = NoisyBackend(deep_stack.spec, lambda plan: shared + sum(k.cost.est_us for k in plan.kernels),
+                               seed=seed, sigma=0.05, kernel_us=lambda k: k.cost.est_us)
+        res = search(deep_stack, backend, options=SearchOptions(max_candidates=20, seed=1, warmup=0, repeats=5,
+                                                                patience=0), log=SearchLog(enabled=False))
+        verdicts = [line for line in res.log_lines if line.startswith(("Tie ", "Faster", "Slower"))]
+        assert not any(" rounds" in line for line in verdicts)  # no duel ran
+        twins = [e for e in res.entries if e.duel and "not timed in rounds" in e.duel]
+        assert all(e.duel.startswith("tie: the kernels they differ in take") for e in twins)
+        assert len(twins) == sum("within the 1% margin either way" in line for line in verdicts)
+        twin_ties += len(twins)  # the others: a median not lower than the best's (no duel could crown those)
+        timed = [e for e in res.entries if e.timed]
+        kept += res.best.key == min(timed, key=lambda e: e.plan.sort_key()).plan.key
+    assert twin_ties >= 10
+    assert kept >= 4  # the final round may, rarely, confirm a runner-up's sub-margin edge
+
+
+def test_plans_differing_in_kernels_beyond_the_margin_still_duel(deep_stack):
+    """The same search where the kernels plans differ in are worth as much as the shared part: duels decide."""
+    backend = NoisyBackend(deep_stack.spec, lambda plan: sum(k.cost.est_us for k in plan.kernels), seed=0,
+                           sigma=0.05, kernel_us=lambda k: k.cost.est_us)
+    res = search(deep_stack, backend, options=SearchOptions(max_candidates=20, seed=1, warmup=0, repeats=5,
+                                                            patience=0), log=SearchLog(enabled=False))
+    assert not any("within the 1% margin" in line for line in res.log_lines)
+
+
 def test_a_plan_far_beyond_the_noise_is_judged_on_its_median_alone(deep_stack):
     backend = NoisyBackend(deep_stack.spec, lambda plan: plan.est_us, seed=0, sigma=0.02, spikes=0.0)
     res = search(deep_stack, backend, options=SearchOptions(max_candidates=4, seed=1, warmup=0, repeats=7),
