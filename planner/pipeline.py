@@ -273,9 +273,13 @@ def measure_composite(mp: ModelPlan, backend: Backend, opts: SearchOptions) -> d
         return out
     inputs = random_inputs(mp.graph, opts.seed)
     expected = execute_graph(mp.graph, inputs)
-    oracle = execute_graph(mp.graph, inputs, "oracle")
     compiled = backend.compile(mp.plan)
-    problem, _, _ = check_outputs(mp.plan, compiled.run(inputs), expected, opts.rtol, opts.atol, oracle)
+    outs = compiled.run(inputs)
+    problem, _, _ = check_outputs(mp.plan, outs, expected, opts.rtol, opts.atol)
+    if problem is not None and problem.startswith("tolerance"):  # the fp64 allowance, computed on demand (as the
+        # search does: a whole model in fp64 took 1-2 s of a cold plan)
+        oracle = execute_graph(mp.graph, inputs, "oracle")
+        problem, _, _ = check_outputs(mp.plan, outs, expected, opts.rtol, opts.atol, oracle)
     if problem:
         raise SearchError(f"the composite plan does not match the reference: {problem}")
     best = compiled.time(inputs, warmup=opts.warmup, repeats=opts.repeats).median_us

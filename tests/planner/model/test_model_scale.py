@@ -299,3 +299,37 @@ def test_segments_share_the_time_budget(monkeypatch):
     assert planned.model is not None and len(budgets) == len(planned.model.unique) >= 5
     # the first of five searches gets a fifth; each later one what is left over those still to search
     assert budgets[0] <= 5.0 / len(budgets) and all(b <= 5.0 for b in budgets)
+
+
+def test_the_composite_check_computes_the_fp64_oracle_only_when_the_tolerance_needs_it(monkeypatch):
+    """A whole model checked against the reference runs its fp64 oracle only for an output outside the tolerance
+    (a large model in fp64 took 1-2 s of a cold plan), as the search does."""
+    from _fake_backend import TimedReferenceBackend
+
+    from planner import pipeline
+    from planner.search.results import SearchOptions
+
+    mp = plan_model(mlp_stack(2, 32, 4), load_device("h200"))
+    modes: list[str] = []
+    real_execute = pipeline.execute_graph
+
+    def execute(graph, inputs, mode="device"):  # noqa: ANN001, ANN202
+        modes.append(mode)
+        return real_execute(graph, inputs, mode)
+
+    monkeypatch.setattr(pipeline, "execute_graph", execute)
+    opts = SearchOptions(warmup=0, repeats=1)
+    out = pipeline.measure_composite(mp, TimedReferenceBackend(load_device("h200")), opts)
+    assert out["verified"] == "whole graph" and "oracle" not in modes
+
+    real_check = pipeline.check_outputs
+
+    def strict_without_oracle(plan, outs, expected, rtol=None, atol=None, oracle=None):  # noqa: ANN001, ANN202
+        if oracle is None:
+            return "tolerance: output y max_abs 1 max_rel 1 (fp32)", 1.0, 1.0
+        return real_check(plan, outs, expected, rtol, atol, oracle)
+
+    monkeypatch.setattr(pipeline, "check_outputs", strict_without_oracle)
+    modes.clear()
+    out = pipeline.measure_composite(mp, TimedReferenceBackend(load_device("h200")), opts)
+    assert out["verified"] == "whole graph" and modes.count("oracle") == 1
