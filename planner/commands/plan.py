@@ -221,6 +221,7 @@ def print_result(result: SearchResult, full: bool = False) -> None:
         f"{result.graph} on {result.device}, backend {result.backend}: {count_text(result.space)} candidate plans ({scope}); "
         f"{len(result.timed)} {'costed' if estimated else 'timed'}, {len(result.rejected)} rejected"
         + (f", {len(result.bounded)} slower by their kernels" if result.bounded else "")
+        + (f", {len(result.predicted)} not faster by their kernels" if result.predicted else "")
         + f" in {result.elapsed_s:.2f}s ({result.stop})"
     )
     if result.verification:

@@ -45,6 +45,9 @@ class Verdict(StrEnum):
     NOT_TIMED = "not timed"
     #: not run: kernels it shares with plans timed before take longer than the best allows (the search's bound)
     BOUNDED = "slower by its kernels"
+    #: not run: the kernels it differs from the best in, timed in earlier plans, predict no win beyond a duel's
+    #: margin, and the cost model does not prefer it (a duel could only keep the best)
+    PREDICTED = "not faster by its kernels"
     REJECTED = "rejected"
 
 

@@ -126,7 +126,7 @@ class _Run:
             self.tried += 1
         entry = Entry(plan, source, choice=choice)
         self.entries.append(entry)
-        if not baseline and self._bounded(entry):
+        if not baseline and (self._bounded(entry) or self._predicted(entry)):
             return True
         try:
             self._evaluate(entry, baseline)
@@ -183,6 +183,29 @@ class _Run:
         entry.bound_us = bound
         entry.verdict = Verdict.BOUNDED
         self.slog.bounded(entry.plan, bound / best.meas_us, entry.est_us, bound, _origin(entry))
+        return True
+
+    def _predicted(self, entry: Entry) -> bool:
+        """Record a candidate as not faster, unrun, when every kernel it differs from the best in was timed in
+        earlier plans, their fastest runs predict it no more than :data:`DUEL_MARGIN` faster than the best, and
+        the cost model does not prefer it: a duel could crown it only by showing it faster beyond the margin,
+        and a tie keeps the best. A region's candidates are mostly such recombinations of kernels timed before
+        (a LLaMA MLP's three GEMMs, each in two or three forms); one the cost model prefers is timed."""
+        best = self.best
+        if best is None or best.meas_us is None or not self.backend.times_live:
+            return False
+        if entry.plan.sort_key() < best.plan.sort_key():
+            return False
+        differ = self._differing_us(entry, best)
+        if differ is None:
+            return False
+        own, other = differ
+        if other - own > DUEL_MARGIN * best.time_us:
+            return False
+        entry.verdict = Verdict.PREDICTED
+        ratio = (best.time_us + own - other) / best.time_us
+        entry.bound_us = best.time_us * ratio
+        self.slog.predicted(entry.plan, ratio, own, other, _origin(entry))
         return True
 
     def _cannot_win(self, entry: Entry, compiled: CompiledPlan, baseline: bool) -> bool:
@@ -314,17 +337,23 @@ class _Run:
         neither plan can beat the other beyond the margin a duel asks for. Its rounds would time mostly the
         kernels both share (a layer's GEMMs), 24 rounds of whole plans to call a tie (0.6 s each in a BERT
         layer's search); a tie keeps the cost model's choice, as the duel's would."""
+        differ = self._differing_us(entry, best)
+        if differ is None or max(differ) > DUEL_MARGIN * best.time_us:
+            return None
+        own, other = differ
+        return (f"the kernels they differ in take {own:,.0f} and {other:,.0f} µs of its {best.time_us:,.0f}: "
+                f"within the {DUEL_MARGIN:.0%} margin either way")
+
+    def _differing_us(self, entry: Entry, best: Entry) -> tuple[float, float] | None:
+        """The fastest times, summed, of the kernels ``entry`` has and the best lacks, and of those the best has
+        and ``entry`` lacks; None while one of them was never timed."""
         mine = Counter(kernel_sig(k) for k in entry.plan.kernels)
         theirs = Counter(kernel_sig(k) for k in best.plan.kernels)
         own, other = mine - theirs, theirs - mine
         if any(sig not in self.kernel_min for sig in (*own, *other)):
             return None
-        own_us = sum(self.kernel_min[sig] * n for sig, n in own.items())
-        other_us = sum(self.kernel_min[sig] * n for sig, n in other.items())
-        if max(own_us, other_us) > DUEL_MARGIN * best.time_us:
-            return None
-        return (f"the kernels they differ in take {own_us:,.0f} and {other_us:,.0f} µs of its {best.time_us:,.0f}: "
-                f"within the {DUEL_MARGIN:.0%} margin either way")
+        return (sum(self.kernel_min[sig] * n for sig, n in own.items()),
+                sum(self.kernel_min[sig] * n for sig, n in other.items()))
 
     def _duel(self, entry: Entry, compiled: CompiledPlan, best: Entry) -> None:
         """A candidate within the noise of the best: paired, interleaved rounds decide; a tie keeps the plan the
@@ -487,7 +516,8 @@ def search(
     rho = spearman([e.est_us for e in timed], [e.time_us for e in timed])
     n_rejected = sum(e.rejected for e in run.entries)
     n_bounded = sum(e.verdict == Verdict.BOUNDED for e in run.entries)
-    slog.footer(elapsed, run.best.plan, speedup, len(timed), n_rejected, rho, str(stop), n_bounded)
+    n_predicted = sum(e.verdict == Verdict.PREDICTED for e in run.entries)
+    slog.footer(elapsed, run.best.plan, speedup, len(timed), n_rejected, rho, str(stop), n_bounded, n_predicted)
     return SearchResult(
         graph=cands.graph.name,
         backend=backend.name,

@@ -99,7 +99,8 @@ class Entry:
     choice: dict[str, Option] | None = field(default=None, repr=False)
     #: the median of the final interleaved re-measurement (the unfused plan and the finalists only)
     confirm_us: float | None = None
-    #: a plan not run for its kernels' times: their sum (µs), from the plans timed before it
+    #: a plan not run for its kernels' times, from the plans timed before it: the time they bound it by (the sum
+    #: of its timed kernels' fastest runs), or predict for it (the best's, less the kernels they differ in)
     bound_us: float | None = None
     #: its comparison with the best of its time, where it was within the noise (planner.search.duel)
     duel: str | None = None
@@ -213,6 +214,12 @@ class SearchResult:
         """Candidates not run: their kernels timed in earlier plans already lose (see the module docstring)."""
         return [e for e in self.entries if e.verdict == Verdict.BOUNDED]
 
+    @property
+    def predicted(self) -> list[Entry]:
+        """Candidates not run: their kernels, timed in earlier plans, predict no win beyond a duel's margin
+        (``engine.Search._predicted``)."""
+        return [e for e in self.entries if e.verdict == Verdict.PREDICTED]
+
     def best_so_far(self) -> list[float]:
         """Best fully-timed median after each timed candidate (for the plot)."""
         out: list[float] = []
@@ -244,6 +251,7 @@ class SearchResult:
             "timed": len(self.timed),
             "rejected": len(self.rejected),
             "bounded": len(self.bounded),
+            "predicted": len(self.predicted),
             "speedup_vs_unfused": None if self.speedup_vs_unfused is None else round(self.speedup_vs_unfused, 4),
             "spearman": None if self.spearman is None else round(self.spearman, 4),
             "best": self.best_entry.to_json(),

@@ -101,6 +101,10 @@ class SearchLog:
         self.emit(f"Bounded x{ratio:.2f} {self.label(plan)} | est {fmt_us(est_us)} | its timed kernels "
                   f"{fmt_us(bound_us)} | not run{_origin(origin)}")
 
+    def predicted(self, plan: Plan, ratio: float, own_us: float, other_us: float, origin: str = "") -> None:
+        self.emit(f"Predicted x{ratio:.3f} {self.label(plan)} | the kernels it differs in, timed in earlier plans, "
+                  f"{fmt_us(own_us)} against the best's {fmt_us(other_us)} | not run{_origin(origin)}")
+
     def rejected(self, reason: str, plan: Plan, origin: str = "") -> None:
         self.emit(f"Rejected {reason} {self.label(plan)}{_origin(origin)}")
 
@@ -119,12 +123,14 @@ class SearchLog:
         spearman: float | None,
         stop: str,
         bounded: int = 0,
+        predicted: int = 0,
     ) -> None:
         estimated = self.estimated and timed > 0  # a verify-only backend estimates nothing either
         how = "estimated" if estimated else "interleaved re-measurement"
         sp = f"{speedup:.2f}x vs unfused ({how})" if speedup is not None else "no speedup measured"
         rho = "" if estimated else f" | spearman rho {spearman:.2f}" if spearman is not None else " | spearman rho n/a"
-        skipped = f", {bounded} slower by their kernels" if bounded else ""
+        skipped = (f", {bounded} slower by their kernels" if bounded else "") + (
+            f", {predicted} not faster by their kernels" if predicted else "")
         self.emit(
             f"Searched in {fmt_duration(seconds)}: best {self.label(best)} | {sp} | "
             f"{timed} {'costed' if estimated else 'timed'}, {rejected} rejected{skipped}{rho} | stopped: {stop}"

@@ -23,6 +23,7 @@ from planner.core import examples
 from planner.core.cost import load_device
 from planner.core.errors import UsageError
 from planner.core.graph import GraphBuilder
+from planner.core.kinds import Verdict
 from planner.core.reference import execute_graph, execute_plan, random_inputs
 from planner.core.tolerance import allclose_report
 from planner.egraph.candidates import build_candidates
@@ -350,7 +351,7 @@ def test_plans_differing_only_in_kernels_within_the_margin_tie_without_rounds(de
     """A layer's candidates share its GEMMs and differ in kernels worth well under 1% of the plan: no duel could
     call one faster beyond the margin, so none is run, and the cost model's favourite is kept."""
     shared = 1000 * max(p.est_us for p in deep_stack.plans)  # the differing kernels: 0.1% of a plan at most
-    kept = twin_ties = 0
+    kept = twin_ties = unrun = 0
     for seed in range(5):
         backend = NoisyBackend(deep_stack.spec, lambda plan: shared + sum(k.cost.est_us for k in plan.kernels),
                                seed=seed, sigma=0.05, kernel_us=lambda k: k.cost.est_us)
@@ -362,19 +363,38 @@ def test_plans_differing_only_in_kernels_within_the_margin_tie_without_rounds(de
         assert all(e.duel.startswith("tie: the kernels they differ in take") for e in twins)
         assert len(twins) == sum("within the 1% margin either way" in line for line in verdicts)
         twin_ties += len(twins)  # the others: a median not lower than the best's (no duel could crown those)
+        # recombinations of kernels timed before, predicted no faster, that the cost model does not prefer: not run
+        not_run = [e for e in res.entries if e.verdict == Verdict.PREDICTED]
+        assert all(e.meas_us is None and not e.verified and e.bound_us is not None for e in not_run)
+        assert res.to_json()["predicted"] == len(not_run) == sum(line.startswith("Predicted x") for line in res.log_lines)
+        unrun += len(not_run)
         timed = [e for e in res.entries if e.timed]
         kept += res.best.key == min(timed, key=lambda e: e.plan.sort_key()).plan.key
-    assert twin_ties >= 10
+    assert twin_ties >= 10 and unrun >= 5
     assert kept >= 4  # the final round may, rarely, confirm a runner-up's sub-margin edge
 
 
 def test_plans_differing_in_kernels_beyond_the_margin_still_duel(deep_stack):
-    """The same search where the kernels plans differ in are worth as much as the shared part: duels decide."""
+    """The same search where the kernels plans differ in are worth as much as the shared part: no tie without
+    rounds."""
     backend = NoisyBackend(deep_stack.spec, lambda plan: sum(k.cost.est_us for k in plan.kernels), seed=0,
                            sigma=0.05, kernel_us=lambda k: k.cost.est_us)
     res = search(deep_stack, backend, options=SearchOptions(max_candidates=20, seed=1, warmup=0, repeats=5,
                                                             patience=0), log=SearchLog(enabled=False))
     assert not any("within the 1% margin" in line for line in res.log_lines)
+
+
+def test_a_plan_its_timed_kernels_predict_faster_is_run_and_one_predicted_slower_is_not(deep_stack):
+    """True times are the kernels' sums: every plan predicted by its kernels to lose is left unrun, every plan
+    predicted to win beyond the margin is timed, and the search still ends on the truly fastest plan it timed."""
+    truth = lambda plan: sum(k.cost.est_us for k in plan.kernels)  # noqa: E731
+    backend = NoisyBackend(deep_stack.spec, truth, seed=0, sigma=0.02, spikes=0.0, kernel_us=lambda k: k.cost.est_us)
+    res = search(deep_stack, backend, options=SearchOptions(max_candidates=30, seed=1, warmup=0, repeats=5,
+                                                            patience=0), log=SearchLog(enabled=False))
+    assert res.predicted
+    timed = [e for e in res.entries if e.timed]
+    assert truth(res.best) <= 1.01 * min(truth(e.plan) for e in timed)
+    assert all(truth(e.plan) >= 0.99 * truth(res.best) for e in res.predicted)  # none skipped was a real win
 
 
 def test_a_plan_far_beyond_the_noise_is_judged_on_its_median_alone(deep_stack):
