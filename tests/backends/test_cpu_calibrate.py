@@ -80,3 +80,34 @@ def test_calibrate_refreshes_the_spec_searches_use(measured, monkeypatch, capsys
     assert main(["plan", "--example", "ew-chain", "--k", "2", "--n", "4096", "--backend", "cpu", "--no-cache",
                  "--max-candidates", "2"]) == 0
     assert "on cpu-calibrated, backend cpu" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cores", [1, 2])
+def test_on_one_core_the_kernels_compile_before_the_gemms_are_timed(monkeypatch, cores):
+    """On one core the compiler would share it with the GEMMs being timed: it finishes first there; with a core to
+    spare it runs meanwhile."""
+    events: list[str] = []
+
+    class Compiling:
+        def __init__(self, *_a, **_k) -> None:  # noqa: ANN002, ANN003
+            pass
+
+        def start_many(self, _sources):  # noqa: ANN001, ANN202
+            events.append("compile started")
+            return lambda: events.append("compile finished") or 0
+
+    def timed(name):  # noqa: ANN001, ANN202
+        def fn(*_a, **_k):  # noqa: ANN002, ANN003, ANN202
+            events.append(name)
+            return 10.0
+        return fn
+
+    monkeypatch.setattr(calibration, "Compiler", Compiling)
+    monkeypatch.setattr(calibration, "_cores", lambda: cores)
+    for name in ("gemm_gflops", "tiled_gemm_gflops", "triad_gbps", "launch_us", "vector_gflops"):
+        monkeypatch.setattr(calibration, name, timed(name))
+    calibration.calibrate_cpu()
+    assert events.count("compile finished") == 1
+    first_gemm, finished = events.index("gemm_gflops"), events.index("compile finished")
+    assert (finished < first_gemm) == (cores == 1)
+    assert finished < events.index("triad_gbps")  # the generated kernels are timed after they are built
