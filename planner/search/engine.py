@@ -197,11 +197,9 @@ class _Run:
         if entry.plan.sort_key() < best.plan.sort_key():
             return False
         differ = self._differing_us(entry, best)
-        if differ is None:
+        if differ is None or self._may_be_faster(entry, best):
             return False
         own, other = differ
-        if other - own > DUEL_MARGIN * best.time_us:
-            return False
         entry.verdict = Verdict.PREDICTED
         ratio = (best.time_us + own - other) / best.time_us
         entry.bound_us = best.time_us * ratio
@@ -229,15 +227,25 @@ class _Run:
 
     def finalists(self) -> list[Entry]:
         """The best and the fully timed runners-up within :data:`FINAL_MARGIN` of it, fastest first, at most
-        :data:`FINALISTS`: on a machine whose load drifts, timings minutes apart cannot tell them apart."""
+        :data:`FINALISTS`: on a machine whose load drifts, timings minutes apart cannot tell them apart. A
+        runner-up whose kernels' fastest runs predict it no more than :data:`DUEL_MARGIN` faster than the best
+        is left out: the round could crown it only by a quieter moment (a layer's near-twins, each round 3
+        runs of each)."""
         best = self.best
         assert best is not None and best.meas_us is not None
         if not self.backend.times_live:  # given figures (the cost model, remote results) do not drift
             return [best]
         close = sorted((e for e in self.entries if e is not best and e.verdict == Verdict.TIMED and not e.stopped_early
-                        and e.meas_us is not None and e.meas_us <= best.meas_us * FINAL_MARGIN),
+                        and e.meas_us is not None and e.meas_us <= best.meas_us * FINAL_MARGIN
+                        and self._may_be_faster(e, best)),
                        key=lambda e: e.time_us)
         return [best, *close[: FINALISTS - 1]]
+
+    def _may_be_faster(self, entry: Entry, best: Entry) -> bool:
+        """Do the kernels ``entry`` differs from the best in leave it a chance to be faster beyond the margin (or
+        were some of them never timed)?"""
+        differ = self._differing_us(entry, best)
+        return differ is None or differ[1] - differ[0] > DUEL_MARGIN * best.time_us
 
     def final_round(self, base: Entry, finalists: list[Entry]) -> tuple[Entry, float]:
         """The winner among ``finalists`` and its speedup over the unfused ``base``, from one interleaved

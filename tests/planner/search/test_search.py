@@ -368,6 +368,8 @@ def test_plans_differing_only_in_kernels_within_the_margin_tie_without_rounds(de
         assert all(e.meas_us is None and not e.verified and e.bound_us is not None for e in not_run)
         assert res.to_json()["predicted"] == len(not_run) == sum(line.startswith("Predicted x") for line in res.log_lines)
         unrun += len(not_run)
+        # no runner-up its kernels predict faster beyond the margin: the final round times the best and unfused only
+        assert not any(line.startswith("Final round") for line in res.log_lines)
         timed = [e for e in res.entries if e.timed]
         kept += res.best.key == min(timed, key=lambda e: e.plan.sort_key()).plan.key
     assert twin_ties >= 10 and unrun >= 5
