@@ -330,7 +330,7 @@ class _Run:
             self.slog.tie(entry.plan, f"median x{meas / best.time_us:.3f} within the noise, not lower", best.plan,
                           _origin(entry))
             return
-        twins = self._near_twins(entry, best)
+        twins = self._near_twins(entry, best) or self._no_win_predicted(entry, best)
         if twins is not None:
             if entry.plan.sort_key() < best.plan.sort_key():
                 self._crown(entry, compiled, faster=False)
@@ -351,6 +351,18 @@ class _Run:
         own, other = differ
         return (f"the kernels they differ in take {own:,.0f} and {other:,.0f} µs of its {best.time_us:,.0f}: "
                 f"within the {DUEL_MARGIN:.0%} margin either way")
+
+    def _no_win_predicted(self, entry: Entry, best: Entry) -> str | None:
+        """Why no duel could crown ``entry``, or None: the cost model does not prefer it (a tie keeps the best)
+        and the fastest runs of the kernels they differ in, its own just timed, predict it no more than
+        :data:`DUEL_MARGIN` faster: a lower median than that is a quieter moment."""
+        if entry.plan.sort_key() < best.plan.sort_key() or self._may_be_faster(entry, best):
+            return None
+        differ = self._differing_us(entry, best)
+        assert differ is not None
+        own, other = differ
+        return (f"its kernels predict x{(best.time_us + own - other) / best.time_us:.3f} of its time ({own:,.0f} "
+                f"against {other:,.0f} µs): no win beyond the {DUEL_MARGIN:.0%} margin")
 
     def _differing_us(self, entry: Entry, best: Entry) -> tuple[float, float] | None:
         """The fastest times, summed, of the kernels ``entry`` has and the best lacks, and of those the best has
