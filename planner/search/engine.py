@@ -259,8 +259,9 @@ class _Run:
         samples: dict[int, list[float]] = {id(e): [] for e in contenders}
         for r in range(FINAL_ROUNDS):
             for e, compiled in plans[r % len(plans):] + plans[: r % len(plans)]:
-                # the unfused plan only gives the speedup its denominator: one run a round is enough
-                repeats = 1 if e is base and base not in finalists else FINAL_REPEATS
+                # the unfused plan only gives the speedup its denominator, and a best without runners-up its
+                # numerator: one run a round is enough for a ratio of medians over the rounds
+                repeats = 1 if len(finalists) == 1 or (e is base and base not in finalists) else FINAL_REPEATS
                 timing = compiled.time(self.inputs, warmup=1, repeats=repeats)
                 samples[id(e)].append(float(np.median(timing.samples_us)))
         for e in contenders:
