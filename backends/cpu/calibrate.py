@@ -207,13 +207,14 @@ def calibrate_cpu(*, triad_n: int = 1 << 23, gemm_sizes: tuple[int, ...] = GEMM_
     # plan's first search on this machine measures with them next), compiled while the GEMMs are timed
     compiled = Compiler().start_many([*(_generated(body).source for body in (_triad_body(triad_n), _vector_body(8192, 16))),
                                       noop_source(), *stream_probe.kernel_sources()])
-    if _cores() == 1:  # the compiler would share the one core with the GEMMs timed next (a 1024 GEMM measured at
-        compiled()  # half its rate): it finishes first, in the same total time
-        compiled = _nothing_left
+    one_core = _cores() == 1
+    if one_core:  # the compiler would share the core with the GEMMs timed next (a 1024 GEMM measured at half its
+        compiled()  # rate): it finishes first, in the same total time
     with limit_blas_threads(blas_threads_from_env()):
         gemm = {n: gemm_gflops(n) for n in gemm_sizes}
         tiled = tiled_gemm_gflops(max(gemm_sizes))
-    compiled()
+    if not one_core:
+        compiled()
     cal = Calibration(
         triad_gbps=triad_gbps(triad_n),
         launch_us=launch_us(),
@@ -231,10 +232,6 @@ def calibrate_cpu(*, triad_n: int = 1 << 23, gemm_sizes: tuple[int, ...] = GEMM_
 def _cores() -> int:
     """The cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def _nothing_left() -> int:
-    return 0
 
 
 #: the kernel cache's record of this machine's calibrated spec (:func:`machine_spec`)

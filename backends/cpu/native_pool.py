@@ -189,7 +189,7 @@ class NativePool:
     """``threads - 1`` pthreads that run a loaded kernel's parts (see the module docstring)."""
 
     def __init__(self, library: Path, threads: int, spin_us: int) -> None:
-        """The pool of the compiled :func:`pool_source` at ``library`` (:func:`build_library`)."""
+        """The pool of the compiled :func:`pool_source` at ``library`` (:func:`start_library`)."""
         lib = ctypes.CDLL(str(library))
         lib.fp_pool_new.argtypes = [ctypes.c_int, ctypes.c_int64]
         lib.fp_pool_new.restype = ctypes.c_void_p
@@ -240,29 +240,32 @@ def start_shared_pool(compiler: Compiler, threads: int) -> Callable[[], NativePo
     try:
         library = start_library(compiler)
     except (CodegenError, OSError) as exc:
-        return functools.partial(_made, key, None, exc)
+        return functools.partial(_made, key, exc)
 
     def finish() -> NativePool | None:
         try:
-            path = library()
+            return _made(key, library())  # waited for even where another caller made the pool: its run is reaped
         except (CodegenError, OSError) as exc:
-            return _made(key, None, exc)
-        return _made(key, path, None)
+            return _made(key, exc)
 
     return finish
 
 
-def _made(key: tuple[int, int, int], library: Path | None, failure: Exception | None) -> NativePool | None:
-    """The shared pool of ``key``: the one made already, else made from ``library``; None where ``failure``
-    stopped the library's build or the pool cannot start (the reason is logged)."""
+def _made(key: tuple[int, int, int], library: Path | Exception) -> NativePool | None:
+    """The shared pool of ``key``: the one made already, else made from ``library``; None where the library's
+    build failed (``library`` is the error) or the pool cannot start (the reason is logged)."""
     with _shared_lock:
         if key not in _shared:
-            try:
-                if failure is not None:
-                    raise failure
-                assert library is not None
-                _shared[key] = NativePool(library, key[1], key[2])
-            except (CodegenError, OSError) as exc:
-                log.warning("no native worker pool (%s); kernels are split across Python threads", exc)
-                _shared[key] = None
+            _shared[key] = _new_pool(library, key[1], key[2])
         return _shared[key]
+
+
+def _new_pool(library: Path | Exception, threads: int, spin_us: int) -> NativePool | None:
+    failure = library if isinstance(library, Exception) else None
+    if not isinstance(library, Exception):
+        try:
+            return NativePool(library, threads, spin_us)
+        except (CodegenError, OSError) as exc:
+            failure = exc
+    log.warning("no native worker pool (%s); kernels are split across Python threads", failure)
+    return None

@@ -109,10 +109,11 @@ class WorkerPool:
     def run_kernel(self, fn: Callable[..., None], n_pointers: int, parts: Sequence[Sequence[int]]) -> None:
         """Call the loaded C kernel ``fn`` (``n_pointers`` pointers, then three integers) with each part's
         arguments, in parallel: on the native pool where there is one and the kernel fits it, else as tasks."""
-        if self.native is not None and len(parts) > 1 and n_pointers <= self.native.max_pointers:
+        native = self.native  # once: a property (the pool may still be attaching), and this is every kernel's path
+        if native is not None and len(parts) > 1 and n_pointers <= native.max_pointers:
             self.parallel_runs += 1
             self.native_runs += 1
-            self.native.run(kernel_address(fn), n_pointers, parts)
+            native.run(kernel_address(fn), n_pointers, parts)
             return
         self.run([functools.partial(fn, *part) for part in parts])
 

@@ -197,7 +197,7 @@ class _Run:
         if entry.plan.sort_key() < best.plan.sort_key():
             return False
         differ = self._differing_us(entry, best)
-        if differ is None or self._may_be_faster(entry, best):
+        if differ is None or _margin_win(differ, best.time_us):
             return False
         own, other = differ
         entry.verdict = Verdict.PREDICTED
@@ -245,7 +245,7 @@ class _Run:
         """Do the kernels ``entry`` differs from the best in leave it a chance to be faster beyond the margin (or
         were some of them never timed)?"""
         differ = self._differing_us(entry, best)
-        return differ is None or differ[1] - differ[0] > DUEL_MARGIN * best.time_us
+        return differ is None or _margin_win(differ, best.time_us)
 
     def final_round(self, base: Entry, finalists: list[Entry]) -> tuple[Entry, float]:
         """The winner among ``finalists`` and its speedup over the unfused ``base``, from one interleaved
@@ -331,39 +331,16 @@ class _Run:
             self.slog.tie(entry.plan, f"median x{meas / best.time_us:.3f} within the noise, not lower", best.plan,
                           _origin(entry))
             return
-        twins = self._near_twins(entry, best) or self._no_win_predicted(entry, best)
-        if twins is not None:
+        differ = self._differing_us(entry, best)
+        evidence = None if differ is None else (_near_twins(differ, best.time_us)
+                                                or _no_win_predicted(entry, differ, best))
+        if evidence is not None:
             if entry.plan.sort_key() < best.plan.sort_key():
                 self._crown(entry, compiled, faster=False)
-            entry.duel = f"tie: {twins}, not timed in rounds"
-            self.slog.tie(entry.plan, twins, self.best.plan if self.best else best.plan, _origin(entry))
+            entry.duel = f"tie: {evidence}, not timed in rounds"
+            self.slog.tie(entry.plan, evidence, self.best.plan if self.best else best.plan, _origin(entry))
             return
         self._duel(entry, compiled, best)
-
-    def _near_twins(self, entry: Entry, best: Entry) -> str | None:
-        """Why no duel could call ``entry`` faster or slower than the best, or None: the kernels one plan has and
-        the other lacks take, at their fastest, at most :data:`DUEL_MARGIN` of the best's time on each side, so
-        neither plan can beat the other beyond the margin a duel asks for. Its rounds would time mostly the
-        kernels both share (a layer's GEMMs), 24 rounds of whole plans to call a tie (0.6 s each in a BERT
-        layer's search); a tie keeps the cost model's choice, as the duel's would."""
-        differ = self._differing_us(entry, best)
-        if differ is None or max(differ) > DUEL_MARGIN * best.time_us:
-            return None
-        own, other = differ
-        return (f"the kernels they differ in take {own:,.0f} and {other:,.0f} µs of its {best.time_us:,.0f}: "
-                f"within the {DUEL_MARGIN:.0%} margin either way")
-
-    def _no_win_predicted(self, entry: Entry, best: Entry) -> str | None:
-        """Why no duel could crown ``entry``, or None: the cost model does not prefer it (a tie keeps the best)
-        and the fastest runs of the kernels they differ in, its own just timed, predict it no more than
-        :data:`DUEL_MARGIN` faster: a lower median than that is a quieter moment."""
-        if entry.plan.sort_key() < best.plan.sort_key() or self._may_be_faster(entry, best):
-            return None
-        differ = self._differing_us(entry, best)
-        assert differ is not None
-        own, other = differ
-        return (f"its kernels predict x{(best.time_us + own - other) / best.time_us:.3f} of its time ({own:,.0f} "
-                f"against {other:,.0f} µs): no win beyond the {DUEL_MARGIN:.0%} margin")
 
     def _differing_us(self, entry: Entry, best: Entry) -> tuple[float, float] | None:
         """The fastest times, summed, of the kernels ``entry`` has and the best lacks, and of those the best has
@@ -581,6 +558,37 @@ FINAL_REPEATS = 3
 DUEL_MARGIN = 0.01
 #: a duel whose interval lies within 1 ± this ends as a tie before its rounds run out (planner.search.duel)
 EQUIVALENCE = 0.03
+
+
+def _margin_win(differ: tuple[float, float], best_us: float) -> bool:
+    """Do the fastest times of the kernels a plan differs from the best in (its own, the best's:
+    ``_Run._differing_us``) predict it faster than the best beyond :data:`DUEL_MARGIN`?"""
+    own, other = differ
+    return other - own > DUEL_MARGIN * best_us
+
+
+def _near_twins(differ: tuple[float, float], best_us: float) -> str | None:
+    """Why no duel could call a plan faster or slower than the best, or None: the kernels one plan has and the other
+    lacks take, at their fastest, at most :data:`DUEL_MARGIN` of the best's time on each side, so neither plan can
+    beat the other beyond the margin a duel asks for. Its rounds would time mostly the kernels both share (a layer's
+    GEMMs), 24 rounds of whole plans to call a tie (0.6 s each in a BERT layer's search); a tie keeps the cost
+    model's choice, as the duel's would."""
+    own, other = differ
+    if max(own, other) > DUEL_MARGIN * best_us:
+        return None
+    return (f"the kernels they differ in take {own:,.0f} and {other:,.0f} µs of its {best_us:,.0f}: "
+            f"within the {DUEL_MARGIN:.0%} margin either way")
+
+
+def _no_win_predicted(entry: Entry, differ: tuple[float, float], best: Entry) -> str | None:
+    """Why no duel could crown ``entry``, or None: the cost model does not prefer it (a tie keeps the best) and the
+    fastest runs of the kernels they differ in, its own just timed, predict it no more than :data:`DUEL_MARGIN`
+    faster: a lower median than that is a quieter moment."""
+    if entry.plan.sort_key() < best.plan.sort_key() or _margin_win(differ, best.time_us):
+        return None
+    own, other = differ
+    return (f"its kernels predict x{(best.time_us + own - other) / best.time_us:.3f} of its time ({own:,.0f} "
+            f"against {other:,.0f} µs): no win beyond the {DUEL_MARGIN:.0%} margin")
 
 
 class _Stopper:
