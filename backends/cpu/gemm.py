@@ -54,6 +54,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -139,8 +140,38 @@ def torch_mm(dtype: str = "fp32", keep: tuple[bool, bool, bool] = (False, False,
 #: the GEMM's weight w (kh*kw*C, O), giving the product's (N*OH*OW, O) rows (a tensor torch owns); with oneDNN's
 #: post-ops ``+ bias`` (O,), ``+ other`` (rows like the result) and ``relu`` applied in the convolution itself
 Convolution = Callable[..., Any]
-#: the unary post-ops oneDNN's convolution applies (the op table's name -> oneDNN's)
-CONV_UNARY = {"Relu": "relu"}
+@dataclass(frozen=True)
+class UnaryPostOp:
+    """An activation oneDNN's convolution applies to its result: oneDNN's name, scalars and algorithm, and
+    ``function``, ``torch.nn.functional``'s function taking the scalars (where the fused op is missing)."""
+
+    name: str
+    scalars: tuple[float, ...] = ()
+    algorithm: str = ""
+    function: str = ""  # empty: F's function of oneDNN's name
+
+    def torch(self, y: Any) -> Any:
+        import torch.nn.functional as F  # optional dependency
+
+        return getattr(F, self.function or self.name)(y, *self.scalars)
+
+
+NO_POST_OP = UnaryPostOp("none")
+#: the activations oneDNN's convolution applies as post-ops, by the op table's name: attrs -> its post-op, or
+#: None where oneDNN has no such form (one-sided clamps other than ReLU's)
+CONV_UNARY: dict[str, Callable[[Mapping[str, Any]], UnaryPostOp | None]] = {
+    "Relu": lambda attrs: UnaryPostOp("relu"),
+    "Clamp": lambda attrs: (UnaryPostOp("hardtanh", (float(attrs["lo"]), float(attrs["hi"])))
+                            if attrs["sides"] == "both" else None),
+    "LeakyRelu": lambda attrs: UnaryPostOp("leaky_relu", (float(attrs["slope"]),)),
+    "Hardswish": lambda attrs: UnaryPostOp("hardswish"),
+    "Hardsigmoid": lambda attrs: UnaryPostOp("hardsigmoid"),
+    "Silu": lambda attrs: UnaryPostOp("swish", function="silu"),
+    "Sigmoid": lambda attrs: UnaryPostOp("sigmoid"),
+    "Tanh": lambda attrs: UnaryPostOp("tanh"),
+}
+#: the post-ops oneDNN applies after a residual add (its binary convolution refuses the others)
+CONV_BINARY_UNARY = frozenset({"none", "relu"})
 
 
 def torch_conv(dtype: str, window: Mapping[str, int]) -> Convolution:
@@ -178,24 +209,26 @@ def torch_conv(dtype: str, window: Mapping[str, int]) -> Convolution:
         return t
 
     def conv(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None, other: np.ndarray | None = None,
-             unary: str = "none") -> Any:
+             unary: UnaryPostOp = NO_POST_OP) -> Any:
         c, o = x.shape[-1], w.shape[-1]
         xs = tensor(x).view(-1, h, w_, c).permute(0, 3, 1, 2)
         ws = weight(w, c, xs.shape[0])
         b = None if bias is None else tensor(bias)
         if fused and other is None:
-            y = torch.ops.mkldnn._convolution_pointwise(xs, ws, b, [ph, pw], [sh, sw], [dh, dw], 1, unary, [], "")
+            y = torch.ops.mkldnn._convolution_pointwise(xs, ws, b, [ph, pw], [sh, sw], [dh, dw], 1, unary.name,
+                                                        list(unary.scalars), unary.algorithm)
         elif fused:
-            assert other is not None
+            assert other is not None and unary.name in CONV_BINARY_UNARY
             residual = tensor(other).view(xs.shape[0], oh, ow, o).permute(0, 3, 1, 2)
             y = torch.ops.mkldnn._convolution_pointwise.binary(xs, residual, ws, b, [ph, pw], [sh, sw], [dh, dw], 1,
-                                                               "add", None, None if unary == "none" else unary, [], "")
+                                                               "add", None, None if unary is NO_POST_OP else unary.name,
+                                                               [], "")
         else:  # oneDNN's fused convolution missing: torch's, then the post-ops
             y = torch.nn.functional.conv2d(xs, ws, b, (sh, sw), (ph, pw), (dh, dw))
             if other is not None:
                 y = y + tensor(other).view(xs.shape[0], oh, ow, o).permute(0, 3, 1, 2)
-            if unary == "relu":
-                y = torch.relu(y)
+            if unary is not NO_POST_OP:
+                y = unary.torch(y)
         return y.permute(0, 2, 3, 1).contiguous().view(-1, o)  # a view where torch kept channels last
 
     return conv

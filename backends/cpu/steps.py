@@ -609,14 +609,20 @@ def _gemm_block(mm: gemm.MatMul, epilogue: Callable[[int, int, int], None], tile
         epilogue(r0, r1, cols)
 
 
-def conv_post_ops(body: Expr, mm: Expr) -> tuple[str | None, str | None, str] | None:
+def conv_post_ops(body: Expr, mm: Expr) -> tuple[str | None, str | None, gemm.UnaryPostOp] | None:
     """(bias, residual, unary) when a convolution kernel's body is oneDNN's post-ops over the product:
-    ``[Relu](([BiasAdd(mm, bias)]) [+ residual])``, each operand loaded; else None."""
-    unary = "none"
+    ``[activation](([BiasAdd(mm, bias)]) [+ residual])``, each operand loaded, the activation one of
+    ``gemm.CONV_UNARY`` (after a residual: ``gemm.CONV_BINARY_UNARY``); else None."""
+    unary = gemm.NO_POST_OP
     if body.op in gemm.CONV_UNARY and body is not mm:
-        unary, body = gemm.CONV_UNARY[body.op], body.args[0]  # type: ignore[assignment]
+        found = gemm.CONV_UNARY[body.op](body.attr_dict)
+        if found is None:
+            return None
+        unary, body = found, body.args[0]  # type: ignore[assignment]
     other = None
     if body.op == "Add" and body is not mm:
+        if unary.name not in gemm.CONV_BINARY_UNARY:
+            return None
         inner = [a for a in body.args if isinstance(a, Expr)]
         loaded = [a for a in body.args if isinstance(a, Load)]
         if len(inner) != 1 or len(loaded) != 1 or tuple(inner[0].type.shape) != tuple(body.type.shape):

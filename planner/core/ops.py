@@ -190,6 +190,17 @@ def _torch_names(fn: str, functional: bool = False) -> tuple[str, ...]:
     return names + ((f"torch.nn.functional.{fn}",) if functional else ())
 
 
+#: which bounds a Clamp applies: both, only the lower ('min', torch's clamp_min) or only the upper ('max')
+CLAMP_SIDES = ("both", "min", "max")
+#: min(max(x + 3, 0), 6), the gate of hardswish and hardsigmoid
+_HARD_GATE_C = "fp_min(fp_max({0} + 3.0f, 0.0f), 6.0f)"
+
+
+def _clamp_c(v: Sequence[str], attrs: Attrs) -> str:
+    x = v[0] if attrs["sides"] == "max" else f"fp_max({v[0]}, {float_literal(attrs['lo'])})"
+    return x if attrs["sides"] == "min" else f"fp_min({x}, {float_literal(attrs['hi'])})"
+
+
 #: fp_tanh, fp_erf: each backend's prelude (the C one inline rational functions, CUDA's tanhf and erff)
 _GELU_TANH_C = "0.5f*{0}*(1.0f+fp_tanh(0.7978845608028654f*({0}+0.044715f*{0}*{0}*{0})))"
 #: the sum's and the maximum's way through a row (RowMean divides the sum by the row's length)
@@ -297,6 +308,41 @@ OPS: dict[str, OpDef] = {
                _torch_names("rsqrt"), gemm_epilogue=False, positive=True),
         _unary("Square", lambda x: x * x, 1.0, 4, lambda v, attrs: f"({v[0]}*{v[0]})", "x * x.",
                _torch_names("square")),
+        # the piecewise-linear activations of vision models (MobileNet, YOLO): fp_max / fp_min keep NaN, as torch
+        OpDef(
+            name="Clamp",
+            kind=OpKind.ELEMENTWISE,
+            arity=1,
+            attrs=(AttrSpec("lo", "f64", examples=(0.0, -1.0)), AttrSpec("hi", "f64", examples=(6.0, 1.0)),
+                   AttrSpec("sides", "String", "both", choices=CLAMP_SIDES)),
+            shape_rule=same_shape,
+            numpy_fn=lambda xs, attrs: sem.clamp(xs[0], attrs),
+            flops_per_elem=lambda attrs: 2.0 if attrs["sides"] == "both" else 1.0,
+            regs=lambda attrs: 4,
+            code=_clamp_c,
+            fusable_inputs=(0,),
+            doc="x limited to [lo, hi] (torch.clamp, hardtanh, relu6); sides 'min' or 'max' applies one bound only.",
+            label="clamp",
+        ),
+        OpDef(
+            name="LeakyRelu",
+            kind=OpKind.ELEMENTWISE,
+            arity=1,
+            attrs=(AttrSpec("slope", "f64", 0.01, examples=(0.01, 0.2)),),
+            shape_rule=same_shape,
+            numpy_fn=lambda xs, attrs: sem.leaky_relu(xs[0], attrs),
+            flops_per_elem=lambda attrs: 3.0,
+            regs=lambda attrs: 6,
+            # branch-free (gcc's -ftrapping-math keeps a select around a product scalar): max(x,0) + slope*min(x,0)
+            code=lambda v, attrs: f"(fp_relu({v[0]}) + {float_literal(attrs['slope'])}*fp_min({v[0]}, 0.0f))",
+            fusable_inputs=(0,),
+            doc="x where x > 0, else slope * x (NaN stays NaN).",
+            label="leaky_relu",
+        ),
+        _unary("Hardswish", sem.hardswish, 5.0, 6, lambda v, attrs: f"({v[0]}*{_HARD_GATE_C.format(v[0])}/6.0f)",
+               "x * min(max(x + 3, 0), 6) / 6.", label="hardswish"),
+        _unary("Hardsigmoid", sem.hardsigmoid, 4.0, 4, lambda v, attrs: f"({_HARD_GATE_C.format(v[0])}/6.0f)",
+               "min(max(x + 3, 0), 6) / 6.", label="hardsigmoid"),
         # torch's .to(dtype) between float dtypes: the value rounded to the dtype, in registers too (a narrowing
         # cast is the rounding its author asked for); to fp32 it is exact, so it costs nothing once fused
         OpDef(

@@ -35,6 +35,30 @@ def silu(x: np.ndarray) -> np.ndarray:
         return x / (1 + np.exp(-x))
 
 
+def clamp(x: np.ndarray, attrs: Attrs) -> np.ndarray:
+    """torch.clamp: NaN stays NaN (numpy's maximum and minimum keep it too)."""
+    y = x if attrs["sides"] == "max" else np.maximum(x, x.dtype.type(attrs["lo"]))
+    return y if attrs["sides"] == "min" else np.minimum(y, x.dtype.type(attrs["hi"]))
+
+
+def leaky_relu(x: np.ndarray, attrs: Attrs) -> np.ndarray:
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.where(x > 0, x, x * x.dtype.type(attrs["slope"]))
+
+
+def _hard_gate(x: np.ndarray) -> np.ndarray:
+    return np.minimum(np.maximum(x + x.dtype.type(3), x.dtype.type(0)), x.dtype.type(6))
+
+
+def hardswish(x: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore"):
+        return x * _hard_gate(x) / x.dtype.type(6)
+
+
+def hardsigmoid(x: np.ndarray) -> np.ndarray:
+    return _hard_gate(x) / x.dtype.type(6)
+
+
 def affine(x: np.ndarray, attrs: Attrs) -> np.ndarray:
     a, b = float(attrs["a"]), float(attrs["b"])
     y = x if a == 1.0 else x.dtype.type(a) * x

@@ -54,6 +54,11 @@ TORCH_CALLABLES: frozenset[str] = frozenset({
     "torch.ops.aten.conv2d.default",
     "torch.ops.aten.max_pool1d.default",
     "torch.ops.aten.max_pool2d.default",
+    # the piecewise-linear activations (clamp, clip, hardtanh, relu6, leaky ReLU, hardswish, hardsigmoid)
+    "torch.Tensor.clamp_max", "torch.Tensor.clamp_min", "torch.Tensor.clip", "torch.clamp_max", "torch.clamp_min",
+    "torch.clip", "torch.nn.functional.hardtanh", "torch.ops.aten.clamp_max.default",
+    "torch.ops.aten.clamp_min.default", "torch.ops.aten.hardsigmoid.default", "torch.ops.aten.hardswish.default",
+    "torch.ops.aten.hardtanh.default", "torch.ops.aten.leaky_relu.default", "torch.ops.aten.relu6.default",
     "torch.Tensor.abs", "torch.Tensor.add", "torch.Tensor.amax", "torch.Tensor.amin", "torch.Tensor.bfloat16",
     "torch.Tensor.bmm", "torch.Tensor.chunk", "torch.Tensor.clamp", "torch.Tensor.clone", "torch.Tensor.contiguous",
     "torch.Tensor.cos", "torch.Tensor.cumsum", "torch.Tensor.detach", "torch.Tensor.div", "torch.Tensor.erf",

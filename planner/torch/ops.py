@@ -77,6 +77,12 @@ _canon("matmul", operator.matmul, torch.matmul, torch.mm, _aten.mm.default, _ate
 _canon("addmm", torch.addmm, _aten.addmm.default)
 _canon("gelu", F.gelu, torch._C._nn.gelu, _aten.gelu.default)
 _canon("relu", F.relu, torch.relu, _aten.relu.default, ("method", "relu"))
+_canon("clamp", torch.clamp, torch.clip, F.hardtanh, F.relu6, _aten.clamp.default, _aten.clamp_min.default,
+       _aten.clamp_max.default, _aten.hardtanh.default, _aten.relu6.default, ("method", "clamp"), ("method", "clip"),
+       ("method", "clamp_min"), ("method", "clamp_max"), torch.clamp_min, torch.clamp_max)
+_canon("leaky_relu", F.leaky_relu, _aten.leaky_relu.default)
+_canon("hardswish", F.hardswish, _aten.hardswish.default)
+_canon("hardsigmoid", F.hardsigmoid, _aten.hardsigmoid.default)
 _canon("silu", F.silu, torch._C._nn.silu if hasattr(torch._C._nn, "silu") else F.silu, _aten.silu.default)
 _canon("add", operator.add, operator.iadd, torch.add, _aten.add.Tensor, _aten.add.Scalar, ("method", "add"))
 _canon("sub", operator.sub, operator.isub, torch.sub, _aten.sub.Tensor, _aten.sub.Scalar, ("method", "sub"))

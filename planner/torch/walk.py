@@ -35,7 +35,8 @@ CHANNELS_LAST = "channels_last"
 #: kinds whose lowerings take channels-last values as they are (any other lowering, a torch call, an output,
 #: sees the value in torch's order: ``Importer.plain``)
 LAYOUT_KINDS = frozenset({"conv", "batch_norm", "max_pool", "avg_pool", "mean", "relu", "silu", "gelu", "add",
-                          "sub", "mul", "div", "maximum", "minimum", "same", "dropout", "view"})
+                          "sub", "mul", "div", "maximum", "minimum", "same", "dropout", "view", "clamp",
+                          "leaky_relu", "hardswish", "hardsigmoid"})
 
 #: kinds whose lowerings take integer inputs (token ids): a view of them, the embedding that reads them
 INDEX_KINDS = frozenset({"view", "same", "embedding"})
@@ -462,13 +463,14 @@ class Importer:
             return concrete.detach().clone()
         return concrete
 
-    def unary(self, node: fx.Node, op: str, x: Any, concrete: torch.Tensor) -> Traced | None:
+    def unary(self, node: fx.Node, op: str, x: Any, concrete: torch.Tensor,
+              attrs: Mapping[str, Any] | None = None) -> Traced | None:
         if not isinstance(x, Traced):
             return None
         if x.layout == CHANNELS_LAST:  # an elementwise op keeps the layout
             assert x.id is not None
-            return self.emit(node, op, [x.id], None, concrete.shape, concrete.dtype, layout=CHANNELS_LAST)
-        return self.emit(node, op, [self.use(x, node.name)], None, concrete.shape, concrete.dtype)
+            return self.emit(node, op, [x.id], attrs, concrete.shape, concrete.dtype, layout=CHANNELS_LAST)
+        return self.emit(node, op, [self.use(x, node.name)], attrs, concrete.shape, concrete.dtype)
 
 
     # -- rows: reductions over the last dimension and what is made of them.  In a 16-bit graph an unfused

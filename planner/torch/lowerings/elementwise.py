@@ -41,6 +41,65 @@ def lower_gelu(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: A
     return imp.unary(node, op, args[0], concrete) if op else None
 
 
+#: the bounds a clamp-like call takes, by the call's last name: (positional names after x, defaults)
+_CLAMP_FORMS: dict[str, tuple[tuple[str, ...], tuple[Any, ...]]] = {
+    "clamp": (("min", "max"), (None, None)), "clip": (("min", "max"), (None, None)),
+    "clamp_min": (("min",), (None,)), "clamp_max": (("max",), (None,)),
+    "hardtanh": (("min_val", "max_val"), (-1.0, 1.0)), "relu6": ((), ()),
+}
+
+
+def clamp_bounds(node: fx.Node, args: Any, kwargs: Any) -> tuple[float | None, float | None] | None:
+    """(lower, upper) bound of a clamp, hardtanh or relu6 call (None: that side is open), or None where a bound
+    is not a number (a tensor of bounds stays a torch call)."""
+    t = node.target  # a method's name, an ATen overload (its _opname) or a function
+    name = (t if isinstance(t, str) else str(getattr(t, "_opname", getattr(t, "__name__", "")))).removesuffix("_")
+    if name not in _CLAMP_FORMS:
+        return None
+    names, defaults = _CLAMP_FORMS[name]
+    given = dict(zip(names, args[1:], strict=False))
+    values = [kwargs.get(n, given.get(n, d)) for n, d in zip(names, defaults, strict=True)]
+    if name == "relu6":
+        return 0.0, 6.0
+    if any(v is not None and not is_scalar(v) for v in values):
+        return None
+    bounds = dict(zip(names, values, strict=True))
+    lo = bounds.get("min", bounds.get("min_val"))
+    hi = bounds.get("max", bounds.get("max_val"))
+    return (None if lo is None else float(lo)), (None if hi is None else float(hi))
+
+
+@lowering("clamp", becomes="Clamp (number bounds: clamp, clip, clamp_min, clamp_max, hardtanh, relu6)")
+def lower_clamp(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
+    bounds = clamp_bounds(node, args, kwargs) if args else None
+    if bounds is None or not isinstance(concrete, torch.Tensor) or not concrete.is_floating_point():
+        return None
+    lo, hi = bounds
+    if lo is None and hi is None or any(b is not None and not math.isfinite(b) for b in bounds):
+        return None
+    sides = "both" if lo is not None and hi is not None else ("min" if lo is not None else "max")
+    attrs = {"lo": 0.0 if lo is None else lo, "hi": 0.0 if hi is None else hi, "sides": sides}
+    return imp.unary(node, "Clamp", args[0], concrete, attrs)
+
+
+@lowering("leaky_relu", becomes="LeakyRelu")
+def lower_leaky_relu(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
+    slope = kwargs.get("negative_slope", args[1] if len(args) > 1 else 0.01)
+    if not is_scalar(slope) or not math.isfinite(float(slope)) or not isinstance(concrete, torch.Tensor):
+        return None
+    return imp.unary(node, "LeakyRelu", args[0], concrete, {"slope": float(slope)})
+
+
+@lowering("hardswish", becomes="Hardswish")
+def lower_hardswish(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
+    return imp.unary(node, "Hardswish", args[0], concrete) if args and isinstance(concrete, torch.Tensor) else None
+
+
+@lowering("hardsigmoid", becomes="Hardsigmoid")
+def lower_hardsigmoid(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
+    return imp.unary(node, "Hardsigmoid", args[0], concrete) if args and isinstance(concrete, torch.Tensor) else None
+
+
 def binary(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any, kind: str) -> Any:
     if kwargs.get("alpha", 1) != 1 or len(args) != 2 or kwargs.get("rounding_mode") is not None:
         return None

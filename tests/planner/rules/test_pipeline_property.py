@@ -105,4 +105,4 @@ def test_the_property_catches_an_unsound_rule_and_prints_a_small_graph():
     notes = "\n".join(getattr(info.value, "__notes__", []))
     shown = json.loads(notes[notes.index("graph JSON:") + len("graph JSON:") : notes.rindex("}") + 1])
     assert [n["op"] for n in shown["nodes"]].count("Add") >= 2
-    assert len(shown["nodes"]) <= 8, notes  # shrunk to a handful of nodes
+    assert len(shown["nodes"]) <= 10, notes  # shrunk to a handful of nodes (a bias vector is a node of its own)

@@ -65,7 +65,24 @@ class Conv1dBlock(nn.Module):
         return self.norm(self.conv2(F.gelu(self.conv1(x)))).mean(-1)
 
 
+class Activations(nn.Module):
+    """The piecewise-linear activations of MobileNet and YOLO after convolutions: ReLU6 (a hardtanh),
+    hardswish, leaky ReLU, hardsigmoid, a one-sided clamp."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(8, 16, 1, bias=False), nn.BatchNorm2d(16)
+        self.conv2, self.conv3 = nn.Conv2d(16, 16, 3, padding=1), nn.Conv2d(16, 8, 1)
+        self.act1, self.act2 = nn.ReLU6(inplace=True), nn.Hardswish()
+
+    def forward(self, x):
+        y = self.act1(self.bn1(self.conv1(x)))
+        y = F.leaky_relu(self.act2(self.conv2(y)), 0.1)
+        return torch.clamp(self.conv3(y), min=-0.5) * F.hardsigmoid(x)
+
+
 MODELS = {
+    "activations": (Activations, (2, 8, 6, 6)),
     "basic": (Basic, (2, 16, 8, 8)),
     "bottleneck": (Bottleneck, (2, 32, 7, 7)),
     "small-cnn": (SmallCnn, (2, 3, 32, 32)),
@@ -186,3 +203,52 @@ def test_what_the_lowerings_do_not_take_stays_torch_and_still_equals_eager() -> 
     result = planner.plan(module, (x,), backend="cpu", cache=False, max_candidates=2)
     with torch.no_grad():
         _close(result(x), module(x))
+
+
+class ConvThen(nn.Module):
+    def __init__(self, activation) -> None:
+        super().__init__()
+        self.conv, self.activation = nn.Conv2d(8, 16, 3, padding=1), activation
+
+    def forward(self, x):
+        return self.activation(self.conv(x))
+
+
+#: an activation after a 3x3 convolution -> the op it becomes and oneDNN's post-op (None: the C epilogue runs it)
+POST_OPS = {
+    "relu6": (nn.ReLU6(), "Clamp", "hardtanh"),
+    "hardswish": (nn.Hardswish(), "Hardswish", "hardswish"),
+    "leaky": (nn.LeakyReLU(0.2), "LeakyRelu", "leaky_relu"),
+    "hardsigmoid": (nn.Hardsigmoid(), "Hardsigmoid", "hardsigmoid"),
+    "silu": (nn.SiLU(), "Silu", "swish"),
+    "clamp-min": (lambda y: torch.clamp(y, min=-0.5), "Clamp", None),
+}
+
+
+@pytest.mark.parametrize("name", list(POST_OPS))
+def test_an_activation_after_a_convolution_is_one_of_onednns_post_ops(name: str) -> None:
+    """A convolution kernel ending in an activation oneDNN applies (hardtanh for a two-sided clamp, leaky ReLU,
+    hardswish, hardsigmoid, swish) runs as one oneDNN convolution with that post-op; a one-sided clamp as the
+    convolution and the generated epilogue. Both equal the reference."""
+    from backends.codegen import find_matmul
+    from backends.cpu.backend import CpuBackend
+    from backends.cpu.steps import conv_post_ops
+    from planner.core.cost import load_device
+    from planner.core.reference import execute_plan, random_inputs
+
+    activation, op, post_op = POST_OPS[name]
+    torch.manual_seed(0)
+    module, x = ConvThen(activation).eval(), torch.randn(2, 8, 6, 6)
+    result = planner.plan(module, (x,), backend="reference", cache=False)
+    fused = f"[MatMul+BiasAdd+{op}]"
+    plans = [p for p in result.candidates.plans if any(k.describe().endswith(fused) for k in p.kernels)]
+    assert plans, [[k.describe() for k in p.kernels] for p in result.candidates.plans[:4]]
+    (kernel,) = [k for k in plans[0].kernels if k.describe().endswith(fused)]
+    post = conv_post_ops(kernel.body, find_matmul(kernel.body))
+    assert (post[2].name if post else None) == post_op
+    compiled = CpuBackend(load_device("h200"), threads=1).compile(plans[0])
+    (impl,) = [s.facts.get("impl") for s in compiled.steps if s.kernel is kernel]
+    assert impl == ("onednn-fp32-conv-post-ops" if post_op else "torch-fp32-conv+c-epilogue")
+    inputs = random_inputs(result.graph, seed=2)
+    got, want = compiled.run(inputs)[0], execute_plan(plans[0], inputs)[0]
+    assert abs(got - want).max() < 1e-4

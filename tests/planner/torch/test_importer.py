@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -399,6 +400,59 @@ def test_sub_neg_maximum_minimum_are_ops_that_match_torch_bit_for_bit() -> None:
     for a, b in ((0.0, -0.0), (-0.0, 0.0)):  # a tie gives the second operand, as torch and numpy do
         ta, tb = torch.full((4, 16), a), torch.full((4, 16), b)
         assert torch.equal(result(ta, -tb).view(torch.int32), m(ta, -tb).view(torch.int32))
+
+
+#: clamp-like calls -> the Clamp they import as (lo, hi, sides), or None where a tensor bound keeps the torch call
+CLAMPS = {
+    "clamp": (lambda x: torch.clamp(x, -0.5, 0.75), (-0.5, 0.75, "both")),
+    "clamp-min": (lambda x: x.clamp(min=0.25), (0.25, 0.0, "min")),
+    "clamp-max": (lambda x: x.clamp_max(0.5), (0.0, 0.5, "max")),
+    "clip": (lambda x: torch.clip(x, max=1.0, min=-1.0), (-1.0, 1.0, "both")),
+    "hardtanh": (lambda x: F.hardtanh(x, -2.0, 0.5), (-2.0, 0.5, "both")),
+    "relu6": (nn.ReLU6(inplace=True), (0.0, 6.0, "both")),
+    "in-place": (lambda x: (x * 2).clamp_(min=-1.0), (-1.0, 0.0, "min")),
+    "tensor-bound": (lambda x: torch.clamp(x, min=torch.zeros(16)), None),
+}
+
+
+@pytest.mark.parametrize("name", list(CLAMPS))
+def test_clamps_import_as_the_clamp_op_and_keep_torchs_values(name: str) -> None:
+    """clamp (both or one bound), clip, hardtanh, relu6 and an in-place clamp_ import as ``Clamp``; one fused C
+    kernel gives torch's values on NaN and infinities. A tensor of bounds stays a torch call."""
+    fn, want_attrs = CLAMPS[name]
+
+    class Clamped(nn.Module):
+        def forward(self, x):
+            return fn(x + 1.0)
+
+    edge = torch.tensor([float("nan"), 0.0, -0.0, 1.0, float("inf"), -float("inf"), 2.0, -3.0])
+    x = torch.cat([edge, edge.flip(0), torch.randn(48) * 3]).reshape(4, 16)
+    m = Clamped().eval()
+    clamps = [n for n in import_module(m, (x,)).graph.ops if n.op == "Clamp"]
+    if want_attrs is None:
+        assert not clamps
+    else:
+        assert [(n.attr_dict["lo"], n.attr_dict["hi"], n.attr_dict["sides"]) for n in clamps] == [want_attrs]
+    result = planner.plan(m, (x,), backend="cpu", max_candidates=4, cache=False)
+    want, got = m(x), result(x)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+def test_leaky_relu_hardswish_and_hardsigmoid_import_as_ops_and_keep_torchs_values() -> None:
+    class Hard(nn.Module):
+        def forward(self, x):
+            return F.leaky_relu(x, 0.2) + F.hardswish(x) * F.hardsigmoid(x) + nn.LeakyReLU()(x - 1)
+
+    edge = torch.tensor([float("nan"), 0.0, -0.0, 1.0, float("inf"), -float("inf"), 3.0, -3.0])
+    x = torch.cat([edge, edge.flip(0), torch.randn(48) * 4]).reshape(4, 16)
+    m = Hard().eval()
+    ops = Counter(n.op for n in import_module(m, (x,)).graph.ops)
+    assert ops["LeakyRelu"] == 2 and ops["Hardswish"] == 1 and ops["Hardsigmoid"] == 1 and "Opaque" not in ops
+    result = planner.plan(m, (x,), backend="cpu", max_candidates=4, cache=False)
+    want, got = m(x), result(x)
+    assert torch.equal(got.isnan(), want.isnan())
+    torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=1e-6, atol=1e-6)
 
 
 def test_norms_and_softmax_import_as_row_ops_and_fuse_into_one_row_kernel() -> None:
