@@ -65,7 +65,7 @@ from planner.core.cost import DeviceSpec
 from planner.core.dtypes import DTYPES
 from planner.core.graph import TensorType
 from planner.core.kinds import KernelKind
-from planner.core.ops import POOLS
+from planner.core.ops import POOLS, WINDOWED_PRODUCTS
 from planner.core.plans import Expr, Kernel, Load, Plan
 
 log = logging.getLogger(__name__)
@@ -207,7 +207,7 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
         if k.kind == KernelKind.STANDALONE:
             source = standalone.source_of(k.body, {n: t[0] for n, t in types.items()})
             dtype = k.body.type.dtype
-            if source is None or dtype == "fp32" or k.body.op in POOLS:  # pooling: of its own dtype
+            if source is None or dtype == "fp32" or k.body.op in POOLS | WINDOWED_PRODUCTS:  # of its own dtype
                 return [] if source is None else [source]
             if self.native(dtype):
                 return []  # torch's fused attention

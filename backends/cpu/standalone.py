@@ -241,6 +241,14 @@ void {SYMBOL}(const float* restrict q, const float* restrict k, const float* res
 """
 
 
+#: channels a depthwise convolution sums at once (one 16-wide vector kept in a register across the taps)
+DEPTHWISE_BLOCK = 16
+#: neighbouring output pixels whose windows lie inside the image summed at once (each weight vector loaded once
+#: for them) where a window is :data:`DEPTHWISE_WIDE` columns or more; narrower windows one pixel at a time.  On
+#: one core of a Sapphire Rapids VM (gcc 12, fp32): 96 channels of 56x56, 7x7: 8 pixels 346 µs, 1 pixel 415,
+#: oneDNN's channels-last convolution 320; 144 channels of 56x56, 3x3: 1 pixel 133 µs, 8 pixels 170, oneDNN 197
+DEPTHWISE_PIXELS = 8
+DEPTHWISE_WIDE = 5
 #: the standalone ops with a generated kernel: attention, without a mask, with one (a row of keys per group), with
 #: a bias (a row of keys per query)
 ATTENTION_OPS = ("Attention", "MaskedAttention", "BiasedAttention")
@@ -256,12 +264,106 @@ def source_of(body: Expr, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
     """The generated C a standalone kernel loads: attention's, and pooling's."""
     if body.op in POOLS:
         return pool_source(body)
+    if body.op == "DepthwiseConv":
+        return depthwise_source(body)
     if body.op not in ATTENTION_OPS:
         return None
     _, s, t, d, e = attention_shapes(body, shapes)
     attrs = body.attr_dict
     return attention_source(s, t, d, e, float(attrs["scale"]), bool(attrs.get("causal", 0)),
                             masked=body.op == "MaskedAttention", biased=body.op == "BiasedAttention")
+
+
+def depthwise_source(body: Expr) -> str:
+    """A depthwise convolution of channels-last rows of the body's dtype (``x``, and the weight's (kh*kw, C) taps
+    ``w``): for each output pixel, each block of :data:`DEPTHWISE_BLOCK` channels summed over the window's taps in
+    fp32 (the padding left out) in a small local array the compiler keeps in a vector register across the taps
+    (an array of all channels stayed in memory: 5.4 ms against oneDNN's 0.32 for 96 channels of 56x56, 7x7);
+    output rows ``r0``..``r1`` (image by output row) per call."""
+    h, w, kh, kw, sh, sw, ph, pw, dh, dw = (int(body.attr_dict[a]) for a in WINDOW)
+    oh, ow = window_out(body.attr_dict)
+    channels = int(body.type.shape[-1])
+    ctype, load, store = storage_forms(body.type.dtype)
+
+    def block(width: str) -> str:
+        return f"""{{
+                float acc[{width}];
+                for (int64_t c = 0; c < {width}; ++c) acc[c] = 0.0f;
+                for (int64_t ky = ky0; ky < ky1; ++ky) {{
+                    const {ctype}* restrict row = image + ((oy * {sh} - {ph} + ky * {dh}) * FP_W) * FP_C + c0;
+                    const {ctype}* restrict taps = w + ky * {kw} * FP_C + c0;
+                    for (int64_t kx = kx0; kx < kx1; ++kx) {{
+                        const {ctype}* restrict px = row + (ox * {sw} - {pw} + kx * {dw}) * FP_C;
+                        const {ctype}* restrict wt = taps + kx * FP_C;
+                        for (int64_t c = 0; c < {width}; ++c) acc[c] += {load.format("px[c]")} * {load.format("wt[c]")};
+                    }}
+                }}
+                for (int64_t c = 0; c < {width}; ++c) o[c0 + c] = {store.format("acc[c]")};
+            }}"""
+
+    def pixels(width: str) -> str:  # FP_P neighbouring output pixels whose windows lie inside: one weight load each
+        return f"""{{
+                float acc[FP_P][{width}];
+                for (int64_t p = 0; p < FP_P; ++p) for (int64_t c = 0; c < {width}; ++c) acc[p][c] = 0.0f;
+                for (int64_t ky = ky0; ky < ky1; ++ky) {{
+                    const {ctype}* restrict row = image + ((oy * {sh} - {ph} + ky * {dh}) * FP_W + ox * {sw} - {pw}) * FP_C + c0;
+                    const {ctype}* restrict taps = w + ky * {kw} * FP_C + c0;
+                    for (int64_t kx = 0; kx < {kw}; ++kx) {{
+                        const {ctype}* restrict wt = taps + kx * FP_C;
+                        for (int64_t p = 0; p < FP_P; ++p) {{
+                            const {ctype}* restrict px = row + (p * {sw} + kx * {dw}) * FP_C;
+                            for (int64_t c = 0; c < {width}; ++c) acc[p][c] += {load.format("px[c]")} * {load.format("wt[c]")};
+                        }}
+                    }}
+                }}
+                for (int64_t p = 0; p < FP_P; ++p)
+                    for (int64_t c = 0; c < {width}; ++c) o[p * FP_C + c0 + c] = {store.format("acc[p][c]")};
+            }}"""
+
+    inner = (w - 1 + pw - (kw - 1) * dw) // sw  # the last output column whose window lies inside the row
+    return PRELUDE + f"""
+#define FP_H {h}
+#define FP_W {w}
+#define FP_C {channels}
+#define FP_OH {oh}
+#define FP_OW {ow}
+#define FP_B {DEPTHWISE_BLOCK}
+#define FP_P {DEPTHWISE_PIXELS if kw >= DEPTHWISE_WIDE else 1}
+#define FP_INNER {inner}
+
+/* the first and one past the last tap of a window whose input index start + tap * step lies in [0, size) */
+static inline int64_t fp_first_tap(int64_t start, int64_t step) {{ return start >= 0 ? 0 : (-start + step - 1) / step; }}
+static inline int64_t fp_end_tap(int64_t start, int64_t step, int64_t size, int64_t taps) {{
+    const int64_t end = start >= size ? 0 : (size - 1 - start) / step + 1;
+    return end < taps ? end : taps;
+}}
+
+void {SYMBOL}(const float* x0, const float* w0, float* out0, int64_t r0, int64_t r1, int64_t unused) {{
+    (void)unused;
+    const {ctype}* restrict x = (const {ctype}*)x0;
+    const {ctype}* restrict w = (const {ctype}*)w0;
+    {ctype}* restrict out = ({ctype}*)out0;
+    for (int64_t r = r0; r < r1; ++r) {{
+        const int64_t oy = r % FP_OH;
+        const {ctype}* image = x + (r / FP_OH) * FP_H * FP_W * FP_C;
+        const int64_t ky0 = fp_first_tap(oy * {sh} - {ph}, {dh}), ky1 = fp_end_tap(oy * {sh} - {ph}, {dh}, FP_H, {kh});
+        for (int64_t ox = 0; ox < FP_OW; ++ox) {{
+            const int64_t kx0 = fp_first_tap(ox * {sw} - {pw}, {dw}), kx1 = fp_end_tap(ox * {sw} - {pw}, {dw}, FP_W, {kw});
+            {ctype}* restrict o = out + (r * FP_OW + ox) * FP_C;
+            if (kx0 == 0 && kx1 == {kw} && ox + FP_P <= FP_OW && ox + FP_P - 1 <= FP_INNER) {{
+                int64_t c0 = 0;
+                for (; c0 + FP_B <= FP_C; c0 += FP_B) {pixels("FP_B")}
+                if (c0 < FP_C) {pixels("FP_C % FP_B")}
+                ox += FP_P - 1;
+                continue;
+            }}
+            int64_t c0 = 0;
+            for (; c0 + FP_B <= FP_C; c0 += FP_B) {block("FP_B")}
+            if (c0 < FP_C) {block("FP_C % FP_B")}
+        }}
+    }}
+}}
+"""
 
 
 def pool_source(body: Expr) -> str:

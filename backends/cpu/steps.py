@@ -29,7 +29,7 @@ from planner.core.cost import DeviceSpec
 from planner.core.graph import TensorType
 from planner.core.kinds import KernelKind
 from planner.core.opaque import opaque_writer
-from planner.core.ops import GATHERS, LAYOUT_COPIES, POOLS, epilogue_has_bias
+from planner.core.ops import GATHERS, LAYOUT_COPIES, POOLS, WINDOWED_PRODUCTS, epilogue_has_bias
 from planner.core.plans import Expr, Kernel, Load
 from planner.core.reference import eval_expr
 from planner.core.shapes import window_out
@@ -414,6 +414,10 @@ class StandaloneSteps(StepsBase):
             if tensors[order[0]].dtype != body.type.dtype:
                 return self._converted(k, tensors, memory)  # the reference's numpy form
             return self._pool(k, memory, order[0], reads)
+        if body.op in WINDOWED_PRODUCTS:
+            if any(tensors[n].dtype != body.type.dtype for n in order):
+                return self._converted(k, tensors, memory)
+            return self._depthwise(k, memory, order, reads)
         if body.op in CHANNEL_COPIES and memory.own[out_name].itemsize in (2, 4) and (
                 memory.own[order[0]].itemsize == memory.own[out_name].itemsize):
             return self._channels(k, tensors, memory, order[0], reads)
@@ -514,6 +518,17 @@ class StandaloneSteps(StepsBase):
         impl = f"c-{body.op.lower()}"
         call = standalone.rows_call(fn, self.pool, self.threads, rows, lambda: [addr[source], addr[out_name]])
         return Step(k, call, reads, memory.own[out_name], {"impl": impl, "threads": min(self.threads, rows)})
+
+    def _depthwise(self, k: Kernel, memory: Memory, order: list[str], reads: list[np.ndarray]) -> Step:
+        """The generated depthwise convolution of channels-last rows, by output rows (image by row) split across
+        the pool."""
+        body, addr, out_name = k.body, memory.addr, k.out
+        rows = math.prod(body.type.shape[:-1]) // window_out(body.attr_dict)[1]
+        fn = self.compiler.function(standalone.depthwise_source(body), 3)
+        x_name, w_name = order
+        call = standalone.rows_call(fn, self.pool, self.threads, rows,
+                                    lambda: [addr[x_name], addr[w_name], addr[out_name]])
+        return Step(k, call, reads, memory.own[out_name], {"impl": "c-depthwise", "threads": min(self.threads, rows)})
 
     def _torch_attention(self, k: Kernel, tensors: Mapping[str, TensorType]) -> bool:
         """Is kernel ``k`` an attention that torch's fused kernel computes (16-bit, natively multiplied)?"""

@@ -32,6 +32,7 @@ from planner.core.shapes import (
     channels_first_shape,
     channels_last_shape,
     columns_shape,
+    depthwise_shape,
     embedding_shape,
     group_repeat_shape,
     heads_shape,
@@ -48,7 +49,7 @@ from planner.core.shapes import (
     tile_shape,
 )
 
-__all__ = ["CUBLASLT_EPILOGUES", "GATHERS", "LAYOUT_COPIES", "OPS", "POOLS", "AttrSpec", "OpDef", "OpError", "Reduction", "epilogue_has_bias",
+__all__ = ["CUBLASLT_EPILOGUES", "GATHERS", "LAYOUT_COPIES", "OPS", "POOLS", "WINDOWED_PRODUCTS", "AttrSpec", "OpDef", "OpError", "Reduction", "epilogue_has_bias",
            "example_operands", "float_literal", "op_def", "register_op", "same_shape"]
 
 
@@ -445,6 +446,20 @@ OPS: dict[str, OpDef] = {
                      "Each output pixel's window (kh x kw taps, stride, padding, dilation) of channels-last rows "
                      "(N*height*width, C), side by side: (N*out pixels, kh*kw*C), 0 in the padding. Times the weight "
                      "as (kh*kw*C, O) it is torch's conv2d (conv1d: height 1)."),
+        # MobileNet's and ConvNeXt's depthwise convolutions (groups = channels): no GEMM, each channel its own taps
+        OpDef(
+            name="DepthwiseConv",
+            label="depthwise",
+            kind=OpKind.STANDALONE,
+            arity=2,
+            attrs=_WINDOW_ATTRS,
+            shape_rule=depthwise_shape,
+            numpy_fn=lambda xs, attrs: sem.depthwise_conv(xs[0], xs[1], attrs),
+            flops_rule=lambda out, ins, attrs: 2.0 * math.prod(out) * int(attrs["kh"]) * int(attrs["kw"]),
+            doc="Each channel of channels-last rows (N*height*width, C) convolved with its own kh x kw taps, a "
+                "weight of (kh*kw, C): (N*out pixels, C), 0 in the padding (torch's conv2d with groups = channels, "
+                "conv1d: height 1).",
+        ),
         _standalone1("MaxPool", "maxpool", _WINDOW_ATTRS, pool_shape, sem.max_pool,
                      "The largest value of each window of channels-last rows (torch's max_pool2d; the padding is "
                      "-inf, no ceil mode)."),
@@ -532,6 +547,8 @@ OPS: dict[str, OpDef] = {
 LAYOUT_COPIES = frozenset({"Heads", "Merge", "GroupRepeat", "Columns", "ChannelsLast", "ChannelsFirst", "Im2col"})
 #: standalone ops that reduce windows of channels-last images
 POOLS = frozenset({"MaxPool", "SpatialMean"})
+#: the standalone ops that slide a window over channels-last rows and read a weight
+WINDOWED_PRODUCTS = frozenset({"DepthwiseConv"})
 #: standalone ops that gather rows of their second input at the ids their first holds
 GATHERS = frozenset({"Embedding"})
 

@@ -146,6 +146,19 @@ def im2col(x: np.ndarray, attrs: Attrs, out: np.ndarray | None = None) -> np.nda
     return out
 
 
+def depthwise_conv(x: np.ndarray, w: np.ndarray, attrs: Attrs) -> np.ndarray:
+    """Each channel of channels-last rows convolved with its own (kh, kw) taps (a weight of (kh*kw, C)): torch's
+    conv2d with groups = channels; 0 in the padding, the taps summed in order."""
+    h, w_, kh, kw, *_ = _window(attrs)
+    c = x.shape[-1]
+    images = x.reshape(-1, h, w_, c)
+    oh, ow = window_out(attrs)
+    out = np.zeros((images.shape[0], oh, ow, c), x.dtype)
+    for i, j, orows, ocols, irows, icols in _taps(attrs):
+        out[:, orows, ocols, :] += images[:, irows, icols, :] * w[i * kw + j]
+    return out.reshape(-1, c)
+
+
 def max_pool(x: np.ndarray, attrs: Attrs) -> np.ndarray:
     """The largest value of each window of channels-last rows (padding is -inf, as torch pads it)."""
     h, w, *_ = _window(attrs)

@@ -144,6 +144,15 @@ def _pool(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
     return _windowed(op, x, attrs, 1)
 
 
+def _depthwise(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
+    x, w = shapes
+    taps = int(attrs["kh"]) * int(attrs["kw"])
+    if len(x) != 2 or tuple(w) != (taps, x[-1]):
+        raise OpError(f"{op}: takes channels-last rows (pixels, C) and a weight of (kh*kw, C) = ({taps}, "
+                      f"{x[-1] if len(x) == 2 else 'C'}), got {list(x)} and {list(w)}")
+    return _windowed(op, x, attrs, 1)
+
+
 def _spatial_mean(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
     (x,) = shapes
     pixels = int(attrs["pixels"])
@@ -243,6 +252,7 @@ columns_shape = ShapeRule(_columns, _no_example)
 embedding_shape = ShapeRule(_embedding, _no_example)
 im2col_shape = ShapeRule(_im2col, _no_example)
 pool_shape = ShapeRule(_pool, _no_example)
+depthwise_shape = ShapeRule(_depthwise, _no_example)
 spatial_mean_shape = ShapeRule(_spatial_mean, _no_example)
 channels_last_shape = ShapeRule(_channels_last, _no_example)
 channels_first_shape = ShapeRule(_channels_first, _no_example)

@@ -80,6 +80,7 @@ _canon("relu", F.relu, torch.relu, _aten.relu.default, ("method", "relu"))
 _canon("clamp", torch.clamp, torch.clip, F.hardtanh, F.relu6, _aten.clamp.default, _aten.clamp_min.default,
        _aten.clamp_max.default, _aten.hardtanh.default, _aten.relu6.default, ("method", "clamp"), ("method", "clip"),
        ("method", "clamp_min"), ("method", "clamp_max"), torch.clamp_min, torch.clamp_max)
+_canon("permute", torch.permute, _aten.permute.default, ("method", "permute"))
 _canon("leaky_relu", F.leaky_relu, _aten.leaky_relu.default)
 _canon("hardswish", F.hardswish, _aten.hardswish.default)
 _canon("hardsigmoid", F.hardsigmoid, _aten.hardsigmoid.default)

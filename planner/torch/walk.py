@@ -9,7 +9,7 @@ import logging
 import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -36,7 +36,7 @@ CHANNELS_LAST = "channels_last"
 #: sees the value in torch's order: ``Importer.plain``)
 LAYOUT_KINDS = frozenset({"conv", "batch_norm", "max_pool", "avg_pool", "mean", "relu", "silu", "gelu", "add",
                           "sub", "mul", "div", "maximum", "minimum", "same", "dropout", "view", "clamp",
-                          "leaky_relu", "hardswish", "hardsigmoid"})
+                          "leaky_relu", "hardswish", "hardsigmoid", "permute"})
 
 #: kinds whose lowerings take integer inputs (token ids): a view of them, the embedding that reads them
 INDEX_KINDS = frozenset({"view", "same", "embedding"})
@@ -368,10 +368,39 @@ class Importer:
                     f"{self.where(node)} writes the module's {kind} {written.name!r} in place; a plan writes only "
                     f"its outputs, so that write would be lost: return the new value instead, or run the module "
                     f"eagerly{hint}")
+        before = self.env.get(mutated) if mutated is not None else None
         out = self._call(node)
         if mutated is not None and isinstance(out, (Traced, torch.Tensor)):
             self.env[mutated] = out
+            if isinstance(out, Traced) and isinstance(before, Traced):
+                self.write_through_views(node, mutated, before, out)
         return out
+
+    def read_after(self, value: fx.Node, node: fx.Node, view: fx.Node) -> bool:
+        """Does a node after ``node`` (the graph's output included) read ``value`` other than through ``view``?"""
+        order = {n: i for i, n in enumerate(self.gm.graph.nodes)}
+        return any(u is not view and order[u] > order[node] for u in value.users)
+
+    def write_through_views(self, node: fx.Node, view: fx.Node, before: Traced, after: Traced) -> None:
+        """An in-place write into a view of a value the module computed changes the value it views too: each
+        one it views as the same IR tensor (a reshape, channels moved last) is rebound to the written tensor;
+        a view of part of it, or of its elements in another order, is refused (a plan's values are written once)."""
+        while True:
+            first = view.args[0] if view.args else None
+            if not isinstance(first, fx.Node) or not self.aliases_first_input(view, first):
+                return
+            base = self.env.get(first)
+            if not isinstance(base, Traced) or base.source is not None:
+                return  # a call input or parameter: refused before the call (``written_inputs``)
+            if base.id is None or base.id != before.id or before.program is not None or after.id is None:
+                if self.read_after(first, node, view):
+                    raise TorchImportError(
+                        f"{self.where(node)} writes in place into a view of {first.name!r} that the plan holds as a "
+                        "copy (part of it, its elements in another order or another shape), and "
+                        f"{first.name!r} is read after the write; write the result to a new tensor instead")
+                return
+            self.env[first] = replace(base, id=after.id, dtype=after.dtype, runtime=after.runtime)
+            view, before = first, base
 
     def written_source(self, node: fx.Node) -> fx.Node | None:
         """The placeholder or attribute whose memory ``node``'s tensor is (through views, ``contiguous``, ``detach``,

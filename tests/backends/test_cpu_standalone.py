@@ -297,6 +297,41 @@ def test_the_compiled_max_pooling_is_torchs_nan_and_inf_included(shape, window, 
     np.testing.assert_array_equal(np.asarray(got, np.float32), want.reshape(-1, c).numpy())
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize(("shape", "window"), [
+    ((2, 5, 7, 6), (3, 3, 1, 1, 1, 1, 1, 1)),  # fewer channels than a vector, odd sizes
+    ((1, 40, 9, 11), (3, 3, 2, 2, 1, 1, 1, 1)),  # MobileNet's stride 2; a ragged block of 8 channels
+    ((2, 32, 12, 19), (7, 7, 1, 1, 3, 3, 1, 1)),  # ConvNeXt's 7x7: blocks of pixels inside, edges one by one
+    ((1, 17, 10, 23), (5, 3, 1, 2, 2, 0, 2, 1)),  # unequal window, stride, padding and dilation
+])
+def test_the_compiled_depthwise_convolution_is_torchs(shape, window, dtype, threads) -> None:
+    """The generated depthwise convolution of channels-last rows equals torch's conv2d with groups = channels."""
+    torch = pytest.importorskip("torch")
+    n, c, h, w = shape
+    kh, kw, sh, sw, ph, pw, dh, dw = window
+    attrs = {"height": h, "width": w, "kh": kh, "kw": kw, "sh": sh, "sw": sw, "ph": ph, "pw": pw, "dh": dh, "dw": dw}
+    b = GraphBuilder("depthwise-kernel")
+    b.input("x", (n * h * w, c), dtype)
+    b.input("w", (kh * kw, c), dtype)
+    b.op("out", "DepthwiseConv", ["x", "w"], attrs)
+    plan = build_candidates(b.build(["out"]), SPEC).unfused
+    kind = getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[dtype])
+    x, weight = torch.randn(shape).to(kind), torch.randn(c, 1, kh, kw).to(kind)
+    rows, taps = x.permute(0, 2, 3, 1).reshape(-1, c).contiguous(), weight.reshape(c, -1).t().contiguous()
+    compiled = CpuBackend(SPEC, threads=threads).compile(plan)
+    assert compiled.kernel_facts[0]["impl"] == "c-depthwise"
+    stored = {"x": rows, "w": taps} if dtype == "fp32" else {"x": rows.view(torch.int16), "w": taps.view(torch.int16)}
+    got = compiled.run({k: v.numpy() if dtype == "fp32" else v.numpy().view(numpy_dtype(dtype))
+                        for k, v in stored.items()})[0]
+    want = torch.nn.functional.conv2d(x.float(), weight.float(), None, (sh, sw), (ph, pw), (dh, dw), groups=c)
+    tol = 1e-5 if dtype == "fp32" else 2e-2
+    np.testing.assert_allclose(np.asarray(got, np.float32), want.permute(0, 2, 3, 1).reshape(-1, c).numpy(),
+                               rtol=tol, atol=tol)
+    np.testing.assert_allclose(OPS["DepthwiseConv"].evaluate([rows.float().numpy(), taps.float().numpy()], attrs),
+                               want.permute(0, 2, 3, 1).reshape(-1, c).numpy(), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize(("images", "channels", "height", "width"), [

@@ -152,16 +152,21 @@ def _conv_geometry(args: Sequence[Any], kwargs: dict[str, Any], kernel: tuple[in
 
 
 @lowering("conv", becomes="Im2col then MatMul (a 1x1 convolution: MatMul alone), BiasAdd, on channels-last rows; "
-                          "an eval-mode batch norm right after folded into the weight and bias")
+                          "DepthwiseConv, BiasAdd where groups = channels; an eval-mode batch norm right after "
+                          "folded into the weight and bias")
 def lower_conv(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
     """``conv2d``/``conv1d`` of a computed or input image batch with a weight (and bias) the plan may hold,
-    groups 1: the weight as (kh*kw*C, O) rows, a following eval BatchNorm (its only reader) folded into it."""
+    groups 1 (the weight as (kh*kw*C, O) rows) or depthwise (groups = in = out channels: the weight as (kh*kw, C)
+    rows), a following eval BatchNorm (its only reader) folded into it."""
     x = args[0] if args else None
     weight, wkey, w_ok = _state(imp, node, 1, "weight")
     bias, bkey, b_ok = _state(imp, node, 2, "bias")
     groups = _argument(args, kwargs, 6, "groups", 1)
-    if not (_image(x, concrete) and weight is not None and w_ok and b_ok and groups == 1
+    if not (_image(x, concrete) and weight is not None and w_ok and b_ok
             and weight.dim() == len(x.shape) and weight.dtype == x.dtype):
+        return None
+    depthwise = groups != 1 and groups == x.shape[1] == weight.shape[0] and weight.shape[1] == 1
+    if groups != 1 and not depthwise:
         return None
     geometry = _conv_geometry(args, kwargs, tuple(weight.shape[2:]))
     if geometry is None:
@@ -185,12 +190,17 @@ def lower_conv(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: A
     if not _fits(window, concrete):
         return None
     rows = imp.channels_last(x, node.name)
-    if taps != 1 or set(stride) != {1} or set(padding) != {0}:
-        patches = imp.emit(node, "Im2col", [rows], window, concrete.shape, x.dtype, "_im2col")
-        assert patches.id is not None
-        rows = patches.id
-    out = imp.emit(node, "MatMul", [rows, imp.use(matrix, f"{node.name}_weight")], None, concrete.shape, x.dtype,
-                   "_mm" if b is not None else "", layout=CHANNELS_LAST)
+    suffix = "_mm" if b is not None else ""
+    if depthwise:  # (taps, 1, C) as (taps, C): each channel's taps in a column
+        out = imp.emit(node, "DepthwiseConv", [rows, imp.use(matrix.reshape(taps, out_channels), f"{node.name}_weight")],
+                       window, concrete.shape, x.dtype, suffix, layout=CHANNELS_LAST)
+    else:
+        if taps != 1 or set(stride) != {1} or set(padding) != {0}:
+            patches = imp.emit(node, "Im2col", [rows], window, concrete.shape, x.dtype, "_im2col")
+            assert patches.id is not None
+            rows = patches.id
+        out = imp.emit(node, "MatMul", [rows, imp.use(matrix, f"{node.name}_weight")], None, concrete.shape,
+                       x.dtype, suffix, layout=CHANNELS_LAST)
     if b is not None:
         assert out.id is not None
         out = imp.emit(node, "BiasAdd", [out.id, imp.use(b.to(x.dtype), f"{node.name}_bias")], None, concrete.shape,
@@ -242,3 +252,29 @@ def spatial_mean(imp: Importer, node: fx.Node, x: Traced, concrete: torch.Tensor
     """The mean over ``x``'s pixels: (N, C) rows, one pixel per image (channels last, or (N, C) itself)."""
     return imp.emit(node, "SpatialMean", [imp.channels_last(x, node.name)], {"pixels": math.prod(x.shape[2:])},
                     concrete.shape, x.dtype, layout=CHANNELS_LAST if keep else "")
+
+
+# ---------------------------------------------------------------- channels moved last, and back
+
+
+@lowering("permute", becomes="no op where it moves an image batch's channels last (N, C, *pixels -> N, *pixels, C: "
+                             "its channels-last rows) or back; else torch's")
+def lower_permute(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
+    """ConvNeXt's ``x.permute(0, 2, 3, 1)`` of a convolution's result is the rows it is stored as, in torch's
+    order; ``permute(0, 3, 1, 2)`` of such rows is the image batch stored channels last again."""
+    x = args[0] if args else None
+    dims: Any = args[1:] if len(args) > 1 else kwargs.get("dims", ())
+    if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
+        dims = dims[0]
+    if not (isinstance(x, Traced) and isinstance(concrete, torch.Tensor) and len(x.shape) in (3, 4)
+            and len(dims) == len(x.shape) and all(isinstance(d, int) for d in dims)):
+        return None
+    rank = len(x.shape)
+    order = tuple(d % rank for d in dims)
+    if x.layout == CHANNELS_LAST and order == (0, *range(2, rank), 1):
+        assert x.id is not None
+        return Traced(tuple(concrete.shape), x.dtype, x.runtime, x.id)
+    if x.layout == "" and x.runtime and order == (0, rank - 1, *range(1, rank - 1)):
+        return Traced(tuple(concrete.shape), x.dtype, x.runtime, imp.use(x, node.name), layout=CHANNELS_LAST)
+    return None
+

@@ -81,8 +81,43 @@ class Activations(nn.Module):
         return torch.clamp(self.conv3(y), min=-0.5) * F.hardsigmoid(x)
 
 
+class InvertedResidual(nn.Module):
+    """MobileNetV2's block: a 1x1 expansion, a 3x3 depthwise convolution (groups = channels), a 1x1 projection,
+    each with BatchNorm, ReLU6 after the first two, the residual."""
+
+    def __init__(self, c: int = 8, expand: int = 4, kernel: int = 3) -> None:
+        super().__init__()
+        mid = c * expand
+        self.expand, self.bn1 = nn.Conv2d(c, mid, 1, bias=False), nn.BatchNorm2d(mid)
+        self.depthwise = nn.Conv2d(mid, mid, kernel, padding=kernel // 2, groups=mid, bias=False)
+        self.bn2, self.act = nn.BatchNorm2d(mid), nn.ReLU6(inplace=True)
+        self.project, self.bn3 = nn.Conv2d(mid, c, 1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        y = self.act(self.bn1(self.expand(x)))
+        y = self.act(self.bn2(self.depthwise(y)))
+        return x + self.bn3(self.project(y))
+
+
+class ConvNeXtBlock(nn.Module):
+    """ConvNeXt's block: a 7x7 depthwise convolution, channels moved last (``permute``), LayerNorm, an MLP with
+    GELU, channels moved back, the residual."""
+
+    def __init__(self, c: int = 16) -> None:
+        super().__init__()
+        self.depthwise = nn.Conv2d(c, c, 7, padding=3, groups=c)
+        self.norm, self.up, self.down = nn.LayerNorm(c), nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+
+    def forward(self, x):
+        y = self.depthwise(x).permute(0, 2, 3, 1)
+        y = self.down(F.gelu(self.up(self.norm(y))))
+        return x + y.permute(0, 3, 1, 2)
+
+
 MODELS = {
     "activations": (Activations, (2, 8, 6, 6)),
+    "convnext": (ConvNeXtBlock, (2, 16, 9, 10)),
+    "inverted-residual": (InvertedResidual, (2, 8, 9, 7)),
     "basic": (Basic, (2, 16, 8, 8)),
     "bottleneck": (Bottleneck, (2, 32, 7, 7)),
     "small-cnn": (SmallCnn, (2, 3, 32, 32)),
@@ -184,17 +219,35 @@ def test_a_write_to_batch_norm_statistics_plans_again() -> None:
     assert any(action == "plans again" for _, action in result.guard.events)
 
 
+def test_a_depthwise_convolution_is_its_own_op_with_the_batch_norm_folded_in() -> None:
+    module, x = _example("inverted-residual")
+    ops = Counter(n.op for n in import_module(module, (x,)).graph.ops)
+    assert ops["DepthwiseConv"] == 1 and ops["MatMul"] == 2 and ops["Clamp"] == 2 and "BiasMul" not in ops
+    result = planner.plan(module, (x,), backend="cpu", cache=False, max_candidates=3)
+    assert "c-depthwise" in [f.get("impl") for f in result.compiled.kernel_facts]
+
+
+def test_channels_moved_last_and_back_are_the_rows_themselves() -> None:
+    """ConvNeXt's permutes copy nothing: the depthwise convolution's channels-last rows are what LayerNorm and the
+    MLP read, and the second permute makes the MLP's rows an image batch again for the residual."""
+    module, x = _example("convnext")
+    ops = Counter(n.op for n in import_module(module, (x,)).graph.ops)
+    assert ops["ChannelsLast"] == 1 and ops["ChannelsFirst"] == 1 and "Opaque" not in ops
+
+
 def test_what_the_lowerings_do_not_take_stays_torch_and_still_equals_eager() -> None:
-    """Grouped (depthwise) convolutions and a max pooling whose ceil mode adds a pixel run as torch calls."""
+    """Grouped convolutions other than depthwise ones (ResNeXt's groups of channels, a depthwise one with a
+    channel multiplier) and a max pooling whose ceil mode adds a pixel run as torch calls."""
 
     class Other(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.depthwise = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+            self.grouped = nn.Conv2d(8, 8, 3, padding=1, groups=2)
+            self.multiplied = nn.Conv2d(8, 16, 3, padding=1, groups=8)
             self.pool = nn.MaxPool2d(2, 2, ceil_mode=True)
 
         def forward(self, x):
-            return self.pool(self.depthwise(x))
+            return self.pool(self.multiplied(self.grouped(x)))
 
     torch.manual_seed(0)
     module, x = Other().eval(), torch.randn(1, 8, 7, 7)

@@ -455,6 +455,44 @@ def test_leaky_relu_hardswish_and_hardsigmoid_import_as_ops_and_keep_torchs_valu
     torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=1e-6, atol=1e-6)
 
 
+def test_an_in_place_write_into_a_view_changes_the_value_it_views() -> None:
+    """A write through ``permute`` (the same rows) or ``view`` of a computed value reaches the value: planned,
+    equal to eager; through a view the plan holds as a copy, while the value is read after, it is refused by name
+    (before: the write was lost and the plan differed from eager)."""
+
+    class Through(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+        def forward(self, x):
+            y = self.conv(x)
+            y.permute(0, 2, 3, 1).mul_(2.0)
+            z = y * 1.5
+            z.view(z.shape).add_(1.0)
+            return y + z
+
+    class Flattened(nn.Module):
+        def forward(self, x):
+            y = x * 2
+            y.view(-1).add_(1.0)
+            return y * 3
+
+    class Part(nn.Module):
+        def forward(self, x):
+            part = (x * 2)[0]
+            part.add_(1.0)
+            return part * 3
+
+    x = torch.randn(2, 4, 5, 5)
+    for m in (Through().eval(), Part()):
+        result = planner.plan(m, (x,), backend="cpu", cache=False, max_candidates=2)
+        with torch.no_grad():
+            torch.testing.assert_close(result(x), m(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(TorchImportError, match="holds as a copy.*'mul' is read after the write"):
+        import_module(Flattened(), (x,))
+
+
 def test_norms_and_softmax_import_as_row_ops_and_fuse_into_one_row_kernel() -> None:
     """nn.LayerNorm after a residual add, LLaMA's RMSNorm written out (pow, mean, rsqrt, a weight),
     F.softmax and F.layer_norm import as row reductions and per-row ops, no Opaque node: the whole
