@@ -76,9 +76,17 @@ def broadcast(shape: Sequence[int], out_shape: Sequence[int], tensor: str) -> Br
 
 
 def is_group_row(shape: Sequence[int], out_shape: Sequence[int]) -> bool:
-    """Is ``shape`` one row per group, (G, 1, T), of an output (G, S, T): an attention mask's ``group`` read?"""
+    """Is ``shape`` one row per group of output rows: (G, 1, T) of an output (G, S, T) (an attention mask), or
+    (G, T) of (G*S, T) rows (an image's channel weights over its pixels' rows)? Read as ``group``."""
+    if len(shape) == 2 == len(out_shape):
+        return shape[1] == out_shape[1] and shape[0] < out_shape[0] and out_shape[0] % shape[0] == 0
     return (len(shape) == 3 == len(out_shape) and shape[1] == 1 and out_shape[1] != 1
             and shape[0] == out_shape[0] and shape[2] == out_shape[2])
+
+
+def group_rows(shape: Sequence[int], out_shape: Sequence[int]) -> int:
+    """The output rows one row of a ``group`` operand of ``shape`` covers (:func:`is_group_row`)."""
+    return int(out_shape[1]) if len(out_shape) == 3 else int(out_shape[0]) // int(shape[0])
 
 
 def tile_rows(shape: Sequence[int]) -> int:

@@ -1,14 +1,20 @@
 """Convolutional blocks, planned by fusion-planner, against eager torch and torch.compile.
 
 Usage: python benchmarks/cnn_blocks.py [--out docs/results/cnn_blocks.md] [--rounds 11]
-                                      [--models basic,bottleneck,stem,small-cnn] [--dtypes fp32,bf16] [--modes 1,all]
+                                      [--models basic,bottleneck,stem,small-cnn,mobilenet,efficientnet,convnext]
+                                      [--dtypes fp32,bf16] [--modes 1,all]
 
 Plain torch modules, random weights and BatchNorm statistics, eval mode, batch 1 (the small CNN: 8): ``basic`` is
 ResNet-18's basic block at its first stage (64 channels, 56x56: two 3x3 convolutions with BatchNorm, ReLU and the
 residual), ``bottleneck`` ResNet-50's bottleneck at its third stage (1,024 channels squeezed to 256, 14x14: 1x1,
 3x3, 1x1), ``stem`` ResNet's stem (7x7 stride-2 convolution of a 224x224 image, BatchNorm, ReLU, 3x3 stride-2 max
 pooling), ``small-cnn`` a whole network (a stride-2 stem, max pooling, two basic blocks of 32 channels, global
-average pooling and a linear head) on 64x64 images.  Per thread mode and dtype a child process (``1``: one thread
+average pooling and a linear head) on 64x64 images, ``mobilenet`` MobileNetV2's inverted residual at its
+56x56 stage (24 channels expanded to 144, a 3x3 depthwise convolution, ReLU6, projected back, the residual),
+``efficientnet`` EfficientNet-B0's MBConv at its 28x28 stage (40 channels expanded to 240, a 5x5 depthwise
+convolution, SiLU, squeeze-and-excitation to 10, projected back, the residual), ``convnext`` ConvNeXt-T's block at
+its first stage (96 channels, 56x56: a 7x7 depthwise convolution, channels moved last, LayerNorm, an MLP of 384
+with GELU, channels moved back, the residual).  Per thread mode and dtype a child process (``1``: one thread
 pinned to one core; ``all``: every core; the environment of ``cpu_peers.py``) plans the model with
 ``planner.plan(..., backend="cpu")``, checks the planned call against eager torch within the dtype's tolerance,
 then times eager, torch.compile (inductor) and the planned call in interleaved rounds (three calls each, the order
@@ -21,7 +27,7 @@ from typing import Any
 
 from against_torch import main
 
-MODELS = ("basic", "bottleneck", "stem", "small-cnn")
+MODELS = ("basic", "bottleneck", "stem", "small-cnn", "mobilenet", "efficientnet", "convnext")
 
 
 def build_model(name: str, dtype: str) -> tuple[Any, Any]:
@@ -71,12 +77,42 @@ def build_model(name: str, dtype: str) -> tuple[Any, Any]:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.head(torch.flatten(self.pool(self.blocks(self.stem(x))), 1))
 
+    class InvertedResidual(nn.Module):
+        def __init__(self, c: int, mid: int, kernel: int, squeeze: int = 0) -> None:
+            super().__init__()
+            self.expand, self.bn1 = nn.Conv2d(c, mid, 1, bias=False), nn.BatchNorm2d(mid)
+            self.depthwise = nn.Conv2d(mid, mid, kernel, padding=kernel // 2, groups=mid, bias=False)
+            self.bn2 = nn.BatchNorm2d(mid)
+            self.act = nn.SiLU() if squeeze else nn.ReLU6()
+            self.se = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(mid, squeeze, 1), nn.SiLU(),
+                                    nn.Conv2d(squeeze, mid, 1), nn.Sigmoid()) if squeeze else None
+            self.project, self.bn3 = nn.Conv2d(mid, c, 1, bias=False), nn.BatchNorm2d(c)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.act(self.bn2(self.depthwise(self.act(self.bn1(self.expand(x))))))
+            if self.se is not None:
+                y = y * self.se(y)
+            return x + self.bn3(self.project(y))
+
+    class ConvNeXt(nn.Module):
+        def __init__(self, c: int) -> None:
+            super().__init__()
+            self.depthwise, self.norm = nn.Conv2d(c, c, 7, padding=3, groups=c), nn.LayerNorm(c, eps=1e-6)
+            self.up, self.down = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.norm(self.depthwise(x).permute(0, 2, 3, 1))
+            return x + self.down(F.gelu(self.up(y))).permute(0, 3, 1, 2)
+
     torch.manual_seed(0)
     model, shape = {
         "basic": (lambda: Basic(64), (1, 64, 56, 56)),
         "bottleneck": (lambda: Bottleneck(1024, 256), (1, 1024, 14, 14)),
         "stem": (lambda: Stem(64, 7), (1, 3, 224, 224)),
         "small-cnn": (SmallCnn, (8, 3, 64, 64)),
+        "mobilenet": (lambda: InvertedResidual(24, 144, 3), (1, 24, 56, 56)),
+        "efficientnet": (lambda: InvertedResidual(40, 240, 5, squeeze=10), (1, 40, 28, 28)),
+        "convnext": (lambda: ConvNeXt(96), (1, 96, 56, 56)),
     }.get(name, (None, None))
     if model is None:
         raise SystemExit(f"unknown model {name!r}; choose from {', '.join(MODELS)}")

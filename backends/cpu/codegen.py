@@ -27,6 +27,7 @@ from backends.codegen import (
     CodegenError,
     RowEmitter,
     broadcast,
+    group_rows,
     is_rotated,
     is_row_kernel,
     loads,
@@ -145,7 +146,7 @@ def generate(
                 return param(e.tensor, dtype, "rot")
             per_row = len(shape) > 1 and shape[-1] == 1 and shape != out_shape and math.prod(shape[:-1]) == rows
             index = "row" if per_row else broadcast(shape, out_shape, e.tensor)
-            period = {"wrap": tile_rows(shape), "group": int(out_shape[1]) if len(out_shape) == 3 else 0}.get(index, 0)
+            period = {"wrap": tile_rows(shape), "group": group_rows(shape, out_shape)}.get(index, 0)
             return param(e.tensor, dtype, index, period)
         if tile is not None and e is tile:
             return param(None, tile_dtype, "tile")
@@ -213,7 +214,8 @@ def _row_kernel(body: Expr, tensor_types: dict[str, tuple[tuple[int, ...], str]]
         if tensor not in [p.tensor for p in params]:
             params.append(Param(tensor, tensor_types[tensor][1], level))
         i = [p.tensor for p in params].index(tensor)
-        tile = int(out_shape[1]) if level == "group" else tile_rows(tensor_types[tensor][0])
+        shape = tensor_types[tensor][0]
+        tile = group_rows(shape, (*out_shape[:-1], width)) if level == "group" else tile_rows(shape)
         return row_read(level, width, tile,  # type: ignore[arg-type]
                         lambda index: _STORAGE[params[i].dtype][1].format(f"t{i}[{index}]"))
 

@@ -512,7 +512,7 @@ class StandaloneSteps(StepsBase):
         mean by images, split across the pool."""
         body, addr, out_name = k.body, memory.addr, k.out
         rows = math.prod(body.type.shape[:-1])  # images (the spatial mean), or images x output rows
-        if body.op == "MaxPool":
+        if body.op in ("MaxPool", "AvgPool"):
             rows //= window_out(body.attr_dict)[1]
         fn = self.compiler.function(standalone.pool_source(body), 2)
         impl = f"c-{body.op.lower()}"

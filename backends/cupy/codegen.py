@@ -25,6 +25,7 @@ from backends.codegen import (
     RowEmitter,
     broadcast,
     find_matmul,
+    group_rows,
     is_rotated,
     is_row_kernel,
     loads,
@@ -114,7 +115,10 @@ def elementwise_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
     src.append(f"  const long long N = {n}LL;")
     src.append("  const long long stride = (long long)blockDim.x * gridDim.x;")
     src.append("  const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;")
-    group = math.prod(out_t.shape[1:]) if len(out_t.shape) == 3 else 0
+    grouped = {group_rows(tensors[t].shape, out_t.shape) for t, m in mod.items() if m < 0}
+    if len(grouped) > 1:
+        raise CodegenError(f"operands read one row per group of {sorted(grouped)} output rows in one kernel")
+    group = grouped.pop() * int(out_t.shape[-1]) if grouped else 0  # output elements per group
     reads = _Reads(index, mod, rotated, tensors, int(out_t.shape[-1]), half, group)
     if vec > 1:
         src += _vector_loop(body, reads, out_t, vec)
@@ -359,7 +363,7 @@ def row_kernel(k: Kernel, tensors: dict[str, TensorType]) -> CudaKernel:
     index = {t: i for i, t in enumerate(leaves)}
 
     def load(tensor: str, level: str) -> str:
-        tile = int(out_t.shape[1]) if level == "group" else tile_rows(shapes[tensor])
+        tile = group_rows(shapes[tensor], (*out_t.shape[:-1], width)) if level == "group" else tile_rows(shapes[tensor])
         return row_read(level, width, tile,  # type: ignore[arg-type]
                         lambda at: TO_FLOAT[tensors[tensor].dtype].format(f"p{index[tensor]}[{at}]"), "LL")
 

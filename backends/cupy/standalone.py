@@ -22,7 +22,8 @@ from planner.core.shapes import WINDOW, window_out
 
 STANDALONE_BLOCK = 128
 #: the channels-last image ops (``core.ops``): layout copies, Im2col, the pools
-IMAGE_OPS = frozenset({"ChannelsLast", "ChannelsFirst", "Im2col", "MaxPool", "SpatialMean", "DepthwiseConv"})
+IMAGE_OPS = frozenset({"ChannelsLast", "ChannelsFirst", "Im2col", "MaxPool", "AvgPool", "SpatialMean",
+                       "DepthwiseConv"})
 ATTENTION_OPS = frozenset({"Attention", "MaskedAttention", "BiasedAttention"})
 
 
@@ -54,7 +55,7 @@ def _layout_lines(body: Expr, shape: tuple[int, ...], out_shape: tuple[int, ...]
 def _image_lines(body: Expr, shape: tuple[int, ...], out_shape: tuple[int, ...], load: Callable[[int, str], str],
                  store: Callable[[str], str]) -> list[str]:
     """One output element of the channels-last ops: the layout copies (bits), Im2col (0 in the padding),
-    MaxPool (-inf padding), SpatialMean (an fp32 sum) and DepthwiseConv (an fp32 sum over the taps of weight
+    MaxPool (-inf padding), AvgPool and SpatialMean (fp32 sums) and DepthwiseConv (an fp32 sum over the taps of weight
     ``p1``), over input ``p0`` of ``shape``."""
     a = body.attr_dict
     if body.op == "ChannelsLast":
@@ -81,6 +82,13 @@ def _image_lines(body: Expr, shape: tuple[int, ...], out_shape: tuple[int, ...],
                 f"const long long ih = oy * {sh} - {ph} + i * {dh}, iw = ox * {sw} - {pw} + j * {dw};",
                 f"if ({inside}) out[e] = p0[{at}]; else {{ {store('0.0f')} }}"]
     pixel = f"const long long ch = e % {c}, px = e / {c}, ox = px % {ow}, oy = (px / {ow}) % {oh}, n = px / {ow * oh};"
+    if body.op == "AvgPool":  # an fp32 sum, divided as the op says
+        divisor = int(a["divisor"]) or (kh * kw if int(a["include_pad"]) else 0)
+        return [pixel, "float acc = 0.0f; long long inside = 0;",
+                f"for (long long i = 0; i < {kh}; ++i) for (long long j = 0; j < {kw}; ++j) {{",
+                f"  const long long ih = oy * {sh} - {ph} + i * {dh}, iw = ox * {sw} - {pw} + j * {dw};",
+                f"  if ({inside}) {{ acc += {load(0, at)}; ++inside; }}",
+                "}", store(f"acc / {float(divisor)!r}f" if divisor else "acc / (float)inside")]
     if body.op == "DepthwiseConv":  # each channel's taps (the weight's (kh*kw, C) rows), summed in fp32
         return [pixel, "float acc = 0.0f;",
                 f"for (long long i = 0; i < {kh}; ++i) for (long long j = 0; j < {kw}; ++j) {{",

@@ -40,6 +40,7 @@ from planner.core.shapes import (
     mask_shape,
     matmul_shape,
     merge_shape,
+    per_image_shape,
     per_row_shape,
     pool_shape,
     rotate_half_shape,
@@ -378,6 +379,12 @@ OPS: dict[str, OpDef] = {
                 positive=(1,), label="div"),
         _binary("BiasMul", np.multiply, "({0} * {1})", "x * w, w a row vector broadcast over the leading dims (a norm's weight).",
                 shape_rule=bias_shape, fusable=(0,), label="scale"),
+        # squeeze-and-excitation (MobileNetV3, EfficientNet): channel weights per image over its pixels' rows; the
+        # weights are read from memory (no GEMM epilogue: the weights' row is r / pixels, not a GEMM tile's)
+        _binary("PixelMul", sem.per_image(np.multiply), "({0} * {1})",
+                "x * s, x channels-last rows (N*pixels, C) and s one row per image (N, C), each image's row over its "
+                "pixels (torch's x * s of (N, C, H, W) and (N, C, 1, 1)).",
+                shape_rule=per_image_shape, fusable=(0,), gemm_epilogue=False, label="scale"),
         # rotary position embeddings (RoPE), as LLaMA-style model code writes them: x*cos + rotate_half(x)*sin,
         # cos and sin one (seq, head dim) table repeated over batch and heads
         _binary("TileMul", np.multiply, "({0} * {1})", "x * t, t's shape the trailing dimensions of x's (two or more), "
@@ -460,6 +467,11 @@ OPS: dict[str, OpDef] = {
                 "weight of (kh*kw, C): (N*out pixels, C), 0 in the padding (torch's conv2d with groups = channels, "
                 "conv1d: height 1).",
         ),
+        _standalone1("AvgPool", "avgpool2d", (*_WINDOW_ATTRS, AttrSpec("include_pad", "i64", 1, minimum=0),
+                                              AttrSpec("divisor", "i64", 0, minimum=0)), pool_shape, sem.avg_pool,
+                     "The mean of each window of channels-last rows, 0 in the padding, divided by divisor where it is "
+                     "not 0, else by the window's size (include_pad 1) or its pixels inside the image (0): torch's "
+                     "avg_pool2d (count_include_pad, divisor_override; no ceil mode)."),
         _standalone1("MaxPool", "maxpool", _WINDOW_ATTRS, pool_shape, sem.max_pool,
                      "The largest value of each window of channels-last rows (torch's max_pool2d; the padding is "
                      "-inf, no ceil mode)."),
@@ -546,7 +558,7 @@ OPS: dict[str, OpDef] = {
 #: standalone ops that copy their input's bits into another layout (no arithmetic: any dtype)
 LAYOUT_COPIES = frozenset({"Heads", "Merge", "GroupRepeat", "Columns", "ChannelsLast", "ChannelsFirst", "Im2col"})
 #: standalone ops that reduce windows of channels-last images
-POOLS = frozenset({"MaxPool", "SpatialMean"})
+POOLS = frozenset({"MaxPool", "AvgPool", "SpatialMean"})
 #: the standalone ops that slide a window over channels-last rows and read a weight
 WINDOWED_PRODUCTS = frozenset({"DepthwiseConv"})
 #: standalone ops that gather rows of their second input at the ids their first holds

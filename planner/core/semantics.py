@@ -159,6 +159,32 @@ def depthwise_conv(x: np.ndarray, w: np.ndarray, attrs: Attrs) -> np.ndarray:
     return out.reshape(-1, c)
 
 
+def per_image(fn: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+    """``fn`` of channels-last rows (N*pixels, C) and one row per image (N, C), each image's row over its pixels."""
+
+    def call(x: np.ndarray, s: np.ndarray) -> np.ndarray:
+        images = s.shape[0]
+        return fn(x.reshape(images, -1, x.shape[-1]), s[:, None, :]).reshape(x.shape)
+
+    return call
+
+
+def avg_pool(x: np.ndarray, attrs: Attrs) -> np.ndarray:
+    """The mean of each window of channels-last rows (0 in the padding), divided by ``divisor`` where it is set,
+    else by the window's size (``include_pad``) or by its pixels inside the image (torch's avg_pool2d)."""
+    h, w, kh, kw, *_ = _window(attrs)
+    c = x.shape[-1]
+    images = x.reshape(-1, h, w, c)
+    oh, ow = window_out(attrs)
+    total = np.zeros((images.shape[0], oh, ow, c), np.float64)
+    inside = np.zeros((oh, ow), np.int64)
+    for _, _, orows, ocols, irows, icols in _taps(attrs):
+        total[:, orows, ocols, :] += images[:, irows, icols, :]
+        inside[orows, ocols] += 1
+    divisor = int(attrs["divisor"]) or (kh * kw if attrs["include_pad"] else inside[None, :, :, None])
+    return (total / divisor).astype(x.dtype).reshape(-1, c)
+
+
 def max_pool(x: np.ndarray, attrs: Attrs) -> np.ndarray:
     """The largest value of each window of channels-last rows (padding is -inf, as torch pads it)."""
     h, w, *_ = _window(attrs)

@@ -87,6 +87,24 @@ def _per_row(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
     return x
 
 
+def _per_image(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
+    x, s = shapes
+    if len(x) == 2 == len(s) and not isinstance(x[0], int):  # the rule checker's symbolic dims: one image
+        _ = s[0] == 1
+    elif len(x) == 2 == len(s) and x[0] % s[0]:
+        raise OpError(f"{op}: {x[0]} rows are not one image's pixels per row of {list(s)}")
+    if len(x) != 2 or len(s) != 2 or s[1] != x[1]:
+        raise OpError(f"{op}: the second input must be one row per image of the first's channels-last rows, (N, C) "
+                      f"for (N*pixels, C), got {list(s)} for {list(x)}")
+    return x
+
+
+def _per_image_example(first: Shape) -> tuple[Shape, ...] | None:
+    if len(first) != 2 or first[0] < 2:
+        return None
+    return ((first[0] // 2 if first[0] % 2 == 0 else 1, first[1]),)
+
+
 def _heads(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
     (x,) = shapes
     heads, seq, offset, width = (int(attrs[a]) for a in ("heads", "seq", "offset", "width"))
@@ -245,6 +263,7 @@ row_shape = ShapeRule(_row, lambda first: () if first else None)
 tile_shape = ShapeRule(_tile, lambda first: (first[1:],) if len(first) >= 3 else None)
 rotate_half_shape = ShapeRule(_rotate_half, lambda first: () if first and first[-1] % 2 == 0 else None)
 per_row_shape = ShapeRule(_per_row, lambda first: ((*first[:-1], 1),) if first else None)
+per_image_shape = ShapeRule(_per_image, _per_image_example)
 mask_shape = ShapeRule(_mask, lambda first: ((first[0], 1, first[2]),) if len(first) == 3 else None)
 heads_shape = ShapeRule(_heads, _no_example)
 merge_shape = ShapeRule(_merge, _no_example)

@@ -39,6 +39,10 @@ from planner.core.ops import OpError
 TORCH_CALLABLES: frozenset[str] = frozenset({
     # convolutional layers: convolutions, batch norm, pooling
     "torch.adaptive_avg_pool1d",
+    "torch.avg_pool1d",
+    "torch.nn.functional.avg_pool2d",
+    "torch.ops.aten.avg_pool1d.default",
+    "torch.ops.aten.avg_pool2d.default",
     "torch.batch_norm",
     "torch.max_pool1d",
     "torch.max_pool2d",

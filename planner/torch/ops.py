@@ -80,6 +80,8 @@ _canon("relu", F.relu, torch.relu, _aten.relu.default, ("method", "relu"))
 _canon("clamp", torch.clamp, torch.clip, F.hardtanh, F.relu6, _aten.clamp.default, _aten.clamp_min.default,
        _aten.clamp_max.default, _aten.hardtanh.default, _aten.relu6.default, ("method", "clamp"), ("method", "clip"),
        ("method", "clamp_min"), ("method", "clamp_max"), torch.clamp_min, torch.clamp_max)
+_canon("avg_pool_window", F.avg_pool2d, F.avg_pool1d, torch.avg_pool1d, _aten.avg_pool2d.default,
+       _aten.avg_pool1d.default)
 _canon("permute", torch.permute, _aten.permute.default, ("method", "permute"))
 _canon("leaky_relu", F.leaky_relu, _aten.leaky_relu.default)
 _canon("hardswish", F.hardswish, _aten.hardswish.default)

@@ -36,7 +36,7 @@ CHANNELS_LAST = "channels_last"
 #: sees the value in torch's order: ``Importer.plain``)
 LAYOUT_KINDS = frozenset({"conv", "batch_norm", "max_pool", "avg_pool", "mean", "relu", "silu", "gelu", "add",
                           "sub", "mul", "div", "maximum", "minimum", "same", "dropout", "view", "clamp",
-                          "leaky_relu", "hardswish", "hardsigmoid", "permute"})
+                          "leaky_relu", "hardswish", "hardsigmoid", "permute", "avg_pool_window"})
 
 #: kinds whose lowerings take integer inputs (token ids): a view of them, the embedding that reads them
 INDEX_KINDS = frozenset({"view", "same", "embedding"})
@@ -470,15 +470,16 @@ class Importer:
         if target is operator.getitem and not isinstance(args[0], Traced):
             return concrete  # indexing a shape tuple
         kind = IMPORTER_TABLE.get(target)
+        # a unary op the op table names (exp, tanh, sigmoid, ...) of a float value: elementwise, so it keeps the
+        # value's layout (a channels-last image batch stays channels last)
+        op = op_for_torch_call(fn_target, args, kwargs) if kind is None else None
+        if op is not None and isinstance(concrete, torch.Tensor) and args[0].dtype in TORCH_DTYPES:
+            return self.unary(node, op, args[0], concrete)
         if kind not in LAYOUT_KINDS:
             args, kwargs = self.plain(args), self.plain(kwargs)
             leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, (Traced, MultiResult))]
         if kind not in INDEX_KINDS and any(isinstance(x, Traced) and x.dtype not in TORCH_DTYPES for x in leaves):
             return self.generic(node, fn_target, args, kwargs)  # integer indices: only torch computes with them
-        if kind is None:
-            op = op_for_torch_call(fn_target, args, kwargs)
-            if op is not None and isinstance(concrete, torch.Tensor):
-                return self.unary(node, op, args[0], concrete)
         handler = self.lowerings.get(kind) if kind else None
         if handler is not None:
             out = handler(self, node, args, kwargs, concrete)

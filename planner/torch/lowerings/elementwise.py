@@ -114,6 +114,10 @@ def binary(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any, 
         return None if coef[0] is None else affine(imp, node, c, coef[0], coef[1], concrete)
     if not (is_tensor(a) and is_tensor(c)):
         return None
+    if kind == "mul":
+        scaled = per_image_scale(imp, node, a, c, concrete)
+        if scaled is not None:
+            return scaled
     if any(isinstance(v, Traced) and v.layout == CHANNELS_LAST for v in (a, c)):
         kept = channels_last_binary(imp, node, a, c, concrete, kind)
         if kept is not None:
@@ -159,6 +163,22 @@ def binary(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any, 
                 return imp.emit(node, op, [imp.use(x, node.name), imp.use(r, f"{node.name}_row")], None, out,
                                  concrete.dtype)
     return broadcast_constant(imp, node, a, c, out, concrete.dtype, kind)
+
+
+def per_image_scale(imp: Importer, node: fx.Node, a: Any, c: Any, concrete: torch.Tensor) -> Any:
+    """``x * s`` of an image batch x (N, C, *pixels) and a value per image and channel s (N, C, 1, ...) the module
+    computes (squeeze-and-excitation's weights), one of them stored channels last already: PixelMul of both
+    channels last, the result channels last; else None."""
+    out, dtype = tuple(concrete.shape), concrete.dtype
+    if len(out) not in (3, 4) or not any(isinstance(v, Traced) and v.layout == CHANNELS_LAST for v in (a, c)):
+        return None  # no image batch here (a (B, S, 1) row statistic times (B, S, D) tokens is MulRow)
+    for x, s in ((a, c), (c, a)):
+        if (isinstance(x, Traced) and x.runtime and x.shape == out and x.dtype == dtype and isinstance(s, Traced)
+                and s.runtime and s.dtype == dtype and tuple(s.shape) == (*out[:2], *([1] * (len(out) - 2)))
+                and math.prod(out[2:]) > 1):
+            ids = [imp.channels_last(x, f"{node.name}_x"), imp.channels_last(s, f"{node.name}_s")]
+            return imp.emit(node, "PixelMul", ids, None, out, dtype, layout=CHANNELS_LAST)
+    return None
 
 
 def channels_last_binary(imp: Importer, node: fx.Node, a: Any, c: Any, concrete: torch.Tensor, kind: str) -> Any:
@@ -214,7 +234,8 @@ def lower_sub(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: An
 
 @lowering("mul",
           becomes=(
-           "Mul; BiasMul (a row vector); TileMul (RoPE's tables); MulRow (one value per row); Affine (a scalar)"))
+           "Mul; BiasMul (a row vector); TileMul (RoPE's tables); MulRow (one value per row); PixelMul (an image "
+           "batch by a value per image and channel); Affine (a scalar)"))
 def lower_mul(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
     return binary(imp, node, args, kwargs, concrete, "mul")
 

@@ -234,6 +234,30 @@ def lower_max_pool(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concret
                     layout=CHANNELS_LAST)
 
 
+@lowering("avg_pool_window", becomes="AvgPool on channels-last rows (count_include_pad, divisor_override; no ceil mode "
+                                    "where it adds a pixel)")
+def lower_avg_pool(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
+    x = args[0] if args else None
+    if not _image(x, concrete):
+        return None
+    rank = len(x.shape) - 2
+    kernel = _pair(_argument(args, kwargs, 1, "kernel_size", None), rank)
+    stride_arg = _argument(args, kwargs, 2, "stride", None)
+    stride = kernel if stride_arg in (None, [], ()) else _pair(stride_arg, rank)
+    padding = _pair(_argument(args, kwargs, 3, "padding", 0), rank)
+    include_pad = _argument(args, kwargs, 5, "count_include_pad", True)
+    divisor = _argument(args, kwargs, 6, "divisor_override", None) if rank == 2 else None
+    if kernel is None or stride is None or padding is None or not isinstance(include_pad, bool) \
+            or not (divisor is None or (isinstance(divisor, int) and divisor > 0)):
+        return None
+    window = {**_window(x, kernel, stride, padding, (1,) * rank), "include_pad": int(include_pad),
+              "divisor": divisor or 0}
+    if not _fits(window, concrete):
+        return None  # ceil_mode where it adds a pixel: torch's
+    return imp.emit(node, "AvgPool", [imp.channels_last(x, node.name)], window, concrete.shape, x.dtype,
+                    layout=CHANNELS_LAST)
+
+
 def _fits(window: dict[str, int], concrete: torch.Tensor) -> bool:
     """Does the window give the result's pixels (torch's floor rule; ceil mode where it changes nothing)?"""
     return window_out(window) == (1,) * (4 - concrete.dim()) + tuple(concrete.shape[2:])

@@ -318,8 +318,8 @@ def test_generated_gather_and_column_copies_match_the_reference(dtype, tmp_path)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_generated_image_kernels_match_the_reference(dtype, tmp_path):
     """A small convolutional network's standalone kernels through their generated CUDA (channels-last copies,
-    Im2col with padding, stride and dilation, max pooling, the spatial mean, a depthwise convolution), executed on
-    the host, equal the reference."""
+    Im2col with padding, stride and dilation, max and average pooling, the spatial mean, a depthwise convolution),
+    executed on the host, equal the reference."""
     window = {"height": 7, "width": 6, "kh": 3, "kw": 2, "sh": 2, "sw": 1, "ph": 1, "pw": 1, "dh": 1, "dw": 2}
     pool = {"height": 7, "width": 6, "kh": 3, "kw": 3, "sh": 2, "sw": 2, "ph": 1, "pw": 1, "dh": 1, "dw": 1}
     b = GraphBuilder(f"images-{dtype}")
@@ -331,10 +331,12 @@ def test_generated_image_kernels_match_the_reference(dtype, tmp_path):
     mean = b.op("mean", "SpatialMean", [rows], {"pixels": 42})
     b.input("taps", (6, 5), dtype)
     depthwise = b.op("depthwise", "DepthwiseConv", [rows, "taps"], window)
-    graph = b.build([patches, pooled, back, mean, depthwise])
+    averaged = [b.op(f"avg{i}", "AvgPool", [rows], {**pool, "include_pad": inc, "divisor": div})
+                for i, (inc, div) in enumerate(((1, 0), (0, 0), (1, 4)))]
+    graph = b.build([patches, pooled, back, mean, depthwise, *averaged])
     plan = _plan(graph, lambda p: True)
     assert {k.body.op for k in plan.kernels} == {"ChannelsLast", "Im2col", "MaxPool", "ChannelsFirst", "SpatialMean",
-                                                 "DepthwiseConv"}
+                                                 "DepthwiseConv", "AvgPool"}
     inputs = random_inputs(graph, seed=6)
     got = _run_host(plan, inputs, tmp_path)
     want = execute_plan(plan, inputs, mode="device")

@@ -133,7 +133,7 @@ def check_rules(name: str) -> None:
     assert rules, f"{name}: the op table generates no fusion rule for it"
     for ruleset in sorted({r.ruleset for r in rules}):
         results = check_text(generated_text(ruleset, rules), f"generated:{ruleset}", shipped=True, examples=15)
-        assert results and all(r.ok for r in results), f"{name}: {[r.describe() for r in results if not r.ok]}"
+        assert results and all(r.ok for r in results), f"{name}: {[(r.verdict, r.detail) for r in results if not r.ok]}"
 
 
 @pytest.mark.parametrize("name", FUSABLE)

@@ -114,8 +114,42 @@ class ConvNeXtBlock(nn.Module):
         return x + y.permute(0, 3, 1, 2)
 
 
+class MBConv(nn.Module):
+    """EfficientNet's block: a 1x1 expansion, a 5x5 depthwise convolution, SiLU, squeeze-and-excitation (the
+    pixels' mean, two 1x1 convolutions, a sigmoid: a weight per image and channel), a 1x1 projection."""
+
+    def __init__(self, c: int = 8, mid: int = 24, squeeze: int = 4) -> None:
+        super().__init__()
+        self.expand, self.bn1 = nn.Conv2d(c, mid, 1, bias=False), nn.BatchNorm2d(mid)
+        self.depthwise, self.bn2 = nn.Conv2d(mid, mid, 5, padding=2, groups=mid, bias=False), nn.BatchNorm2d(mid)
+        self.reduce, self.restore = nn.Conv2d(mid, squeeze, 1), nn.Conv2d(squeeze, mid, 1)
+        self.project, self.bn3 = nn.Conv2d(mid, c, 1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        y = F.silu(self.bn1(self.expand(x)))
+        y = F.silu(self.bn2(self.depthwise(y)))
+        y = y * torch.sigmoid(self.restore(F.silu(self.reduce(F.adaptive_avg_pool2d(y, 1)))))
+        return x + self.bn3(self.project(y))
+
+
+class AveragedShortcut(nn.Module):
+    """ResNet-D's downsampling shortcut (a 2x2 average pooling, then a 1x1 convolution with BatchNorm) beside a
+    strided 3x3 convolution, and a 3x3 average pooling whose padding is left out of the divisor."""
+
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(c, 2 * c, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(2 * c)
+        self.shortcut = nn.Sequential(nn.AvgPool2d(2, 2), nn.Conv2d(c, 2 * c, 1, bias=False), nn.BatchNorm2d(2 * c))
+        self.smooth = nn.AvgPool2d(3, 1, 1, count_include_pad=False)
+
+    def forward(self, x):
+        return self.smooth(F.relu(self.bn(self.conv(x)) + self.shortcut(x)))
+
+
 MODELS = {
     "activations": (Activations, (2, 8, 6, 6)),
+    "avg-shortcut": (AveragedShortcut, (2, 8, 10, 8)),
+    "mbconv": (MBConv, (2, 8, 7, 9)),
     "convnext": (ConvNeXtBlock, (2, 16, 9, 10)),
     "inverted-residual": (InvertedResidual, (2, 8, 9, 7)),
     "basic": (Basic, (2, 16, 8, 8)),
@@ -225,6 +259,14 @@ def test_a_depthwise_convolution_is_its_own_op_with_the_batch_norm_folded_in() -
     assert ops["DepthwiseConv"] == 1 and ops["MatMul"] == 2 and ops["Clamp"] == 2 and "BiasMul" not in ops
     result = planner.plan(module, (x,), backend="cpu", cache=False, max_candidates=3)
     assert "c-depthwise" in [f.get("impl") for f in result.compiled.kernel_facts]
+
+
+def test_squeeze_and_excitation_weights_scale_each_images_pixels_channels_last() -> None:
+    """The weight per image and channel multiplies the channels-last rows (PixelMul): no conversion to torch's
+    order and back between the convolutions (one ChannelsLast in, one ChannelsFirst out)."""
+    module, x = _example("mbconv")
+    ops = Counter(n.op for n in import_module(module, (x,)).graph.ops)
+    assert ops["PixelMul"] == 1 and ops["ChannelsLast"] == 1 and ops["ChannelsFirst"] == 1 and "Opaque" not in ops
 
 
 def test_channels_moved_last_and_back_are_the_rows_themselves() -> None:
