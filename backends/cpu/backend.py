@@ -207,6 +207,8 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
         if k.kind == KernelKind.STANDALONE:
             source = standalone.source_of(k.body, {n: t[0] for n, t in types.items()})
             dtype = k.body.type.dtype
+            if k.body.op in WINDOWED_PRODUCTS and self.native(dtype):
+                return []  # torch's convolution
             if source is None or dtype == "fp32" or k.body.op in POOLS | WINDOWED_PRODUCTS:  # of its own dtype
                 return [] if source is None else [source]
             if self.native(dtype):

@@ -521,14 +521,33 @@ class StandaloneSteps(StepsBase):
 
     def _depthwise(self, k: Kernel, memory: Memory, order: list[str], reads: list[np.ndarray]) -> Step:
         """The generated depthwise convolution of channels-last rows, by output rows (image by row) split across
-        the pool."""
+        the pool; of a 16-bit dtype torch multiplies natively, torch's (oneDNN's) convolution."""
         body, addr, out_name = k.body, memory.addr, k.out
+        if self.native(body.type.dtype):
+            return self._torch_depthwise(k, memory, order, reads)
         rows = math.prod(body.type.shape[:-1]) // window_out(body.attr_dict)[1]
         fn = self.compiler.function(standalone.depthwise_source(body), 3)
         x_name, w_name = order
         call = standalone.rows_call(fn, self.pool, self.threads, rows,
                                     lambda: [addr[x_name], addr[w_name], addr[out_name]])
         return Step(k, call, reads, memory.own[out_name], {"impl": "c-depthwise", "threads": min(self.threads, rows)})
+
+    def _torch_depthwise(self, k: Kernel, memory: Memory, order: list[str], reads: list[np.ndarray]) -> Step:
+        """A 16-bit depthwise convolution as torch's, its result handed to the readers as torch wrote it (copied
+        into a plan output)."""
+        conv = gemm.torch_depthwise(k.body.type.dtype, k.body.attr_dict)
+        arrays, out_name, (x_name, w_name) = memory.arrays, k.out, order
+        is_output = out_name in memory.outputs
+
+        def call_depthwise() -> None:  # on the plan's torch threads (CpuCompiledPlan._pools)
+            rows = gemm.tensor_bits(conv(arrays[x_name], arrays[w_name]))
+            if is_output:
+                np.copyto(arrays[out_name], rows)
+            else:
+                memory.bind(out_name, rows)
+
+        return Step(k, call_depthwise, reads, memory.own[out_name],
+                    {"impl": f"torch-{k.body.type.dtype}-depthwise", "threads": self.threads})
 
     def _torch_attention(self, k: Kernel, tensors: Mapping[str, TensorType]) -> bool:
         """Is kernel ``k`` an attention that torch's fused kernel computes (16-bit, natively multiplied)?"""

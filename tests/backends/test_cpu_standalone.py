@@ -376,9 +376,16 @@ def test_the_compiled_average_pooling_is_torchs(shape, window, include_pad, divi
     ((2, 32, 12, 19), (7, 7, 1, 1, 3, 3, 1, 1)),  # ConvNeXt's 7x7: blocks of pixels inside, edges one by one
     ((1, 17, 10, 23), (5, 3, 1, 2, 2, 0, 2, 1)),  # unequal window, stride, padding and dilation
 ])
-def test_the_compiled_depthwise_convolution_is_torchs(shape, window, dtype, threads) -> None:
-    """The generated depthwise convolution of channels-last rows equals torch's conv2d with groups = channels."""
+@pytest.mark.parametrize("sixteen", ["auto", "widen"])
+def test_the_compiled_depthwise_convolution_is_torchs(shape, window, dtype, threads, sixteen, monkeypatch) -> None:
+    """The depthwise convolution of channels-last rows equals torch's conv2d with groups = channels: generated
+    (fp32, or 16-bit where torch does not multiply it natively: ``widen``), else torch's own."""
     torch = pytest.importorskip("torch")
+    from backends.cpu.gemm import GEMM_16BIT_ENV, native_16bit
+
+    if sixteen == "widen" and dtype == "fp32":
+        pytest.skip("fp32 is generated either way")
+    monkeypatch.setenv(GEMM_16BIT_ENV, sixteen)
     n, c, h, w = shape
     kh, kw, sh, sw, ph, pw, dh, dw = window
     attrs = {"height": h, "width": w, "kh": kh, "kw": kw, "sh": sh, "sw": sw, "ph": ph, "pw": pw, "dh": dh, "dw": dw}
@@ -391,7 +398,8 @@ def test_the_compiled_depthwise_convolution_is_torchs(shape, window, dtype, thre
     x, weight = torch.randn(shape).to(kind), torch.randn(c, 1, kh, kw).to(kind)
     rows, taps = x.permute(0, 2, 3, 1).reshape(-1, c).contiguous(), weight.reshape(c, -1).t().contiguous()
     compiled = CpuBackend(SPEC, threads=threads).compile(plan)
-    assert compiled.kernel_facts[0]["impl"] == "c-depthwise"
+    native = dtype != "fp32" and native_16bit(dtype)
+    assert compiled.kernel_facts[0]["impl"] == (f"torch-{dtype}-depthwise" if native else "c-depthwise")
     stored = {"x": rows, "w": taps} if dtype == "fp32" else {"x": rows.view(torch.int16), "w": taps.view(torch.int16)}
     got = compiled.run({k: v.numpy() if dtype == "fp32" else v.numpy().view(numpy_dtype(dtype))
                         for k, v in stored.items()})[0]
