@@ -387,7 +387,7 @@ class Compiler:
 
 
 #: the file-level names of a generated source, renamed per kernel when kernels share a batch
-_RENAME = re.compile(r"\bfp_(?:kernel|block|stream|flush|row_store)\b")  # a kernel's own functions
+_RENAME = re.compile(r"\bfp_(?:kernel|block|stream|flush|row_store|first_tap|end_tap)\b")  # a kernel's own functions
 _BATCH_NAME = re.compile(r"b[0-9a-f]{32}\.so")
 
 

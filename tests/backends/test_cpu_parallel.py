@@ -16,6 +16,7 @@ from planner.backend import BackendError, BackendUnavailable
 from planner.core import examples
 from planner.core.cost import load_device
 from planner.core.errors import UsageError
+from planner.core.graph import TensorType
 from planner.core.reference import execute_graph, random_inputs
 from planner.core.regions import whole_graph_region
 from planner.egraph.candidates import build_candidates
@@ -361,6 +362,27 @@ def test_batched_builds_compile_each_kernel_once_and_load_like_single_builds(tmp
             outs.append(out)
         assert np.array_equal(*outs)
     assert batched.compiled == len(sources)  # loading compiled nothing more
+
+
+def test_window_kernels_of_several_shapes_share_a_batch(tmp_path, caplog) -> None:  # noqa: ANN001
+    """Depthwise convolutions and average poolings of several windows compile as one translation unit: their
+    helper functions are renamed per kernel like the kernels (a MobileNet's blocks once fell back to one compiler
+    run per kernel on their duplicate definitions)."""
+    from backends.cpu.compiler import Compiler
+    from backends.cpu.standalone import depthwise_source, pool_source
+    from planner.core.plans import Expr, Load
+
+    sources = []
+    for k, c in ((3, 16), (5, 24), (7, 32)):
+        window = {"height": 9, "width": 9, "kh": k, "kw": k, "sh": 1, "sw": 1, "ph": k // 2, "pw": k // 2,
+                  "dh": 1, "dw": 1}
+        out = TensorType((81, c), "fp32")
+        sources.append(depthwise_source(Expr("DepthwiseConv", (Load("x"), Load("w")), tuple(window.items()), "o", out)))
+        pooled = {**window, "include_pad": 0, "divisor": 0}
+        sources.append(pool_source(Expr("AvgPool", (Load("x"),), tuple(pooled.items()), "o", out)))
+    compiler = Compiler(directory=tmp_path)
+    assert compiler.build_many(sources, jobs=1) == len(sources)
+    assert "one by one" not in caplog.text and len(list(tmp_path.glob("b*.so"))) == 1
 
 
 def test_a_failed_or_altered_batch_costs_nothing_but_time(tmp_path, caplog) -> None:  # noqa: ANN001
