@@ -379,15 +379,10 @@ def pool_source(body: Expr) -> str:
     return spatial_mean_source(int(body.attr_dict["pixels"]), int(body.type.shape[-1]), body.type.dtype)
 
 
-def maxpool_source(body: Expr, channels: int) -> str:
-    """Max pooling of channels-last rows of the body's dtype: each output pixel's channels, a vector, the largest
-    of its window's pixels (padding left out, as torch's -inf; a NaN wins, as in torch), compared as floats,
-    output rows ``r0``..``r1`` (image by output row) per call.  torch's own pooling of the same fp32 rows took
-    227 µs for 8x32x32x32 (3x3, stride 2) on one core of a Sapphire Rapids VM, its NCHW one 2.3 ms; this 24."""
-    h, w, kh, kw, sh, sw, ph, pw, dh, dw = (int(body.attr_dict[a]) for a in WINDOW)
-    oh, ow = window_out(body.attr_dict)
-    ctype, load, store = storage_forms(body.type.dtype)
-    return PRELUDE + f"""
+def _pool_head(h: int, w: int, channels: int, oh: int, ow: int, ctype: str) -> str:
+    """A pooling kernel's sizes and its loop down to one output row: ``image`` the row's image, ``oy`` its index,
+    ``acc`` a channel vector of fp32 (the kernel closes the loop and the function)."""
+    return f"""
 #define FP_H {h}
 #define FP_W {w}
 #define FP_C {channels}
@@ -401,7 +396,18 @@ void {SYMBOL}(const float* x0, float* out0, int64_t r0, int64_t r1, int64_t unus
     float acc[FP_C] __attribute__((aligned(64)));
     for (int64_t r = r0; r < r1; ++r) {{
         const int64_t oy = r % FP_OH;
-        const {ctype}* image = x + (r / FP_OH) * FP_H * FP_W * FP_C;
+        const {ctype}* image = x + (r / FP_OH) * FP_H * FP_W * FP_C;"""
+
+
+def maxpool_source(body: Expr, channels: int) -> str:
+    """Max pooling of channels-last rows of the body's dtype: each output pixel's channels, a vector, the largest
+    of its window's pixels (padding left out, as torch's -inf; a NaN wins, as in torch), compared as floats,
+    output rows ``r0``..``r1`` (image by output row) per call.  torch's own pooling of the same fp32 rows took
+    227 µs for 8x32x32x32 (3x3, stride 2) on one core of a Sapphire Rapids VM, its NCHW one 2.3 ms; this 24."""
+    h, w, kh, kw, sh, sw, ph, pw, dh, dw = (int(body.attr_dict[a]) for a in WINDOW)
+    oh, ow = window_out(body.attr_dict)
+    ctype, load, store = storage_forms(body.type.dtype)
+    return PRELUDE + _pool_head(h, w, channels, oh, ow, ctype) + f"""
         for (int64_t ox = 0; ox < FP_OW; ++ox) {{
             for (int64_t c = 0; c < FP_C; ++c) acc[c] = -INFINITY;
             for (int64_t ky = 0; ky < {kh}; ++ky) {{
@@ -436,21 +442,7 @@ def avgpool_source(body: Expr, channels: int) -> str:
     ctype, load, store = storage_forms(body.type.dtype)
     divisor = int(body.attr_dict["divisor"]) or (kh * kw if int(body.attr_dict["include_pad"]) else 0)
     result = f"acc[c] / {float(divisor)!r}f" if divisor else "acc[c] / (float)((ky1 - ky0) * (kx1 - kx0))"
-    return PRELUDE + TAP_RANGE_C + f"""
-#define FP_H {h}
-#define FP_W {w}
-#define FP_C {channels}
-#define FP_OH {oh}
-#define FP_OW {ow}
-
-void {SYMBOL}(const float* x0, float* out0, int64_t r0, int64_t r1, int64_t unused) {{
-    (void)unused;
-    const {ctype}* restrict x = (const {ctype}*)x0;
-    {ctype}* restrict out = ({ctype}*)out0;
-    float acc[FP_C] __attribute__((aligned(64)));
-    for (int64_t r = r0; r < r1; ++r) {{
-        const int64_t oy = r % FP_OH;
-        const {ctype}* image = x + (r / FP_OH) * FP_H * FP_W * FP_C;
+    return PRELUDE + TAP_RANGE_C + _pool_head(h, w, channels, oh, ow, ctype) + f"""
         const int64_t ky0 = fp_first_tap(oy * {sh} - {ph}, {dh}), ky1 = fp_end_tap(oy * {sh} - {ph}, {dh}, FP_H, {kh});
         for (int64_t ox = 0; ox < FP_OW; ++ox) {{
             const int64_t kx0 = fp_first_tap(ox * {sw} - {pw}, {dw}), kx1 = fp_end_tap(ox * {sw} - {pw}, {dw}, FP_W, {kw});

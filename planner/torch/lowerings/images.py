@@ -213,16 +213,22 @@ def lower_conv(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: A
 # ---------------------------------------------------------------- pooling
 
 
+def _pool_geometry(args: Sequence[Any], kwargs: dict[str, Any], rank: int) -> tuple[tuple[int, ...] | None, ...]:
+    """(kernel, stride, padding) of a max or average pooling call, each None where it is not ``rank`` ints (the
+    stride defaults to the kernel, as torch's)."""
+    kernel = _pair(_argument(args, kwargs, 1, "kernel_size", None), rank)
+    stride_arg = _argument(args, kwargs, 2, "stride", None)
+    stride = kernel if stride_arg in (None, [], ()) else _pair(stride_arg, rank)
+    return kernel, stride, _pair(_argument(args, kwargs, 3, "padding", 0), rank)
+
+
 @lowering("max_pool", becomes="MaxPool on channels-last rows (no ceil mode, no indices)")
 def lower_max_pool(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: Any) -> Any:
     x = args[0] if args else None
     if not _image(x, concrete):
         return None
     rank = len(x.shape) - 2
-    kernel = _pair(_argument(args, kwargs, 1, "kernel_size", None), rank)
-    stride_arg = _argument(args, kwargs, 2, "stride", None)
-    stride = kernel if stride_arg in (None, [], ()) else _pair(stride_arg, rank)
-    padding = _pair(_argument(args, kwargs, 3, "padding", 0), rank)
+    kernel, stride, padding = _pool_geometry(args, kwargs, rank)
     dilation = _pair(_argument(args, kwargs, 4, "dilation", 1), rank)
     indices = kwargs.get("return_indices", args[6] if len(args) > 6 else False)
     if kernel is None or stride is None or padding is None or dilation is None or indices:
@@ -241,10 +247,7 @@ def lower_avg_pool(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concret
     if not _image(x, concrete):
         return None
     rank = len(x.shape) - 2
-    kernel = _pair(_argument(args, kwargs, 1, "kernel_size", None), rank)
-    stride_arg = _argument(args, kwargs, 2, "stride", None)
-    stride = kernel if stride_arg in (None, [], ()) else _pair(stride_arg, rank)
-    padding = _pair(_argument(args, kwargs, 3, "padding", 0), rank)
+    kernel, stride, padding = _pool_geometry(args, kwargs, rank)
     include_pad = _argument(args, kwargs, 5, "count_include_pad", True)
     divisor = _argument(args, kwargs, 6, "divisor_override", None) if rank == 2 else None
     if kernel is None or stride is None or padding is None or not isinstance(include_pad, bool) \
