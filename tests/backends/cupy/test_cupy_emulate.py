@@ -127,6 +127,18 @@ def _run_host(plan, inputs, tmp_path):
             .astype(np.float32) for f, o in zip(outs, plan.outputs, strict=True)]
 
 
+def _pixel_scale(images: int, pixels: int, channels: int, dtype: str, row: bool = False):
+    """Channels-last rows (images*pixels, C) times a weight per image and channel (images, C), then SiLU; with
+    ``row`` inside a row kernel (minus the row's mean)."""
+    b = GraphBuilder(f"pixel-scale-{images}x{pixels}x{channels}-{dtype}")
+    b.input("x", (images * pixels, channels), dtype)
+    b.input("s", (images, channels), dtype)
+    y = b.op("y", "Silu", [b.op("scaled", "PixelMul", [b.op("a", "Affine", ["x"], {"a": 1.5, "b": 0.25}), "s"])])
+    if row:
+        y = b.op("centred", "SubRow", [y, b.op("mean", "RowMean", [y])])
+    return b.build([y])
+
+
 def _masked_softmax(groups: int, seq: int, keys: int, dtype: str):
     """softmax(x + m) over scores x (G, S, T) and a mask m of one row of keys per group (G, 1, T)."""
     b = GraphBuilder(f"masked-softmax-{groups}x{seq}x{keys}-{dtype}")
@@ -173,6 +185,11 @@ def _plan(graph, pred):
         (_masked_softmax(4, 6, 40, "fp32"), lambda p: len(p.kernels) == 1),
         (_masked_softmax(4, 6, 40, "fp32"), lambda p: p.kernels[0].ops == ("MaskAdd",)),
         (_masked_softmax(3, 5, 13, "bf16"), lambda p: p.kernels[0].ops == ("MaskAdd",)),
+        # squeeze-and-excitation's weights, one row per image of channels-last rows (vector lanes over 40
+        # channels; scalar over 13), alone and inside a row kernel
+        (_pixel_scale(3, 7, 40, "fp32"), lambda p: len(p.kernels) == 1),
+        (_pixel_scale(2, 5, 13, "bf16"), lambda p: len(p.kernels) == 1),
+        (_pixel_scale(3, 4, 24, "fp32", row=True), lambda p: len(p.kernels) == 1),
     ],
 )
 def test_generated_elementwise_code_matches_the_reference(graph, pred, tmp_path):
