@@ -369,22 +369,19 @@ def test_the_compiled_average_pooling_is_torchs(shape, window, include_pad, divi
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize(("dtype", "sixteen"), [("fp32", "auto"), ("bf16", "auto"), ("bf16", "widen")])
 @pytest.mark.parametrize(("shape", "window"), [
     ((2, 5, 7, 6), (3, 3, 1, 1, 1, 1, 1, 1)),  # fewer channels than a vector, odd sizes
     ((1, 40, 9, 11), (3, 3, 2, 2, 1, 1, 1, 1)),  # MobileNet's stride 2; a ragged block of 8 channels
     ((2, 32, 12, 19), (7, 7, 1, 1, 3, 3, 1, 1)),  # ConvNeXt's 7x7: blocks of pixels inside, edges one by one
     ((1, 17, 10, 23), (5, 3, 1, 2, 2, 0, 2, 1)),  # unequal window, stride, padding and dilation
 ])
-@pytest.mark.parametrize("sixteen", ["auto", "widen"])
 def test_the_compiled_depthwise_convolution_is_torchs(shape, window, dtype, threads, sixteen, monkeypatch) -> None:
     """The depthwise convolution of channels-last rows equals torch's conv2d with groups = channels: generated
     (fp32, or 16-bit where torch does not multiply it natively: ``widen``), else torch's own."""
     torch = pytest.importorskip("torch")
     from backends.cpu.gemm import GEMM_16BIT_ENV, native_16bit
 
-    if sixteen == "widen" and dtype == "fp32":
-        pytest.skip("fp32 is generated either way")
     monkeypatch.setenv(GEMM_16BIT_ENV, sixteen)
     n, c, h, w = shape
     kh, kw, sh, sw, ph, pw, dh, dw = window
