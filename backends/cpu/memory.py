@@ -186,6 +186,14 @@ class Memory:
         self.arrays[name] = self.own[name]
         self.addr[name] = self._own_addr[name]
 
+    def hand_over(self, name: str, array: np.ndarray, is_output: bool) -> None:
+        """Tensor ``name`` as a library wrote it (a fresh array over torch's memory, of the tensor's shape or its
+        rows): copied into a plan output's own array, else bound for the readers as it lies."""
+        if is_output:
+            np.copyto(self.arrays[name], array.reshape(self.arrays[name].shape))
+        else:
+            self.bind(name, array.reshape(self.own[name].shape))
+
 
 @dataclass
 class Step:

@@ -167,11 +167,7 @@ class GemmSteps(StepsBase):
             def call_fused() -> None:  # on the plan's torch threads (CpuCompiledPlan._pools)
                 result = conv(arrays[x_name], arrays[b_name], None if bias is None else arrays[bias],
                               None if other is None else arrays[other], unary)
-                rows_out = result.numpy() if dtype == "fp32" else gemm.tensor_bits(result)
-                if is_output:
-                    np.copyto(arrays[out_name], rows_out)
-                else:  # handed to the readers as oneDNN wrote it
-                    memory.bind(out_name, rows_out)
+                memory.hand_over(out_name, result.numpy() if dtype == "fp32" else gemm.tensor_bits(result), is_output)
 
             facts["impl"] = f"onednn-{dtype}-conv" + ("-post-ops" if k.body is not mm else "")
             return Step(k, call_fused, reads + [memory.own[n] for n in named], own, facts)
@@ -212,7 +208,7 @@ class GemmSteps(StepsBase):
         (``step``, the product and generated epilogue, otherwise).  The result is handed to the readers as oneDNN
         wrote it (a fresh contiguous tensor), copied only into a plan output."""
         arrays, packed, out_name, regular = memory.arrays, memory.packed, k.out, step.call
-        is_output, shape = out_name in memory.outputs, memory.own[k.out].shape
+        is_output = out_name in memory.outputs
 
         def call() -> None:
             weight = packed.get(b_name)
@@ -221,11 +217,8 @@ class GemmSteps(StepsBase):
                     memory.restore(out_name)
                 regular()
                 return
-            result = gemm.tensor_bits(linear(arrays[a_name], weight, None if bias is None else arrays[bias]))
-            if is_output:
-                np.copyto(arrays[out_name], result.reshape(shape))
-            else:
-                memory.bind(out_name, result.reshape(shape))
+            memory.hand_over(out_name, gemm.tensor_bits(linear(arrays[a_name], weight,
+                                                               None if bias is None else arrays[bias])), is_output)
 
         facts = dict(step.facts, impl=f"onednn-{k.body.type.dtype}-post-ops", weights="packed if read-only")
         return Step(k, call, step.reads, step.writes, facts)
@@ -540,11 +533,7 @@ class StandaloneSteps(StepsBase):
         is_output = out_name in memory.outputs
 
         def call_depthwise() -> None:  # on the plan's torch threads (CpuCompiledPlan._pools)
-            rows = gemm.tensor_bits(conv(arrays[x_name], arrays[w_name]))
-            if is_output:
-                np.copyto(arrays[out_name], rows)
-            else:
-                memory.bind(out_name, rows)
+            memory.hand_over(out_name, gemm.tensor_bits(conv(arrays[x_name], arrays[w_name])), is_output)
 
         return Step(k, call_depthwise, reads, memory.own[out_name],
                     {"impl": f"torch-{k.body.type.dtype}-depthwise", "threads": self.threads})

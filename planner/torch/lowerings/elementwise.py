@@ -75,7 +75,7 @@ def lower_clamp(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: 
     if bounds is None or not isinstance(concrete, torch.Tensor) or not concrete.is_floating_point():
         return None
     lo, hi = bounds
-    if lo is None and hi is None or any(b is not None and not math.isfinite(b) for b in bounds):
+    if (lo is None and hi is None) or any(b is not None and not math.isfinite(b) for b in bounds):
         return None
     sides = "both" if lo is not None and hi is not None else ("min" if lo is not None else "max")
     attrs = {"lo": 0.0 if lo is None else lo, "hi": 0.0 if hi is None else hi, "sides": sides}
