@@ -1,7 +1,7 @@
 """Convolutional blocks, planned by fusion-planner, against eager torch and torch.compile.
 
 Usage: python benchmarks/cnn_blocks.py [--out docs/results/cnn_blocks.md] [--rounds 11]
-                                      [--models basic,bottleneck,stem,small-cnn,mobilenet,efficientnet,convnext]
+                                      [--models basic,bottleneck,stem,small-cnn,mobilenet,efficientnet,convnext,mobilenetv3]
                                       [--dtypes fp32,bf16] [--modes 1,all]
 
 Plain torch modules, random weights and BatchNorm statistics, eval mode, batch 1 (the small CNN: 8): ``basic`` is
@@ -14,7 +14,9 @@ average pooling and a linear head) on 64x64 images, ``mobilenet`` MobileNetV2's 
 ``efficientnet`` EfficientNet-B0's MBConv at its 28x28 stage (40 channels expanded to 240, a 5x5 depthwise
 convolution, SiLU, squeeze-and-excitation to 10, projected back, the residual), ``convnext`` ConvNeXt-T's block at
 its first stage (96 channels, 56x56: a 7x7 depthwise convolution, channels moved last, LayerNorm, an MLP of 384
-with GELU, channels moved back, the residual).  Per thread mode and dtype a child process (``1``: one thread
+with GELU, channels moved back, the residual), ``mobilenetv3`` MobileNetV3-Large's stem and first eight blocks
+on a 224x224 image (hardswish, hard-sigmoid squeeze-and-excitation, stride-2 depthwise convolutions, widths of
+16-240 channels, most no multiple of 32).  Per thread mode and dtype a child process (``1``: one thread
 pinned to one core; ``all``: every core; the environment of ``cpu_peers.py``) plans the model with
 ``planner.plan(..., backend="cpu")``, checks the planned call against eager torch within the dtype's tolerance,
 then times eager, torch.compile (inductor) and the planned call in interleaved rounds (three calls each, the order
@@ -27,7 +29,7 @@ from typing import Any
 
 from against_torch import main
 
-MODELS = ("basic", "bottleneck", "stem", "small-cnn", "mobilenet", "efficientnet", "convnext")
+MODELS = ("basic", "bottleneck", "stem", "small-cnn", "mobilenet", "efficientnet", "convnext", "mobilenetv3")
 
 
 def build_model(name: str, dtype: str) -> tuple[Any, Any]:
@@ -94,6 +96,49 @@ def build_model(name: str, dtype: str) -> tuple[Any, Any]:
                 y = y * self.se(y)
             return x + self.bn3(self.project(y))
 
+    class V3Block(nn.Module):
+        """MobileNetV3's block: an expansion (none where it would keep the width), a depthwise convolution,
+        squeeze-and-excitation with a hard sigmoid, a projection; ReLU or hardswish; the residual where the
+        shape stays."""
+
+        def __init__(self, c: int, kernel: int, mid: int, out: int, se: bool, hard: bool, stride: int) -> None:
+            super().__init__()
+            act = nn.Hardswish if hard else nn.ReLU
+            layers: list[nn.Module] = []
+            if mid != c:
+                layers += [nn.Conv2d(c, mid, 1, bias=False), nn.BatchNorm2d(mid), act()]
+            layers += [nn.Conv2d(mid, mid, kernel, stride, kernel // 2, groups=mid, bias=False), nn.BatchNorm2d(mid),
+                       act()]
+            if se:
+                squeeze = max(8, (mid // 4 + 4) // 8 * 8)  # torchvision's _make_divisible(mid // 4, 8)
+                squeeze += 8 if squeeze < 0.9 * (mid // 4) else 0
+                self.se = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(mid, squeeze, 1), nn.ReLU(),
+                                        nn.Conv2d(squeeze, mid, 1), nn.Hardsigmoid())
+            self.body, self.has_se = nn.Sequential(*layers), se
+            self.project = nn.Sequential(nn.Conv2d(mid, out, 1, bias=False), nn.BatchNorm2d(out))
+            self.residual = stride == 1 and c == out
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.body(x)
+            if self.has_se:
+                y = y * self.se(y)
+            y = self.project(y)
+            return x + y if self.residual else y
+
+    class MobileNetV3(nn.Module):
+        """MobileNetV3-Large's stem and its first eight blocks (to 80 channels at 14x14)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.Hardswish())
+            rows = [(16, 3, 16, 16, False, False, 1), (16, 3, 64, 24, False, False, 2),
+                    (24, 3, 72, 24, False, False, 1), (24, 5, 72, 40, True, False, 2), (40, 5, 120, 40, True, False, 1),
+                    (40, 5, 120, 40, True, False, 1), (40, 3, 240, 80, False, True, 2), (80, 3, 200, 80, False, True, 1)]
+            self.blocks = nn.Sequential(*(V3Block(*row) for row in rows))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.blocks(self.stem(x))
+
     class ConvNeXt(nn.Module):
         def __init__(self, c: int) -> None:
             super().__init__()
@@ -113,6 +158,7 @@ def build_model(name: str, dtype: str) -> tuple[Any, Any]:
         "mobilenet": (lambda: InvertedResidual(24, 144, 3), (1, 24, 56, 56)),
         "efficientnet": (lambda: InvertedResidual(40, 240, 5, squeeze=10), (1, 40, 28, 28)),
         "convnext": (lambda: ConvNeXt(96), (1, 96, 56, 56)),
+        "mobilenetv3": (MobileNetV3, (1, 3, 224, 224)),
     }.get(name, (None, None))
     if model is None:
         raise SystemExit(f"unknown model {name!r}; choose from {', '.join(MODELS)}")

@@ -423,14 +423,44 @@ def test_every_fused_kernel_of_the_examples_is_vectorised(compiler):
     for name, k, ck in _fused_kernels():
         seen.setdefault(ck.digest, f"{name}: {k.describe()}")
     assert len(seen) >= 20 and any("fp_stream" in c.source for _, _, c in _fused_kernels())
-    failures = []
+    failures, blocked = [], 0
     for digest, what in seen.items():
         ck = next(c for _, _, c in _fused_kernels() if c.digest == digest)
-        loop_lines = [i for i, line in enumerate(ck.source.splitlines(), 1) if "for (int64_t c = " in line]
+        lines = ck.source.splitlines()
+        loop_lines = [i for i, line in enumerate(lines, 1) if "for (int64_t c = " in line]
         report = compiler.vectorisation_report(ck.source)
         if not all(re.search(rf":{line}:\d+: optimized: loop vectorized", report) for line in loop_lines):
             failures.append(what)
-    assert failures == []
+        # a block of a row's columns: its loop vectorised, or unrolled and its statements vectorised as a block
+        blocks = [range(i, lines.index(line.replace("for", "}").split("}")[0] + "}", i) + 1)
+                  for i, line in enumerate(lines, 1) if "for (int64_t fp_j = " in line]
+        blocked += bool(blocks)
+        vectorised = {int(n) for n in re.findall(r":(\d+):\d+: optimized: (?:loop|basic block)", report)}
+        if not all(vectorised.intersection(b) for b in blocks):
+            failures.append(f"{what} (blocks)")
+    assert failures == [] and blocked >= 10
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_rows_of_any_width_run_in_overlapping_blocks_and_match_the_reference(dtype, compiler):
+    """A bias, hardswish and a residual over rows of widths below, at and between blocks of 16 (the last block
+    overlaps the one before it), as one kernel, on 1 and 2 threads."""
+    for cols in (7, 16, 17, 24, 37, 72, 100):
+        b = GraphBuilder(f"rows-{cols}")
+        b.input("x", (13, cols), dtype)
+        b.input("r", (13, cols), dtype)
+        b.input("bias", (cols,), dtype)
+        b.op("h", "Hardswish", [b.op("biased", "BiasAdd", ["x", "bias"])])
+        g = b.build([b.op("y", "Add", ["h", "r"])])
+        plan = min(build_candidates(g, SPEC).plans, key=lambda p: len(p.kernels))
+        assert len(plan.kernels) == 1
+        ck = generate(plan.kernels[0].body, {n.id: (n.type.shape, n.type.dtype) for n in g.nodes})
+        assert "fp_j" in ck.source
+        x = random_inputs(g, seed=cols)
+        want = execute_plan(plan, x, mode="device")[0]
+        for threads in (1, 2):
+            got = cpu_backend(threads=threads).compile(plan).run(x)[0]
+            assert close(got, want, dtype), (cols, threads)
 
 
 def _assembly(compiler, source: str, tmp_path) -> str:

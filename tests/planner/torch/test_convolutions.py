@@ -146,8 +146,30 @@ class AveragedShortcut(nn.Module):
         return self.smooth(F.relu(self.bn(self.conv(x)) + self.shortcut(x)))
 
 
+class HardBlocks(nn.Module):
+    """Two of MobileNetV3's blocks: hardswish, a stride-2 depthwise convolution, squeeze-and-excitation with ReLU
+    and a hard sigmoid, then a block with the residual; 36 and 20 channels, no multiple of 16."""
+
+    def __init__(self, c: int = 12, mid: int = 36, out: int = 20) -> None:
+        super().__init__()
+        self.expand = nn.Sequential(nn.Conv2d(c, mid, 1, bias=False), nn.BatchNorm2d(mid), nn.Hardswish())
+        self.depthwise = nn.Sequential(nn.Conv2d(mid, mid, 3, 2, 1, groups=mid, bias=False), nn.BatchNorm2d(mid),
+                                       nn.Hardswish())
+        self.se = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(mid, 8, 1), nn.ReLU(), nn.Conv2d(8, mid, 1),
+                                nn.Hardsigmoid())
+        self.project = nn.Sequential(nn.Conv2d(mid, out, 1, bias=False), nn.BatchNorm2d(out))
+        self.second = nn.Sequential(nn.Conv2d(out, out, 5, padding=2, groups=out, bias=False), nn.BatchNorm2d(out),
+                                    nn.ReLU(), nn.Conv2d(out, out, 1, bias=False), nn.BatchNorm2d(out))
+
+    def forward(self, x):
+        y = self.depthwise(self.expand(x))
+        y = self.project(y * self.se(y))
+        return y + self.second(y)
+
+
 MODELS = {
     "activations": (Activations, (2, 8, 6, 6)),
+    "hard-blocks": (HardBlocks, (2, 12, 11, 9)),
     "avg-shortcut": (AveragedShortcut, (2, 8, 10, 8)),
     "mbconv": (MBConv, (2, 8, 7, 9)),
     "convnext": (ConvNeXtBlock, (2, 16, 9, 10)),
