@@ -210,6 +210,10 @@ class GraphBuilder:
         """The shape of a node added so far."""
         return self._nodes[node_id].type.shape
 
+    def dtype_of(self, node_id: str) -> str:
+        """The dtype of a node added so far."""
+        return self._nodes[node_id].type.dtype
+
     def build(self, outputs: Iterable[str]) -> Graph:
         outs = tuple(outputs)
         if not any(n.op != "In" for n in self._nodes.values()):

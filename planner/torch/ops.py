@@ -405,11 +405,29 @@ def _prepared_steps(call: dict[str, Any]) -> list[tuple[str, Callable[..., Any],
 
 
 def _decoder(d: Any) -> Decoded:
-    """``decode(inputs, steps)``: the argument ``d`` describes; what holds no tensor reference is decoded now."""
+    """``decode(inputs, steps)``: the argument ``d`` describes; every part that holds no tensor reference is
+    decoded now (a constant tensor beside a step's result was built from its JSON list on every call: 280 µs of
+    a padding mask's 356 each call)."""
     if not _refers(d):
         value = _decode(d, (), ())
         return lambda ts, results: value
-    return lambda ts, results: _decode(d, ts, results)
+    if isinstance(d, list):
+        items = [_decoder(v) for v in d]
+        return lambda ts, results: [item(ts, results) for item in items]
+    (tag, v), = d.items()
+    if tag == "$in":
+        return lambda ts, results: ts[v]
+    if tag == "$step":
+        return lambda ts, results: results[v]
+    if tag == "$dict":
+        fields = {k: _decoder(x) for k, x in v.items()}
+        return lambda ts, results: {k: f(ts, results) for k, f in fields.items()}
+    parts = [_decoder(x) for x in v]
+    if tag == "$tuple":
+        return lambda ts, results: tuple(part(ts, results) for part in parts)
+    if tag == "$slice":
+        return lambda ts, results: slice(*(part(ts, results) for part in parts))
+    raise OpError(f"unknown tag {tag!r} in a torch Opaque call")
 
 
 def _refers(d: Any) -> bool:

@@ -40,6 +40,8 @@ LAYOUT_KINDS = frozenset({"conv", "batch_norm", "max_pool", "avg_pool", "mean", 
 
 #: kinds whose lowerings take integer inputs (token ids): a view of them, the embedding that reads them
 INDEX_KINDS = frozenset({"view", "same", "embedding"})
+#: kinds whose lowering reads a bool mask torch computes from the inputs (attention's padding mask)
+BOOL_MASK_KINDS = frozenset({"sdpa"})
 #: integer results of torch calls on token ids (positions, masks built from ids): kept inside torch calls
 COMPUTED_INDEX_DTYPES = frozenset({torch.int64, torch.int32, torch.bool})
 
@@ -171,6 +173,8 @@ class Importer:
     relayouts: dict[tuple[str, str], str] = field(default_factory=dict)
     #: calls a lowering took into its own ops (a BatchNorm folded into its convolution) -> their value
     absorbed: dict[fx.Node, Any] = field(default_factory=dict)
+    #: what a lowering derived once from a value and shares, by its key (a computed attention mask's additive form)
+    derived: dict[tuple[Any, ...], Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.b = GraphBuilder(self.name)
@@ -478,7 +482,8 @@ class Importer:
         if kind not in LAYOUT_KINDS:
             args, kwargs = self.plain(args), self.plain(kwargs)
             leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, (Traced, MultiResult))]
-        if kind not in INDEX_KINDS and any(isinstance(x, Traced) and x.dtype not in TORCH_DTYPES for x in leaves):
+        if kind not in INDEX_KINDS and any(isinstance(x, Traced) and x.dtype not in TORCH_DTYPES
+                                           and not (kind in BOOL_MASK_KINDS and x.dtype == torch.bool) for x in leaves):
             return self.generic(node, fn_target, args, kwargs)  # integer indices: only torch computes with them
         handler = self.lowerings.get(kind) if kind else None
         if handler is not None:
@@ -609,6 +614,15 @@ class Importer:
             self.opaque_names.extend(str(st["impl"]) for st in p.steps)
         return self.emitted[id(p)]
 
+
+    def then(self, v: Traced, impl: str, args: Sequence[Any], shape: tuple[int, ...], dtype: torch.dtype) -> Traced:
+        """Pending value ``v`` with one more torch call ``impl(v, *args)`` (``args`` plain Python values)
+        appended: still pending, materialised with the rest as one Opaque node."""
+        p = v.program
+        assert p is not None
+        step = {"impl": impl, "args": [{"$step": len(p.steps) - 1}, *encode_arg(list(args), lambda _: None)],
+                "kwargs": {"$dict": {}}, "item": -1, "shapes": [list(v.shape)], "out": list(shape)}
+        return Traced(shape, dtype, True, program=Program(p.node, (*p.steps, step), p.inputs, p.in_shapes))
 
     def layout_op(self, p: Program, v: Traced) -> str | None:
         """The op-table layout op a pending torch program is, emitted: heads merged back (``Merge``), heads taken

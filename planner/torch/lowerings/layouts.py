@@ -120,6 +120,8 @@ def mask_layout(imp: Importer, mask: Any, scores: tuple[int, ...], dtype: torch.
         return None
     if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, -math.inf)  # what torch's bool mask means
+    if isinstance(mask, torch.Tensor) and bool(torch.isneginf(mask).all(-1).any()):
+        return None  # a query row with no key: torch's attention gives it 0, a softmax of -inf scores NaN
     if mask.dtype != dtype or (isinstance(mask, Traced) and mask.program is not None):
         return None
     shape = (1,) * (4 - len(mask.shape)) + tuple(mask.shape)
@@ -134,6 +136,64 @@ def mask_layout(imp: Importer, mask: Any, scores: tuple[int, ...], dtype: torch.
     elif flat_shape(mask.shape) != flat:
         return None
     return mask, shape[0], shape[2]
+
+
+#: a float mask's value at most this masks a key as -inf does: added to a score it stays itself (|s| < 1e22),
+#: and it leaves exp(m - max) = 0 beside a kept key
+MASK_FLOOR = -1e30
+
+
+def causal_mask(mask: Any, scores: tuple[int, ...]) -> bool:
+    """Is ``mask`` a constant that masks exactly what ``is_causal`` does for scores (batch, heads, S, T), for
+    every batch: the keys after each query's position (torch's top-left triangle) False, or a float at most
+    :data:`MASK_FLOOR`, and every other key True, or 0?  Every query row keeps a key, so the two agree."""
+    if not isinstance(mask, torch.Tensor) or not 2 <= mask.dim() <= 4:
+        return False
+    shape = (1,) * (4 - mask.dim()) + tuple(mask.shape)
+    b, _, s, t = scores
+    if shape[1] != 1 or shape[2:] != (s, t) or shape[0] not in (1, b):
+        return False
+    keep = torch.ones(s, t, dtype=torch.bool).tril().expand(shape[0], s, t)
+    m = mask.reshape(shape[0], s, t)
+    if m.dtype == torch.bool:
+        return bool(torch.equal(m, keep))
+    return bool(torch.equal(m == 0, keep) and (m[~keep] <= MASK_FLOOR).all())
+
+
+#: where a bool mask torch computes from the inputs is False its additive form holds this, not -inf: added to a
+#: score (|s| < 2^39) it stays itself, and its exp after the row's maximum is subtracted is 0, as -inf's is; a row
+#: of nothing else has a finite softmax, which :func:`computed_mask`'s ``kept`` then zeroes
+MASKED = -(2.0**64)
+
+
+def computed_mask(imp: Importer, node: fx.Node, mask: Traced, scores: tuple[int, ...], dtype: torch.dtype
+                  ) -> tuple[Traced, str] | None:
+    """(additive mask, kept) for a bool ``attn_mask`` torch computes from the call inputs (a padding mask built
+    from an ``attention_mask`` of 0s and 1s) broadcast over the heads of ``scores`` (batch, heads, S, T): the
+    mask as (batches, 1, S, T) of ``dtype``, 0 where True and :data:`MASKED` elsewhere (one Opaque node), and
+    ``kept`` the IR id of (batch * heads, S, 1): 1 for a query row with a key to attend to, 0 for one without,
+    whose attention torch makes 0.  Made once per mask and shape; None for another mask."""
+    shape = (1,) * (4 - len(mask.shape)) + tuple(mask.shape)
+    b, h, s, t = scores
+    if len(mask.shape) > 4 or shape[1] != 1 or shape[3] != t or shape[0] not in (1, b) or shape[2] not in (1, s):
+        return None
+    assert mask.program is not None
+    key = ("mask", id(mask.program), dtype, b * h)
+    if key not in imp.derived:
+        full = (shape[0], 1, s, t)
+        wide = imp.then(mask, "torch.Tensor.expand", [list(full)], full, torch.bool) if tuple(mask.shape) != full else mask
+        # the Opaque node's dtype is its inputs' (ids are carried as fp32): cast to the scores' where it differs
+        added = imp.materialise(imp.then(wide, "torch.where", [0.0, MASKED], full, torch.float32))
+        value = (Traced(full, dtype, True, added) if imp.b.dtype_of(added) == TORCH_DTYPES[dtype]
+                 else imp.emit(node, "Cast", [added], {"dtype": TORCH_DTYPES[dtype]}, full, dtype, "_mask_cast"))
+        top = imp.emit(node, "RowMax", [imp.use(value, f"{node.name}_mask")], None, (*full[:3], 1), dtype, "_mask_max")
+        kept = imp.emit(node, "Affine", [top.id], {"a": -1.0 / MASKED, "b": 1.0}, (*full[:3], 1), dtype, "_kept")
+        repeated = imp.emit(node, "GroupRepeat", [kept.id], {"heads": b * h // full[0], "rows": s}, (b, h, s, 1),
+                            dtype, "_kept_heads")
+        assert repeated.id is not None
+        imp.derived[key] = (value, repeated.id)
+    found: tuple[Traced, str] = imp.derived[key]
+    return found
 
 
 def masked_scores(imp: Importer, node: fx.Node, x: Any, mask: Any, out: tuple[int, ...], dtype: torch.dtype) -> Emitted | None:

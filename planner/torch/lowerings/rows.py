@@ -11,7 +11,7 @@ from torch import fx
 
 from planner.torch.binding import TORCH_DTYPES
 from planner.torch.lowerings.images import spatial_mean
-from planner.torch.lowerings.layouts import head_major, mask_layout, masked_scores
+from planner.torch.lowerings.layouts import causal_mask, computed_mask, head_major, mask_layout, masked_scores
 from planner.torch.lowerings.registry import lowering
 from planner.torch.walk import (
     CHANNELS_LAST,
@@ -85,7 +85,10 @@ def lower_sdpa(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: A
     """``scaled_dot_product_attention(q, k, v, is_causal=..., scale=...)`` of heads taken out of token rows
     (``split``/``view``/``transpose``): ``Heads`` of each, softmax(scale * q@k^T) @ v from ``BatchScores``,
     ``Affine``, the row ops and ``BatchApply`` (no dropout).  An ``attn_mask`` broadcast over the heads
-    ((batch or 1, 1, seq or 1, keys); float, or a constant bool one as 0 / -inf) is repeated over the groups
+    ((batch or 1, 1, seq or 1, keys); float, or a constant bool one as 0 / -inf, or a bool one torch computes
+    from the inputs as ``layouts.computed_mask``'s additive form, the rows without a key then zeroed as torch's
+    attention zeroes them) is repeated over the groups (a constant mask that is the causal triangle is
+    ``is_causal``)
     (``GroupRepeat``) and added to the scaled scores (``MaskAdd``; ``Add`` for a mask per query).  The rules
     fuse it into one ``Attention`` (``MaskedAttention``) kernel; the heads are merged back where the result
     is transposed and reshaped."""
@@ -107,9 +110,15 @@ def lower_sdpa(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: A
     if not is_scalar(scale):
         return None
     scores_shape = (*qkv[0].shape[:-1], qkv[1].shape[-2])
-    mask = bound.get("attn_mask")
-    layout = None if mask is None else mask_layout(imp, mask, scores_shape, concrete.dtype)
-    if mask is not None and layout is None:
+    mask, kept, causal = bound.get("attn_mask"), None, bool(bound.get("is_causal", False))
+    if causal_mask(mask, scores_shape):  # transformers' mask of a batch of several sequences and no padding
+        mask, causal = None, True
+    if isinstance(mask, Traced) and mask.dtype == torch.bool and mask.program is not None:
+        found = computed_mask(imp, node, mask, scores_shape, concrete.dtype)
+        if found is None:
+            return None
+        mask, kept = found
+    if mask is not None and mask_layout(imp, mask, scores_shape, concrete.dtype) is None:
         return None
     q, k, v = (imp.use(t, f"{node.name}_{name}") for t, name in zip(qkv, "qkv", strict=True))
     heads, kv_heads = qkv[0].shape[1], qkv[1].shape[1]
@@ -120,7 +129,7 @@ def lower_sdpa(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: A
                           (t.shape[0], heads, *t.shape[2:]), t.dtype, f"_{name}_repeated").id
                 for t_id, t, name in ((k, qkv[1], "k"), (v, qkv[2], "v")))
     stat, dt = (*scores_shape[:-1], 1), concrete.dtype
-    scores = imp.emit(node, "BatchScores", [q, k], {"causal": int(bound.get("is_causal", False))}, scores_shape,
+    scores = imp.emit(node, "BatchScores", [q, k], {"causal": int(causal)}, scores_shape,
                        dt, "_scores")
     scaled = imp.emit(node, "Affine", [scores.id], {"a": float(scale), "b": 0.0}, scores_shape, dt, "_scaled")
     if mask is not None:
@@ -132,7 +141,8 @@ def lower_sdpa(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: A
                   None, scores_shape, dt, "_exp")
     probs = imp.emit(node, "DivRow", [e.id, imp.emit(node, "RowSum", [e.id], None, stat, dt, "_sum").id], None,
                       scores_shape, dt, "_probs")
-    return imp.emit(node, "BatchApply", [probs.id, v], None, concrete.shape, dt)
+    out = imp.emit(node, "BatchApply", [probs.id, v], None, concrete.shape, dt)
+    return out if kept is None else imp.emit(node, "MulRow", [out.id, kept], None, concrete.shape, dt)
 
 
 def norm(imp: Importer, node: fx.Node, x: Any, shape: Any, weight: Any, bias: Any, eps: Any, concrete: Any,

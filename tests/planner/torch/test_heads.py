@@ -14,6 +14,7 @@ import planner  # noqa: E402
 from planner.api import allclose_report  # noqa: E402
 from planner.torch.heads import HeadSplit, column_take, head_merge, head_split, rotate_half  # noqa: E402
 from planner.torch.importer import TORCH_DTYPES, import_module, load_factory  # noqa: E402
+from planner.torch.lowerings.layouts import causal_mask  # noqa: E402
 
 ATTENTION_OPS = {"Heads", "BatchScores", "Affine", "RowMax", "SubRow", "Exp", "RowSum", "DivRow", "BatchApply", "Merge"}
 
@@ -40,7 +41,13 @@ class PackedAttention(nn.Module):
 class SeparateAttention(nn.Module):
     """LLaMA's and BERT's form: q, k, v projections of their own, an explicit scale, reshape back."""
 
-    def __init__(self, d: int = 32, heads: int = 2, mask: bool = False) -> None:
+    #: constant bool masks of (s, s): the causal triangle, a window of the last 3 keys, the triangle less its
+    #: diagonal (the first query sees no key)
+    MASKS = {"causal": lambda s: torch.ones(s, s, dtype=torch.bool).tril(),
+             "window": lambda s: torch.ones(s, s, dtype=torch.bool).tril() & torch.ones(s, s, dtype=torch.bool).triu(-2),
+             "hidden": lambda s: torch.ones(s, s, dtype=torch.bool).tril(-1)}
+
+    def __init__(self, d: int = 32, heads: int = 2, mask: str = "") -> None:
         super().__init__()
         self.heads, self.mask = heads, mask
         self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
@@ -48,7 +55,7 @@ class SeparateAttention(nn.Module):
     def forward(self, x):
         b, s, d = x.shape
         q, k, v = (m(x).view(b, s, self.heads, d // self.heads).transpose(1, 2) for m in (self.q, self.k, self.v))
-        mask = torch.ones(s, s, dtype=torch.bool).tril() if self.mask else None
+        mask = self.MASKS[self.mask](s) if self.mask else None
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
         return a.transpose(1, 2).reshape(b, s, d)
 
@@ -88,11 +95,39 @@ def test_the_causal_flag_and_the_scale_reach_the_ops() -> None:
 
 def test_a_constant_bool_mask_is_added_as_0_and_minus_inf_and_equals_eager() -> None:
     torch.manual_seed(0)
-    module, x = SeparateAttention(mask=True).eval(), torch.randn(2, 8, 32)  # a (s, s) tril mask, one per query
+    module, x = SeparateAttention(mask="window").eval(), torch.randn(2, 8, 32)  # a (s, s) mask, one row per query
     ops = _ops(module, x)
     assert "Opaque" not in ops and {"GroupRepeat", "Add", "BatchScores"} <= set(ops) and "MaskAdd" not in ops
     with torch.no_grad():
-        _close(planner.plan(module, (x,), backend="reference", cache=False)(x), module(x))
+        _close(planner.plan(module, (x,), backend="cpu", cache=False)(x), module(x))
+
+
+def test_a_constant_mask_of_the_causal_triangle_is_causal_attention() -> None:
+    """transformers' mask for a batch of several sequences without padding, bool or float (0 and the dtype's
+    minimum): the causal kernel, which skips the hidden keys."""
+    torch.manual_seed(0)
+    module, x = SeparateAttention(mask="causal").eval(), torch.randn(2, 8, 32)
+    graph = import_module(module, (x,)).graph
+    (scores,) = [n for n in graph.ops if n.op == "BatchScores"]
+    assert scores.attr_dict["causal"] == 1 and not {"GroupRepeat", "Add", "Opaque"} & {n.op for n in graph.ops}
+    with torch.no_grad():
+        _close(planner.plan(module, (x,), backend="cpu", cache=False)(x), module(x))
+    keep = torch.ones(8, 8, dtype=torch.bool).tril()
+    floats = torch.zeros(2, 1, 8, 8).masked_fill(~keep, torch.finfo(torch.float32).min)
+    assert causal_mask(floats, (2, 2, 8, 8)) and causal_mask(keep, (2, 2, 8, 8))
+    assert not causal_mask(floats.masked_fill(~keep, -1.0), (2, 2, 8, 8))  # a mask that only lowers the scores
+    assert not causal_mask(keep.tril(-1), (2, 2, 8, 8)) and not causal_mask(keep, (2, 2, 8, 9))
+
+
+def test_a_constant_mask_that_hides_every_key_of_a_query_stays_torchs_sdpa() -> None:
+    """torch's attention gives such a query 0, a softmax of its -inf scores NaN: the call stays torch's."""
+    torch.manual_seed(0)
+    module, x = SeparateAttention(mask="hidden").eval(), torch.randn(2, 8, 32)
+    assert "Opaque" in _ops(module, x)
+    with torch.no_grad():
+        want = module(x)
+        assert torch.equal(want[:, 0], torch.zeros_like(want[:, 0]))
+        _close(planner.plan(module, (x,), backend="cpu", cache=False)(x), want)
 
 
 class PaddedAttention(nn.Module):

@@ -151,3 +151,46 @@ def test_a_write_to_a_parameter_a_value_was_computed_from_at_import_plans_again(
         _close(result(*args), module(*args))
     assert any("computed a value at import" in reason and action == "plans again"
                for reason, action in result.guard.events)
+
+
+class Masked(nn.Module):
+    """A whole model called with token ids and an ``attention_mask`` of 1s and 0s (padding)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, mask):
+        return self.model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+
+def bert_model() -> nn.Module:
+    from transformers import BertConfig, BertModel
+
+    return BertModel(BertConfig(hidden_size=D, num_attention_heads=HEADS, intermediate_size=2 * D, num_hidden_layers=2,
+                                vocab_size=VOCAB, attn_implementation="sdpa"), add_pooling_layer=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["bert", "llama"])
+def test_a_padding_mask_computed_from_the_call_inputs_fuses_into_attention_and_equals_eager(name, dtype) -> None:
+    """transformers builds a bool mask from ``attention_mask`` (BERT: the padded keys; LLaMA: those and the causal
+    triangle, so a left-padded row's first queries see no key, where torch's attention gives 0): one Opaque node
+    computes it as an additive mask for every layer, the attention is op-table ops, and the plan equals eager for
+    other masks at call time."""
+    torch.manual_seed(0)
+    model = (bert_model() if name == "bert" else llama_model().model).eval().to(dtype)
+    module = Masked(model)
+    ids, mask = torch.randint(0, VOCAB, (2, SEQ)), torch.ones(2, SEQ, dtype=torch.long)
+    mask[1, :5] = 0  # the second row left padded
+    graph = import_module(module, (ids, mask)).graph
+    opaque = [n for n in graph.ops if n.op == "Opaque"]
+    assert len(opaque) == 1 and opaque[0].attr_dict["impl"] == "torch.where"
+    assert Counter(n.op for n in graph.ops)["BatchScores"] == 2
+    result = planner.plan(module, (ids, mask), backend="cpu", cache=False, max_candidates=3)
+    assert any(k.body.op == "BiasedAttention" for k in result.plan.kernels)
+    with torch.no_grad():
+        for m in (mask, torch.ones_like(mask), torch.tensor([[1] * (SEQ - 3) + [0] * 3, [0] * 9 + [1] * (SEQ - 9)])):
+            want = module(ids, m)
+            assert torch.isfinite(want).all()
+            _close(result(ids, m), want)
