@@ -21,8 +21,12 @@ from typing import Any
 
 from cpu_peers import _time_us, bf16_units, child_env, run_child, settle, versions
 
-#: (module, its input) of a model by name and dtype
+#: (module, its input or a tuple of its inputs) of a model by name and dtype
 Build = Callable[[str, str], tuple[Any, Any]]
+
+
+def _inputs(x: Any) -> tuple[Any, ...]:
+    return x if isinstance(x, tuple) else (x,)
 
 
 def steady(build: Build, name: str, dtype: str, rounds: int, mode: str) -> dict[str, Any]:
@@ -35,12 +39,13 @@ def steady(build: Build, name: str, dtype: str, rounds: int, mode: str) -> dict[
     from planner.core.tolerance import allclose_report
 
     module, x = build(name, dtype)
-    result = planner.plan(module, (x,), backend="cpu")
+    args = _inputs(x)
+    result = planner.plan(module, args, backend="cpu")
     compiled = torch.compile(module)
-    calls = {"torch": lambda: module(x), "torch.compile": lambda: compiled(x), "fp.call": lambda: result(x)}
+    calls = {"torch": lambda: module(*args), "torch.compile": lambda: compiled(*args), "fp.call": lambda: result(*args)}
     with torch.no_grad():
-        want = module(x).float().numpy()
-        ok, max_abs, _ = allclose_report(result(x).float().numpy(), want, dtype)
+        want = module(*args).float().numpy()
+        ok, max_abs, _ = allclose_report(result(*args).float().numpy(), want, dtype)
         if not ok:
             raise SystemExit(f"{name} {dtype}: the planned call differs from eager torch (max abs {max_abs:.3g})")
         for fn in calls.values():
@@ -68,13 +73,14 @@ def first_call(build: Build, name: str, dtype: str, contender: str) -> dict[str,
     import planner
 
     module, x = build(name, dtype)
+    args = _inputs(x)
     t0 = time.perf_counter()
     if contender == "fp.call":
-        result = planner.plan(module, (x,), backend="cpu")
-        call = lambda: result(x)  # noqa: E731
+        result = planner.plan(module, args, backend="cpu")
+        call = lambda: result(*args)  # noqa: E731
     else:
         compiled = torch.compile(module)
-        call = lambda: compiled(x)  # noqa: E731
+        call = lambda: compiled(*args)  # noqa: E731
     with torch.no_grad():
         call()
     return {"first_call_s": time.perf_counter() - t0}
