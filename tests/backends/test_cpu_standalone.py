@@ -253,9 +253,12 @@ def test_im2col_times_the_weight_is_torchs_convolution_and_the_pools_its_pooling
 @pytest.mark.parametrize(("g", "s", "t", "d", "e"), [
     (3, 5, 5, 4, 4),  # fewer keys than a vector
     (2, 70, KEY_BLOCK * 2 + 3, 16, 24),  # a query block cut short, three key blocks, the last one ragged
+    (2, 8, KEY_BLOCK * 2, 16, 16),  # whole query and key blocks: the bias rows read in place
 ])
 def test_biased_attention_kernel_equals_the_op_tables_semantics(g, s, t, d, e, threads) -> None:
-    """A bias row per query (T5's relative position bias), -inf over a whole key block for one query."""
+    """A bias row per query (T5's relative position bias), -inf over a whole key block for one query, over
+    every key of another (NaN, as in the op table), and keys far below the row's maximum (past -87, where the
+    kernel's exponential is 0)."""
     b = GraphBuilder("biased-attention-kernel")
     for name, shape in (("q", (g, s, d)), ("k", (g, t, d)), ("v", (g, t, e)), ("bias", (g, s, t))):
         b.input(name, shape, "fp32")
@@ -264,9 +267,14 @@ def test_biased_attention_kernel_equals_the_op_tables_semantics(g, s, t, d, e, t
     rng = np.random.default_rng(5)
     inputs = {n: rng.standard_normal(plan.tensors[n].shape).astype(np.float32) for n in ("q", "k", "v", "bias")}
     inputs["bias"][0, 1, :KEY_BLOCK] = -np.inf
+    inputs["bias"][1, 2] = -np.inf
+    inputs["bias"][1, 3, ::3] = -95.0
     got = CpuBackend(SPEC, threads=threads).compile(plan).run(inputs)[0]
-    want = OPS["BiasedAttention"].evaluate([inputs[n].astype(np.float64) for n in ("q", "k", "v", "bias")],
-                                           {"scale": 0.7})
+    with np.errstate(invalid="ignore"):
+        want = OPS["BiasedAttention"].evaluate([inputs[n].astype(np.float64) for n in ("q", "k", "v", "bias")],
+                                               {"scale": 0.7})
+    hidden = np.isneginf(inputs["bias"]).all(-1)  # the queries with no key to attend to: NaN, the rest finite
+    assert hidden[1, 2] and (np.isnan(got).all(-1) == hidden).all() and np.isfinite(got[~hidden]).all()
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
 
 

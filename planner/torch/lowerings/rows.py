@@ -86,12 +86,11 @@ def lower_sdpa(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: A
     (``split``/``view``/``transpose``): ``Heads`` of each, softmax(scale * q@k^T) @ v from ``BatchScores``,
     ``Affine``, the row ops and ``BatchApply`` (no dropout).  An ``attn_mask`` broadcast over the heads
     ((batch or 1, 1, seq or 1, keys); float, or a constant bool one as 0 / -inf, or a bool one torch computes
-    from the inputs as ``layouts.computed_mask``'s additive form, the rows without a key then zeroed as torch's
-    attention zeroes them) is repeated over the groups (a constant mask that is the causal triangle is
-    ``is_causal``)
-    (``GroupRepeat``) and added to the scaled scores (``MaskAdd``; ``Add`` for a mask per query).  The rules
-    fuse it into one ``Attention`` (``MaskedAttention``) kernel; the heads are merged back where the result
-    is transposed and reshaped."""
+    from the inputs as ``layouts.computed_mask``'s additive form) is repeated over the groups (``GroupRepeat``)
+    and added to the scaled scores (``MaskAdd``; ``Add`` for a mask per query); a computed mask's query rows
+    with no key are zeroed after, as torch's attention zeroes them, and a constant mask that is the causal
+    triangle is ``is_causal``.  The rules fuse it into one ``Attention`` (``MaskedAttention``,
+    ``BiasedAttention``) kernel; the heads are merged back where the result is transposed and reshaped."""
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     bound = dict(zip(names, args, strict=False)) | kwargs
     if (set(bound) - set(names) or bound.get("dropout_p", 0.0) != 0.0
