@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ from planner.search.engine import SearchError
 from planner.search.results import SearchOptions, SearchResult
 from planner.search.searchlog import SearchLog
 from planner.torch import need_evaluator
+
+log = logging.getLogger(__name__)
 
 Tick = Callable[[int, int], None]
 #: a fresh search log (and progress tick) for each search the pipeline runs, given what is searched (the graph's
@@ -149,6 +152,11 @@ def plan_graph(
     ``inputs`` (default: the input recipe) are what a whole-graph search verifies and times on;
     a layer stack's regions always use the recipe."""
     need_evaluator(graph)
+    live = graph.live()
+    if live is not graph:
+        log.info("%s: %d op(s) compute values no output depends on; they are left out of the plan", graph.name,
+                 len(graph.nodes) - len(live.nodes))
+        graph = live
     segment_ops = (options.limits or Limits()).max_segment_ops
     regions = split_regions(graph, segment_ops)
     if len(graph.ops) > segment_ops or (options.dedup and len(regions) > 1 and options.splits(regions)):

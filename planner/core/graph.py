@@ -87,6 +87,18 @@ class Graph:
     def inputs(self) -> list[Node]:
         return [n for n in self.nodes if n.op == "In"]
 
+    def live(self) -> Graph:
+        """The graph without the ops no output depends on (what a module computes and its result leaves unused);
+        every input stays (a call feeds them all).  The graph itself where every op is live, or none is."""
+        needed = set(self.outputs)
+        for n in reversed(self.nodes):
+            if n.id in needed:
+                needed.update(n.inputs)
+        nodes = tuple(n for n in self.nodes if n.op == "In" or n.id in needed)
+        if len(nodes) == len(self.nodes) or all(n.op == "In" for n in nodes):
+            return self
+        return Graph(self.name, nodes, self.outputs, {n.id: n for n in nodes})
+
     def consumers(self) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {n.id: [] for n in self.nodes}
         for n in self.nodes:

@@ -110,3 +110,24 @@ def test_each_search_names_what_it_searches_and_counts_against_a_known_total():
     (whole, ticks), (region, region_ticks) = seen
     assert whole == "ew-chain-k3-256-fp32" and ticks[0] == (0, 3) and ticks[-1] == (3, 3)
     assert region.startswith("region 1/1 gemm 8x16 #") and region_ticks[0][0] == 0
+
+
+def test_ops_no_output_depends_on_are_left_out_of_the_plan(caplog):
+    """What a module computes and its result leaves unused (CLIP's pooled output beside the hidden states the
+    caller returns): not planned, said once; a graph of only such ops at its end planned before as a region
+    with no outputs and failed."""
+    import planner
+    from planner.core.graph import GraphBuilder
+
+    b = GraphBuilder("dead-tail")
+    b.input("x", (8, 16), "fp32")
+    y = b.op("y", "Relu", ["x"])
+    b.op("unused_middle", "Exp", ["x"])
+    b.op("unused_tail", "Affine", [b.op("unused_tail_in", "Sigmoid", [y])], {"a": 2.0, "b": 0.0})
+    g = b.build([y])
+    live = g.live()
+    assert [n.id for n in live.nodes] == ["x", "y"] and live.outputs == ("y",) and live.live() is live
+    with caplog.at_level(logging.INFO, logger="planner.pipeline"):
+        result = planner.plan(g, backend="cpu", **OPTIONS)
+    assert [k.out for k in result.plan.kernels] == ["y"]
+    assert "3 op(s) compute values no output depends on" in caplog.text

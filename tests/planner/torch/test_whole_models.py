@@ -194,3 +194,29 @@ def test_a_padding_mask_computed_from_the_call_inputs_fuses_into_attention_and_e
             want = module(ids, m)
             assert torch.isfinite(want).all()
             _close(result(ids, m), want)
+
+
+def test_a_model_whose_caller_leaves_part_of_its_result_unused_plans_and_equals_eager() -> None:
+    """CLIP's vision model computes a pooled output beside its hidden states; returning the hidden states only
+    leaves the pooling's ops unused: they are not planned (they made a region with no outputs, which failed)."""
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(0)
+    model = CLIPVisionModel(CLIPVisionConfig(hidden_size=D, num_attention_heads=HEADS, intermediate_size=2 * D,
+                                             num_hidden_layers=1, image_size=32, patch_size=8,
+                                             attn_implementation="sdpa")).eval()
+
+    class Hidden(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, pixels):
+            return self.model(pixel_values=pixels).last_hidden_state
+
+    module, x = Hidden(), torch.randn(1, 3, 32, 32)
+    graph = import_module(module, (x,)).graph
+    assert len(graph.live().nodes) < len(graph.nodes)
+    result = planner.plan(module, (x,), backend="cpu", cache=False, max_candidates=2)
+    with torch.no_grad():
+        _close(result(x), module(x))
