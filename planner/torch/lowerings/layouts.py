@@ -113,9 +113,10 @@ def head_major(imp: Importer, t: Traced) -> bool:
 
 
 def mask_layout(imp: Importer, mask: Any, scores: tuple[int, ...], dtype: torch.dtype) -> tuple[Any, int, int] | None:
-    """(mask value, its batches, its rows) for an ``attn_mask`` the op table can add to ``scores`` (batch,
-    heads, S, T): shape (batches, 1, rows, T) after torch's left padding with 1s, batches 1 or the batch, rows
-    1 or S; float of the scores' dtype, or a constant bool mask, then 0 where kept and -inf elsewhere."""
+    """(mask value, the groups it holds, its rows) for an ``attn_mask`` the op table can add to ``scores``
+    (batch, heads, S, T): shape (batches, 1, rows, T) after torch's left padding with 1s, batches 1 or the batch,
+    or one per head (batch, heads, rows, T) (T5's position bias, ALiBi's slopes; batch 1 where the scores' is),
+    rows 1 or S; float of the scores' dtype, or a constant bool mask, then 0 where kept and -inf elsewhere."""
     if not isinstance(mask, (Traced, torch.Tensor)) or len(mask.shape) > 4:
         return None
     if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
@@ -125,17 +126,20 @@ def mask_layout(imp: Importer, mask: Any, scores: tuple[int, ...], dtype: torch.
     if mask.dtype != dtype or (isinstance(mask, Traced) and mask.program is not None):
         return None
     shape = (1,) * (4 - len(mask.shape)) + tuple(mask.shape)
-    b, _, s, t = scores
-    if shape[1] != 1 or shape[3] != t or shape[0] not in (1, b) or shape[2] not in (1, s):
+    b, h, s, t = scores
+    per_head = shape[1] == h != 1
+    if (shape[1] != 1 and not per_head) or shape[3] != t or shape[2] not in (1, s):
         return None
-    flat = (shape[0] * shape[2], t)
+    if shape[0] not in ((b,) if per_head and b != 1 else (1, b)):  # per head: the groups in the scores' order
+        return None
+    flat = (shape[0] * shape[1] * shape[2], t)
     if isinstance(mask, Traced) and mask.id is not None and imp.b.shape_of(mask.id) != flat:
         return None
     if isinstance(mask, torch.Tensor):
-        mask = mask.reshape(flat)  # bound as the (batches * rows, T) the op reads
+        mask = mask.reshape(flat)  # bound as the (groups * rows, T) the op reads
     elif flat_shape(mask.shape) != flat:
         return None
-    return mask, shape[0], shape[2]
+    return mask, shape[0] * shape[1], shape[2]
 
 
 #: a float mask's value at most this masks a key as -inf does: added to a score it stays itself (|s| < 1e22),
@@ -198,18 +202,19 @@ def computed_mask(imp: Importer, node: fx.Node, mask: Traced, scores: tuple[int,
 
 def masked_scores(imp: Importer, node: fx.Node, x: Any, mask: Any, out: tuple[int, ...], dtype: torch.dtype) -> Emitted | None:
     """``x + mask`` for head-major scores ``x`` (batch, heads, S, T) and an attention mask broadcast over the
-    heads: the mask repeated over the groups (``GroupRepeat``), then ``MaskAdd`` (``Add`` for one row per
-    query).  None where ``x`` is no such value or the mask no such mask."""
+    heads, or one per head: the mask repeated over the groups (``GroupRepeat``; once, a copy as groups, for one
+    per head), then ``MaskAdd`` (``Add`` for one row per query).  None where ``x`` is no such value or the mask
+    no such mask."""
     if not (isinstance(x, Traced) and x.id is not None and tuple(x.shape) == out
             and imp.b.shape_of(x.id) == head_major_shape(out)):
         return None
     layout = mask_layout(imp, mask, out, dtype)
     if layout is None:
         return None
-    value, batches, rows = layout
+    value, groups, rows = layout
     b, h = out[:2]
     repeated = imp.emit(node, "GroupRepeat", [imp.use(value, f"{node.name}_mask")],
-                         {"heads": b * h // batches, "rows": rows}, (b, h, rows, out[-1]), dtype, "_mask")
+                         {"heads": b * h // groups, "rows": rows}, (b, h, rows, out[-1]), dtype, "_mask")
     assert repeated.id is not None
     return imp.emit(node, "MaskAdd" if rows == 1 else "Add", [x.id, repeated.id], None, out, dtype)
 

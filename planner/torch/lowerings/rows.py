@@ -117,6 +117,11 @@ def lower_sdpa(imp: Importer, node: fx.Node, args: Any, kwargs: Any, concrete: A
         if found is None:
             return None
         mask, kept = found
+    elif isinstance(mask, Traced) and mask.program is not None and mask.dtype in TORCH_DTYPES:
+        # a float mask torch computes from the inputs (a padding mask plus a bias per head): one Opaque node
+        if mask_layout(imp, Traced(mask.shape, mask.dtype, True), scores_shape, concrete.dtype) is None:
+            return None
+        mask = Traced(mask.shape, mask.dtype, True, imp.materialise(mask))
     if mask is not None and mask_layout(imp, mask, scores_shape, concrete.dtype) is None:
         return None
     q, k, v = (imp.use(t, f"{node.name}_{name}") for t, name in zip(qkv, "qkv", strict=True))

@@ -160,6 +160,38 @@ def test_a_padding_mask_input_fuses_into_masked_attention_and_equals_eager() -> 
         _close(result(x, other), module(x, other))
 
 
+class HeadBiasedAttention(PaddedAttention):
+    """A bias per head (ALiBi's distances times a slope per head, T5's position bias), a constant, plus the mask
+    given with the input."""
+
+    def forward(self, x, mask):
+        b, s, d = x.shape
+        slopes = torch.tensor([0.5, 0.25]).view(1, 2, 1, 1)
+        distance = torch.arange(s).view(1, s) - torch.arange(s).view(s, 1)
+        return super().forward(x, mask + slopes * -distance.abs())
+
+
+@pytest.mark.parametrize(("batch", "mask_batch", "fused"), [(2, 2, True), (1, 1, True), (2, 1, False)],
+                         ids=["per-batch", "one-batch", "shared-over-a-batch"])
+def test_a_mask_per_head_is_added_to_each_heads_scores_and_equals_eager(batch, mask_batch, fused) -> None:
+    """(batch, heads, S, T) masks take the scores' own group order: the attention is op-table ops (the mask,
+    computed by torch from the input and the bias, one Opaque node). One shared by every batch of several,
+    (1, heads, S, T), would need its groups interleaved: the attention stays torch's call."""
+    torch.manual_seed(0)
+    module, x = HeadBiasedAttention().eval(), torch.randn(batch, 8, 32)
+    mask = torch.zeros(mask_batch, 1, 1, 8)
+    mask[0, ..., 6:] = torch.finfo(torch.float32).min
+    ops = import_module(module, (x, mask)).graph.ops
+    torch_sdpa = [n for n in ops if n.op == "Opaque" and "scaled_dot_product" in n.attr_dict["impl"]]
+    assert (not torch_sdpa) == fused and ("BatchScores" in {n.op for n in ops}) == fused
+    result = planner.plan(module, (x, mask), backend="cpu", cache=False, max_candidates=4)
+    with torch.no_grad():
+        _close(result(x, mask), module(x, mask))
+        other = torch.zeros_like(mask)
+        other[-1, ..., :3] = -1e4
+        _close(result(x, other), module(x, other))
+
+
 def test_a_bool_mask_input_is_a_clear_error_naming_it() -> None:
     from planner.torch.errors import TorchImportError
 

@@ -1,5 +1,5 @@
 """Whole language models from token ids and the layers whose packing, casts and position biases used to stay
-torch's: GPT-2 and LLaMA (2 layers) from ``input_ids``, Phi-3's decoder layer (packed ``qkv_proj`` sliced,
+torch's: GPT-2, LLaMA and T5's encoder (2 layers) from ``input_ids``, Phi-3's decoder layer (packed ``qkv_proj`` sliced,
 ``gate_up_proj`` chunked), Gemma's (``type_as`` in its RMSNorm) and T5's self-attention with its relative
 position bias, each with no Opaque node and equal to eager torch in fp32 and bf16 (transformers' own classes,
 small configs, random weights, nothing downloaded)."""
@@ -53,6 +53,13 @@ def llama_model() -> nn.Module:
                                              attn_implementation="sdpa")))
 
 
+def t5_encoder() -> nn.Module:
+    from transformers import T5Config, T5EncoderModel
+
+    return LastHidden(T5EncoderModel(T5Config(d_model=D, d_kv=D // HEADS, num_heads=HEADS, d_ff=2 * D, num_layers=2,
+                                              vocab_size=VOCAB)))
+
+
 def phi3_layer() -> nn.Module:
     from transformers import Phi3Config
     from transformers.models.phi3.modeling_phi3 import Phi3DecoderLayer, Phi3RotaryEmbedding
@@ -83,6 +90,8 @@ def t5_attention() -> nn.Module:
 MODELS = {
     "gpt2-model": (gpt2_model, "ids", {"Embedding": 1, "Heads": 6}),
     "llama-model": (llama_model, "ids", {"Embedding": 1, "RotateHalf": 4}),
+    # its position bias, one per head, added in the attention (SDPA's attn_mask of (1, heads, S, S))
+    "t5-encoder": (t5_encoder, "ids", {"Embedding": 1, "BatchScores": 2, "Add": 2}),
     "phi3-layer": (phi3_layer, "x", {"Heads": 3, "Columns": 2, "RotateHalf": 2}),
     "gemma-layer": (gemma_layer, "x", {"Heads": 3, "GeluTanh": 1}),
     "t5-attention": (t5_attention, "x", {"Heads": 3, "BatchScores": 1, "Add": 1}),
