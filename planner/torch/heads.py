@@ -104,9 +104,24 @@ def _column_slice(step: dict[str, Any], in_shape: Shape) -> tuple[int, int] | No
     return (offset, width) if width > 0 and offset + width <= cols else None
 
 
+_CONTIGUOUS = frozenset({"torch.Tensor.contiguous", "torch.ops.aten.contiguous.default"})
+
+
+def _without_trailing_copies(steps: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``steps`` less the ``contiguous()`` calls that end them (each reading the step before: a head-major op
+    result is contiguous already)."""
+    rest = list(steps)
+    while (len(rest) > 1 and rest[-1].get("impl") in _CONTIGUOUS and len(_args(rest[-1])) == 1
+           and _reads(rest[-1], {"$step": len(rest) - 2}) and not _kwargs(rest[-1])):
+        rest.pop()
+    return rest
+
+
 def head_split(steps: Sequence[dict[str, Any]], in_shapes: Sequence[Shape]) -> tuple[int, HeadSplit] | None:
     """(input index, layout) when ``steps`` take heads out of one input of shape (batch, seq, C): an optional
-    split/chunk of the last dimension, a view to (batch, seq, heads, d) and a swap of dims 1 and 2."""
+    split/chunk of the last dimension, a view to (batch, seq, heads, d) and a swap of dims 1 and 2 (then
+    ``contiguous()``, as Whisper's attention writes it, or not)."""
+    steps = _without_trailing_copies(steps)
     if len(in_shapes) != 1 or len(in_shapes[0]) != 3 or len(steps) not in (2, 3):
         return None
     b, s, c = in_shapes[0]

@@ -228,6 +228,11 @@ def test_head_split_reads_the_recorded_steps() -> None:
     wrong_dims = {**swap, "args": [{"$step": 1}, 0, 2], "out": [4, 5, 2, 2]}
     assert head_split([split, view, wrong_dims], [(2, 5, 24)]) is None
     assert head_split([{**split, "kwargs": {"$dict": {"dim": 0}}}, view, swap], [(2, 5, 24)]) is None
+    copy = {"impl": "torch.ops.aten.contiguous.default", "args": [{"$step": 2}], "kwargs": {"$dict": {}}, "item": -1,
+            "out": [2, 4, 5, 2]}  # Whisper's transpose(1, 2).contiguous()
+    assert head_split([split, view, swap, copy], [(2, 5, 24)]) == head_split([split, view, swap], [(2, 5, 24)])
+    channels_last = {**copy, "kwargs": {"$dict": {"memory_format": {"$memory_format": "channels_last"}}}}
+    assert head_split([split, view, swap, channels_last], [(2, 5, 24)]) is None
     merge = {"impl": "torch.Tensor.transpose", "args": [{"$in": 0}, 1, 2], "kwargs": {"$dict": {}}, "item": -1,
              "out": [2, 5, 4, 2]}
     reshape = {"impl": "torch.Tensor.reshape", "args": [{"$step": 0}, 2, 5, 8], "kwargs": {"$dict": {}}, "item": -1,

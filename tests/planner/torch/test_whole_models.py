@@ -1,5 +1,5 @@
 """Whole language models from token ids and the layers whose packing, casts and position biases used to stay
-torch's: GPT-2, LLaMA and T5's encoder (2 layers) from ``input_ids``, Phi-3's decoder layer (packed ``qkv_proj`` sliced,
+torch's: GPT-2, LLaMA and T5's encoder (2 layers) from ``input_ids``, Whisper's encoder from mel frames, Phi-3's decoder layer (packed ``qkv_proj`` sliced,
 ``gate_up_proj`` chunked), Gemma's (``type_as`` in its RMSNorm) and T5's self-attention with its relative
 position bias, each with no Opaque node and equal to eager torch in fp32 and bf16 (transformers' own classes,
 small configs, random weights, nothing downloaded)."""
@@ -28,14 +28,14 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 class LastHidden(nn.Module):
-    """A whole model called with token ids: its last hidden states."""
+    """A whole model called with token ids (or another input): its last hidden states."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, argument: str = "input_ids") -> None:
         super().__init__()
-        self.model = model
+        self.model, self.argument = model, argument
 
     def forward(self, ids):
-        return self.model(input_ids=ids).last_hidden_state
+        return self.model(**{self.argument: ids}).last_hidden_state
 
 
 def gpt2_model() -> nn.Module:
@@ -58,6 +58,14 @@ def t5_encoder() -> nn.Module:
 
     return LastHidden(T5EncoderModel(T5Config(d_model=D, d_kv=D // HEADS, num_heads=HEADS, d_ff=2 * D, num_layers=2,
                                               vocab_size=VOCAB)))
+
+
+def whisper_encoder() -> nn.Module:
+    from transformers import WhisperConfig, WhisperModel
+
+    cfg = WhisperConfig(d_model=D, encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_layers=2,
+                        encoder_ffn_dim=2 * D, num_mel_bins=8, max_source_positions=SEQ, attn_implementation="sdpa")
+    return LastHidden(WhisperModel(cfg).encoder, "input_features")
 
 
 def phi3_layer() -> nn.Module:
@@ -92,6 +100,8 @@ MODELS = {
     "llama-model": (llama_model, "ids", {"Embedding": 1, "RotateHalf": 4}),
     # its position bias, one per head, added in the attention (SDPA's attn_mask of (1, heads, S, S))
     "t5-encoder": (t5_encoder, "ids", {"Embedding": 1, "BatchScores": 2, "Add": 2}),
+    # 1-D convolutions over mel frames, heads taken out with transpose(1, 2).contiguous()
+    "whisper-encoder": (whisper_encoder, "mel", {"Heads": 6, "BatchScores": 2}),
     "phi3-layer": (phi3_layer, "x", {"Heads": 3, "Columns": 2, "RotateHalf": 2}),
     "gemma-layer": (gemma_layer, "x", {"Heads": 3, "GeluTanh": 1}),
     "t5-attention": (t5_attention, "x", {"Heads": 3, "BatchScores": 1, "Add": 1}),
@@ -102,7 +112,8 @@ def _example(name: str, dtype: torch.dtype) -> tuple[nn.Module, tuple[torch.Tens
     factory, kind, _ = MODELS[name]
     torch.manual_seed(0)
     module = factory().eval().to(dtype)
-    x = torch.randint(0, VOCAB, (2, SEQ)) if kind == "ids" else torch.randn(2, SEQ, D, dtype=dtype)
+    x = (torch.randint(0, VOCAB, (2, SEQ)) if kind == "ids" else torch.randn(2, 8, 2 * SEQ, dtype=dtype) if kind == "mel"
+         else torch.randn(2, SEQ, D, dtype=dtype))
     return module, (x,)
 
 
