@@ -432,7 +432,8 @@ def test_every_fused_kernel_of_the_examples_is_vectorised(compiler):
         if not all(re.search(rf":{line}:\d+: optimized: loop vectorized", report) for line in loop_lines):
             failures.append(what)
         # a block of a row's columns: its loop vectorised, or unrolled and its statements vectorised as a block
-        blocks = [range(i, lines.index(line.replace("for", "}").split("}")[0] + "}", i) + 1)
+        # each block loop's lines, down to its closing brace at the loop's own indentation
+        blocks = [range(i, lines.index(line[:len(line) - len(line.lstrip())] + "}", i) + 1)
                   for i, line in enumerate(lines, 1) if "for (int64_t fp_j = " in line]
         blocked += bool(blocks)
         vectorised = {int(n) for n in re.findall(r":(\d+):\d+: optimized: (?:loop|basic block)", report)}
