@@ -27,6 +27,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -147,10 +148,11 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
         if missing:
             raise BackendError(f"plan has no type for tensor {missing[0]!r}")
         intermediates = set(written) - set(plan.outputs)
-        views, handed = layout_views(plan, functools.partial(self._torch_attention, tensors=plan.tensors))
+        laid = layout_views(plan, functools.partial(self._torch_attention, tensors=plan.tensors),
+                            functools.partial(self._generated_attention, tensors=plan.tensors))
         convolved = convolutions(plan, functools.partial(self._torch_convolution, tensors=plan.tensors))
         # the Im2col's input is read where its patches were
-        views = {**views, **{t: body.args[0].tensor for t, body in convolved.items()}}  # type: ignore[union-attr]
+        views = {**laid.views, **{t: body.args[0].tensor for t, body in convolved.items()}}  # type: ignore[union-attr]
         # a Heads view is read where its source is: the source lives until the view's last reader
         reads = [[*k.reads, *loads(k.body)] for k in plan.kernels]
         shared = shared_buffers(
@@ -167,7 +169,7 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
                 buffers[name] = typed_view(shared[name], ttype.shape, dtype)
             else:
                 buffers[name] = aligned_empty(ttype.shape, dtype, zero=True)
-        memory = Memory(buffers, frozenset(plan.outputs), packable, views, handed, convolved)
+        memory = Memory(buffers, frozenset(plan.outputs), packable, views, laid.handed, convolved, laid.layouts)
         steps = []
         for i, k in enumerate(plan.kernels):
             try:
@@ -331,28 +333,70 @@ def convolutions(plan: Plan, convolves: Callable[[Kernel, str], bool]) -> dict[s
     return out
 
 
-def layout_views(plan: Plan, torch_attention: Callable[[Kernel], bool]) -> tuple[dict[str, str], frozenset[str]]:
-    """Layout kernels of ``plan`` that need copy nothing, around an attention torch computes
-    (``torch_attention(kernel)``), which reads strided operands: (Heads result -> its source tensor) for Heads
-    read only by such attentions, and the attentions read only by Merge kernels (their result handed over as
-    torch wrote it).  Neither for a plan output, nor for a Heads of a plan output (a view would keep the
-    caller's array alive)."""
+@dataclass(frozen=True)
+class LayoutViews:
+    """The layout kernels of a plan that copy nothing (:func:`layout_views`)."""
+
+    #: a view's result -> the tensor whose memory it reads (that buffer lives until the view's last reader)
+    views: dict[str, str]
+    #: torch attention results handed to their Merge readers as torch wrote them
+    handed: frozenset[str]
+    #: where generated attention kernels read a view, or write a result its Merge reads in place
+    layouts: dict[str, standalone.GroupLayout]
+
+
+def layout_views(plan: Plan, torch_attention: Callable[[Kernel], bool],
+                 generated_attention: Callable[[Kernel], bool]) -> LayoutViews:
+    """Layout kernels of ``plan`` that need copy nothing, around attentions that read strided operands: torch's
+    (``torch_attention(kernel)``) and the generated fp32 kernel (``generated_attention(kernel)``).  A Heads
+    read only by such attentions is a view of its source (for the generated kernel also through a GroupRepeat
+    only such kernels read: grouped-query attention's keys); a GroupRepeat only generated kernels read, of a
+    contiguous source or such a Heads, is a view of it (a mask repeated over the heads); torch's result read only
+    by Merges is handed to them as torch wrote it; the generated kernel's result read only by Merges is written
+    as their token rows, which they read in place.  Neither for a plan output, nor for a view of one (a view
+    would keep the caller's array alive)."""
     readers: dict[str, list[Kernel]] = {}
     for k in plan.kernels:
         for t in dict.fromkeys([*k.reads, *loads(k.body)]):
             readers.setdefault(t, []).append(k)
     outputs = set(plan.outputs)
+
+    def kept(k: Kernel) -> bool:  # a layout kernel over a loaded tensor, neither of them a plan output
+        return (k.kind == KernelKind.STANDALONE and k.out not in outputs and bool(readers.get(k.out))
+                and isinstance(k.body.args[0], Load) and k.body.args[0].tensor not in outputs)
+
+    def repeat_in_place(k: Kernel) -> bool:
+        return k.body.op == "GroupRepeat" and kept(k) and all(generated_attention(u) for u in readers[k.out])
+
     views: dict[str, str] = {}
     handed: set[str] = set()
+    layouts: dict[str, standalone.GroupLayout] = {}
     for k in plan.kernels:
         body, users = k.body, readers.get(k.out, [])
         if k.out in outputs or not users:
             continue
-        if (k.kind == KernelKind.STANDALONE and body.op == "Heads" and isinstance(body.args[0], Load)
-                and body.args[0].tensor not in outputs and all(torch_attention(u) for u in users)):
-            views[k.out] = body.args[0].tensor
+        source = body.args[0].tensor if body.args and isinstance(body.args[0], Load) else ""
+        if body.op == "Heads" and kept(k) and all(torch_attention(u) for u in users):
+            views[k.out] = source
+        elif body.op == "Heads" and kept(k) and source not in views and all(
+                generated_attention(u) or repeat_in_place(u) for u in users):
+            views[k.out] = source
+            layouts[k.out] = standalone.heads_layout(body, plan.tensors[source].shape[-1])
+        elif repeat_in_place(k) and (source in layouts or source not in views):
+            shape = plan.tensors[source].shape
+            base = layouts.get(source) or standalone.GroupLayout.contiguous(int(body.attr_dict["rows"]), shape[-1])
+            if base.repeat == 1:
+                views[k.out] = views.get(source, source)
+                layouts[k.out] = base.repeated(int(body.attr_dict["heads"]))
         elif torch_attention(k) and all(u.kind == KernelKind.STANDALONE and u.body.op == "Merge"
                                         and isinstance(u.body.args[0], Load) for u in users):
             handed.add(k.out)
-    return views, frozenset(handed)
+        elif generated_attention(k) and all(u.kind == KernelKind.STANDALONE and u.body.op == "Merge"
+                                            and isinstance(u.body.args[0], Load) for u in users):
+            groups, seq, width = plan.tensors[k.out].shape
+            heads = {int(u.body.attr_dict["heads"]) for u in users}
+            if len(heads) == 1:
+                layouts[k.out] = standalone.merged_layout(heads.pop(), seq, width)
+                views.update({u.out: k.out for u in users})
+    return LayoutViews(views, frozenset(handed), layouts)
 

@@ -20,6 +20,7 @@ from backends.cpu.buffers import (
     aligned_empty,
     typed_view,
 )
+from backends.cpu.standalone import GroupLayout
 from planner.core.dtypes import DTYPES, numpy_dtype
 from planner.core.kinds import KernelKind
 from planner.core.plans import Expr, Kernel, Load, Plan
@@ -148,7 +149,8 @@ class Memory:
 
     def __init__(self, own: dict[str, np.ndarray], outputs: frozenset[str] = frozenset(),
                  packable: frozenset[str] = frozenset(), views: Mapping[str, str] | None = None,
-                 handed: frozenset[str] = frozenset(), convolved: Mapping[str, Expr] | None = None) -> None:
+                 handed: frozenset[str] = frozenset(), convolved: Mapping[str, Expr] | None = None,
+                 layouts: Mapping[str, GroupLayout] | None = None) -> None:
         self.own = own
         self.arrays = dict(own)
         self.addr = {n: a.ctypes.data for n, a in own.items()}
@@ -157,10 +159,14 @@ class Memory:
         #: 16-bit weights a GEMM may multiply from oneDNN's packed form: those bound read-only have it in ``packed``
         self.packable = packable
         self.packed: dict[str, Any] = {}
-        #: layout steps that copy nothing (``layout_views``): Heads results bound as views of their source, and
+        #: layout steps that copy nothing (``layout_views``), by their result: the tensor whose memory they read
+        #: (Heads and GroupRepeat results read in place of their source, Merges of results written merged), and
         #: torch attention results handed to their Merge readers as torch wrote them
         self.views: Mapping[str, str] = views or {}
         self.handed = handed
+        #: where a generated attention kernel reads an operand or writes its result other than as contiguous
+        #: groups: a view's layout over its source, a result's over its Merge's rows
+        self.layouts: Mapping[str, GroupLayout] = layouts or {}
         #: Im2col results read only as a GEMM's left operand (their Im2col body): the GEMM is torch's
         #: convolution of the Im2col's input, and the patches are never stored
         self.convolved: Mapping[str, Expr] = convolved or {}

@@ -9,6 +9,7 @@ at a time with an online softmax, groups split across the worker pool.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,48 @@ from planner.core.shapes import WINDOW, window_out
 
 #: keys per block of the attention kernel: a block's scores stay in registers and L1 (a multiple of 16)
 KEY_BLOCK = 64
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Where the generated attention kernel finds group g's (rows, width) block of an operand (or writes its
+    result's): at element ``((g / repeat) / heads) * rows * row_stride + ((g / repeat) % heads) * head_step``, its
+    rows ``row_stride`` apart.  A (G, rows, width) buffer is ``contiguous``; a Heads view of token rows
+    (:func:`heads_layout`) reads each head's columns in place; a GroupRepeat view (``repeated``) reads group
+    g / repeat of its source; the merged layout writes each head's columns of the token rows (a Merge's)."""
+
+    rows: int
+    row_stride: int
+    heads: int = 1
+    head_step: int = 0
+    repeat: int = 1
+
+    @classmethod
+    def contiguous(cls, rows: int, width: int) -> GroupLayout:
+        return cls(rows, width)
+
+    def repeated(self, times: int) -> GroupLayout:
+        return GroupLayout(self.rows, self.row_stride, self.heads, self.head_step, self.repeat * times)
+
+    def offset_c(self, g: str = "g") -> str:
+        """C for group ``g``'s first element."""
+        group = g if self.repeat == 1 else f"({g} / {self.repeat})"
+        if self.heads == 1:
+            return f"{group} * {self.rows * self.row_stride}"
+        return f"({group} / {self.heads}) * {self.rows * self.row_stride} + ({group} % {self.heads}) * {self.head_step}"
+
+
+def heads_layout(body: Expr, source_width: int) -> GroupLayout:
+    """A Heads result read in place from its token rows (``source_width`` columns each, the view's first element
+    at the Heads' column offset): head h of batch b at row b * seq, column h * width / heads."""
+    attrs = body.attr_dict
+    heads, seq, width = (int(attrs[a]) for a in ("heads", "seq", "width"))
+    return GroupLayout(seq, source_width, heads, width // heads)
+
+
+def merged_layout(heads: int, seq: int, width: int) -> GroupLayout:
+    """An attention result written as its Merge's token rows: group b * heads + h at row b * seq, column h * width."""
+    return GroupLayout(seq, heads * width, heads, width)
 
 #: ``bmm(a, b, out)``: ``out[g] = a[g] @ b[g]`` for fp32 3-D arrays (``b`` may be a transposed view)
 BatchMatMul = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
@@ -109,7 +152,7 @@ QUERY_BLOCK = 4
 
 
 def attention_source(seq: int, keys: int, dim: int, vdim: int, scale: float, causal: bool, masked: bool = False,
-                     biased: bool = False) -> str:
+                     biased: bool = False, layouts: Mapping[str, GroupLayout] | None = None) -> str:
     """C for softmax(scale * q@k^T) @ v over groups [g0, g1): q (S, D), k (T, D), v (T, E), out (S, E) per group.
 
     Per group the keys are transposed once into a zero-padded scratch (D, T rounded up to a key block), so
@@ -123,15 +166,22 @@ def attention_source(seq: int, keys: int, dim: int, vdim: int, scale: float, cau
     group (T5's relative position bias), the rows of each block of queries read in place, or copied zero-padded
     as it starts where they do not fill whole key blocks.  A
     NaN score makes its row NaN, as in the unfused form; so does a query whose every key is hidden (0/0), as
-    there."""
+    there.  ``layouts``: where each group's block of ``q``, ``k``, ``v``, ``mask`` and ``out`` lies
+    (:class:`GroupLayout`; contiguous (G, rows, width) where not given); a mask's rows are T apart."""
     if not scale > 0:
         raise CodegenError(f"attention kernel: scale must be positive, got {scale!r}")
     s_, t_, d_, e_ = (int(x) for x in (seq, keys, dim, vdim))
+    lay = {"q": GroupLayout.contiguous(s_, d_), "k": GroupLayout.contiguous(t_, d_), "v": GroupLayout.contiguous(t_, e_),
+           "mask": GroupLayout.contiguous(s_ if biased else 1, t_), "out": GroupLayout.contiguous(s_, e_),
+           **(layouts or {})}
+    if lay["mask"].row_stride != t_:
+        raise CodegenError(f"attention kernel: a mask's rows must be {t_} apart, got {lay['mask'].row_stride}")
     mask_param, mask_row, mask_copy, mask_add, shift, base = "", "", "", "", "", "mn"
     if masked:
         mask_param = "const float* restrict mask, "
         mask_row = "\n    float mrow[FP_TP] __attribute__((aligned(64)));"
-        mask_copy = ("        for (int64_t t = 0; t < FP_TP; ++t) mrow[t] = t < FP_T ? mask[g * FP_T + t] : 0.0f;\n")
+        mask_copy = ("        const float* mg = mask + " + lay["mask"].offset_c() + ";\n"
+                     "        for (int64_t t = 0; t < FP_TP; ++t) mrow[t] = t < FP_T ? mg[t] : 0.0f;\n")
         mask_add = " + fp_v16_load(mrow + t0 + 16 * u)"
         # a block the mask hides entirely leaves the max at -inf: exponentials against 0 then, all of them 0
         shift, base = "\n                    const float mb = mn == -INFINITY ? 0.0f : mn;", "mb"
@@ -143,7 +193,7 @@ def attention_source(seq: int, keys: int, dim: int, vdim: int, scale: float, cau
                     "\n    if (!brow) { free(kt); return; }")
         # the block's rows read in place where they fill whole key blocks, else copied zero-padded (a scalar loop
         # that cost 0.7 ms of 1.9 on 24 groups of 128 x 128)
-        bias_rows = ("            const float* bias = mask + (g * FP_S + i0) * FP_T;\n"
+        bias_rows = ("            const float* bias = mask + " + lay["mask"].offset_c() + " + i0 * FP_T;\n"
                      "            if (nq < FP_QB || FP_T != FP_TP) {\n"
                      "                for (int r = 0; r < FP_QB; ++r)\n"
                      "                    for (int64_t t = 0; t < FP_TP; ++t)\n"
@@ -163,6 +213,10 @@ def attention_source(seq: int, keys: int, dim: int, vdim: int, scale: float, cau
 #define FP_QB {QUERY_BLOCK}
 #define FP_TP (((FP_T + FP_TB - 1) / FP_TB) * FP_TB)
 #define FP_CAUSAL {int(bool(causal))}
+#define FP_QRS {lay["q"].row_stride}
+#define FP_KRS {lay["k"].row_stride}
+#define FP_VRS {lay["v"].row_stride}
+#define FP_ORS {lay["out"].row_stride}
 #define FP_EXP_FLOOR -87.0f
 
 static inline fp_v16 fp_v16_select(fp_v16i take_b, fp_v16 a, fp_v16 b) {{
@@ -181,13 +235,13 @@ void {SYMBOL}(const float* restrict q, const float* restrict k, const float* res
     for (int j = 0; j < 16; ++j) lane[j] = j;
     const fp_v16 ninf = fp_v16_fill(-INFINITY);
     for (int64_t g = g0; g < g1; ++g) {{
-        const float* qg = q + g * FP_S * FP_D;
-        const float* kg = k + g * FP_T * FP_D;
-        const float* vg = v + g * FP_T * FP_E;
-        float* og = out + g * FP_S * FP_E;
+        const float* qg = q + {lay["q"].offset_c()};
+        const float* kg = k + {lay["k"].offset_c()};
+        const float* vg = v + {lay["v"].offset_c()};
+        float* og = out + {lay["out"].offset_c()};
 {mask_copy}        for (int64_t d = 0; d < FP_D; ++d) {{
             float* row = kt + d * FP_TP;
-            for (int64_t t = 0; t < FP_T; ++t) row[t] = kg[t * FP_D + d];
+            for (int64_t t = 0; t < FP_T; ++t) row[t] = kg[t * FP_KRS + d];
             for (int64_t t = FP_T; t < FP_TP; ++t) row[t] = 0.0f;
         }}
         for (int64_t i0 = 0; i0 < FP_S; i0 += FP_QB) {{
@@ -207,7 +261,7 @@ void {SYMBOL}(const float* restrict q, const float* restrict k, const float* res
                     fp_v16 kv[FP_NV];
                     for (int u = 0; u < FP_NV; ++u) kv[u] = fp_v16_load(kt + d * FP_TP + t0 + 16 * u);
                     for (int r = 0; r < FP_QB; ++r) {{
-                        const float qd = r < nq ? qg[(i0 + r) * FP_D + d] : 0.0f;
+                        const float qd = r < nq ? qg[(i0 + r) * FP_QRS + d] : 0.0f;
                         for (int u = 0; u < FP_NV; ++u) sc[r][u] += qd * kv[u];
                     }}
                 }}
@@ -237,7 +291,7 @@ void {SYMBOL}(const float* restrict q, const float* restrict k, const float* res
                     m[r] = mn;
                 }}
                 for (int64_t j = 0; j < nb; ++j) {{
-                    const float* vj = vg + (t0 + j) * FP_E;
+                    const float* vj = vg + (t0 + j) * FP_VRS;
                     for (int r = 0; r < FP_QB; ++r) {{
                         const float pj = p[r][j];
                         for (int64_t e = 0; e < FP_E; ++e) acc[r][e] += pj * vj[e];
@@ -245,7 +299,7 @@ void {SYMBOL}(const float* restrict q, const float* restrict k, const float* res
                 }}
             }}
             for (int r = 0; r < nq; ++r)
-                for (int64_t e = 0; e < FP_E; ++e) og[(i0 + r) * FP_E + e] = acc[r][e] / l[r];
+                for (int64_t e = 0; e < FP_E; ++e) og[(i0 + r) * FP_ORS + e] = acc[r][e] / l[r];
         }}
     }}
     free(kt);{free_rows}
@@ -272,8 +326,10 @@ def attention_shapes(body: Expr, shapes: Mapping[str, tuple[int, ...]]) -> tuple
     return q[0], q[1], k[1], q[2], v[2]
 
 
-def source_of(body: Expr, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
-    """The generated C a standalone kernel loads: attention's, and pooling's."""
+def source_of(body: Expr, shapes: Mapping[str, tuple[int, ...]],
+              layouts: Mapping[str, GroupLayout] | None = None) -> str | None:
+    """The generated C a standalone kernel loads: attention's (its operands and result in ``layouts``, by role:
+    ``q``, ``k``, ``v``, ``mask``, ``out``), and pooling's."""
     if body.op in POOLS:
         return pool_source(body)
     if body.op == "DepthwiseConv":
@@ -283,7 +339,7 @@ def source_of(body: Expr, shapes: Mapping[str, tuple[int, ...]]) -> str | None:
     _, s, t, d, e = attention_shapes(body, shapes)
     attrs = body.attr_dict
     return attention_source(s, t, d, e, float(attrs["scale"]), bool(attrs.get("causal", 0)),
-                            masked=body.op == "MaskedAttention", biased=body.op == "BiasedAttention")
+                            masked=body.op == "MaskedAttention", biased=body.op == "BiasedAttention", layouts=layouts)
 
 
 #: the first and one past the last tap of a window whose input index start + tap * step lies in [0, size): C

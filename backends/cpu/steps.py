@@ -393,6 +393,10 @@ class StandaloneSteps(StepsBase):
         arrays, out_name, reads = memory.arrays, k.out, [memory.own[n] for n in dict.fromkeys(order)]
         if body.op == "Heads" and out_name in memory.views:
             return self._heads_view(k, memory, order[0], reads)
+        if body.op == "GroupRepeat" and out_name in memory.views:
+            return self._source_view(k, memory, order[0], reads)
+        if body.op == "Merge" and out_name in memory.views:
+            return self._merged_rows(k, memory, order[0], reads)
         if body.op == "Im2col" and out_name in memory.convolved:  # its reader convolves the source itself
             return Step(k, lambda: None, reads, memory.own[out_name], {"impl": "none: read as a convolution"})
         if body.op == "Merge" and order[0] in memory.handed:
@@ -461,13 +465,21 @@ class StandaloneSteps(StepsBase):
 
             return Step(k, call_torch, reads, memory.own[out_name], {"impl": f"torch-sdpa-{dtype}", "threads": threads,
                                                                     "result": "handed" if handed else "copied"})
-        source = standalone.source_of(body, {n: tuple(t.shape) for n, t in tensors.items()})
-        assert source is not None
-        fn = self.compiler.function(source, len(order) + 1)
         if dtype == "fp32":
+            roles = (*("q", "k", "v", "mask")[:len(order)], "out")
+            layouts = {role: memory.layouts[n] for role, n in zip(roles, [*order, out_name], strict=True)
+                       if n in memory.layouts}
+            source = standalone.source_of(body, {n: tuple(t.shape) for n, t in tensors.items()}, layouts)
+            assert source is not None
+            fn = self.compiler.function(source, len(order) + 1)
+            if layouts:
+                facts["in_place"] = ",".join(sorted(layouts))
             call = standalone.attention_call(fn, self.pool, self.threads, groups,
                                              lambda: [addr[n] for n in order] + [addr[out_name]])
             return Step(k, call, reads, memory.own[out_name], facts)
+        source = standalone.source_of(body, {n: tuple(t.shape) for n, t in tensors.items()})
+        assert source is not None
+        fn = self.compiler.function(source, len(order) + 1)
         wide = {n: aligned_empty(memory.own[n].shape, np.float32) for n in dict.fromkeys(order)}
         result = aligned_empty(memory.own[out_name].shape, np.float32)
         widen = self.compiler.function(widen_source(dtype), 2)
@@ -538,6 +550,13 @@ class StandaloneSteps(StepsBase):
         return Step(k, call_depthwise, reads, memory.own[out_name],
                     {"impl": f"torch-{k.body.type.dtype}-depthwise", "threads": self.threads})
 
+    def _generated_attention(self, k: Kernel, tensors: Mapping[str, TensorType]) -> bool:
+        """Is kernel ``k`` an attention the generated kernel computes on its operands as stored (fp32), which it
+        reads, and writes, in any :class:`standalone.GroupLayout`?"""
+        body = k.body
+        return (k.kind == KernelKind.STANDALONE and body.op in standalone.ATTENTION_OPS and body.type.dtype == "fp32"
+                and all(isinstance(a, Load) and tensors[a.tensor].dtype == "fp32" for a in body.args))
+
     def _torch_attention(self, k: Kernel, tensors: Mapping[str, TensorType]) -> bool:
         """Is kernel ``k`` an attention that torch's fused kernel computes (16-bit, natively multiplied)?"""
         body = k.body
@@ -558,6 +577,33 @@ class StandaloneSteps(StepsBase):
             memory.bind(out_name, last[1])
 
         return Step(k, call_view, reads, memory.own[out_name], {"impl": "strided-view"})
+
+    @staticmethod
+    def _source_view(k: Kernel, memory: Memory, source: str, reads: list[np.ndarray]) -> Step:
+        """A GroupRepeat only generated attention kernels read: bound to its source, which they read in place
+        (``memory.layouts``)."""
+        arrays, out_name = memory.arrays, k.out
+
+        def call_view() -> None:
+            memory.bind(out_name, arrays[source], memory.addr[source])
+
+        return Step(k, call_view, reads, memory.own[out_name], {"impl": "read in place"})
+
+    @staticmethod
+    def _merged_rows(k: Kernel, memory: Memory, source: str, reads: list[np.ndarray]) -> Step:
+        """A Merge of a generated attention result written as its token rows (``memory.layouts``): bound to that
+        buffer, or copied into it where it is a plan output."""
+        out_name, shape = k.out, memory.own[k.out].shape
+        rows = memory.own[source].reshape(shape)  # the attention writes its own buffer, always
+        if out_name not in memory.outputs:
+            return Step(k, functools.partial(memory.bind, out_name, rows, rows.ctypes.data), reads,
+                        memory.own[out_name], {"impl": "written merged"})
+        arrays = memory.arrays
+
+        def call_copy() -> None:
+            np.copyto(arrays[out_name], rows)
+
+        return Step(k, call_copy, reads, memory.own[out_name], {"impl": "written merged, copied out"})
 
     @staticmethod
     def _merge_handed(k: Kernel, memory: Memory, source: str, reads: list[np.ndarray]) -> Step:

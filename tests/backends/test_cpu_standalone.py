@@ -205,6 +205,67 @@ def test_torchs_attention_reads_strided_heads_and_hands_its_result_to_the_merge(
         assert not np.shares_memory(compiled.memory.arrays[merge], compiled.memory.own[merge])  # a view of torch's
 
 
+def _in_place_attention_graph(case: str, merged_out: bool):
+    """Attention of 2 sequences of 70 tokens, 4 query heads of 8, from token rows, its heads merged: ``causal``
+    from one packed projection; ``gqa`` 2 key/value heads (their GroupRepeat over the query heads) from a
+    packed key/value projection; ``masked`` a padding mask (batch, T) repeated over the heads; ``biased`` a
+    per-batch row of keys per query (batch*S, T) repeated over the heads.  ``merged_out``: the Merge is the
+    output, else ReLU reads it and adds it to its exponential."""
+    batch, seq, heads, width = 2, 70, 4, 32
+    b = GraphBuilder(f"in-place-attention-{case}")
+    x = b.input("x", (batch * seq, 3 * width if case != "gqa" else 2 * width), "fp32")
+    q = b.op("qh", "Heads", [x], {"heads": heads, "seq": seq, "width": width, "offset": 0})
+    if case == "gqa":  # 2 key/value heads of 8 after the queries' 32 columns, each repeated for 2 query heads
+        k, v = (b.op(f"{t}h", "GroupRepeat", [b.op(f"{t}h2", "Heads", [x], {"heads": 2, "seq": seq, "width": 16,
+                                                                             "offset": off})],
+                     {"heads": 2, "rows": seq}) for t, off in (("k", width), ("v", width + 16)))
+    else:
+        k, v = (b.op(f"{t}h", "Heads", [x], {"heads": heads, "seq": seq, "width": width, "offset": off})
+                for t, off in (("k", width), ("v", 2 * width)))
+    scale = {"scale": 0.3}
+    if case == "masked":
+        mask = b.op("mask", "GroupRepeat", [b.input("m", (batch, seq), "fp32")], {"heads": heads, "rows": 1})
+        att = b.op("att", "MaskedAttention", [q, k, v, mask], scale)
+    elif case == "biased":
+        bias = b.op("bias", "GroupRepeat", [b.input("m", (batch * seq, seq), "fp32")], {"heads": heads, "rows": seq})
+        att = b.op("att", "BiasedAttention", [q, k, v, bias], scale)
+    else:
+        att = b.op("att", "Attention", [q, k, v], {**scale, "causal": int(case == "causal")})
+    merged = b.op("merged", "Merge", [att], {"heads": heads})
+    if merged_out:
+        return b.build([merged])
+    y = b.op("y", "Relu", [merged])
+    return b.build([b.op("out", "Add", [b.op("e", "Exp", [y]), merged])])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("merged_out", [False, True])
+@pytest.mark.parametrize("case", ["causal", "gqa", "masked", "biased"])
+def test_the_generated_attention_reads_views_and_writes_its_merges_rows(case, merged_out, threads) -> None:
+    """fp32 attention copies no layout: it reads each head's columns of the projection in place (Heads), a
+    repeated operand from its source (GroupRepeat: grouped-query keys, a mask or a bias per batch), and writes
+    its result as the Merge's token rows, which the Merge's readers read in place (or, for an output, are
+    copied out).  Equal to the reference over repeated calls in every candidate plan, each view's source alive
+    until the attention has read it."""
+    graph = _in_place_attention_graph(case, merged_out)
+    plans = build_candidates(graph, SPEC, cap=32).plans
+    inputs = random_inputs(graph, seed=7)
+    if case in ("masked", "biased"):
+        inputs["m"][1, -20:] = -np.inf  # the last keys of batch 1 hidden (biased: its first rows' keys)
+    want = execute_plan(build_candidates(graph, SPEC).unfused, inputs)[0]
+    merged_impl = "written merged, copied out" if merged_out else "written merged"
+    for plan in plans[:6]:
+        compiled = CpuBackend(SPEC, threads=threads).compile(plan)
+        facts = {k.out: f for k, f in zip(plan.kernels, compiled.kernel_facts, strict=True)}
+        assert {facts[n]["impl"] for n in ("qh", "kh", "vh", "kh2", "vh2") if n in facts} <= {"strided-view",
+                                                                                             "read in place"}
+        assert facts["att"]["in_place"] == ",".join(sorted(("q", "k", "v", "out", *(["mask"] if case in (
+            "masked", "biased") else []))))
+        assert facts["merged"]["impl"] == merged_impl
+        for _ in range(2):
+            np.testing.assert_allclose(compiled.run(inputs)[0], want, rtol=2e-5, atol=2e-5, err_msg=plan.notation())
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_token_ids_and_a_packed_projections_columns_equal_the_reference(dtype) -> None:
     """Embedding (the table's rows at ids carried as fp32) and Columns (a packed gate/up projection taken
