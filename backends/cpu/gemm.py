@@ -172,6 +172,13 @@ CONV_UNARY: dict[str, Callable[[Mapping[str, Any]], UnaryPostOp | None]] = {
 }
 #: the post-ops oneDNN applies after a residual add (its binary convolution refuses the others)
 CONV_BINARY_UNARY = frozenset({"none", "relu"})
+#: the activations oneDNN's packed linear applies as post-ops (:func:`packed_linear`; the unary fusions
+#: Inductor makes): the convolution's, and GELU in both of its forms
+LINEAR_UNARY: dict[str, Callable[[Mapping[str, Any]], UnaryPostOp | None]] = {
+    **CONV_UNARY,
+    "GeluErf": lambda attrs: UnaryPostOp("gelu", algorithm="none"),
+    "GeluTanh": lambda attrs: UnaryPostOp("gelu", algorithm="tanh"),
+}
 
 
 def torch_conv(dtype: str, window: Mapping[str, int]) -> Convolution:
@@ -474,16 +481,18 @@ def pack_weight(b: np.ndarray, dtype: str) -> Any:
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
 
-def packed_linear(dtype: str, attr: str = "none", algorithm: str = "") -> PackedLinear:
-    """``a @ w [+ bias]`` for a packed weight ``w``, by oneDNN, with post-op ``attr`` (``none``, ``relu``, or
-    ``gelu`` of ``algorithm`` ``tanh``) applied to the fp32 accumulator before the one rounding (16-bit); the operands'
-    tensor views are kept while they are the same arrays (a plan's own buffers, a bias; see :func:`torch_mm`)."""
+def packed_linear(dtype: str, unary: UnaryPostOp = NO_POST_OP) -> PackedLinear:
+    """``unary(a @ w [+ bias])`` for a packed weight ``w``, by oneDNN, the bias and the activation ``unary``
+    (:data:`LINEAR_UNARY`) applied to the fp32 accumulator as post-ops before the one rounding (16-bit); the
+    operands' tensor views are kept while they are the same arrays (a plan's own buffers, a bias; see
+    :func:`torch_mm`)."""
     import torch  # optional dependency
 
     from planner.torch.ops import numpy_view
 
     kind, linear = _torch_dtype(dtype), torch.ops.mkldnn._linear_pointwise
     kept: dict[int, tuple[np.ndarray, Any]] = {}
+    attr, scalars, algorithm = unary.name, list(unary.scalars), unary.algorithm
 
     def view(i: int, x: np.ndarray) -> Any:
         hit = kept.get(i)
@@ -492,14 +501,9 @@ def packed_linear(dtype: str, attr: str = "none", algorithm: str = "") -> Packed
         return hit[1]
 
     def run(a: np.ndarray, w: Any, bias: np.ndarray | None = None) -> Any:
-        return linear(view(0, a), w, None if bias is None else view(1, bias), attr, [], algorithm)
+        return linear(view(0, a), w, None if bias is None else view(1, bias), attr, scalars, algorithm)
 
     return run
-
-
-#: the cuBLASLt epilogues oneDNN's packed product applies itself, as post-ops: (attr, algorithm)
-ONEDNN_POST_OPS = {"DEFAULT": ("none", ""), "BIAS": ("none", ""), "RELU": ("relu", ""), "RELU_BIAS": ("relu", ""),
-                   "GELU": ("gelu", "tanh"), "GELU_BIAS": ("gelu", "tanh")}
 
 
 def packing(product: MatMul, linear: PackedLinear, weight: Callable[[], Any]) -> MatMul:

@@ -29,7 +29,7 @@ from planner.core.cost import DeviceSpec
 from planner.core.graph import TensorType
 from planner.core.kinds import KernelKind
 from planner.core.opaque import opaque_writer
-from planner.core.ops import GATHERS, LAYOUT_COPIES, POOLS, WINDOWED_PRODUCTS, epilogue_has_bias
+from planner.core.ops import GATHERS, LAYOUT_COPIES, POOLS, WINDOWED_PRODUCTS
 from planner.core.plans import Expr, Kernel, Load
 from planner.core.reference import eval_expr
 from planner.core.shapes import window_out
@@ -187,19 +187,24 @@ class GemmSteps(StepsBase):
 
     def _post_ops(self, k: Kernel, tensors: Mapping[str, TensorType],
                   memory: Memory) -> tuple[str, str, str | None, gemm.PackedLinear] | None:
-        """(a, b, bias, linear) where a cublaslt kernel's epilogue is one oneDNN applies to the packed product
-        itself (``gemm.ONEDNN_POST_OPS``): its right operand a packable weight, every operand and the output of
-        the product tile's dtype (fp32, or the 16-bit one torch multiplies natively); else None."""
-        if k.kind != KernelKind.CUBLASLT or k.epilogue not in gemm.ONEDNN_POST_OPS:
+        """(a, b, bias, linear) where a GEMM kernel's body (a cuBLASLt epilogue, or a generated one) is
+        ``[activation]([BiasAdd](product))``, which oneDNN applies to the packed product itself as post-ops
+        (``gemm.LINEAR_UNARY``): its right operand a packable weight, every operand and the output of the product
+        tile's dtype (fp32, or the 16-bit one torch multiplies natively); else None.  A residual add stays the
+        generated epilogue's (oneDNN's binary post-op was no faster: bf16 256x3072x768, one core)."""
+        if k.kind not in (KernelKind.CUBLASLT, KernelKind.GEMM_EPILOGUE):
             return None
         mm = find_matmul(k.body)
+        post = post_ops(k.body, mm, gemm.LINEAR_UNARY)
+        if post is None or post[1] is not None:
+            return None
+        bias, _, unary = post
         a_name, b_name = (a.tensor for a in mm.args)  # type: ignore[union-attr]
-        bias = next((r for r in k.reads if r not in (a_name, b_name)), None) if epilogue_has_bias(k.epilogue) else None
         dtype = self._tile_dtype(k, tensors)
         operands = [a_name, b_name, k.out, *([bias] if bias else [])]
         if b_name not in memory.packable or any(tensors[n].dtype != dtype for n in operands):
             return None
-        return a_name, b_name, bias, gemm.packed_linear(dtype, *gemm.ONEDNN_POST_OPS[k.epilogue])
+        return a_name, b_name, bias, gemm.packed_linear(dtype, unary)
 
     @staticmethod
     def _with_post_ops(k: Kernel, memory: Memory, step: Step, a_name: str, b_name: str, bias: str | None,
@@ -682,9 +687,17 @@ def conv_post_ops(body: Expr, mm: Expr) -> tuple[str | None, str | None, gemm.Un
     """(bias, residual, unary) when a convolution kernel's body is oneDNN's post-ops over the product:
     ``[activation](([BiasAdd(mm, bias)]) [+ residual])``, each operand loaded, the activation one of
     ``gemm.CONV_UNARY`` (after a residual: ``gemm.CONV_BINARY_UNARY``); else None."""
+    return post_ops(body, mm, gemm.CONV_UNARY)
+
+
+def post_ops(body: Expr, mm: Expr, activations: Mapping[str, Callable[[Mapping[str, Any]], gemm.UnaryPostOp | None]]
+             ) -> tuple[str | None, str | None, gemm.UnaryPostOp] | None:
+    """(bias, residual, unary) when ``body`` is ``[activation](([BiasAdd(mm, bias)]) [+ residual])`` over the
+    product ``mm``, each operand loaded, the activation one of ``activations`` (after a residual: one of
+    ``gemm.CONV_BINARY_UNARY``); else None."""
     unary = gemm.NO_POST_OP
-    if body.op in gemm.CONV_UNARY and body is not mm:
-        found = gemm.CONV_UNARY[body.op](body.attr_dict)
+    if body.op in activations and body is not mm:
+        found = activations[body.op](body.attr_dict)
         if found is None:
             return None
         unary, body = found, body.args[0]  # type: ignore[assignment]

@@ -22,6 +22,7 @@ from planner.core.cost import device_from_json, load_device
 from planner.core.dtypes import numpy_dtype
 from planner.core.errors import UsageError
 from planner.core.graph import Graph, GraphBuilder, TensorType
+from planner.core.kinds import KernelKind
 from planner.core.ops import OPS
 from planner.core.plans import Expr, Load, Plan
 from planner.core.reference import execute_graph, execute_plan, random_inputs
@@ -943,6 +944,41 @@ def test_a_cublaslt_epilogue_on_packed_weights_runs_as_onednn_post_ops(epilogue,
         compiled.run(dict(inputs, w=held))
         first = plan.kernels[0].out  # the next kernel reads oneDNN's result, not the kernel's own buffer
         assert np.shares_memory(compiled.memory.arrays[first], compiled.memory.own[first]) == (first in plan.outputs)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("activation", "attrs"), [
+    ("GeluErf", {}), ("Silu", {}), ("Hardswish", {}), ("Sigmoid", {}), ("Tanh", {}), ("LeakyRelu", {"slope": 0.1}),
+    ("Clamp", {"lo": 0.0, "hi": 6.0, "sides": "both"}), ("Add", {}),
+])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_a_generated_gemm_epilogue_onednn_applies_runs_as_its_post_ops(activation, attrs, dtype, threads, monkeypatch):
+    """A gemm_epilogue kernel ``activation(x @ w + bias)`` over a packed weight, the activation one oneDNN's linear
+    applies (GELU of erf, SiLU, the hard ones, a clamp of two bounds...), is oneDNN's product with the bias and
+    the activation as post-ops; a residual add stays the generated epilogue's.  Both match the reference, the
+    result read by the next kernel."""
+    backend = _packing_backend(monkeypatch, threads, dtype=dtype)
+    b = GraphBuilder(f"gemm-epilogue-{activation}")
+    b.input("x", (24, 40), dtype)
+    b.input("w", (40, 32), dtype)
+    b.input("bias", (32,), dtype)
+    y = b.op("y", "BiasAdd", [b.op("mm", "MatMul", ["x", "w"]), "bias"])
+    y = b.op("act", activation, [y, b.input("r", (24, 32), dtype)] if activation == "Add" else [y], attrs)
+    g = b.build([b.op("out", "Affine", [y], {"a": 0.5, "b": 1.0})])
+    plans = [p for p in build_candidates(g, SPEC, cap=64).plans
+             if p.kernels[0].kind == KernelKind.GEMM_EPILOGUE and p.kernels[0].body.op == activation]
+    assert plans
+    inputs = {n: a.astype(numpy_dtype(dtype)) for n, a in random_inputs(g, seed=3).items()}
+    held = np.ascontiguousarray(inputs["w"].T).T
+    held.setflags(write=False)
+    for plan in plans[:2]:
+        want = execute_plan(plan, inputs)
+        compiled = backend.compile(plan)
+        impl = compiled.kernel_facts[0]["impl"]
+        assert impl == (f"onednn-{dtype}-post-ops" if activation != "Add" else
+                        ("torch-bf16-gemm+c-epilogue" if dtype == "bf16" else "numpy-gemm+c-epilogue"))
+        for feed in (dict(inputs, w=held), dict(inputs, w=held), dict(inputs, w=inputs["w"].copy())):
+            assert all(close(a, e, dtype) for a, e in zip(compiled.run(feed), want, strict=True)), plan.notation()
 
 
 def test_packed_16_bit_weights_are_chosen_by_measurement_and_refused_where_torch_cannot_pack(monkeypatch, tmp_path):
