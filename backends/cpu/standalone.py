@@ -660,6 +660,30 @@ def rows_call(fn: Any, pool: parallel.WorkerPool, threads: int, rows: int,
     return call
 
 
+def gather_source(n_rows: int, row_bytes: int) -> str:
+    """C for Embedding over rows [r0, r1) of the ids (fp32, one per output row): each id's table row (its stored
+    bytes, any dtype) copied into the output row.  An id that is not a whole row number below ``n_rows`` (NaN
+    included: every comparison with it is false) stops the copy and leaves its position in ``bad[0]``, which
+    the caller set to -1; the caller then raises the op's error (:func:`gather_rows`)."""
+    return PRELUDE + f"""
+#define FP_ROWS {int(n_rows)}
+#define FP_ROW_BYTES {int(row_bytes)}
+
+void {SYMBOL}(const float* restrict ids, const char* restrict table, int64_t* restrict bad, char* restrict out,
+              int64_t r0, int64_t r1, int64_t unused) {{
+    (void)unused;
+    for (int64_t r = r0; r < r1; ++r) {{
+        const float id = ids[r];
+        if (!(id >= 0.0f && id < (float)FP_ROWS) || (float)(int64_t)id != id) {{
+            bad[0] = r;
+            return;
+        }}
+        memcpy(out + r * FP_ROW_BYTES, table + (int64_t)id * FP_ROW_BYTES, FP_ROW_BYTES);
+    }}
+}}
+"""
+
+
 def gather_rows(ids: np.ndarray, table: np.ndarray, out: np.ndarray) -> None:
     """Embedding: the table's rows (their stored bits, any dtype) at the ids, checked, into ``out``."""
     rows = sem.table_rows(ids, table.shape[0])

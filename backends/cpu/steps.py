@@ -407,11 +407,7 @@ class StandaloneSteps(StepsBase):
         if body.op == "Merge" and order[0] in memory.handed:
             return self._merge_handed(k, memory, order[0], reads)
         if body.op in GATHERS:  # the table's stored bits at the ids (fp32): any dtype
-
-            def call_gather() -> None:
-                standalone.gather_rows(arrays[order[0]], arrays[order[1]], arrays[out_name])
-
-            return Step(k, call_gather, reads, memory.own[k.out], {"impl": "numpy-take"})
+            return self._gather(k, memory, order, reads)
         if body.op in POOLS:
             if tensors[order[0]].dtype != body.type.dtype:
                 return self._converted(k, tensors, memory)  # the reference's numpy form
@@ -582,6 +578,31 @@ class StandaloneSteps(StepsBase):
             memory.bind(out_name, last[1])
 
         return Step(k, call_view, reads, memory.own[out_name], {"impl": "strided-view"})
+
+    def _gather(self, k: Kernel, memory: Memory, order: list[str], reads: list[np.ndarray]) -> Step:
+        """Embedding as a generated copy of each id's row (the ids split across the pool), or numpy's take where
+        the ids are not stored as fp32; an id that names no row raises the op's error."""
+        (ids, table), arrays, out_name = order, memory.arrays, k.out
+        n_rows, width = memory.own[table].shape
+        if memory.own[ids].dtype != np.float32:
+
+            def call_take() -> None:
+                standalone.gather_rows(arrays[ids], arrays[table], arrays[out_name])
+
+            return Step(k, call_take, reads, memory.own[out_name], {"impl": "numpy-take"})
+        fn = self.compiler.function(standalone.gather_source(n_rows, width * memory.own[table].itemsize), 4)
+        bad = np.full(1, -1, np.int64)
+        bad_ptr, addr = bad.ctypes.data, memory.addr
+        run = standalone.rows_call(fn, self.pool, self.threads, memory.own[ids].size,
+                                   lambda: [addr[ids], addr[table], bad_ptr, addr[out_name]])
+
+        def call_gather() -> None:
+            run()
+            if bad[0] >= 0:
+                bad[0] = -1
+                standalone.gather_rows(arrays[ids], arrays[table], arrays[out_name])  # raises the op's error
+
+        return Step(k, call_gather, reads, memory.own[out_name], {"impl": "c-gather"})
 
     @staticmethod
     def _source_view(k: Kernel, memory: Memory, source: str, reads: list[np.ndarray]) -> Step:

@@ -266,21 +266,26 @@ def test_the_generated_attention_reads_views_and_writes_its_merges_rows(case, me
             np.testing.assert_allclose(compiled.run(inputs)[0], want, rtol=2e-5, atol=2e-5, err_msg=plan.notation())
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_token_ids_and_a_packed_projections_columns_equal_the_reference(dtype) -> None:
-    """Embedding (the table's rows at ids carried as fp32) and Columns (a packed gate/up projection taken
-    apart), in every candidate of the token MLP; an id outside the table is an error, as in torch."""
+def test_token_ids_and_a_packed_projections_columns_equal_the_reference(dtype, threads) -> None:
+    """Embedding (the table's rows at ids carried as fp32, copied by a generated loop) and Columns (a packed
+    gate/up projection taken apart), in every candidate of the token MLP; an id outside the table (or not
+    whole, or NaN) is an error, as in torch, and the next call with good ids is right again."""
     graph = examples.token_mlp(tokens=24, vocab=50, d_model=32, hidden=48, dtype=dtype)
     inputs = random_inputs(graph, seed=3)
     assert set(np.unique(inputs["ids"])) <= set(range(50)) and len(np.unique(inputs["ids"])) > 5
     for plan in build_candidates(graph, SPEC).plans[:4]:
         assert {"standalone[Embedding]", "standalone[Columns]"} <= {k.describe() for k in plan.kernels}
-        compiled = CpuBackend(SPEC, threads=1).compile(plan)
-        np.testing.assert_allclose(compiled.run(inputs)[0].astype(np.float32),
-                                   execute_plan(plan, inputs)[0].astype(np.float32), rtol=2e-2, atol=2e-2)
-    for bad in (50.0, -1.0, 2.5):
+        compiled = CpuBackend(SPEC, threads=threads).compile(plan)
+        gather = next(f for k, f in zip(plan.kernels, compiled.kernel_facts, strict=True) if k.body.op == "Embedding")
+        assert gather["impl"] == "c-gather"
+        want = execute_plan(plan, inputs)[0].astype(np.float32)
+        np.testing.assert_allclose(compiled.run(inputs)[0].astype(np.float32), want, rtol=2e-2, atol=2e-2)
+    for bad in (50.0, -1.0, 2.5, np.nan, 1e10):
         with pytest.raises(IndexError, match="is not a row of a table of 50 rows"):
-            compiled.run({**inputs, "ids": np.where(np.arange(24) == 7, bad, inputs["ids"]).astype(np.float32)})
+            compiled.run({**inputs, "ids": np.where(np.arange(24) == 19, bad, inputs["ids"]).astype(np.float32)})
+        np.testing.assert_allclose(compiled.run(inputs)[0].astype(np.float32), want, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize(("shape", "kernel", "stride", "padding", "dilation"), [
