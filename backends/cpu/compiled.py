@@ -36,7 +36,7 @@ from planner.backend import (
 )
 from planner.core.dtypes import numpy_dtype
 from planner.core.kinds import KernelKind
-from planner.core.plans import Plan
+from planner.core.plans import Kernel, Plan
 
 log = logging.getLogger(__name__)
 #: the pools of a plan that needs no thread setting (reused: no context object a call)
@@ -72,10 +72,11 @@ class CpuCompiledPlan(CompiledPlan):
         self.uses_torch = any(s.kernel.kind == KernelKind.OPAQUE or str(s.facts.get("impl", "")).startswith(("torch", "onednn"))
                               for s in steps)
         # numpy's BLAS runs in numpy's GEMMs and batched products, in the reference's numpy form of a kernel and
-        # in numpy Opaque implementations; generated loops and torch's products never call it, and threadpoolctl's
-        # limit costs 15 µs a call, 70 with cold caches after a plan's kernels (it walks the loaded libraries)
-        self.uses_blas = any(s.kernel.kind == KernelKind.OPAQUE or str(s.facts.get("impl", "")).startswith(BLAS_IMPLS)
-                             for s in steps)
+        # in numpy Opaque implementations; generated loops, torch's products and torch-backed Opaque calls never
+        # call it, and threadpoolctl's limit costs 15 µs a call, 50-70 with cold caches after a plan's kernels (it
+        # walks the loaded libraries)
+        self.uses_blas = any((s.kernel.kind == KernelKind.OPAQUE and not torch_backed(s.kernel))
+                             or str(s.facts.get("impl", "")).startswith(BLAS_IMPLS) for s in steps)
         written = {k.out for k in plan.kernels}
         self._fresh_outputs = [o for o in dict.fromkeys(plan.outputs) if o in written and plan.tensors[o].dtype == "fp32"]
         self._fresh_stored = [o for o in dict.fromkeys(plan.outputs) if o in written]  # 16-bit ones too (run_stored)
@@ -302,3 +303,7 @@ class CpuCompiledPlan(CompiledPlan):
         timing.kernel_min_us = [ns / 1e3 for ns in fastest]
         return timing
 
+
+def torch_backed(k: Kernel) -> bool:
+    """Is every Opaque node of kernel ``k`` a torch-backed call (its ops on torch's threads, no numpy BLAS)?"""
+    return all(str(e.attr_dict.get("impl", "")).startswith("torch.") for e in k.body.walk() if e.op == "Opaque")

@@ -1164,3 +1164,22 @@ def test_a_torch_gemm_keeps_operand_views_only_while_the_arrays_stay(threads, ep
         x, w, bias = (rng.standard_normal(s, dtype=np.float32) for s in ((40, 24), (24, 32), (32,)))
         (got,) = compiled.run({"x": x, "w": w, "bias": bias})
         np.testing.assert_allclose(got, x @ w + (bias if epilogue else 0), rtol=2e-5, atol=2e-5)
+
+
+def test_only_a_plan_that_may_call_numpys_blas_limits_its_threads_on_each_call():
+    """threadpoolctl's limit costs 50-70 µs a call after the kernels evicted the caches: a plan enters it only
+    where a step may call numpy's BLAS (a numpy Opaque implementation here), never for torch-backed Opaque calls,
+    which run on torch's threads."""
+    torch = pytest.importorskip("torch")
+    import planner
+
+    class LogSoftmax(torch.nn.Module):
+        def forward(self, x):
+            return torch.log_softmax(x, dim=-1) * 2.0
+
+    x = torch.randn(4, 8)
+    result = planner.plan(LogSoftmax(), (x,), backend="cpu")
+    assert any(k.kind == KernelKind.OPAQUE for k in result.plan.kernels)
+    assert result.compiled.uses_torch and not result.compiled.uses_blas
+    torch.testing.assert_close(result(x), torch.log_softmax(x, dim=-1) * 2.0)
+    assert cpu_backend().compile(build_candidates(opaque_graph(), SPEC).unfused).uses_blas
