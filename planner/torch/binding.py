@@ -460,6 +460,18 @@ class BoundInputs:
         return arr
 
 
+def _index_array(t: torch.Tensor, transpose: bool) -> np.ndarray:
+    """Integer indices (token ids, an attention mask) as the fp32 a plan carries them in, exact below
+    :data:`INDEX_LIMIT`: converted by numpy from the tensor's memory on the host (each torch call cost tens of µs
+    just after a plan's kernels evicted the caches)."""
+    host = t.detach().cpu()
+    a = (host.t() if transpose else host).numpy().astype(np.float32, order="C")
+    if a.size and float(np.abs(a).max()) >= INDEX_LIMIT:  # a float32 rounded from 2**24 or more is 2**24 or more
+        raise TorchImportError(f"integer input {describe_tensor(t)} holds values of {INDEX_LIMIT} or more: a plan "
+                               "carries indices as fp32, exact only below that")
+    return a.reshape(flat_shape(a.shape))
+
+
 def graph_array(a: np.ndarray, transpose: bool = False) -> np.ndarray:
     """A C-ordered array over a tensor's memory (fp32, or a 16-bit dtype's) as the graph input reads it: flattened
     to its IR shape, or a Linear weight (N, K) read as (K, N), its transpose (a view: the GEMM library takes either
@@ -468,9 +480,8 @@ def graph_array(a: np.ndarray, transpose: bool = False) -> np.ndarray:
 
 
 def to_numpy(t: torch.Tensor, transpose: bool = False) -> np.ndarray:
-    if t.dtype in INDEX_DTYPES and t.numel() and int(t.abs().max()) >= INDEX_LIMIT:
-        raise TorchImportError(f"integer input {describe_tensor(t)} holds values of {INDEX_LIMIT} or more: a plan carries "
-                               "indices as fp32, exact only below that")
+    if t.dtype in INDEX_DTYPES:
+        return _index_array(t, transpose)
     if t.dtype == torch.float32 and t.is_cpu and t.is_contiguous():
         # the tensor's own memory: no conversion on the way
         return graph_array((t.detach() if t.requires_grad else t).numpy(), transpose)

@@ -649,6 +649,22 @@ def test_a_language_model_called_with_token_ids_plans_its_embedding_as_an_op() -
         result(torch.full((2, 16), 2**24))
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_integer_inputs_are_carried_as_exact_fp32_up_to_the_limit(dtype) -> None:
+    """Token ids and masks reach a plan as fp32 converted from the tensor's memory: exact up to 2**24 - 1 either
+    side of 0, strided and transposed tensors included; 2**24 or more is an error naming the input."""
+    from planner.torch.binding import INDEX_LIMIT, to_numpy
+
+    t = torch.tensor([[INDEX_LIMIT - 1, -(INDEX_LIMIT - 1), 0], [7, 1, -3]], dtype=dtype)
+    np.testing.assert_array_equal(to_numpy(t), t.numpy().astype(np.float64))
+    np.testing.assert_array_equal(to_numpy(t[:, ::2]), t[:, ::2].numpy())
+    np.testing.assert_array_equal(to_numpy(t, transpose=True), t.numpy().T)
+    assert to_numpy(t).dtype == np.float32 and to_numpy(t[:, ::2]).flags.c_contiguous
+    for bad in (INDEX_LIMIT, -INDEX_LIMIT, 2**31 - 1):
+        with pytest.raises(TorchImportError, match="exact only below"):
+            to_numpy(torch.tensor([[1, bad]], dtype=dtype))
+
+
 def test_shape_dependent_control_flow_falls_back_to_export() -> None:
     class Shapey(nn.Module):
         def __init__(self) -> None:
