@@ -227,7 +227,7 @@ def _row_kernel(body: Expr, tensor_types: dict[str, tuple[tuple[int, ...], str]]
     store = _STORAGE[out_dtype][2]
     if streams:
         lines = emitter.output(body, lambda value, _: f"fp_orow[c] = {value};")  # inside the loop over c
-        lines = [f"float fp_orow[{width}] __attribute__((aligned(64)));", *lines,
+        lines = [f"float fp_orow[{width}] __attribute__((aligned(64)));", *_prefetching(lines, params, width),
                  f"fp_row_store(out + r * {width}, fp_orow, {width});"]
     else:
         lines = emitter.output(body, lambda value, index: f"out[{index}] = {store.format(value)};")
@@ -239,6 +239,24 @@ def _row_kernel(body: Expr, tensor_types: dict[str, tuple[tuple[int, ...], str]]
               "    (void)cols;\n    for (int64_t r = r0; r < r1; ++r) {\n" + inner + "\n    }\n"
               + ("    FP_ROW_FENCE();\n" if streams else "") + "}\n")
     return CKernel(source, tuple(params), out_dtype, rows, cols, width)
+
+
+def _prefetching(lines: list[str], params: list[Param], width: int) -> list[str]:
+    """A streaming row kernel's statements with its last loop over the row (the one writing the output) in blocks
+    of 16 columns, each block first prefetching the same columns of the next row of every operand read a full row
+    at a time.  The hardware's streamer stops at each 4 KiB page, and the row's passes from cache left the memory
+    idle: on 2048 rows of 2048 (RMSNorm, fp32, one Sapphire Rapids core) 1.62 ms became 1.37 (a prefetch of the
+    next row all at once before the loop: 1.48; during the first pass: slower)."""
+    head = f"for (long long c = 0; c < {width}; ++c) {{"
+    full = [i for i, p in enumerate(params) if p.index == "full"]
+    at = max((i for i, line in enumerate(lines) if line == head), default=None)
+    if at is None or not full:
+        return lines
+    end = next(i for i in range(at + 1, len(lines)) if lines[i] == "}")
+    fetch = [f"    __builtin_prefetch(&t{i}[(r + 1) * {width} + c0], 0, 3);" for i in full]
+    return [*lines[:at], f"for (long long c0 = 0; c0 < {width}; c0 += 16) {{", *fetch,
+            "    for (long long c = c0; c < c0 + 16; ++c) {", *(f"    {line}" for line in lines[at + 1:end]), "    }",
+            "}", *lines[end + 1:]]
 
 
 #: the columns of a row's overlapping blocks (:func:`_loop_function`): one 512-bit vector of fp32

@@ -772,6 +772,30 @@ def test_row_kernel_loops_are_vectorised(compiler):
     assert row.count("fp_v16_fill(") == 1 and row.count("float row") == 1  # the mean summed from the buffer
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_streaming_row_kernel_prefetches_the_next_row_while_it_writes_this_one(compiler, threads):
+    """A row kernel whose output streams writes its row in blocks of 16 columns, each first prefetching the next
+    row's columns of every operand read whole rows at a time (x and r, not the weights); the blocks vectorise
+    (gcc's report), and the kernel equals the reference, the last row's prefetch past the end included."""
+    from backends.cpu.backend import CpuBackend
+
+    g = examples.layer_norm(64, 768)
+    one = min(build_candidates(g, load_device("seed-k4")).plans, key=lambda p: len(p.kernels))
+    ck = generate(one.kernels[0].body, {n.id: (n.type.shape, n.type.dtype) for n in g.nodes}, stream=True)
+    row = ck.source.split("row kernel")[1]
+    assert row.count("__builtin_prefetch(") == 2 and row.count("fp_row_store(") == 1
+    about = subprocess.run([compiler.cc, "--version"], capture_output=True, text=True).stdout
+    if "Free Software Foundation" in about:
+        report = compiler.vectorisation_report(ck.source)
+        block = next(i for i, line in enumerate(ck.source.splitlines(), 1) if "c < c0 + 16; ++c" in line)
+        assert re.search(rf":({block}|{block + 1}|{block + 2}|{block + 3}|{block + 4}|{block + 5}):\d+: optimized: "
+                         r"(loop|basic block)", report), report
+    compiled = CpuBackend(SPEC, threads=threads, stream_bytes=0).compile(one)
+    assert compiled.kernel_facts[0]["streaming_stores"]
+    x = random_inputs(g, seed=4)
+    assert close(compiled.run(x)[0], execute_graph(g, x)[0], "fp32")
+
+
 def test_a_reduction_input_nothing_else_reads_gets_no_row_buffer():
     """RMSNorm's ``x * x`` feeds its mean alone: computed in the partials' loop, not stored and read back."""
     g = examples.rms_norm(5, 256, "fp32")

@@ -40,6 +40,8 @@ def _attention_plan(g: int, s: int, t: int, d: int, e: int, scale: float, causal
     (2, 70, 70, 16, 24, 1),  # a query block and a key block cut short
     (2, 9, KEY_BLOCK * 2 + 3, 8, 8, 0),  # three key blocks, the last one ragged
     (1, 130, 67, 32, 16, 1),  # more queries than keys, causal (top-left, as torch's is_causal)
+    (2, 37, 100, 40, 80, 0),  # output columns in registers (64 or 32 at a time), then a remainder of 16
+    (1, 20, 130, 64, 128, 1),  # several column chunks, no remainder
 ])
 def test_attention_kernel_equals_the_op_tables_semantics(g, s, t, d, e, causal, threads) -> None:
     plan = _attention_plan(g, s, t, d, e, 0.7, causal)
@@ -320,6 +322,7 @@ def test_im2col_times_the_weight_is_torchs_convolution_and_the_pools_its_pooling
     (3, 5, 5, 4, 4),  # fewer keys than a vector
     (2, 70, KEY_BLOCK * 2 + 3, 16, 24),  # a query block cut short, three key blocks, the last one ragged
     (2, 8, KEY_BLOCK * 2, 16, 16),  # whole query and key blocks: the bias rows read in place
+    (2, 11, 70, 16, 64),  # output columns in registers
 ])
 def test_biased_attention_kernel_equals_the_op_tables_semantics(g, s, t, d, e, threads) -> None:
     """A bias row per query (T5's relative position bias), -inf over a whole key block for one query, over
