@@ -50,6 +50,15 @@ def _session_plan_cache(tmp_path_factory):
         yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _generated_attention():
+    """fp32 attention is the generated kernel unless a test says otherwise: the measured choice between it and
+    torch's (``FUSION_PLANNER_CPU_ATTENTION=auto``) depends on the machine, and tests assert the kernel's facts."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FUSION_PLANNER_CPU_ATTENTION", "generated")
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _private_plan_cache(tmp_path, monkeypatch):
     """Each test gets an empty plan cache: a cached plan from another test must not answer."""

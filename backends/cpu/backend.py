@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from threadpoolctl import ThreadpoolController
@@ -131,6 +132,7 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
         #: a fixed threshold for streaming stores (:meth:`_streams`); None: measured on this machine
         self.stream_bytes = stream_bytes if stream_bytes is not None else stream_bytes_default()
         self._types_of: tuple[Mapping[str, TensorType], dict[str, tuple[tuple[int, ...], str]]] | None = None
+        self._attention_kernels: dict[tuple[Any, ...], str] = {}
 
     # -- compile
     def compile(self, plan: Plan) -> CpuCompiledPlan:

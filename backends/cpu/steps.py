@@ -56,6 +56,8 @@ class StepsBase:
     controller: Any  # threadpoolctl's, for BLAS's thread count
     #: the plan's tensor types as the code generators take them, for the last tensors mapping seen
     _types_of: tuple[Mapping[str, TensorType], dict[str, tuple[tuple[int, ...], str]]] | None
+    #: the kernel computing each fp32 attention shape: ``generated`` or ``torch`` (``_fp32_attention``)
+    _attention_kernels: dict[tuple[Any, ...], str]
 
     def _types(self, tensors: Mapping[str, TensorType]) -> dict[str, tuple[tuple[int, ...], str]]:
         """Shape and dtype by tensor, for codegen; one plan's kernels share its table (built once per plan:
@@ -452,8 +454,8 @@ class StandaloneSteps(StepsBase):
         body, out_name, addr = k.body, k.out, memory.addr
         groups, dtype = int(body.type.shape[0]), body.type.dtype
         facts = {"impl": "c-attention", "threads": min(self.threads, groups), "key_block": standalone.KEY_BLOCK}
-        if self.native(dtype):
-            attend, arrays, threads = standalone.torch_attention_16bit(body, dtype), memory.arrays, self.threads
+        if self._torch_attention(k, tensors):
+            attend, arrays, threads = standalone.torch_attention(body, dtype), memory.arrays, self.threads
             handed = out_name in memory.handed
 
             def call_torch() -> None:  # on the plan's torch threads (CpuCompiledPlan._pools)
@@ -554,16 +556,47 @@ class StandaloneSteps(StepsBase):
     def _generated_attention(self, k: Kernel, tensors: Mapping[str, TensorType]) -> bool:
         """Is kernel ``k`` an attention the generated kernel computes on its operands as stored (fp32), which it
         reads, and writes, in any :class:`standalone.GroupLayout`?"""
-        body = k.body
-        return (k.kind == KernelKind.STANDALONE and body.op in standalone.ATTENTION_OPS and body.type.dtype == "fp32"
-                and all(isinstance(a, Load) and tensors[a.tensor].dtype == "fp32" for a in body.args))
+        return (self._attention_over_loads(k, tensors) and k.body.type.dtype == "fp32"
+                and not self._torch_attention(k, tensors))
 
     def _torch_attention(self, k: Kernel, tensors: Mapping[str, TensorType]) -> bool:
-        """Is kernel ``k`` an attention that torch's fused kernel computes (16-bit, natively multiplied)?"""
+        """Is kernel ``k`` an attention that torch's fused kernel computes: 16-bit, natively multiplied, or fp32
+        where torch's measured faster on its shapes (``standalone.measured_attention``)?"""
+        if not self._attention_over_loads(k, tensors):
+            return False
+        dtype = k.body.type.dtype
+        if dtype != "fp32":
+            return self.native(dtype)
+        return "torch" in sys.modules and self._fp32_attention(k.body, tensors) == "torch"
+
+    @staticmethod
+    def _attention_over_loads(k: Kernel, tensors: Mapping[str, TensorType]) -> bool:
         body = k.body
         return (k.kind == KernelKind.STANDALONE and body.op in standalone.ATTENTION_OPS
-                and all(isinstance(a, Load) and tensors[a.tensor].dtype == body.type.dtype for a in body.args)
-                and self.native(body.type.dtype))
+                and all(isinstance(a, Load) and tensors[a.tensor].dtype == body.type.dtype for a in body.args))
+
+    def _fp32_attention(self, body: Expr, tensors: Mapping[str, TensorType]) -> str:
+        """``generated`` or ``torch`` for fp32 attention ``body``, decided once per shape for this backend."""
+        shapes = {a.tensor: tuple(tensors[a.tensor].shape) for a in body.args if isinstance(a, Load)}
+        key = (body.op, int(body.attr_dict.get("causal", 0)), *shapes.values())
+        if key not in self._attention_kernels:
+            self._attention_kernels[key] = standalone.measured_attention(
+                body, shapes, self.threads, functools.partial(self._time_attention, body, shapes))
+        return self._attention_kernels[key]
+
+    def _time_attention(self, body: Expr, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, float]:
+        """Seconds per call of the generated kernel and torch's on random contiguous operands of ``shapes``, on
+        this backend's threads, interleaved (``gemm.fastest_of``)."""
+        order = [a.tensor for a in body.args if isinstance(a, Load)]
+        rng = np.random.default_rng(0)
+        arrays = [rng.standard_normal(shapes[n], dtype=np.float32) for n in order]
+        out = aligned_empty(tuple(body.type.shape), np.float32)
+        fn = self.compiler.function(standalone.source_of(body, shapes) or "", len(order) + 1)
+        generated = standalone.attention_call(fn, self.pool, self.threads, int(body.type.shape[0]),
+                                              lambda: [a.ctypes.data for a in arrays] + [out.ctypes.data])
+        attend = standalone.torch_attention(body, "fp32")
+        with parallel.torch_threads(self.threads):
+            return gemm.fastest_of({"generated": generated, "torch": lambda: attend(*arrays)}, rounds=3)
 
     @staticmethod
     def _heads_view(k: Kernel, memory: Memory, source: str, reads: list[np.ndarray]) -> Step:

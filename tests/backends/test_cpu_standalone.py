@@ -536,3 +536,71 @@ def test_the_generated_spatial_mean_is_the_op_tables(images, pixels, channels, d
     want = OPS["SpatialMean"].evaluate([from_storage(x, dtype) if dtype != "fp32" else x], {"pixels": pixels})
     assert got.shape == (images, channels)
     np.testing.assert_allclose(got, np.asarray(want, np.float32), rtol=1e-6 if dtype == "fp32" else 8e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("case", ["causal", "gqa", "masked", "biased"])
+def test_torchs_fp32_attention_reads_strided_heads_and_equals_the_reference(case, threads, monkeypatch) -> None:
+    """fp32 attention as torch's fused kernel (``FUSION_PLANNER_CPU_ATTENTION=torch``): its Heads are strided
+    views, its result is handed to the Merge as torch wrote it, a repeated operand is copied (torch reads no
+    GroupRepeat view); equal to the reference over repeated calls."""
+    pytest.importorskip("torch")
+    monkeypatch.setenv("FUSION_PLANNER_CPU_ATTENTION", "torch")
+    graph = _in_place_attention_graph(case, merged_out=False)
+    plans = build_candidates(graph, SPEC, cap=32).plans
+    inputs = random_inputs(graph, seed=7)
+    if case in ("masked", "biased"):
+        inputs["m"][1, -20:] = -1e30  # the last keys of batch 1 hidden (torch gives a row of only -inf 0, not NaN)
+    want = execute_plan(build_candidates(graph, SPEC).unfused, inputs)[0]
+    for plan in plans[:3]:
+        compiled = CpuBackend(SPEC, threads=threads).compile(plan)
+        facts = {k.out: f for k, f in zip(plan.kernels, compiled.kernel_facts, strict=True)}
+        assert facts["att"]["impl"] == "torch-sdpa-fp32" and facts["att"]["result"] == "handed"
+        assert facts["qh"]["impl"] == "strided-view" and facts["merged"]["impl"] == "view-or-copy"
+        for _ in range(2):
+            np.testing.assert_allclose(compiled.run(inputs)[0], want, rtol=2e-5, atol=2e-5, err_msg=plan.notation())
+
+
+@pytest.mark.parametrize(("generated_ms", "torch_ms", "chosen"), [(10.0, 6.7, "torch"), (5.5, 7.0, "generated"),
+                                                                   (1.0, 0.97, "generated")])
+def test_fp32_attentions_kernel_is_the_faster_one_measured_once_per_shape(generated_ms, torch_ms, chosen,
+                                                                         monkeypatch, tmp_path) -> None:
+    """``auto``: the generated kernel unless torch's measured faster by the margin (a 3% win is noise), timed once
+    per shape and backend, and recorded in the kernel cache for the next process; a bad value is refused."""
+    pytest.importorskip("torch")
+    from backends.cpu import standalone
+    from backends.cpu.steps import StandaloneSteps
+    from planner.core.errors import UsageError
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("FUSION_PLANNER_CPU_ATTENTION", "auto")
+    timed: list[tuple[str, ...]] = []
+
+    def fake_time(self, body, shapes):
+        timed.append(tuple(shapes))
+        return {"generated": generated_ms / 1e3, "torch": torch_ms / 1e3}
+
+    monkeypatch.setattr(StandaloneSteps, "_time_attention", fake_time)
+    plan = _attention_plan(2, 9, 9, 8, 8, 0.5, 1)
+    impl = "torch-sdpa-fp32" if chosen == "torch" else "c-attention"
+    for _ in range(2):
+        backend = CpuBackend(SPEC, threads=1)
+        for _ in range(2):
+            assert backend.compile(plan).kernel_facts[0]["impl"] == impl
+    assert len(timed) == 1 and list(tmp_path.rglob("attention-*.json"))  # the second backend read the record
+    monkeypatch.setenv("FUSION_PLANNER_CPU_ATTENTION", "fastest")
+    with pytest.raises(UsageError, match="FUSION_PLANNER_CPU_ATTENTION"):
+        standalone.measured_attention(plan.kernels[0].body, {n: plan.tensors[n].shape for n in "qkv"}, 1, dict)
+
+
+@pytest.mark.parametrize("op", ["Attention", "BiasedAttention"])
+def test_the_attention_timing_runs_both_kernels_on_the_backends_threads(op) -> None:
+    pytest.importorskip("torch")
+    b = GraphBuilder("timed")
+    for name, shape in (("q", (4, 20, 16)), ("k", (4, 30, 16)), ("v", (4, 30, 8)), ("m", (4, 20, 30))):
+        b.input(name, shape, "fp32")
+    b.op("out", op, ["q", "k", "v", *(["m"] if op == "BiasedAttention" else [])], {"scale": 0.25})
+    body = build_candidates(b.build(["out"]), SPEC).unfused.kernels[0].body
+    seconds = CpuBackend(SPEC, threads=2)._time_attention(body, {a.tensor: a_shape for a, a_shape in zip(
+        body.args, [(4, 20, 16), (4, 30, 16), (4, 30, 8), (4, 20, 30)], strict=False)})
+    assert set(seconds) == {"generated", "torch"} and all(0 < s < 1 for s in seconds.values())
