@@ -931,6 +931,15 @@ def test_a_held_weight_is_packed_once_and_shared_by_every_plan(threads, tiles, d
     assert backend.held.copies == 1  # one packed form, shared by both plans
 
 
+def _with_held_weight(g: Graph, dtype: str, seed: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Random inputs of ``g`` in ``dtype``, and its weight ``w`` as a bound parameter arrives: nn.Linear's (N, K)
+    layout seen as (K, N), read-only."""
+    inputs = {n: a.astype(numpy_dtype(dtype)) for n, a in random_inputs(g, seed=seed).items()}
+    held = np.ascontiguousarray(inputs["w"].T).T
+    held.setflags(write=False)
+    return inputs, held
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("epilogue", ["BIAS", "GELU_BIAS", "RELU_BIAS", "DEFAULT"])
 @pytest.mark.parametrize("read_by", ["a kernel", "the caller"])
@@ -955,9 +964,7 @@ def test_a_cublaslt_epilogue_on_packed_weights_runs_as_onednn_post_ops(epilogue,
         g = b.build([out, b.op("out2", "Relu", [out])] if epilogue == "DEFAULT" else [out])
     plans = [p for p in build_candidates(g, SPEC, cap=64).plans if p.kernels[0].epilogue == epilogue]
     assert plans and all((p.kernels[0].out in p.outputs) == (read_by == "the caller") for p in plans)
-    inputs = {n: a.astype(numpy_dtype(dtype)) for n, a in random_inputs(g, seed=7).items()}
-    held = np.ascontiguousarray(inputs["w"].T).T
-    held.setflags(write=False)
+    inputs, held = _with_held_weight(g, dtype, seed=7)
     for plan in plans[:3]:
         want = execute_plan(plan, inputs)
         compiled = backend.compile(plan)
@@ -992,9 +999,7 @@ def test_a_generated_gemm_epilogue_onednn_applies_runs_as_its_post_ops(activatio
     plans = [p for p in build_candidates(g, SPEC, cap=64).plans
              if p.kernels[0].kind == KernelKind.GEMM_EPILOGUE and p.kernels[0].body.op == activation]
     assert plans
-    inputs = {n: a.astype(numpy_dtype(dtype)) for n, a in random_inputs(g, seed=3).items()}
-    held = np.ascontiguousarray(inputs["w"].T).T
-    held.setflags(write=False)
+    inputs, held = _with_held_weight(g, dtype, seed=3)
     for plan in plans[:2]:
         want = execute_plan(plan, inputs)
         compiled = backend.compile(plan)
