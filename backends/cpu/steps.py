@@ -19,7 +19,7 @@ from backends.cpu.buffers import (
     HeldWeights,
     aligned_empty,
 )
-from backends.cpu.codegen import CKernel, generate, narrow_source, rows_cols, widen_source
+from backends.cpu.codegen import CKernel, CodegenError, generate, narrow_source, rows_cols, widen_source
 from backends.cpu.compiler import Compiler
 from backends.cpu.memory import Memory, Step, from_storage, gemm_tile_rows, storage_dtype, to_storage, weights_fact
 from planner.backend import (
@@ -580,6 +580,10 @@ class StandaloneSteps(StepsBase):
         shapes = {a.tensor: tuple(tensors[a.tensor].shape) for a in body.args if isinstance(a, Load)}
         key = (body.op, int(body.attr_dict.get("causal", 0)), *shapes.values())
         if key not in self._attention_kernels:
+            try:
+                standalone.source_of(body, shapes)
+            except CodegenError:  # no generated kernel (a non-positive scale): the step says why, as without torch
+                return "generated"
             self._attention_kernels[key] = standalone.measured_attention(
                 body, shapes, self.threads, functools.partial(self._time_attention, body, shapes))
         return self._attention_kernels[key]

@@ -10,6 +10,7 @@ from backends.codegen import CodegenError
 from backends.cpu.backend import CpuBackend
 from backends.cpu.memory import from_storage
 from backends.cpu.standalone import KEY_BLOCK, attention_source
+from planner.backend import BackendError
 from planner.core import examples
 from planner.core.cost import load_device
 from planner.core.dtypes import numpy_dtype
@@ -588,6 +589,9 @@ def test_fp32_attentions_kernel_is_the_faster_one_measured_once_per_shape(genera
         for _ in range(2):
             assert backend.compile(plan).kernel_facts[0]["impl"] == impl
     assert len(timed) == 1 and list(tmp_path.rglob("attention-*.json"))  # the second backend read the record
+    with pytest.raises(BackendError, match="scale must be positive"):  # no generated kernel: nothing measured
+        CpuBackend(SPEC, threads=1).compile(_attention_plan(2, 9, 9, 8, 8, -0.5, 1))
+    assert len(timed) == 1
     monkeypatch.setenv("FUSION_PLANNER_CPU_ATTENTION", "fastest")
     with pytest.raises(UsageError, match="FUSION_PLANNER_CPU_ATTENTION"):
         standalone.measured_attention(plan.kernels[0].body, {n: plan.tensors[n].shape for n in "qkv"}, 1, dict)
