@@ -67,7 +67,7 @@ from planner.core.cost import DeviceSpec
 from planner.core.dtypes import DTYPES
 from planner.core.graph import TensorType
 from planner.core.kinds import KernelKind
-from planner.core.ops import POOLS, WINDOWED_PRODUCTS
+from planner.core.ops import GATHERS, POOLS, WINDOWED_PRODUCTS
 from planner.core.plans import Expr, Kernel, Load, Plan
 
 log = logging.getLogger(__name__)
@@ -150,8 +150,7 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
         if missing:
             raise BackendError(f"plan has no type for tensor {missing[0]!r}")
         intermediates = set(written) - set(plan.outputs)
-        laid = layout_views(plan, functools.partial(self._torch_attention, tensors=plan.tensors),
-                            functools.partial(self._generated_attention, tensors=plan.tensors))
+        laid = self._layout_views(plan)
         convolved = convolutions(plan, functools.partial(self._torch_convolution, tensors=plan.tensors))
         # the Im2col's input is read where its patches were
         views = {**laid.views, **{t: body.args[0].tensor for t, body in convolved.items()}}  # type: ignore[union-attr]
@@ -180,22 +179,53 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
                 raise BackendError(f"kernel {i} ({k.describe()}): {exc}") from exc
         return CpuCompiledPlan(plan, steps, memory, inputs, time.perf_counter() - t0, self, padded)
 
+    def _layout_views(self, plan: Plan) -> LayoutViews:
+        return layout_views(plan, functools.partial(self._torch_attention, tensors=plan.tensors),
+                            functools.partial(self._generated_attention, tensors=plan.tensors))
+
     def prepare(self, plans: Sequence[Plan]) -> None:
-        """Compile every kernel of ``plans`` that is not in the kernel cache, in one batched compiler run
-        per worker thread, all at once (a search's candidates share most of their kernels)."""
+        """Compile every kernel of ``plans`` that is not in the kernel cache, in batched compiler runs per worker
+        thread, all at once (a search's candidates share most of their kernels): first each kernel as it stands
+        (an fp32 attention's contiguous form is what its measured choice times), then the fp32 attentions that
+        read or write in place (their layouts follow from that choice)."""
         sources: dict[str, None] = {}
-        for plan in plans:
+        for plan in plans:  # a 16-bit output is handed out widened by a generated loop (CpuCompiledPlan)
+            sources.update(dict.fromkeys(widen_source(d) for d in {plan.tensors[o].dtype for o in plan.outputs}
+                                         if d != "fp32"))
             for k in plan.kernels:
                 try:
                     sources.update(dict.fromkeys(self._sources(k, plan.tensors)))
                 except (CodegenError, BackendError, KeyError):
                     continue  # compile() reports it, for the candidate it belongs to
+        if not self._build(sources, len(plans)):
+            return
+        in_place: dict[str, None] = {}
+        for plan in plans:
+            try:
+                layouts = self._layout_views(plan).layouts
+                in_place.update(dict.fromkeys(self._in_place_sources(plan, layouts)))
+            except (CodegenError, BackendError, KeyError):
+                continue
+        self._build(in_place, len(plans))
+
+    def _build(self, sources: Mapping[str, None], plans: int) -> bool:
         try:
             built = self.compiler.build_many(list(sources), jobs=self.threads)
         except CodegenError as exc:  # a hanging or missing compiler: each candidate reports it when compiled
             log.warning("batched kernel build failed (%s); kernels are built one by one", exc)
-            return
-        log.info("prepared %d kernels of %d plans: %d compiled, the rest cached", len(sources), len(plans), built)
+            return False
+        log.info("prepared %d kernels of %d plans: %d compiled, the rest cached", len(sources), plans, built)
+        return True
+
+    def _in_place_sources(self, plan: Plan, layouts: Mapping[str, standalone.GroupLayout]) -> list[str]:
+        """The generated attentions of ``plan`` that read an operand or write their result in place."""
+        shapes = {n: tuple(t.shape) for n, t in plan.tensors.items()}
+        out = []
+        for k in plan.kernels:
+            laid = standalone.attention_layouts(k.body, k.out, layouts) if k.body.op in standalone.ATTENTION_OPS else {}
+            if laid and self._generated_attention(k, plan.tensors):
+                out.append(standalone.source_of(k.body, shapes, laid) or "")
+        return [s for s in out if s]
 
     def _sources(self, k: Kernel, tensors: Mapping[str, TensorType]) -> list[str]:
         """The generated sources ``compile`` will load for kernel ``k`` (as :meth:`_step` generates them)."""
@@ -208,6 +238,12 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
             widen = [widen_source(tensors[a.tensor].dtype) for a in mm.args  # type: ignore[union-attr]
                      if DTYPES[tensors[a.tensor].dtype].bytes != 4 and tile_dtype == "fp32"]  # type: ignore[union-attr]
             return [generate(k.body, types, tile=mm, tile_dtype=tile_dtype).source, *widen]
+        if k.kind == KernelKind.STANDALONE and k.body.op in GATHERS:
+            ids, table = (a.tensor for a in k.body.args)  # type: ignore[union-attr]
+            if tensors[ids].dtype != "fp32":
+                return []
+            rows, width = tensors[table].shape
+            return [standalone.gather_source(rows, width * storage_dtype(tensors[table].dtype).itemsize)]
         if k.kind == KernelKind.STANDALONE:
             source = standalone.source_of(k.body, {n: t[0] for n, t in types.items()})
             dtype = k.body.type.dtype

@@ -65,6 +65,14 @@ class GroupLayout:
         return f"({group} / {self.heads}) * {self.rows * self.row_stride} + ({group} % {self.heads}) * {self.head_step}"
 
 
+def attention_layouts(body: Expr, out: str, layouts: Mapping[str, GroupLayout]) -> dict[str, GroupLayout]:
+    """The :class:`GroupLayout` of each operand and of the result ``out`` of attention ``body`` that is not
+    contiguous, by role (``q``, ``k``, ``v``, ``mask``, ``out``), from the plan's ``layouts`` by tensor."""
+    order = [a.tensor for a in body.args if isinstance(a, Load)]
+    roles = (*("q", "k", "v", "mask")[:len(order)], "out")
+    return {role: layouts[n] for role, n in zip(roles, [*order, out], strict=True) if n in layouts}
+
+
 def heads_layout(body: Expr, source_width: int) -> GroupLayout:
     """A Heads result read in place from its token rows (``source_width`` columns each, the view's first element
     at the Heads' column offset): head h of batch b at row b * seq, column h * width / heads."""

@@ -469,9 +469,7 @@ class StandaloneSteps(StepsBase):
             return Step(k, call_torch, reads, memory.own[out_name], {"impl": f"torch-sdpa-{dtype}", "threads": threads,
                                                                     "result": "handed" if handed else "copied"})
         if dtype == "fp32":
-            roles = (*("q", "k", "v", "mask")[:len(order)], "out")
-            layouts = {role: memory.layouts[n] for role, n in zip(roles, [*order, out_name], strict=True)
-                       if n in memory.layouts}
+            layouts = standalone.attention_layouts(body, out_name, memory.layouts)
             source = standalone.source_of(body, {n: tuple(t.shape) for n, t in tensors.items()}, layouts)
             assert source is not None
             fn = self.compiler.function(source, len(order) + 1)

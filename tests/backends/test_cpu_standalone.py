@@ -608,3 +608,28 @@ def test_the_attention_timing_runs_both_kernels_on_the_backends_threads(op) -> N
     seconds = CpuBackend(SPEC, threads=2)._time_attention(body, {a.tensor: a_shape for a, a_shape in zip(
         body.args, [(4, 20, 16), (4, 30, 16), (4, 30, 8), (4, 20, 30)], strict=False)})
     assert set(seconds) == {"generated", "torch"} and all(0 < s < 1 for s in seconds.values())
+
+
+@pytest.mark.parametrize("mode", ["generated", "auto"])
+def test_prepare_builds_every_kernel_a_compile_loads(mode, tmp_path, monkeypatch) -> None:
+    """A search prepares its candidates in batched compiler runs: the attention that reads its heads in place
+    and writes the Merge's rows, the embedding's gather, and (``auto``) the contiguous attention its measured choice
+    times are all built there, so compiling the plans builds nothing more (a kernel built alone cost a cold search
+    1-2 s each)."""
+    from backends.cpu.compiler import Compiler
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("FUSION_PLANNER_CPU_ATTENTION", mode)
+    if mode == "auto":
+        pytest.importorskip("torch")
+    plans = [*build_candidates(_in_place_attention_graph("gqa", merged_out=False), SPEC, cap=8).plans[:3],
+             *build_candidates(examples.token_mlp(tokens=24, vocab=50, d_model=32, hidden=48), SPEC).plans[:2]]
+    compiler = Compiler()
+    backend = CpuBackend(SPEC, compiler=compiler, threads=1)
+    backend.prepare(plans)
+    built = compiler.compiled
+    facts = [f for p in plans for f in backend.compile(p).kernel_facts]
+    assert compiler.compiled == built
+    impls = {f["impl"] for f in facts}
+    assert "c-gather" in impls and (any("in_place" in f for f in facts) or "torch-sdpa-fp32" in impls)
+    assert mode == "auto" or "torch-sdpa-fp32" not in impls
