@@ -36,7 +36,8 @@ from planner.backend import (
 )
 from planner.core.dtypes import numpy_dtype
 from planner.core.kinds import KernelKind
-from planner.core.plans import Kernel, Plan
+from planner.core.opaque import torch_backed
+from planner.core.plans import Plan
 
 log = logging.getLogger(__name__)
 #: the pools of a plan that needs no thread setting (reused: no context object a call)
@@ -75,7 +76,8 @@ class CpuCompiledPlan(CompiledPlan):
         # in numpy Opaque implementations; generated loops, torch's products and torch-backed Opaque calls never
         # call it, and threadpoolctl's limit costs 15 µs a call, 50-70 with cold caches after a plan's kernels (it
         # walks the loaded libraries)
-        self.uses_blas = any((s.kernel.kind == KernelKind.OPAQUE and not torch_backed(s.kernel))
+        self.uses_blas = any((s.kernel.kind == KernelKind.OPAQUE and not all(
+                                 torch_backed(e) for e in s.kernel.body.walk() if e.op == "Opaque"))
                              or str(s.facts.get("impl", "")).startswith(BLAS_IMPLS) for s in steps)
         written = {k.out for k in plan.kernels}
         self._fresh_outputs = [o for o in dict.fromkeys(plan.outputs) if o in written and plan.tensors[o].dtype == "fp32"]
@@ -302,8 +304,3 @@ class CpuCompiledPlan(CompiledPlan):
             timing = collect_samples(measure_us, warmup=warmup, repeats=repeats, stop_if=stop_if)
         timing.kernel_min_us = [ns / 1e3 for ns in fastest]
         return timing
-
-
-def torch_backed(k: Kernel) -> bool:
-    """Is every Opaque node of kernel ``k`` a torch-backed call (its ops on torch's threads, no numpy BLAS)?"""
-    return all(str(e.attr_dict.get("impl", "")).startswith("torch.") for e in k.body.walk() if e.op == "Opaque")

@@ -579,21 +579,21 @@ class StandaloneSteps(StepsBase):
         key = (body.op, int(body.attr_dict.get("causal", 0)), *shapes.values())
         if key not in self._attention_kernels:
             try:
-                standalone.source_of(body, shapes)
+                source = standalone.source_of(body, shapes) or ""
             except CodegenError:  # no generated kernel (a non-positive scale): the step says why, as without torch
                 return "generated"
             self._attention_kernels[key] = standalone.measured_attention(
-                body, shapes, self.threads, functools.partial(self._time_attention, body, shapes))
+                body, shapes, self.threads, functools.partial(self._time_attention, body, shapes, source))
         return self._attention_kernels[key]
 
-    def _time_attention(self, body: Expr, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, float]:
-        """Seconds per call of the generated kernel and torch's on random contiguous operands of ``shapes``, on
-        this backend's threads, interleaved (``gemm.fastest_of``)."""
+    def _time_attention(self, body: Expr, shapes: Mapping[str, tuple[int, ...]], source: str) -> dict[str, float]:
+        """Seconds per call of the generated kernel (``source``: on contiguous operands) and torch's on random
+        operands of ``shapes``, on this backend's threads, interleaved (``gemm.fastest_of``)."""
         order = [a.tensor for a in body.args if isinstance(a, Load)]
         rng = np.random.default_rng(0)
         arrays = [rng.standard_normal(shapes[n], dtype=np.float32) for n in order]
         out = aligned_empty(tuple(body.type.shape), np.float32)
-        fn = self.compiler.function(standalone.source_of(body, shapes) or "", len(order) + 1)
+        fn = self.compiler.function(source, len(order) + 1)
         generated = standalone.attention_call(fn, self.pool, self.threads, int(body.type.shape[0]),
                                               lambda: [a.ctypes.data for a in arrays] + [out.ctypes.data])
         attend = standalone.torch_attention(body, "fp32")

@@ -329,9 +329,14 @@ register_op(
 )
 
 
+def torch_backed(node: Any) -> bool:
+    """Is this node (a graph node or a kernel body expression) an Opaque one that runs torch calls?"""
+    return node.op == "Opaque" and str(node.attr_dict.get("impl", "")).startswith("torch.")
+
+
 def has_torch_steps(graph_ops: Sequence[Any]) -> bool:
     """Does one of these nodes (graph nodes or kernel body expressions) run torch calls?"""
-    return any(n.op == "Opaque" and str(n.attr_dict.get("impl", "")).startswith("torch.") for n in graph_ops)
+    return any(map(torch_backed, graph_ops))
 
 
 def torch_evaluator_loaded() -> bool:

@@ -577,7 +577,7 @@ def test_fp32_attentions_kernel_is_the_faster_one_measured_once_per_shape(genera
     monkeypatch.setenv("FUSION_PLANNER_CPU_ATTENTION", "auto")
     timed: list[tuple[str, ...]] = []
 
-    def fake_time(self, body, shapes):
+    def fake_time(self, body, shapes, source):
         timed.append(tuple(shapes))
         return {"generated": generated_ms / 1e3, "torch": torch_ms / 1e3}
 
@@ -605,8 +605,10 @@ def test_the_attention_timing_runs_both_kernels_on_the_backends_threads(op) -> N
         b.input(name, shape, "fp32")
     b.op("out", op, ["q", "k", "v", *(["m"] if op == "BiasedAttention" else [])], {"scale": 0.25})
     body = build_candidates(b.build(["out"]), SPEC).unfused.kernels[0].body
-    seconds = CpuBackend(SPEC, threads=2)._time_attention(body, {a.tensor: a_shape for a, a_shape in zip(
-        body.args, [(4, 20, 16), (4, 30, 16), (4, 30, 8), (4, 20, 30)], strict=False)})
+    shapes = {a.tensor: a_shape for a, a_shape in zip(body.args, [(4, 20, 16), (4, 30, 16), (4, 30, 8), (4, 20, 30)],
+                                                      strict=False)}
+    seconds = CpuBackend(SPEC, threads=2)._time_attention(body, shapes, attention_source(20, 30, 16, 8, 0.25, False,
+                                                                                       biased=op == "BiasedAttention"))
     assert set(seconds) == {"generated", "torch"} and all(0 < s < 1 for s in seconds.values())
 
 
