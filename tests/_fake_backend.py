@@ -147,12 +147,14 @@ class NoisyTimed(TimedReference):
 
     def time(self, inputs, *, warmup=2, repeats=7, stop_if=None) -> Timing:  # type: ignore[no-untyped-def]
         samples: list[float] = []
+        stopped = False
         for _ in range(repeats):
             samples.append(self.sample())
             if stop_if is not None and stop_if(float(np.median(samples))):
-                return Timing(samples, warmup, stopped_early=True)
-        timing = Timing(samples, warmup)
-        if self.kernel_us is not None:  # as a backend that times each kernel reports its fastest run
+                stopped = True
+                break
+        timing = Timing(samples, warmup, stopped_early=stopped)
+        if self.kernel_us is not None:  # as the CPU backend reports each kernel's fastest run, stopped early too
             timing.kernel_min_us = [self.kernel_us(k) for k in self.plan.kernels]
         return timing
 

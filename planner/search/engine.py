@@ -18,7 +18,9 @@ against the numpy reference of the unfused graph (``execute_graph`` in device
 mode) with :mod:`planner.core.tolerance`; a tolerance breach, NaN/Inf or any
 exception rejects it with the reason logged.  A verified candidate is timed
 (warm-ups, repeats, median) and stopped early once its running median exceeds
-best x ``early_stop`` (checked from the third sample on).  Duplicates (same plan key) are skipped.  A
+best x ``early_stop`` (checked from the third sample on); on a backend that times live, it is *settled* once
+that running median lies beyond the best by ``SETTLE_BANDS`` noise bands: slower, its median kept as its time
+(for the final round and as a parent of mutants), without the runs that could only confirm it.  Duplicates (same plan key) are skipped.  A
 backend that times kernels one by one inside a plan's runs (the CPU's) bounds the plans after it: a
 candidate whose kernels timed in earlier plans already take longer, summed, than the best x ``early_stop``
 is not compiled, verified or run (verdict "slower by its kernels"; each kernel's fastest time counts, so the
@@ -61,6 +63,10 @@ GENERATION = 8
 STALL_LIMIT = 64
 #: samples a candidate gets before the early stop may end its timing (one sample is too noisy)
 MIN_SAMPLES_BEFORE_STOP = 3
+#: a candidate whose running median (from its third sample on) lies beyond the best's time by this many noise
+#: bands is slower, settled: its timing ends there and its median stands (for the final round and the parents of
+#: mutants) where the other runs could only confirm it (a 45 ms BERT took 9 runs a candidate, its cold plan 18 s)
+SETTLE_BANDS = 1.5
 #: parents for mutation are drawn from this many fastest measured plans
 ELITE = 8
 
@@ -151,8 +157,12 @@ class _Run:
         if reason is not None:
             self._reject(entry, reason)
             return
-        bound = math.inf if baseline or self.best is None else self.best.time_us * self.opts.early_stop
-        stop_if = _Stopper(bound, deadline=self.t0 + self.opts.time_budget_s)
+        bound = settle = math.inf
+        if not baseline and self.best is not None:
+            bound = self.best.time_us * self.opts.early_stop
+            if self.backend.times_live:
+                settle = self.best.time_us * (1 + SETTLE_BANDS * self.band)
+        stop_if = _Stopper(bound, deadline=self.t0 + self.opts.time_budget_s, settle=settle)
         entry.verified = True
         try:
             timing = compiled.time(self.inputs, warmup=self.opts.warmup, repeats=self.opts.repeats, stop_if=stop_if)
@@ -165,6 +175,7 @@ class _Run:
         entry.samples_us = list(timing.samples_us)
         entry.meas_us = timing.median_us
         entry.stopped_early = timing.stopped_early and stop_if.by_bound
+        entry.settled = timing.stopped_early and stop_if.settled and not stop_if.by_bound
         entry.verdict = Verdict.TIMED
         for kernel, us in zip(entry.plan.kernels, timing.kernel_min_us or (), strict=False):
             sig = kernel_sig(kernel)
@@ -323,7 +334,9 @@ class _Run:
                 self._crown(entry, compiled)
                 self.slog.faster(entry.plan, entry.est_us, meas, best.time_us / meas, _origin(entry))
             else:
-                self.slog.slower(entry.plan, meas / best.time_us, entry.est_us, meas, stopped, _origin(entry))
+                settled = f"settled after {len(entry.samples_us)} runs" if entry.settled else ""
+                self.slog.slower(entry.plan, meas / best.time_us, entry.est_us, meas, stopped, _origin(entry),
+                                 settled)
             return
         if meas >= best.time_us and entry.plan.sort_key() >= best.plan.sort_key():
             # no duel could crown it: a tie keeps the best (the cost model's choice), and a median that is
@@ -593,19 +606,22 @@ def _no_win_predicted(entry: Entry, differ: tuple[float, float], best: Entry) ->
 
 class _Stopper:
     """``stop_if`` for CompiledPlan.time: after :data:`MIN_SAMPLES_BEFORE_STOP` samples, stop when the
-    running median is above ``bound`` (``by_bound``: the candidate is slower) or the search's time budget
-    is spent (so a huge ``--repeats`` still obeys ``--time-budget``, and a candidate timed at the end of
-    the budget still has a median of its own)."""
+    running median is above ``bound`` (``by_bound``: the candidate is slower, stopped early) or above ``settle``
+    (``settled``: slower beyond the noise, its median kept as its time), or the search's time budget is spent (so
+    a huge ``--repeats`` still obeys ``--time-budget``, and a candidate timed at the end of the budget still has a
+    median of its own)."""
 
-    def __init__(self, bound: float, deadline: float = math.inf) -> None:
-        self.bound, self.deadline, self.calls, self.by_bound = bound, deadline, 0, False
+    def __init__(self, bound: float, deadline: float = math.inf, settle: float = math.inf) -> None:
+        self.bound, self.deadline, self.settle, self.calls = bound, deadline, settle, 0
+        self.by_bound = self.settled = False
 
     def __call__(self, median_us: float) -> bool:
         self.calls += 1
         if self.calls < MIN_SAMPLES_BEFORE_STOP:
             return False
         self.by_bound = median_us > self.bound
-        return self.by_bound or time.perf_counter() > self.deadline
+        self.settled = median_us > self.settle
+        return self.by_bound or self.settled or time.perf_counter() > self.deadline
 
 
 def _one_line(exc: BaseException) -> str:

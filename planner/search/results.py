@@ -91,6 +91,8 @@ class Entry:
     meas_us: float | None = None
     samples_us: list[float] = field(default_factory=list)
     stopped_early: bool = False
+    #: timed until its median was slower than the best beyond the noise (``engine.SETTLE_BANDS``), not to the end
+    settled: bool = False
     compile_s: float | None = None
     verified: bool = False
     max_abs: float | None = None
@@ -151,6 +153,7 @@ class Entry:
             verified=self.verified,
             source=self.source,
             stopped_early=self.stopped_early,
+            settled=self.settled,
             samples_us=[round(s, 4) for s in self.samples_us],
             compile_s=None if self.compile_s is None else round(self.compile_s, 4),
             max_abs_err=json_float(self.max_abs),

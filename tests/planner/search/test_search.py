@@ -27,7 +27,8 @@ from planner.core.kinds import Verdict
 from planner.core.reference import execute_graph, execute_plan, random_inputs
 from planner.core.tolerance import allclose_report
 from planner.egraph.candidates import build_candidates
-from planner.search.engine import FINAL_ROUNDS, search
+from planner.search.duel import noise
+from planner.search.engine import FINAL_ROUNDS, MIN_BAND, SETTLE_BANDS, search
 from planner.search.mutate import OPERATORS, Mutator
 from planner.search.results import SearchOptions, StopKind, spearman
 from planner.search.searchlog import SearchLog
@@ -635,3 +636,27 @@ def test_a_lower_median_from_a_quiet_moment_does_not_crown_a_slower_plan(deep_st
     entry = next(e for e in res.entries if e.plan.key == lucky)
     assert entry.meas_us < 0.9 * 10.0 and entry.duel and entry.duel.startswith("slower")
     assert res.best.key != lucky
+
+
+def test_a_candidate_slower_beyond_the_noise_is_settled_after_three_runs(deep_stack):
+    """A candidate whose median lies two noise bands beyond the best is slower: its timing ends at the third run
+    and its median stands (a finalist and a parent still); one within the bands runs every repeat, the baseline
+    too, and the search still ends on the truly fastest plan it timed."""
+    backend = NoisyBackend(deep_stack.spec, lambda plan: plan.est_us, seed=0, sigma=0.01, spikes=0.0)
+    res = search(deep_stack, backend, options=SearchOptions(max_candidates=16, seed=1, warmup=0, repeats=7,
+                                                            early_stop=4.0), log=SearchLog(enabled=False))
+    band = max(MIN_BAND, 2 * noise(res.unfused_entry.samples_us))
+    settled = [e for e in res.entries if e.settled]
+    assert settled and all(len(e.samples_us) == 3 and not e.stopped_early for e in settled)
+    assert all(e.meas_us > _best_before(res, e) * (1 + SETTLE_BANDS * band) for e in settled)
+    assert all(e.to_json()["settled"] for e in settled)
+    full = [e for e in res.timed if not e.settled]
+    assert res.unfused_entry in full and all(len(e.samples_us) == 7 for e in full)
+    assert sum("settled after 3 runs" in line for line in res.log_lines) == len(settled)
+    assert res.best.est_us == min(e.plan.est_us for e in res.timed)
+
+
+def test_a_backend_of_given_figures_never_settles_a_candidate(chain):
+    res = search(chain, EstimateBackend(chain.spec), options=SearchOptions(max_candidates=8, seed=1, warmup=0,
+                                                                           repeats=5), log=SearchLog(enabled=False))
+    assert not any(e.settled for e in res.entries)  # given figures do not drift: no noise band to settle by
