@@ -389,7 +389,7 @@ def module_guard(result: PlanResult, module: Any, args: Sequence[Any], on_change
     return guard
 
 
-def versus_eager(result: PlanResult, module: Any, args: Sequence[Any], rounds: int = 5) -> float:
+def versus_eager(result: PlanResult, module: Any, args: Sequence[Any], rounds: int = 3) -> float:
     """Eager torch's time over the plan's, end to end (torch tensors in and out), the two calls alternating
     round by round so that both see the same machine load; medians over all rounds."""
     import torch

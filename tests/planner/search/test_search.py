@@ -13,6 +13,7 @@ from _fake_backend import (
     EstimateBackend,
     KernelEstimateBackend,
     NoisyBackend,
+    NoisyTimed,
     TimedReferenceBackend,
     VerifyOnlyBackend,
 )
@@ -660,3 +661,26 @@ def test_a_backend_of_given_figures_never_settles_a_candidate(chain):
     res = search(chain, EstimateBackend(chain.spec), options=SearchOptions(max_candidates=8, seed=1, warmup=0,
                                                                            repeats=5), log=SearchLog(enabled=False))
     assert not any(e.settled for e in res.entries)  # given figures do not drift: no noise band to settle by
+
+
+@pytest.mark.parametrize("warmup", [0, 1, 3])
+def test_the_verification_run_is_a_candidates_first_warm_up(chain, warmup):
+    calls: list[object] = []
+
+    class Counted(NoisyTimed):
+        def run(self, inputs):  # type: ignore[no-untyped-def]
+            calls.append("run")
+            return super().run(inputs)
+
+        def time(self, inputs, *, warmup=2, repeats=7, stop_if=None):  # type: ignore[no-untyped-def]
+            calls.append(warmup)
+            return super().time(inputs, warmup=warmup, repeats=repeats, stop_if=stop_if)
+
+    class Counting(NoisyBackend):
+        def compile(self, plan):  # type: ignore[no-untyped-def]
+            return Counted(plan, self.truth(plan), self.rng, self.sigma, self.spikes, self.kernel_us)
+
+    search(chain, Counting(chain.spec, lambda plan: plan.est_us, seed=0, sigma=0.01, spikes=0.0),
+           options=SearchOptions(max_candidates=4, seed=1, warmup=warmup, repeats=5), log=SearchLog(enabled=False))
+    evaluations = [calls[i + 1] for i, c in enumerate(calls[:-1]) if c == "run" and isinstance(calls[i + 1], int)]
+    assert len(evaluations) >= 3 and set(evaluations) == {max(0, warmup - 1)}
