@@ -19,8 +19,10 @@ mode) with :mod:`planner.core.tolerance`; a tolerance breach, NaN/Inf or any
 exception rejects it with the reason logged.  A verified candidate is timed
 (warm-ups, repeats, median) and stopped early once its running median exceeds
 best x ``early_stop`` (checked from the third sample on); on a backend that times live, it is *settled* once
-that running median lies beyond the best by ``SETTLE_BANDS`` noise bands: slower, its median kept as its time
-(for the final round and as a parent of mutants), without the runs that could only confirm it.  Duplicates (same plan key) are skipped.  A
+that running median lies beyond the best by ``SETTLE_BANDS`` noise bands (``SETTLE_BANDS_NOT_PREFERRED`` for a
+candidate the cost model does not prefer, which a tie never crowns), or once the kernels it differs in from the best,
+timed in those runs, already make it a tie (``_decided_by_kernels``): its median kept as its time (for the final
+round and as a parent of mutants), without the runs that could only confirm it.  Duplicates (same plan key) are skipped.  A
 backend that times kernels one by one inside a plan's runs (the CPU's) bounds the plans after it: a
 candidate whose kernels timed in earlier plans already take longer, summed, than the best x ``early_stop``
 is not compiled, verified or run (verdict "slower by its kernels"; each kernel's fastest time counts, so the
@@ -35,6 +37,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -67,6 +70,10 @@ MIN_SAMPLES_BEFORE_STOP = 3
 #: bands is slower, settled: its timing ends there and its median stands (for the final round and the parents of
 #: mutants) where the other runs could only confirm it (a 45 ms BERT took 9 runs a candidate, its cold plan 18 s)
 SETTLE_BANDS = 1.5
+#: the same for a candidate the cost model does not prefer to the best: half a band above the best's time, its
+#: median could turn lower only by a quieter moment, and even a lower one needs a duel's 1% to win, a tie keeping
+#: the best
+SETTLE_BANDS_NOT_PREFERRED = 0.5
 #: parents for mutation are drawn from this many fastest measured plans
 ELITE = 8
 
@@ -157,32 +164,77 @@ class _Run:
         if reason is not None:
             self._reject(entry, reason)
             return
-        bound = settle = math.inf
-        if not baseline and self.best is not None:
-            bound = self.best.time_us * self.opts.early_stop
-            if self.backend.times_live:
-                settle = self.best.time_us * (1 + SETTLE_BANDS * self.band)
-        stop_if = _Stopper(bound, deadline=self.t0 + self.opts.time_budget_s, settle=settle)
         entry.verified = True
         try:
-            # the verification run just made is the first warm-up: the same kernels on the same inputs
-            timing = compiled.time(self.inputs, warmup=max(0, self.opts.warmup - 1), repeats=self.opts.repeats,
-                                   stop_if=stop_if)
+            self._time(entry, compiled, baseline)
         except BackendError:
             if self.backend.measures:
                 raise
             return  # a verify-only backend (reference): verified, "not timed"
-        if not timing.samples_us:
-            raise RuntimeError("backend returned no timing samples")
-        entry.samples_us = list(timing.samples_us)
-        entry.meas_us = timing.median_us
-        entry.stopped_early = timing.stopped_early and stop_if.by_bound
-        entry.settled = timing.stopped_early and stop_if.settled and not stop_if.by_bound
         entry.verdict = Verdict.TIMED
-        for kernel, us in zip(entry.plan.kernels, timing.kernel_min_us or (), strict=False):
+        self._record(entry, compiled)
+
+    def _time(self, entry: Entry, compiled: CompiledPlan, baseline: bool) -> None:
+        """Time a verified candidate: :data:`MIN_SAMPLES_BEFORE_STOP` runs, then one at a time up to ``repeats``
+        while more could change what is decided about it: none once its median passes the early stop (stopped
+        early) or settles it (not faster beyond the noise, or the kernels it differs in, just timed, already decide
+        it: ``_decided_by_kernels``), nor once the time budget is spent."""
+        opts = self.opts
+        bound, settle = self._stop_bounds(entry, baseline)
+        # the verification run just made is the first warm-up: the same kernels on the same inputs
+        timing = compiled.time(self.inputs, warmup=max(0, opts.warmup - 1), repeats=min(MIN_SAMPLES_BEFORE_STOP,
+                                                                                         opts.repeats))
+        samples = list(timing.samples_us)
+        if not samples:
+            raise RuntimeError("backend returned no timing samples")
+        self._note_kernels(entry, timing.kernel_min_us)
+        while len(samples) < opts.repeats and time.perf_counter() <= self.t0 + opts.time_budget_s:
+            median = statistics.median(samples)
+            if median > bound:
+                entry.stopped_early = True
+                break
+            if not baseline and (median > settle or self._decided_by_kernels(entry, median)):
+                entry.settled = True
+                break
+            more = compiled.time(self.inputs, warmup=0, repeats=1)
+            samples += more.samples_us
+            self._note_kernels(entry, more.kernel_min_us)
+        entry.samples_us = samples
+        entry.meas_us = statistics.median(samples)
+
+    def _stop_bounds(self, entry: Entry, baseline: bool) -> tuple[float, float]:
+        """The running medians beyond which a candidate's timing ends: stopped early (best x ``early_stop``), and
+        settled (:data:`SETTLE_BANDS` noise bands beyond the best, :data:`SETTLE_BANDS_NOT_PREFERRED` for a
+        candidate the cost model does not prefer); none for the first plan."""
+        best = self.best
+        if baseline or best is None:
+            return math.inf, math.inf
+        if not self.backend.times_live:  # given figures: no noise band to settle by
+            return best.time_us * self.opts.early_stop, math.inf
+        preferred = entry.plan.sort_key() < best.plan.sort_key()
+        bands = SETTLE_BANDS if preferred else SETTLE_BANDS_NOT_PREFERRED
+        return best.time_us * self.opts.early_stop, best.time_us * (1 + bands * self.band)
+
+    def _note_kernels(self, entry: Entry, kernel_min_us: Sequence[float] | None) -> None:
+        """Keep each kernel's fastest time over the plans timed so far (by its signature)."""
+        for kernel, us in zip(entry.plan.kernels, kernel_min_us or (), strict=False):
             sig = kernel_sig(kernel)
             self.kernel_min[sig] = min(us, self.kernel_min.get(sig, math.inf))
-        self._record(entry, compiled)
+
+    def _decided_by_kernels(self, entry: Entry, median_us: float) -> bool:
+        """Would :meth:`_record` call ``entry`` a tie with the best on the evidence of the kernels they differ in
+        (all timed now), whatever its median within the noise: near twins, or no win beyond the duel's margin
+        predicted for a plan the cost model does not prefer?"""
+        best = self.best
+        if best is None or not self.backend.times_live or not self._close(median_us, best.time_us):
+            return False
+        differ = self._differing_us(entry, best)
+        return differ is not None and (_near_twins(differ, best.time_us) or _no_win_predicted(entry, differ, best)) is not None
+
+    def _close(self, median_us: float, best_us: float) -> bool:
+        """Is a median too close to the best's to be judged on it alone (within the noise band, or lower short of
+        :data:`CONFIRM_BEYOND`: a quiet moment can lower one plan's median)?"""
+        return abs(median_us / best_us - 1) <= self.band or best_us / CONFIRM_BEYOND < median_us < best_us
 
     def _bounded(self, entry: Entry) -> bool:
         """Record a candidate as slower, unrun, when the kernels it shares with plans timed before take longer
@@ -328,9 +380,7 @@ class _Run:
                 self.slog.noise_floor(spread, len(entry.samples_us), self.band)
             return
         stopped = len(entry.samples_us) if entry.stopped_early else None
-        # a lower median short of CONFIRM_BEYOND may be a quiet moment: only a duel crowns it
-        close = not entry.stopped_early and (abs(meas / best.time_us - 1) <= self.band
-                                             or best.time_us / CONFIRM_BEYOND < meas < best.time_us)
+        close = not entry.stopped_early and self._close(meas, best.time_us)
         if not close or compiled is None or self.best_compiled is None or not self.backend.times_live:
             if meas < best.time_us and not entry.stopped_early:  # given figures, or far beyond the noise
                 self._crown(entry, compiled)
@@ -343,8 +393,9 @@ class _Run:
         if meas >= best.time_us and entry.plan.sort_key() >= best.plan.sort_key():
             # no duel could crown it: a tie keeps the best (the cost model's choice), and a median that is
             # not lower gives no sign of a win worth the rounds (the final round re-measures close runners-up)
-            self.slog.tie(entry.plan, f"median x{meas / best.time_us:.3f} within the noise, not lower", best.plan,
-                          _origin(entry))
+            settled = f", settled after {len(entry.samples_us)} runs" if entry.settled else ""
+            self.slog.tie(entry.plan, f"median x{meas / best.time_us:.3f} within the noise, not lower{settled}",
+                          best.plan, _origin(entry))
             return
         differ = self._differing_us(entry, best)
         evidence = None if differ is None else (_near_twins(differ, best.time_us)
@@ -353,7 +404,8 @@ class _Run:
             if entry.plan.sort_key() < best.plan.sort_key():
                 self._crown(entry, compiled, faster=False)
             entry.duel = f"tie: {evidence}, not timed in rounds"
-            self.slog.tie(entry.plan, evidence, self.best.plan if self.best else best.plan, _origin(entry))
+            settled = f", settled after {len(entry.samples_us)} runs" if entry.settled else ""
+            self.slog.tie(entry.plan, evidence + settled, self.best.plan if self.best else best.plan, _origin(entry))
             return
         self._duel(entry, compiled, best)
 
@@ -604,26 +656,6 @@ def _no_win_predicted(entry: Entry, differ: tuple[float, float], best: Entry) ->
     own, other = differ
     return (f"its kernels predict x{(best.time_us + own - other) / best.time_us:.3f} of its time ({own:,.0f} "
             f"against {other:,.0f} µs): no win beyond the {DUEL_MARGIN:.0%} margin")
-
-
-class _Stopper:
-    """``stop_if`` for CompiledPlan.time: after :data:`MIN_SAMPLES_BEFORE_STOP` samples, stop when the
-    running median is above ``bound`` (``by_bound``: the candidate is slower, stopped early) or above ``settle``
-    (``settled``: slower beyond the noise, its median kept as its time), or the search's time budget is spent (so
-    a huge ``--repeats`` still obeys ``--time-budget``, and a candidate timed at the end of the budget still has a
-    median of its own)."""
-
-    def __init__(self, bound: float, deadline: float = math.inf, settle: float = math.inf) -> None:
-        self.bound, self.deadline, self.settle, self.calls = bound, deadline, settle, 0
-        self.by_bound = self.settled = False
-
-    def __call__(self, median_us: float) -> bool:
-        self.calls += 1
-        if self.calls < MIN_SAMPLES_BEFORE_STOP:
-            return False
-        self.by_bound = median_us > self.bound
-        self.settled = median_us > self.settle
-        return self.by_bound or self.settled or time.perf_counter() > self.deadline
 
 
 def _one_line(exc: BaseException) -> str:

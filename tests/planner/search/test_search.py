@@ -29,7 +29,7 @@ from planner.core.reference import execute_graph, execute_plan, random_inputs
 from planner.core.tolerance import allclose_report
 from planner.egraph.candidates import build_candidates
 from planner.search.duel import noise
-from planner.search.engine import FINAL_ROUNDS, MIN_BAND, SETTLE_BANDS, search
+from planner.search.engine import FINAL_ROUNDS, MIN_BAND, SETTLE_BANDS, SETTLE_BANDS_NOT_PREFERRED, search
 from planner.search.mutate import OPERATORS, Mutator
 from planner.search.results import SearchOptions, StopKind, spearman
 from planner.search.searchlog import SearchLog
@@ -684,3 +684,36 @@ def test_the_verification_run_is_a_candidates_first_warm_up(chain, warmup):
            options=SearchOptions(max_candidates=4, seed=1, warmup=warmup, repeats=5), log=SearchLog(enabled=False))
     evaluations = [calls[i + 1] for i, c in enumerate(calls[:-1]) if c == "run" and isinstance(calls[i + 1], int)]
     assert len(evaluations) >= 3 and set(evaluations) == {max(0, warmup - 1)}
+
+
+def test_a_candidate_the_cost_model_does_not_prefer_settles_half_a_band_above_the_best(deep_stack):
+    """Every plan 1.5% slower than the one the cost model prefers most, with little noise (the band is 2%): once
+    that plan is the best, each other plan settles after three runs as a tie (a tie keeps the best, so more runs
+    could not crown it), while the search still ends on the preferred plan."""
+    first = min(deep_stack.plans, key=lambda p: p.sort_key())
+    truth = lambda plan: 100.0 if plan.key == first.key else 101.5  # noqa: E731
+    backend = NoisyBackend(deep_stack.spec, truth, seed=0, sigma=0.001, spikes=0.0)
+    res = search(deep_stack, backend, options=SearchOptions(max_candidates=16, seed=1, warmup=0, repeats=7),
+                 log=SearchLog(enabled=False))
+    assert res.best.key == first.key
+    settled = [e for e in res.entries if e.settled]
+    assert settled and all(len(e.samples_us) == 3 and e.plan.sort_key() > first.sort_key() for e in settled)
+    assert all(1 + SETTLE_BANDS_NOT_PREFERRED * MIN_BAND < e.meas_us / 100.0 < 1 + SETTLE_BANDS * MIN_BAND
+               for e in settled)
+    assert any("within the noise, not lower, settled after 3 runs" in line for line in res.log_lines)
+
+
+def test_a_candidate_its_just_timed_kernels_decide_settles_after_three_runs(deep_stack):
+    """Plans sharing most of their time, under 5% noise: a candidate whose differing kernels, timed in its first
+    three runs, already call it a tie (near twins, or no win beyond the margin) is not run the other four; the
+    search still ends within 1% of the truly fastest plan it timed."""
+    shared = 5 * max(p.est_us for p in deep_stack.plans)
+    truth = lambda plan: shared + sum(k.cost.est_us for k in plan.kernels)  # noqa: E731
+    backend = NoisyBackend(deep_stack.spec, truth, seed=0, sigma=0.05, spikes=0.0, kernel_us=lambda k: k.cost.est_us)
+    res = search(deep_stack, backend, options=SearchOptions(max_candidates=30, seed=1, warmup=0, repeats=7,
+                                                            patience=0), log=SearchLog(enabled=False))
+    ties = [e for e in res.entries if (e.duel or "").endswith("not timed in rounds")]
+    assert ties and all(e.settled and len(e.samples_us) == 3 for e in ties)
+    assert sum("settled after 3 runs" in line for line in res.log_lines if line.startswith("Tie")) >= len(ties)
+    timed = [e for e in res.entries if e.timed]
+    assert truth(res.best) <= 1.01 * min(truth(e.plan) for e in timed)
