@@ -242,15 +242,18 @@ class RowEmitter:
         return red.finish.format(acc=acc, width=self.width)
 
     def _vector_partials(self, acc: str, value: str, init: str, red: Reduction) -> list[str]:
-        """One vector of 16 partials over a contiguous fp32 row (``value`` is an array read at ``c``), merged
-        pairwise in a tree of lane exchanges at the end (the C prelude's ``fp_v16_swap*``: in registers)."""
+        """One vector of partials over a contiguous fp32 row (``value`` is an array read at ``c``): the C
+        prelude's ``fp_va``, ``FP_VL`` lanes (16, or 8 where the target has AVX2 but not AVX-512: gcc kept a
+        64-byte vector carried through the loop on the stack there), merged pairwise in a tree of lane exchanges
+        at the end (``fp_va_swap``: in registers)."""
         assert red.vector is not None
         part, w = self._name("part"), self.width
         end = w // 16 * 16
-        step = red.vector.format(a=part, b=f"fp_v16_load(&{value[:-2]}c0])")
-        lines = [f"fp_v16 {part} = fp_v16_fill({init});",
-                 f"for (long long c0 = 0; c0 < {end}; c0 += 16) {part} = {step};",
-                 *(f"{part} = {red.vector.format(a=part, b=f'fp_v16_swap{h}({part})')};" for h in (8, 4, 2, 1)),
+        step = red.vector.format(a=part, b=f"fp_va_load(&{value[:-2]}c0])")
+        tree = red.vector.format(a=part, b=f"fp_va_swap({part}, h)")
+        lines = [f"fp_va {part} = fp_va_fill({init});",
+                 f"for (long long c0 = 0; c0 < {end}; c0 += FP_VL) {part} = {step};",
+                 f"for (int h = FP_VL / 2; h >= 1; h /= 2) {part} = {tree};",
                  f"float {acc} = {part}[0];"]
         if w % 16:
             lines.append(f"for (long long c = {end}; c < {w}; ++c) {acc} = {red.combine.format(a=acc, b=value)};")

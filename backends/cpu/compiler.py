@@ -190,6 +190,9 @@ class Compiler:
     directory: Path | None = None
     #: contract a*x + b into one fused multiply-add (rounded once); None: $FUSION_PLANNER_CPU_FMA, default on
     fma: bool | None = None
+    #: flags after the probed ones that narrow the target: ``("-mno-avx512f",)`` compiles this machine's kernels as
+    #: an AVX2 machine's (the prelude's 8-lane branch), to test and measure them where AVX-512 is present
+    target: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self.cc = self.cc or os.environ.get("CC", "cc")
@@ -197,7 +200,7 @@ class Compiler:
         if self.fma is None:
             self.fma = os.environ.get("FUSION_PLANNER_CPU_FMA", "1").strip().lower() not in ("0", "off", "false", "no")
         flags, self.libs, self.version = _probe(self.cc)
-        self.flags = (*flags, CONTRACT_FLAGS[self.fma])
+        self.flags = (*flags, CONTRACT_FLAGS[self.fma], *self.target)
         self.directory = self.directory or cache_dir()
         refused = untrusted_dir(self.directory)
         if refused:  # a shared object from there would run its code when loaded

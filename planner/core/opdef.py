@@ -92,8 +92,8 @@ class Reduction:
     """How a row kernel computes a reduction over the last dimension: partial results start at ``identity``
     and merge with ``combine`` (a C expression over ``{a}`` and ``{b}``); ``finish`` turns the merged value
     ``{acc}`` into the result (``{width}``: the row's length); ``vector``, where given, is ``combine`` over two
-    16-lane vectors (``fp_v16``, the C prelude's), which lets the C generator keep its partials in one vector
-    register.  A combine must be associative and commutative up to rounding: the partials merge in a tree."""
+    vectors of partials (``fp_va``, the C prelude's: 16 lanes, 8 on AVX2 without AVX-512), which lets the C
+    generator keep its partials in one vector register.  A combine must be associative and commutative up to rounding: the partials merge in a tree."""
 
     identity: float
     combine: str

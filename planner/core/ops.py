@@ -207,7 +207,7 @@ def _clamp_c(v: Sequence[str], attrs: Attrs) -> str:
 _GELU_TANH_C = "0.5f*{0}*(1.0f+fp_tanh(0.7978845608028654f*({0}+0.044715f*{0}*{0}*{0})))"
 #: the sum's and the maximum's way through a row (RowMean divides the sum by the row's length)
 _SUM = Reduction(0.0, "({a} + {b})", vector="({a} + {b})")
-_MAX = Reduction(-math.inf, "fp_max({a}, {b})", vector="fp_v16_max({a}, {b})")
+_MAX = Reduction(-math.inf, "fp_max({a}, {b})", vector="fp_va_max({a}, {b})")
 
 OPS: dict[str, OpDef] = {
     op.name: op

@@ -769,7 +769,7 @@ def test_row_kernel_loops_are_vectorised(compiler):
     assert len(partials) == 1  # the centred square, read by the variance alone, computed in its partials' loop
     assert all(re.search(rf":{line}:\d+: optimized: loop vectorized", report) for line in lines + partials), report
     row = ck.source.split("row kernel")[1]
-    assert row.count("fp_v16_fill(") == 1 and row.count("float row") == 1  # the mean summed from the buffer
+    assert row.count("fp_va_fill(") == 1 and row.count("float row") == 1  # the mean summed from the buffer
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -816,7 +816,7 @@ def test_rows_longer_than_the_buffer_limit_reduce_in_the_loop():
     got = cpu_backend().compile(one).run(x)[0]
     assert close(got, execute_graph(g, x)[0], "fp16")
     source = generate(one.kernels[0].body, {n.id: (n.type.shape, n.type.dtype) for n in g.nodes}).source
-    assert "fp_v16_load(" not in source.split("row kernel")[1]  # no row buffer: scalar partials
+    assert "fp_va_load(" not in source.split("row kernel")[1]  # no row buffer: scalar partials
 
 
 def test_a_gemms_right_operand_is_read_in_place_in_either_order():

@@ -1,0 +1,70 @@
+"""The C prelude's vector helpers where the target has AVX2 but not AVX-512 (the AMD EPYC machines of this kind):
+8-lane row partials and attention blocks.  Compiled so (``-mno-avx512f`` after ``-march=native``) on any x86
+machine, every fused row kernel and attention kernel that uses them equals the unfused graph's numpy semantics."""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+
+import numpy as np
+import pytest
+
+from backends.cpu import compiler
+from backends.cpu.backend import CpuBackend
+from backends.cpu.prelude import PRELUDE
+from planner.core import examples
+from planner.core.cost import load_device
+from planner.core.graph import Graph
+from planner.core.reference import execute_graph, random_inputs
+from planner.egraph.candidates import build_candidates
+
+SPEC = load_device("h200")
+
+pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 compiler flags")
+
+
+@pytest.fixture(params=["native", "avx2"])
+def target(request, monkeypatch, tmp_path) -> compiler.Compiler:
+    """A compiler for this CPU, or for it without AVX-512 (into a kernel cache of its own)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    return compiler.Compiler(target=("-mno-avx512f",) if request.param == "avx2" else ())
+
+
+def test_the_avx2_target_takes_the_preludes_8_lane_branch(target) -> None:
+    source = PRELUDE + "int fp_lanes(void) { return FP_VL; }\n"
+    lanes = ctypes.CDLL(str(target.build(source))).fp_lanes()
+    assert lanes == 8 if target.target else lanes in (8, 16)
+
+
+def _fused(graph: Graph):  # the plan with the fewest kernels: the row op, or the attention, in one kernel
+    return min(build_candidates(graph, SPEC).plans, key=lambda p: (len(p.kernels), p.sort_key()))
+
+
+@pytest.mark.parametrize("graph", [
+    examples.softmax(37, 128), examples.softmax(5, 200),  # a row of vectors; a ragged tail after 12 blocks of 16
+    examples.layer_norm(9, 768), examples.rms_norm(7, 96, "fp32"),
+], ids=["softmax-128", "softmax-200", "layernorm", "rmsnorm"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_row_kernels_equal_the_unfused_graph(graph, threads, target) -> None:
+    plan = _fused(graph)
+    assert len(plan.kernels) == 1
+    inputs = random_inputs(graph, seed=3)
+    got = CpuBackend(SPEC, threads=threads, compiler=target).compile(plan).run(inputs)
+    want = execute_graph(graph, inputs)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize(("seq", "form"), [(70, {"causal": False}), (70, {"causal": True}), (130, {"causal": True}),
+                                         (9, {"causal": False}), (70, {"masked": True}), (45, {"biased": True})])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_fused_attention_equals_the_unfused_graph(seq, form, threads, target) -> None:
+    graph = examples.attention(2, seq, 96, 3, "fp32", **form)
+    plan = _fused(graph)
+    assert any(k.describe().endswith("Attention]") for k in plan.kernels)
+    inputs = random_inputs(graph, seed=4)
+    got = CpuBackend(SPEC, threads=threads, compiler=target).compile(plan).run(inputs)
+    want = execute_graph(graph, inputs)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-5)
