@@ -66,89 +66,8 @@ typedef int32_t fp_v16i __attribute__((vector_size(64)));
 static inline fp_v16 fp_v16_load(const float* p) { fp_v16 v; memcpy(&v, p, 64); return v; }
 static inline fp_v16 fp_v16_fill(float x) { fp_v16 v; for (int j = 0; j < 16; ++j) v[j] = x; return v; }
 static inline fp_v16 fp_v16_add(fp_v16 a, fp_v16 b) { return a + b; }
-#if defined(__AVX2__) && !defined(__AVX512F__)
-/* Without AVX-512 a 64-byte vector lives in two 256-bit registers, and gcc 12 lowers a comparison or a
-   16-lane shuffle of it one lane at a time through the stack (AVX2 code on a Sapphire Rapids core: the softmax
-   kernel 4x slower than AVX-512 code, the attention kernel 12x).  Here they work on the two halves. */
-typedef float fp_v8 __attribute__((vector_size(32)));
-typedef int32_t fp_v8i __attribute__((vector_size(32)));
-typedef struct { fp_v8 lo, hi; } fp_v8x2;
-static inline fp_v8x2 fp_v16_halves(fp_v16 v) { fp_v8x2 h; memcpy(&h, &v, 64); return h; }
-static inline fp_v16 fp_v16_join(fp_v8 lo, fp_v8 hi) { fp_v8x2 h = {lo, hi}; fp_v16 v; memcpy(&v, &h, 64); return v; }
-static inline fp_v8 fp_v8_max(fp_v8 a, fp_v8 b) {
-    fp_v8i m = (a > b) | (a != a);
-    return (fp_v8)(((fp_v8i)a & m) | ((fp_v8i)b & ~m));
-}
-static inline fp_v16 fp_v16_max(fp_v16 a, fp_v16 b) {
-    fp_v8x2 x = fp_v16_halves(a), y = fp_v16_halves(b);
-    return fp_v16_join(fp_v8_max(x.lo, y.lo), fp_v8_max(x.hi, y.hi));
-}
-/* acc + s * v (a scalar times a 64-byte vector went through the stack too) */
-static inline fp_v16 fp_v16_madd(fp_v16 acc, float s, fp_v16 v) {
-    fp_v8x2 a = fp_v16_halves(acc), x = fp_v16_halves(v);
-    return fp_v16_join(a.lo + s * x.lo, a.hi + s * x.hi);
-}
-/* a where lane index ``idx`` is below ``limit``, else b */
-static inline fp_v16 fp_v16_below(fp_v16i idx, int32_t limit, fp_v16 a, fp_v16 b) {
-    fp_v8i i[2];
-    memcpy(i, &idx, 64);
-    fp_v8x2 x = fp_v16_halves(a), y = fp_v16_halves(b);
-    fp_v8i lo = i[0] < limit, hi = i[1] < limit;
-    return fp_v16_join((fp_v8)(((fp_v8i)x.lo & lo) | ((fp_v8i)y.lo & ~lo)),
-                       (fp_v8)(((fp_v8i)x.hi & hi) | ((fp_v8i)y.hi & ~hi)));
-}
-#if defined(__clang__)
-#define FP_V8_SHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
-#else
-#define FP_V8_SHUFFLE(v, ...) __builtin_shuffle(v, (fp_v8i){__VA_ARGS__})
-#endif
-static inline fp_v16 fp_v16_swap8(fp_v16 v) { fp_v8x2 h = fp_v16_halves(v); return fp_v16_join(h.hi, h.lo); }
-/* The attention kernel's vectors: 8 lanes here, its blocks of scores in 256-bit registers (kept as 16-lane
-   halves they went through the stack: 4x the AVX-512 kernel's time, 2x expected) */
-#define FP_VL 8
-typedef fp_v8 fp_va;
-typedef fp_v8i fp_vai;
-static inline fp_va fp_va_load(const float* p) { fp_va v; memcpy(&v, p, sizeof v); return v; }
-static inline fp_va fp_va_fill(float x) { return (fp_va){x, x, x, x, x, x, x, x}; }
-static inline fp_va fp_va_madd(fp_va acc, float s, fp_va v) { return acc + s * v; }
-static inline fp_va fp_va_max(fp_va a, fp_va b) { return fp_v8_max(a, b); }
-static inline fp_va fp_va_below(fp_vai idx, int32_t limit, fp_va a, fp_va b) {
-    fp_vai m = idx < limit;
-    return (fp_va)(((fp_vai)a & m) | ((fp_vai)b & ~m));
-}
-static inline fp_va fp_va_swap(fp_va v, int h) {
-    return h == 4 ? FP_V8_SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3)
-         : h == 2 ? FP_V8_SHUFFLE(v, 2, 3, 0, 1, 6, 7, 4, 5) : FP_V8_SHUFFLE(v, 1, 0, 3, 2, 5, 4, 7, 6);
-}
-static inline float fp_va_hadd(fp_va v) {
-    for (int h = 4; h >= 1; h /= 2) v = v + fp_va_swap(v, h);
-    return v[0];
-}
-static inline float fp_va_hmax(fp_va v) {
-    for (int h = 4; h >= 1; h /= 2) v = fp_va_max(v, fp_va_swap(v, h));
-    return v[0];
-}
-static inline fp_v16 fp_v16_swap4(fp_v16 v) {
-    fp_v8x2 h = fp_v16_halves(v);
-    return fp_v16_join(FP_V8_SHUFFLE(h.lo, 4, 5, 6, 7, 0, 1, 2, 3), FP_V8_SHUFFLE(h.hi, 4, 5, 6, 7, 0, 1, 2, 3));
-}
-static inline fp_v16 fp_v16_swap2(fp_v16 v) {
-    fp_v8x2 h = fp_v16_halves(v);
-    return fp_v16_join(FP_V8_SHUFFLE(h.lo, 2, 3, 0, 1, 6, 7, 4, 5), FP_V8_SHUFFLE(h.hi, 2, 3, 0, 1, 6, 7, 4, 5));
-}
-static inline fp_v16 fp_v16_swap1(fp_v16 v) {
-    fp_v8x2 h = fp_v16_halves(v);
-    return fp_v16_join(FP_V8_SHUFFLE(h.lo, 1, 0, 3, 2, 5, 4, 7, 6), FP_V8_SHUFFLE(h.hi, 1, 0, 3, 2, 5, 4, 7, 6));
-}
-#else
 static inline fp_v16 fp_v16_max(fp_v16 a, fp_v16 b) {
     fp_v16i m = (a > b) | (a != a);
-    return (fp_v16)(((fp_v16i)a & m) | ((fp_v16i)b & ~m));
-}
-static inline fp_v16 fp_v16_madd(fp_v16 acc, float s, fp_v16 v) { return acc + s * v; }
-/* a where lane index ``idx`` is below ``limit``, else b */
-static inline fp_v16 fp_v16_below(fp_v16i idx, int32_t limit, fp_v16 a, fp_v16 b) {
-    fp_v16i m = idx < limit;
     return (fp_v16)(((fp_v16i)a & m) | ((fp_v16i)b & ~m));
 }
 /* Lanes j and j^h exchanged: a reduction's tree stays in registers (a round trip of the 16 partials through
@@ -163,7 +82,6 @@ static inline fp_v16 fp_v16_swap8(fp_v16 v) { return FP_V16_SHUFFLE(v, 8, 9, 10,
 static inline fp_v16 fp_v16_swap4(fp_v16 v) { return FP_V16_SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11); }
 static inline fp_v16 fp_v16_swap2(fp_v16 v) { return FP_V16_SHUFFLE(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13); }
 static inline fp_v16 fp_v16_swap1(fp_v16 v) { return FP_V16_SHUFFLE(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14); }
-#endif
 static inline float fp_v16_hadd(fp_v16 v) {
     v = v + fp_v16_swap8(v);
     v = v + fp_v16_swap4(v);
@@ -178,21 +96,58 @@ static inline float fp_v16_hmax(fp_v16 v) {
     v = fp_v16_max(v, fp_v16_swap1(v));
     return v[0];
 }
-#if !(defined(__AVX2__) && !defined(__AVX512F__))
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* The vectors the kernels keep their partials and score blocks in (``fp_va``, ``FP_VL`` lanes): 8 lanes here, in
+   256-bit registers.  gcc 12 cannot hold a 64-byte vector in two of them: it carried a row's partials through the stack
+   and lowered comparisons, 16-lane shuffles and scalar broadcasts one lane at a time (AVX2 code on a Sapphire
+   Rapids core: the softmax kernel 4x slower than AVX-512 code, the attention kernel 12x). */
+typedef float fp_v8 __attribute__((vector_size(32)));
+typedef int32_t fp_v8i __attribute__((vector_size(32)));
+#if defined(__clang__)
+#define FP_V8_SHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define FP_V8_SHUFFLE(v, ...) __builtin_shuffle(v, (fp_v8i){__VA_ARGS__})
+#endif
+#define FP_VL 8
+typedef fp_v8 fp_va;
+typedef fp_v8i fp_vai;
+static inline fp_va fp_va_load(const float* p) { fp_va v; memcpy(&v, p, sizeof v); return v; }
+static inline fp_va fp_va_fill(float x) { return (fp_va){x, x, x, x, x, x, x, x}; }
+static inline fp_va fp_va_max(fp_va a, fp_va b) {
+    fp_vai m = (a > b) | (a != a);
+    return (fp_va)(((fp_vai)a & m) | ((fp_vai)b & ~m));
+}
+static inline fp_va fp_va_swap(fp_va v, int h) {
+    return h == 4 ? FP_V8_SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3)
+         : h == 2 ? FP_V8_SHUFFLE(v, 2, 3, 0, 1, 6, 7, 4, 5) : FP_V8_SHUFFLE(v, 1, 0, 3, 2, 5, 4, 7, 6);
+}
+#else
 #define FP_VL 16
 typedef fp_v16 fp_va;
 typedef fp_v16i fp_vai;
 static inline fp_va fp_va_load(const float* p) { return fp_v16_load(p); }
 static inline fp_va fp_va_fill(float x) { return fp_v16_fill(x); }
-static inline fp_va fp_va_madd(fp_va acc, float s, fp_va v) { return fp_v16_madd(acc, s, v); }
 static inline fp_va fp_va_max(fp_va a, fp_va b) { return fp_v16_max(a, b); }
-static inline fp_va fp_va_below(fp_vai idx, int32_t limit, fp_va a, fp_va b) { return fp_v16_below(idx, limit, a, b); }
-static inline float fp_va_hadd(fp_va v) { return fp_v16_hadd(v); }
 static inline fp_va fp_va_swap(fp_va v, int h) {
     return h == 8 ? fp_v16_swap8(v) : h == 4 ? fp_v16_swap4(v) : h == 2 ? fp_v16_swap2(v) : fp_v16_swap1(v);
 }
-static inline float fp_va_hmax(fp_va v) { return fp_v16_hmax(v); }
 #endif
+/* acc + s * v; a where lane index ``idx`` is below ``limit``, else b; the sum and the maximum of the lanes (the
+   pairs of a tree over an array, as above) */
+static inline fp_va fp_va_madd(fp_va acc, float s, fp_va v) { return acc + s * v; }
+static inline fp_va fp_va_below(fp_vai idx, int32_t limit, fp_va a, fp_va b) {
+    fp_vai m = idx < limit;
+    return (fp_va)(((fp_vai)a & m) | ((fp_vai)b & ~m));
+}
+static inline float fp_va_hadd(fp_va v) {
+    for (int h = FP_VL / 2; h >= 1; h /= 2) v = v + fp_va_swap(v, h);
+    return v[0];
+}
+static inline float fp_va_hmax(fp_va v) {
+    for (int h = FP_VL / 2; h >= 1; h /= 2) v = fp_va_max(v, fp_va_swap(v, h));
+    return v[0];
+}
 
 static inline float fp_bf16_to_f32(uint16_t h) { return fp_bits_f32((uint32_t)h << 16); }
 

@@ -386,15 +386,13 @@ class _Run:
                 self._crown(entry, compiled)
                 self.slog.faster(entry.plan, entry.est_us, meas, best.time_us / meas, _origin(entry))
             else:
-                settled = f"settled after {len(entry.samples_us)} runs" if entry.settled else ""
                 self.slog.slower(entry.plan, meas / best.time_us, entry.est_us, meas, stopped, _origin(entry),
-                                 settled)
+                                 _settled(entry).removeprefix(", "))
             return
         if meas >= best.time_us and entry.plan.sort_key() >= best.plan.sort_key():
             # no duel could crown it: a tie keeps the best (the cost model's choice), and a median that is
             # not lower gives no sign of a win worth the rounds (the final round re-measures close runners-up)
-            settled = f", settled after {len(entry.samples_us)} runs" if entry.settled else ""
-            self.slog.tie(entry.plan, f"median x{meas / best.time_us:.3f} within the noise, not lower{settled}",
+            self.slog.tie(entry.plan, f"median x{meas / best.time_us:.3f} within the noise, not lower{_settled(entry)}",
                           best.plan, _origin(entry))
             return
         differ = self._differing_us(entry, best)
@@ -404,8 +402,7 @@ class _Run:
             if entry.plan.sort_key() < best.plan.sort_key():
                 self._crown(entry, compiled, faster=False)
             entry.duel = f"tie: {evidence}, not timed in rounds"
-            settled = f", settled after {len(entry.samples_us)} runs" if entry.settled else ""
-            self.slog.tie(entry.plan, evidence + settled, self.best.plan if self.best else best.plan, _origin(entry))
+            self.slog.tie(entry.plan, evidence + _settled(entry), self.best.plan if self.best else best.plan, _origin(entry))
             return
         self._duel(entry, compiled, best)
 
@@ -602,6 +599,11 @@ def search(
         verification=verification_text(unfused, opts.rtol, opts.atol,
                                        f"seeded inputs (seed {opts.seed})" if drawn else "the given inputs"),
     )
+
+
+def _settled(entry: Entry) -> str:
+    """The SEARCH_LOG's note of a settled candidate's runs (``, settled after n runs``), or nothing."""
+    return f", settled after {len(entry.samples_us)} runs" if entry.settled else ""
 
 
 def _origin(entry: Entry) -> str:
