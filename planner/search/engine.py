@@ -178,7 +178,8 @@ class _Run:
         """Time a verified candidate: :data:`MIN_SAMPLES_BEFORE_STOP` runs, then one at a time up to ``repeats``
         while more could change what is decided about it: none once its median passes the early stop (stopped
         early) or settles it (not faster beyond the noise, or the kernels it differs in, just timed, already decide
-        it: ``_decided_by_kernels``), nor once the time budget is spent."""
+        it: ``_decided_by_kernels``), nor once the time budget is spent. A backend of given figures (the cost
+        model's, or remote results) gives all it has at once: timing again would only repeat them."""
         opts = self.opts
         bound, settle = self._stop_bounds(entry, baseline)
         # the verification run just made is the first warm-up: the same kernels on the same inputs
@@ -188,7 +189,8 @@ class _Run:
         if not samples:
             raise RuntimeError("backend returned no timing samples")
         self._note_kernels(entry, timing.kernel_min_us)
-        while len(samples) < opts.repeats and time.perf_counter() <= self.t0 + opts.time_budget_s:
+        while (self.backend.times_live and len(samples) < opts.repeats
+               and time.perf_counter() <= self.t0 + opts.time_budget_s):
             median = statistics.median(samples)
             if median > bound:
                 entry.stopped_early = True

@@ -663,6 +663,18 @@ def test_a_backend_of_given_figures_never_settles_a_candidate(chain):
     assert not any(e.settled for e in res.entries)  # given figures do not drift: no noise band to settle by
 
 
+def test_a_backend_of_given_figures_is_asked_for_them_once(chain):
+    """Timing again on the cost model (or remote results) only repeats its figures: a huge ``repeats`` once burnt
+    the whole time budget copying the estimate into every candidate's samples."""
+    from backends.model import ModelBackend
+
+    res = search(chain, ModelBackend(chain.spec), options=SearchOptions(max_candidates=4, repeats=10**11,
+                                                                        time_budget_s=60.0), log=SearchLog(enabled=False))
+    timed = [e for e in res.entries if e.meas_us is not None]
+    assert timed and all(e.samples_us == [e.plan.est_us] for e in timed)
+    assert res.elapsed_s < 10 and not res.interrupted
+
+
 @pytest.mark.parametrize("warmup", [0, 1, 3])
 def test_the_verification_run_is_a_candidates_first_warm_up(chain, warmup):
     calls: list[object] = []
