@@ -189,14 +189,15 @@ class _Run:
         if not samples:
             raise RuntimeError("backend returned no timing samples")
         self._note_kernels(entry, timing.kernel_min_us)
-        while (self.backend.times_live and len(samples) < opts.repeats
-               and time.perf_counter() <= self.t0 + opts.time_budget_s):
+        while len(samples) < opts.repeats and time.perf_counter() <= self.t0 + opts.time_budget_s:
             median = statistics.median(samples)
             if median > bound:
                 entry.stopped_early = True
                 break
             if not baseline and (median > settle or self._decided_by_kernels(entry, median)):
                 entry.settled = True
+                break
+            if not self.backend.times_live:  # given figures: timing again would only repeat them
                 break
             more = compiled.time(self.inputs, warmup=0, repeats=1)
             samples += more.samples_us
