@@ -35,7 +35,7 @@ import numpy as np
 from threadpoolctl import ThreadpoolController
 
 from backends.codegen import find_matmul, is_row_kernel, loads
-from backends.cpu import gemm, native_pool, parallel, standalone
+from backends.cpu import allocator, gemm, native_pool, parallel, standalone
 from backends.cpu.buffers import (
     HeldWeights,
     aligned_empty,
@@ -104,6 +104,7 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
         ``FUSION_PLANNER_BLAS_THREADS``, else :data:`DEFAULT_BLAS_THREADS`).  ``gemm_library``: numpy,
         torch or auto (None: ``FUSION_PLANNER_CPU_GEMM``; :mod:`backends.cpu.gemm`)."""
         super().__init__(spec)
+        allocator.keep_freed_memory()
         self.gemm_library = gemm.library_from_env(gemm_library)
         self.matmul = gemm.matmul(self.gemm_library)
         self.bmm = standalone.batch_matmul(self.gemm_library)
