@@ -14,19 +14,22 @@ from backends.cpu.allocator import ENV, reason_to_leave
 from planner.core.errors import UsageError
 from tests.testpaths import ROOT
 
-#: where an 8 MiB malloc lands in a fresh process, then (its free having raised glibc's own threshold to 8 MiB) a
-#: 16 MiB one: on the heap (below the program break) or mapped on its own
+#: where an 8 MiB malloc lands in a fresh process, then a 16 MiB one once the planner's setting was asked for: on the
+#: heap (the process's [heap] mapping) or mapped on its own. The process first fixes the threshold at 1 MiB itself, so
+#: that what its imports allocate and free cannot raise it (glibc raises it to each mapped block freed)
 _WHERE_MIBS_LAND = """
-import ctypes, sys
-from backends.cpu import allocator
+import ctypes
 libc = ctypes.CDLL(None)
-libc.malloc.restype = libc.sbrk.restype = ctypes.c_void_p
-libc.malloc.argtypes, libc.free.argtypes, libc.sbrk.argtypes = [ctypes.c_size_t], [ctypes.c_void_p], [ctypes.c_long]
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes, libc.free.argtypes = [ctypes.c_size_t], [ctypes.c_void_p]
+assert libc.mallopt(-3, 1 << 20) == 1  # M_MMAP_THRESHOLD
+from backends.cpu import allocator
 def on_heap(mib):
     p = libc.malloc(mib << 20)
-    heap = p < libc.sbrk(0)
+    heap = next(line.split()[0] for line in open("/proc/self/maps") if line.rstrip().endswith("[heap]"))
+    low, high = (int(a, 16) for a in heap.split("-"))
     libc.free(p)
-    return heap
+    return low <= p < high
 before = on_heap(8)
 done = allocator.keep_freed_memory()
 print(before, on_heap(16), done, sep="|")
