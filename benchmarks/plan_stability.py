@@ -9,9 +9,10 @@ For each workload of ``cpu_peers.py`` a child process pinned to one core (one th
 cache=False)`` (every search from scratch; compiled kernels may come from the kernel cache, which decides
 nothing), then times the chosen plans' calls in interleaved rounds (three calls each, the order rotating) and
 reports each run's median and the spread of the distinct plans chosen (slowest over fastest, a plan chosen by
-several runs timed over all their calls): runs that chose the same plan choose the same kernels, and what their
-calls' times differ by is the timing's noise and the memory each result owns, which the report gives beside it.  ``--noise`` runs the whole child beside a
-neighbour process streaming memory on another core (``noise.py``), as on a busy shared machine.
+several runs timed over all their calls): runs that chose the same plan run the same kernels, and what their
+calls' times differ by is the timing's noise and the memory each result owns, which the report gives beside it.
+``--noise`` runs the whole child beside a neighbour process streaming memory on another core (``noise.py``), as
+on a busy shared machine.
 
 Target (issue 36): the chosen plans' times within 10% of each other under the noise.
 """
