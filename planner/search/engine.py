@@ -197,7 +197,7 @@ class _Run:
             if not baseline and (median > settle or self._decided_by_kernels(entry, median)):
                 entry.settled = True
                 break
-            if not self.backend.times_live:  # given figures: timing again would only repeat them
+            if not self.backend.times_live:
                 break
             more = compiled.time(self.inputs, warmup=0, repeats=1)
             samples += more.samples_us

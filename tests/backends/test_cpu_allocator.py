@@ -8,11 +8,11 @@ import subprocess
 import sys
 
 import pytest
+from testpaths import ROOT
 
 from backends.cpu import allocator
 from backends.cpu.allocator import ENV, reason_to_leave
 from planner.core.errors import UsageError
-from tests.testpaths import ROOT
 
 #: where an 8 MiB malloc lands in a fresh process, then a 16 MiB one once the planner's setting was asked for: on the
 #: heap (the process's [heap] mapping) or mapped on its own. The process first fixes the threshold at 1 MiB itself, so

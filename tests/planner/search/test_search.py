@@ -20,6 +20,7 @@ from _fake_backend import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from backends.model import ModelBackend, ReplayedPlan
 from planner.core import examples
 from planner.core.cost import load_device
 from planner.core.errors import UsageError
@@ -510,8 +511,6 @@ def test_repeats_obey_the_time_budget(chain):
 
 def test_the_model_backend_executes_only_the_baseline_and_each_new_best(chain, monkeypatch):
     """Its timings are the cost model's: a candidate whose estimate cannot win is recorded, not executed."""
-    from backends.model import ModelBackend, ReplayedPlan
-
     executed = []
     real = ReplayedPlan.run
     monkeypatch.setattr(ReplayedPlan, "run", lambda self, inputs: executed.append(self.plan.key) or real(self, inputs))
@@ -666,8 +665,6 @@ def test_a_backend_of_given_figures_never_settles_a_candidate(chain):
 def test_a_backend_of_given_figures_is_asked_for_them_once(chain):
     """Timing again on the cost model (or remote results) only repeats its figures: a huge ``repeats`` once burnt
     the whole time budget copying the estimate into every candidate's samples."""
-    from backends.model import ModelBackend
-
     res = search(chain, ModelBackend(chain.spec), options=SearchOptions(max_candidates=4, repeats=10**11,
                                                                         time_budget_s=60.0), log=SearchLog(enabled=False))
     timed = [e for e in res.entries if e.meas_us is not None]
