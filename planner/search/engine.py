@@ -298,7 +298,9 @@ class _Run:
         :data:`FINALISTS`: on a machine whose load drifts, timings minutes apart cannot tell them apart. A
         runner-up whose kernels' fastest runs predict it no more than :data:`DUEL_MARGIN` faster than the best
         is left out: the round could crown it only by a quieter moment (a layer's near-twins, each round 3
-        runs of each)."""
+        runs of each). The plan the cost model prefers among those timed takes the last place whatever its
+        search timing, when it is not the best: one slow moment in its runs (a neighbour's burst) must not
+        hand its place to a plan that only ties it (a norm's one row kernel, displaced by two)."""
         best = self.best
         assert best is not None and best.meas_us is not None
         if not self.backend.times_live:  # given figures (the cost model, remote results) do not drift
@@ -306,8 +308,16 @@ class _Run:
         close = sorted((e for e in self.entries if e is not best and e.verdict == Verdict.TIMED and not e.stopped_early
                         and e.meas_us is not None and e.meas_us <= best.meas_us * FINAL_MARGIN
                         and self._may_be_faster(e, best)),
-                       key=lambda e: e.time_us)
-        return [best, *close[: FINALISTS - 1]]
+                       key=lambda e: e.time_us)[: FINALISTS - 1]
+        preferred = self._preferred_timed()
+        if preferred is not None and preferred is not best and preferred not in close:
+            close = [*close[: FINALISTS - 2], preferred]
+        return [best, *close]
+
+    def _preferred_timed(self) -> Entry | None:
+        """The timed plan the cost model prefers (the lowest :meth:`Plan.sort_key`), stopped early or not."""
+        timed = [e for e in self.entries if e.verdict == Verdict.TIMED and e.meas_us is not None]
+        return min(timed, key=lambda e: e.plan.sort_key(), default=None)
 
     def _may_be_faster(self, entry: Entry, best: Entry) -> bool:
         """Do the kernels ``entry`` differs from the best in leave it a chance to be faster beyond the margin (or
@@ -340,20 +350,25 @@ class _Run:
         return winner, base.confirmed_us / winner.confirmed_us
 
     def _final_winner(self, finalists: list[Entry], samples: dict[int, list[float]]) -> tuple[Entry, str]:
-        """The best, unless a runner-up beats it in the paired rounds beyond the noise (the clearest one)."""
-        best = finalists[0]
-        challengers = finalists[1:]
+        """The finalist the cost model prefers, unless another beats it in the paired rounds beyond the noise (the
+        clearest one): a tie keeps the cost model's choice, as a duel's does. That is the search's best unless
+        the plan the cost model prefers joined the round (:meth:`finalists`)."""
+        reference = min(finalists, key=lambda e: e.plan.sort_key())
+        challengers = [e for e in finalists if e is not reference]
         if not challengers:
-            return best, ""
+            return reference, ""
+        name = "the search's best" if reference is finalists[0] else "the cost model's choice"
         per_test = 1.0 - (1.0 - self.opts.confidence) / len(challengers)
-        winner, evidence, lowest = best, "", math.inf
+        winner, evidence, lowest = reference, "", math.inf
         for e in challengers:
-            ratios = [a / b for a, b in zip(samples[id(e)], samples[id(best)], strict=True)]
+            ratios = [a / b for a, b in zip(samples[id(e)], samples[id(reference)], strict=True)]
             med, low, high = ratio_interval(ratios, per_test)
             if high < 1.0 - DUEL_MARGIN and med < lowest:
                 winner, lowest = e, med
-                evidence = f"ratio to the search's best {med:.3f} [{low:.3f}, {high:.3f}] in {len(ratios)} rounds"
-        return winner, evidence or "no runner-up beats the search's best beyond the noise"
+                evidence = f"ratio to {name} {med:.3f} [{low:.3f}, {high:.3f}] in {len(ratios)} rounds"
+        if reference is finalists[0]:
+            return winner, evidence or "no runner-up beats the search's best beyond the noise"
+        return winner, evidence or "no finalist beats the cost model's choice beyond the noise"
 
     def _verify(self, entry: Entry, outs: Sequence[np.ndarray]) -> str | None:
         reason, entry.max_abs, entry.max_rel = check_outputs(

@@ -30,7 +30,7 @@ from planner.core.reference import execute_graph, execute_plan, random_inputs
 from planner.core.tolerance import allclose_report
 from planner.egraph.candidates import build_candidates
 from planner.search.duel import noise
-from planner.search.engine import FINAL_ROUNDS, MIN_BAND, SETTLE_BANDS, SETTLE_BANDS_NOT_PREFERRED, search
+from planner.search.engine import FINAL_MARGIN, FINAL_ROUNDS, MIN_BAND, SETTLE_BANDS, SETTLE_BANDS_NOT_PREFERRED, search
 from planner.search.mutate import OPERATORS, Mutator
 from planner.search.results import SearchOptions, StopKind, spearman
 from planner.search.searchlog import SearchLog
@@ -605,12 +605,14 @@ def test_the_genetic_phase_ends_after_patience_candidates_without_a_new_best(dee
         SearchOptions(patience=-1).validate()
 
 
-class _QuietMoment(NoisyBackend):
-    """Every plan takes 10 µs but ``lucky``, 11 µs, whose first full timing falls in a quiet moment (x0.75)."""
+class _Moment(NoisyBackend):
+    """Every plan takes 10 µs but ``marked``, ``marked_us``, whose first full timing falls in a quiet (``factor``
+    below 1) or busy moment."""
 
-    def __init__(self, spec, lucky: str) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(spec, lambda plan: 11.0 if plan.key == lucky else 10.0, seed=0, sigma=0.01, spikes=0.0)
-        self.lucky, self.quiet_left = lucky, 1
+    def __init__(self, spec, marked: str, marked_us: float, factor: float) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(spec, lambda plan: marked_us if plan.key == marked else 10.0, seed=0, sigma=0.01,
+                         spikes=0.0)
+        self.marked, self.factor, self.moments_left = marked, factor, 1
 
     def compile(self, plan):  # type: ignore[no-untyped-def]
         compiled = super().compile(plan)
@@ -618,9 +620,9 @@ class _QuietMoment(NoisyBackend):
 
         def timed(inputs, *, warmup=2, repeats=7, stop_if=None):  # type: ignore[no-untyped-def]
             timing = time(inputs, warmup=warmup, repeats=repeats, stop_if=stop_if)
-            if plan.key == backend.lucky and repeats > 1 and backend.quiet_left:
-                backend.quiet_left -= 1
-                timing.samples_us[:] = [us * 0.75 for us in timing.samples_us]
+            if plan.key == backend.marked and repeats > 1 and backend.moments_left:
+                backend.moments_left -= 1
+                timing.samples_us[:] = [us * backend.factor for us in timing.samples_us]
             return timing
 
         compiled.time = timed  # type: ignore[method-assign]
@@ -631,11 +633,25 @@ def test_a_lower_median_from_a_quiet_moment_does_not_crown_a_slower_plan(deep_st
     """A 10%-slower plan timed at a quiet moment shows a median 17% below the best's, far beyond the band: it is
     sent to interleaved rounds with the best, loses them, and is not crowned."""
     lucky = deep_stack.plans[2].key
-    res = search(deep_stack, _QuietMoment(deep_stack.spec, lucky), options=SearchOptions(
+    res = search(deep_stack, _Moment(deep_stack.spec, lucky, 11.0, 0.75), options=SearchOptions(
         max_candidates=8, seed=1, warmup=0, repeats=5, patience=0), log=SearchLog(enabled=False))
     entry = next(e for e in res.entries if e.plan.key == lucky)
     assert entry.meas_us < 0.9 * 10.0 and entry.duel and entry.duel.startswith("slower")
     assert res.best.key != lucky
+
+
+def test_a_busy_moment_does_not_cost_the_cost_models_choice_its_place(deep_stack):
+    """Every plan takes 10 µs, but the cost model's favourite is first timed at a busy moment (x1.6): a twin is
+    crowned on its median, and the favourite, beyond the final margin, still joins the final round, ties there
+    and is kept (a norm's one row kernel against two)."""
+    favourite = deep_stack.plans[0]
+    res = search(deep_stack, _Moment(deep_stack.spec, favourite.key, 10.0, 1.6), options=SearchOptions(
+        max_candidates=8, seed=1, warmup=0, repeats=5, patience=0), log=SearchLog(enabled=False))
+    entry = next(e for e in res.entries if e.plan.key == favourite.key)
+    assert entry.meas_us > FINAL_MARGIN * min(e.meas_us for e in res.timed)
+    final = next(line for line in res.log_lines if line.startswith("Final round"))
+    assert "no finalist beats the cost model's choice beyond the noise" in final
+    assert res.best.key == favourite.key
 
 
 def test_a_candidate_slower_beyond_the_noise_is_settled_after_three_runs(deep_stack):
