@@ -327,21 +327,23 @@ class _Run:
 
     def final_round(self, base: Entry, finalists: list[Entry]) -> tuple[Entry, float]:
         """The winner among ``finalists`` and its speedup over the unfused ``base``, from one interleaved
-        re-measurement of all of them: they alternate round by round, so a machine that got busier during the
-        search slows each alike.  A runner-up displaces the best only when its per-round ratio to the best lies
-        below 1 with the search's confidence (as in a duel); 1.0 when the unfused plan wins."""
+        re-measurement of all of them: one run of each in turn, round by round (the leading plan rotating), so a
+        machine that got busier during the search slows each alike, and no plan is timed with its own arrays
+        left in the caches by its previous run (a duel's runs alternate alike). A runner-up displaces the cost
+        model's choice only when its per-round ratio to it lies below 1 with the search's confidence (as in a
+        duel); 1.0 when the unfused plan wins."""
         contenders = list({id(e): e for e in [base, *finalists]}.values())
         if len(contenders) == 1:
             return base, 1.0
         plans = [(e, self.backend.compile(e.plan)) for e in contenders]
+        for _, compiled in plans:  # untimed: the inputs bound, the fresh buffers' pages faulted in
+            compiled.time(self.inputs, warmup=1, repeats=1)
+        # a best without runners-up only gives the speedup its numerator: fewer rounds suffice for a ratio of medians
+        rounds = FINAL_ROUNDS if len(finalists) > 1 else SPEEDUP_ROUNDS
         samples: dict[int, list[float]] = {id(e): [] for e in contenders}
-        for r in range(FINAL_ROUNDS):
+        for r in range(rounds):
             for e, compiled in plans[r % len(plans):] + plans[: r % len(plans)]:
-                # the unfused plan only gives the speedup its denominator, and a best without runners-up its
-                # numerator: one run a round is enough for a ratio of medians over the rounds
-                repeats = 1 if len(finalists) == 1 or (e is base and base not in finalists) else FINAL_REPEATS
-                timing = compiled.time(self.inputs, warmup=1, repeats=repeats)
-                samples[id(e)].append(float(np.median(timing.samples_us)))
+                samples[id(e)].append(self._once(compiled))
         for e in contenders:
             e.confirm_us = float(np.median(samples[id(e)]))
         winner, evidence = self._final_winner(finalists, samples)
@@ -638,9 +640,10 @@ CONFIRM_BEYOND = 1.5
 FINAL_MARGIN = 1.15
 #: at most this many plans (the best included) in that final round
 FINALISTS = 3
-#: the final round's interleaved rounds, and timed runs per plan in each (their median is the round's figure)
-FINAL_ROUNDS = 8
-FINAL_REPEATS = 3
+#: the final round's interleaved rounds, one timed run of each plan in each (a duel's longest is as long); and
+#: the rounds that only time the best and the unfused plan, for the speedup
+FINAL_ROUNDS = 24
+SPEEDUP_ROUNDS = 8
 #: a duel (and the final round) calls a plan faster only when its time ratio's interval lies below 1 - this
 DUEL_MARGIN = 0.01
 #: a duel whose interval lies within 1 ± this ends as a tie before its rounds run out (planner.search.duel)
