@@ -297,8 +297,8 @@ class _Run:
         """The best and the fully timed runners-up within :data:`FINAL_MARGIN` of it, fastest first, at most
         :data:`FINALISTS`: on a machine whose load drifts, timings minutes apart cannot tell them apart. A
         runner-up whose kernels' fastest runs predict it no more than :data:`DUEL_MARGIN` faster than the best
-        is left out: the round could crown it only by a quieter moment (a layer's near-twins, each round 3
-        runs of each). The plan the cost model prefers among those timed takes the last place whatever its
+        is left out: the round could crown it only by a quieter moment (a layer's near-twins, 24 rounds of
+        each). The plan the cost model prefers among those timed takes the last place whatever its
         search timing, when it is not the best: one slow moment in its runs (a neighbour's burst) must not
         hand its place to a plan that only ties it (a norm's one row kernel, displaced by two)."""
         best = self.best
