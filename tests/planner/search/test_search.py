@@ -455,8 +455,10 @@ def test_the_search_log_states_the_noise_floor_and_each_duel(deep_stack, capsys)
 def test_the_reported_speedup_alternates_the_finalists_and_unfused(chain):
     """A machine that slows down mid-search must not inflate the speedup, nor pick a plan that merely ran at a
     quieter moment: the final figure comes from rounds that time the unfused plan and the finalists (the best
-    and its close runners-up) alternately, and the fastest there is the best."""
+    and its close runners-up) alternately, one run of each in turn (none timed right after its own last run),
+    and the fastest there is the best."""
     calls: list[str] = []
+    runs: list[tuple[int, int]] = []  # (warm-up runs, timed runs) of each call
 
     class Recording(TimedReferenceBackend):
         def compile(self, plan):
@@ -465,6 +467,7 @@ def test_the_reported_speedup_alternates_the_finalists_and_unfused(chain):
 
             def time(inputs, **kw):
                 calls.append(plan.key)
+                runs.append((kw.get("warmup", 2), kw.get("repeats", 7)))
                 return real(inputs, **kw)
 
             compiled.time = time
@@ -482,6 +485,7 @@ def test_the_reported_speedup_alternates_the_finalists_and_unfused(chain):
     warm, rounds = tail[:n], [tail[(i + 1) * n:(i + 2) * n] for i in range(count)]
     assert set(warm) == measured  # each warmed up, untimed, first
     assert all(set(r) == measured for r in rounds)  # then every round times each finalist once
+    assert set(runs[-count * n:]) == {(0, 1)}  # one run, no warm-up of its own
     assert {r[0] for r in rounds} == measured  # and each leads some round
 
 
