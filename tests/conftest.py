@@ -59,6 +59,16 @@ def _generated_attention():
         yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _onednn_convolution():
+    """fp32 3x3 convolutions are oneDNN's unless a test says otherwise: the measured choice between it and
+    Winograd's (``FUSION_PLANNER_CPU_CONVOLUTION=auto``) depends on the machine, and tests assert the kernel's
+    facts."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FUSION_PLANNER_CPU_CONVOLUTION", "onednn")
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _private_plan_cache(tmp_path, monkeypatch):
     """Each test gets an empty plan cache: a cached plan from another test must not answer."""

@@ -134,6 +134,7 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
         self.stream_bytes = stream_bytes if stream_bytes is not None else stream_bytes_default()
         self._types_of: tuple[Mapping[str, TensorType], dict[str, tuple[tuple[int, ...], str]]] | None = None
         self._attention_kernels: dict[tuple[Any, ...], str] = {}
+        self._convolution_kernels: dict[tuple[Any, ...], str] = {}
 
     # -- compile
     def compile(self, plan: Plan) -> CpuCompiledPlan:

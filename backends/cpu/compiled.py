@@ -69,8 +69,8 @@ class CpuCompiledPlan(CompiledPlan):
         self.blas_threads = backend.blas_threads
         self.controller = backend.controller
         # torch's pool at the plan's thread count for the whole run (one switch, not one per kernel) where any
-        # kernel calls torch: an Opaque one, or a product, attention or batched product of torch's
-        self.uses_torch = any(s.kernel.kind == KernelKind.OPAQUE or str(s.facts.get("impl", "")).startswith(("torch", "onednn"))
+        # kernel calls torch: an Opaque one, or a product, attention or batched product of torch's (Winograd's too)
+        self.uses_torch = any(s.kernel.kind == KernelKind.OPAQUE or str(s.facts.get("impl", "")).startswith(("torch", "onednn", "winograd"))
                               for s in steps)
         # numpy's BLAS runs in numpy's GEMMs and batched products, in the reference's numpy form of a kernel and
         # in numpy Opaque implementations; generated loops, torch's products and torch-backed Opaque calls never

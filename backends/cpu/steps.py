@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from backends.codegen import find_matmul
-from backends.cpu import gemm, parallel, standalone
+from backends.cpu import gemm, parallel, standalone, winograd
 from backends.cpu.buffers import (
     HeldWeights,
     aligned_empty,
@@ -32,7 +32,7 @@ from planner.core.opaque import opaque_writer
 from planner.core.ops import GATHERS, LAYOUT_COPIES, POOLS, WINDOWED_PRODUCTS
 from planner.core.plans import Expr, Kernel, Load
 from planner.core.reference import eval_expr
-from planner.core.shapes import window_out
+from planner.core.shapes import WINDOW, window_out
 
 #: layout copies a generated transpose makes (of 2- and 4-byte elements)
 CHANNEL_COPIES = frozenset({"ChannelsLast", "ChannelsFirst"})
@@ -58,6 +58,8 @@ class StepsBase:
     _types_of: tuple[Mapping[str, TensorType], dict[str, tuple[tuple[int, ...], str]]] | None
     #: the kernel computing each fp32 attention shape: ``generated`` or ``torch`` (``_fp32_attention``)
     _attention_kernels: dict[tuple[Any, ...], str]
+    #: the product computing each fp32 3x3 convolution shape: ``onednn`` or ``winograd`` (``_fp32_convolution``)
+    _convolution_kernels: dict[tuple[Any, ...], str]
 
     def _types(self, tensors: Mapping[str, TensorType]) -> dict[str, tuple[tuple[int, ...], str]]:
         """Shape and dtype by tensor, for codegen; one plan's kernels share its table (built once per plan:
@@ -160,6 +162,8 @@ class GemmSteps(StepsBase):
         rows, cols = rows_cols(tuple(k.body.type.shape))
         facts: dict[str, Any] = {"impl": f"torch-{dtype}-conv", "threads": self.threads, "patches": "not stored"}
         reads = [memory.own[x_name], memory.own[b_name]]
+        if self._fp32_convolution(im2col.attr_dict, memory.own[x_name].shape, cols, dtype) == "winograd":
+            return self._winograd(k, tensors, memory, im2col, reads, facts)
         post = conv_post_ops(k.body, mm)
         if post is not None and all(tensors[n].dtype == dtype for n in (*post[:2], out_name) if n is not None):
             bias, other, unary = post
@@ -186,6 +190,57 @@ class GemmSteps(StepsBase):
 
         return Step(k, call, reads + [b for b in epilogue_reads if all(b is not r for r in reads)],
                     memory.own[out_name], facts)
+
+    def _fp32_convolution(self, window: Mapping[str, Any], x_shape: tuple[int, ...], outputs: int, dtype: str) -> str:
+        """``onednn`` or ``winograd`` for a convolution of channels-last rows of ``x_shape`` giving ``outputs``
+        channels: Winograd's where it applies and was measured faster, decided once per shape for this backend."""
+        pixels, channels = x_shape
+        images = pixels // (int(window["height"]) * int(window["width"]))
+        if not winograd.applies(window, channels, outputs, dtype):
+            return "onednn"
+        key = (*(int(window[a]) for a in WINDOW), images, channels, outputs)
+        if key not in self._convolution_kernels:
+            self._convolution_kernels[key] = winograd.measured_convolution(
+                window, images, channels, outputs, self.threads,
+                functools.partial(self._time_convolution, window, images, channels, outputs))
+        return self._convolution_kernels[key]
+
+    def _time_convolution(self, window: Mapping[str, Any], images: int, channels: int,
+                          outputs: int) -> dict[str, float]:
+        """Seconds per product of oneDNN's convolution and Winograd's on random operands of this shape (a
+        read-only weight, as a bound parameter is), on this backend's threads, interleaved (``gemm.fastest_of``)."""
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((images * int(window["height"]) * int(window["width"]), channels), dtype=np.float32)
+        w = rng.standard_normal((9 * channels, outputs), dtype=np.float32)
+        w.flags.writeable = False
+        onednn = gemm.torch_conv("fp32", window)
+        fast = winograd.winograd_conv(window, images, channels, outputs, self.compiler.function, self.pool,
+                                      self.threads)
+        with parallel.torch_threads(self.threads):
+            return gemm.fastest_of({"onednn": lambda: onednn(x, w), "winograd": lambda: fast(x, w)})
+
+    def _winograd(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory, im2col: Expr,
+                  reads: list[np.ndarray], facts: dict[str, Any]) -> Step:
+        """A GEMM kernel over Im2col patches as Winograd's F(4x4, 3x3) convolution of the patches' source, the
+        product rows handed to the generated epilogue as its tile."""
+        mm = find_matmul(k.body)
+        x_name, b_name = im2col.args[0].tensor, mm.args[1].tensor  # type: ignore[union-attr]
+        (pixels, channels), (rows, cols) = memory.own[x_name].shape, rows_cols(tuple(k.body.type.shape))
+        window = im2col.attr_dict
+        images = pixels // (int(window["height"]) * int(window["width"]))
+        conv = winograd.winograd_conv(window, images, channels, cols, self.compiler.function, self.pool,
+                                      self.threads)
+        ck = generate(k.body, self._types(tensors), tile=mm, tile_dtype="fp32")
+        fn, params, epilogue_reads = self._bind(ck, memory.own)
+        epilogue = self._tile_epilogue(fn, params, memory.addr, k.out, rows, cols, 4)
+        arrays = memory.arrays
+        facts.update(impl="winograd-f4x4-fp32-conv+c-epilogue", source_sha256=ck.digest[:16])
+
+        def call() -> None:  # the batched product on the plan's torch threads (CpuCompiledPlan._pools)
+            epilogue(conv(arrays[x_name], arrays[b_name]).ctypes.data)
+
+        return Step(k, call, reads + [b for b in epilogue_reads if all(b is not r for r in reads)],
+                    memory.own[k.out], facts)
 
     def _post_ops(self, k: Kernel, tensors: Mapping[str, TensorType],
                   memory: Memory) -> tuple[str, str, str | None, gemm.PackedLinear] | None:

@@ -1,7 +1,7 @@
 """Convolutional models plan with no Opaque node and equal eager torch: a ResNet basic block and a bottleneck
 block (eval mode: BatchNorm folded into the convolutions), a small CNN end to end (stem, max pooling, blocks,
 global average pooling, linear head), 1-D convolutions; in fp32 and bf16, on the CPU backend, whose GEMMs over
-Im2col patches run as oneDNN's convolutions."""
+Im2col patches run as oneDNN's convolutions (or Winograd's, for 3x3 ones of stride 1)."""
 
 from __future__ import annotations
 
@@ -369,3 +369,19 @@ def test_an_activation_after_a_convolution_is_one_of_onednns_post_ops(name: str)
     inputs = random_inputs(result.graph, seed=2)
     got, want = compiled.run(inputs)[0], execute_plan(plans[0], inputs)[0]
     assert abs(got - want).max() < 1e-4
+
+
+@pytest.mark.parametrize("name", ["basic", "small-cnn"])
+def test_winograd_convolutions_equal_eager(name: str, monkeypatch) -> None:
+    """With Winograd's F(4x4, 3x3) chosen for the 3x3 convolutions of stride 1 (16 channels here), the planned
+    module still equals eager torch, on the planning input and another; the stride-2 stem stays oneDNN's."""
+    monkeypatch.setenv("FUSION_PLANNER_CPU_CONVOLUTION", "winograd")
+    module, x = _example(name)
+    result = planner.plan(module, (x,), backend="cpu", cache=False, max_candidates=3)
+    impls = [str(f.get("impl")) for f in result.compiled.kernel_facts]
+    assert impls.count("winograd-f4x4-fp32-conv+c-epilogue") == 2, impls
+    assert sum(i.startswith("onednn-fp32-conv") for i in impls) == (name == "small-cnn"), impls
+    with torch.no_grad():
+        _close(result(x), module(x))
+        other = torch.randn_like(x)
+        _close(result(other), module(other))
