@@ -153,7 +153,7 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
             raise BackendError(f"plan has no type for tensor {missing[0]!r}")
         intermediates = set(written) - set(plan.outputs)
         laid = self._layout_views(plan)
-        convolved = convolutions(plan, functools.partial(self._torch_convolution, tensors=plan.tensors))
+        convolved = convolutions(plan, functools.partial(self._convolves, tensors=plan.tensors))
         # the Im2col's input is read where its patches were
         views = {**laid.views, **{t: body.args[0].tensor for t, body in convolved.items()}}  # type: ignore[union-attr]
         # a Heads view is read where its source is: the source lives until the view's last reader
@@ -356,9 +356,9 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
                                                         "source_sha256": ck.digest[:16]})
 
 
-def convolutions(plan: Plan, convolves: Callable[[Kernel, str], bool]) -> dict[str, Expr]:
+def convolutions(plan: Plan, convolves: Callable[[Kernel, str, Mapping[str, Any]], bool]) -> dict[str, Expr]:
     """Im2col kernels of ``plan`` whose patches need not be stored: every reader is a GEMM kernel that takes them
-    as its left operand and computes the product as torch's convolution (``convolves(gemm, patches)``); not
+    as its left operand and computes the product as a convolution (``convolves(gemm, patches, window)``); not
     for a plan output.  Patches name -> the Im2col body."""
     readers: dict[str, list[Kernel]] = {}
     for k in plan.kernels:
@@ -368,7 +368,7 @@ def convolutions(plan: Plan, convolves: Callable[[Kernel, str], bool]) -> dict[s
     for k in plan.kernels:
         body, users = k.body, readers.get(k.out, [])
         if (k.kind == KernelKind.STANDALONE and body.op == "Im2col" and isinstance(body.args[0], Load)
-                and k.out not in plan.outputs and users and all(convolves(u, k.out) for u in users)):
+                and k.out not in plan.outputs and users and all(convolves(u, k.out, body.attr_dict) for u in users)):
             out[k.out] = body
     return out
 

@@ -58,7 +58,7 @@ class StepsBase:
     _types_of: tuple[Mapping[str, TensorType], dict[str, tuple[tuple[int, ...], str]]] | None
     #: the kernel computing each fp32 attention shape: ``generated`` or ``torch`` (``_fp32_attention``)
     _attention_kernels: dict[tuple[Any, ...], str]
-    #: the product computing each fp32 3x3 convolution shape: ``onednn`` or ``winograd`` (``_fp32_convolution``)
+    #: the product computing each 3x3 convolution shape: ``onednn`` or ``winograd`` (``_convolution_kernel``)
     _convolution_kernels: dict[tuple[Any, ...], str]
 
     def _types(self, tensors: Mapping[str, TensorType]) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -134,10 +134,11 @@ class GemmSteps(StepsBase):
         post = self._post_ops(k, tensors, memory)
         return step if post is None else self._with_post_ops(k, memory, step, *post)
 
-    def _torch_convolution(self, k: Kernel, im2col: str, tensors: Mapping[str, TensorType]) -> bool:
-        """Can GEMM kernel ``k``, reading the Im2col patches ``im2col`` as its left operand and nowhere else,
-        compute its product as torch's convolution (patches, weight and product tile of one dtype torch
-        multiplies: fp32, or a 16-bit one natively)?"""
+    def _convolves(self, k: Kernel, im2col: str, window: Mapping[str, Any], tensors: Mapping[str, TensorType]) -> bool:
+        """Can GEMM kernel ``k``, reading the Im2col patches ``im2col`` (of ``window``) as its left operand and
+        nowhere else, compute its product as a convolution: torch's (patches, weight and product tile of one
+        dtype torch multiplies: fp32, or a 16-bit one natively), or Winograd's (a 16-bit dtype torch would widen,
+        where it applies)?"""
         if k.kind not in (KernelKind.GEMM_EPILOGUE, KernelKind.CUBLASLT) or not (
                 self.gemm_library == "torch" or "torch" in sys.modules):
             return False
@@ -147,8 +148,10 @@ class GemmSteps(StepsBase):
             return False
         if sum(1 for e in k.body.walk() for x in e.args if isinstance(x, Load) and x.tensor == im2col) != 1:
             return False  # the patches read by the product only
-        dtype = self._tile_dtype(k, tensors)
-        return tensors[a.tensor].dtype == tensors[b.tensor].dtype == dtype
+        dtype, stored = self._tile_dtype(k, tensors), tensors[a.tensor].dtype
+        if stored != tensors[b.tensor].dtype:
+            return False
+        return stored == dtype or winograd.applies(window, tensors[a.tensor].shape[1] // 9, tensors[b.tensor].shape[1])
 
     def _convolution(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory, im2col: Any) -> Step:
         """A GEMM kernel over Im2col patches as torch's convolution of the patches' source (no patches stored),
@@ -157,13 +160,14 @@ class GemmSteps(StepsBase):
         mm = find_matmul(k.body)
         b_name = mm.args[1].tensor  # type: ignore[union-attr]
         x_name, dtype = im2col.args[0].tensor, self._tile_dtype(k, tensors)
+        if self._convolution_kernel(im2col.attr_dict, memory.own[x_name].shape, k.body.type.shape[-1],
+                                    tensors[x_name].dtype) == "winograd":
+            return self._winograd(k, tensors, memory, im2col)
         conv = gemm.torch_conv(dtype, im2col.attr_dict)
         arrays, addr, out_name = memory.arrays, memory.addr, k.out
         rows, cols = rows_cols(tuple(k.body.type.shape))
         facts: dict[str, Any] = {"impl": f"torch-{dtype}-conv", "threads": self.threads, "patches": "not stored"}
         reads = [memory.own[x_name], memory.own[b_name]]
-        if self._fp32_convolution(im2col.attr_dict, memory.own[x_name].shape, cols, dtype) == "winograd":
-            return self._winograd(k, tensors, memory, im2col, reads, facts)
         post = conv_post_ops(k.body, mm)
         if post is not None and all(tensors[n].dtype == dtype for n in (*post[:2], out_name) if n is not None):
             bias, other, unary = post
@@ -191,50 +195,59 @@ class GemmSteps(StepsBase):
         return Step(k, call, reads + [b for b in epilogue_reads if all(b is not r for r in reads)],
                     memory.own[out_name], facts)
 
-    def _fp32_convolution(self, window: Mapping[str, Any], x_shape: tuple[int, ...], outputs: int, dtype: str) -> str:
-        """``onednn`` or ``winograd`` for a convolution of channels-last rows of ``x_shape`` giving ``outputs``
-        channels: Winograd's where it applies and was measured faster, decided once per shape for this backend."""
+    def _convolution_kernel(self, window: Mapping[str, Any], x_shape: tuple[int, ...], outputs: int,
+                            dtype: str) -> str:
+        """``onednn`` or ``winograd`` for a convolution of ``dtype`` over channels-last rows of ``x_shape`` giving
+        ``outputs`` channels: Winograd's where it applies and was measured faster (decided once per shape for this
+        backend), or where torch does not multiply the 16-bit dtype natively (``_convolves``)."""
         pixels, channels = x_shape
         images = pixels // (int(window["height"]) * int(window["width"]))
-        if not winograd.applies(window, channels, outputs, dtype):
+        if not winograd.applies(window, channels, outputs):
             return "onednn"
-        key = (*(int(window[a]) for a in WINDOW), images, channels, outputs)
+        if dtype != "fp32" and not self.native(dtype):
+            return "winograd"
+        key = (*(int(window[a]) for a in WINDOW), images, channels, outputs, dtype)
         if key not in self._convolution_kernels:
             self._convolution_kernels[key] = winograd.measured_convolution(
-                window, images, channels, outputs, self.threads,
-                functools.partial(self._time_convolution, window, images, channels, outputs))
+                window, images, channels, outputs, dtype, self.threads,
+                functools.partial(self._time_convolution, window, images, channels, outputs, dtype))
         return self._convolution_kernels[key]
 
-    def _time_convolution(self, window: Mapping[str, Any], images: int, channels: int,
-                          outputs: int) -> dict[str, float]:
-        """Seconds per product of oneDNN's convolution and Winograd's on random operands of this shape (a
-        read-only weight, as a bound parameter is), on this backend's threads, interleaved (``gemm.fastest_of``)."""
+    def _time_convolution(self, window: Mapping[str, Any], images: int, channels: int, outputs: int,
+                          dtype: str = "fp32") -> dict[str, float]:
+        """Seconds per product of oneDNN's convolution and Winograd's on random operands of this shape and
+        ``dtype`` (a read-only weight, as a bound parameter is), on this backend's threads, interleaved
+        (``gemm.fastest_of``)."""
         rng = np.random.default_rng(0)
-        x = rng.standard_normal((images * int(window["height"]) * int(window["width"]), channels), dtype=np.float32)
-        w = rng.standard_normal((9 * channels, outputs), dtype=np.float32)
+        stored = storage_dtype(dtype)
+        x = np.empty((images * int(window["height"]) * int(window["width"]), channels), stored)
+        w = np.empty((9 * channels, outputs), stored)
+        to_storage(np.asarray(rng.standard_normal(x.shape, dtype=np.float32)), dtype, x)
+        to_storage(np.asarray(rng.standard_normal(w.shape, dtype=np.float32)), dtype, w)
         w.flags.writeable = False
-        onednn = gemm.torch_conv("fp32", window)
+        onednn = gemm.torch_conv(dtype, window)
         fast = winograd.winograd_conv(window, images, channels, outputs, self.compiler.function, self.pool,
-                                      self.threads)
+                                      self.threads, dtype)
         with parallel.torch_threads(self.threads):
             return gemm.fastest_of({"onednn": lambda: onednn(x, w), "winograd": lambda: fast(x, w)})
 
-    def _winograd(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory, im2col: Expr,
-                  reads: list[np.ndarray], facts: dict[str, Any]) -> Step:
+    def _winograd(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory, im2col: Expr) -> Step:
         """A GEMM kernel over Im2col patches as Winograd's F(4x4, 3x3) convolution of the patches' source, the
-        product rows handed to the generated epilogue as its tile."""
+        fp32 product rows handed to the generated epilogue as its tile."""
         mm = find_matmul(k.body)
         x_name, b_name = im2col.args[0].tensor, mm.args[1].tensor  # type: ignore[union-attr]
         (pixels, channels), (rows, cols) = memory.own[x_name].shape, rows_cols(tuple(k.body.type.shape))
-        window = im2col.attr_dict
+        window, dtype = im2col.attr_dict, tensors[x_name].dtype
         images = pixels // (int(window["height"]) * int(window["width"]))
+        work = memory.scratch(0, (winograd.scratch_floats(window, images, channels, cols),), np.float32)
         conv = winograd.winograd_conv(window, images, channels, cols, self.compiler.function, self.pool,
-                                      self.threads)
+                                      self.threads, dtype, work)
         ck = generate(k.body, self._types(tensors), tile=mm, tile_dtype="fp32")
         fn, params, epilogue_reads = self._bind(ck, memory.own)
         epilogue = self._tile_epilogue(fn, params, memory.addr, k.out, rows, cols, 4)
-        arrays = memory.arrays
-        facts.update(impl="winograd-f4x4-fp32-conv+c-epilogue", source_sha256=ck.digest[:16])
+        arrays, reads = memory.arrays, [memory.own[x_name], memory.own[b_name]]
+        facts = {"impl": f"winograd-f4x4-{dtype}-conv+c-epilogue", "threads": self.threads, "patches": "not stored",
+                 "source_sha256": ck.digest[:16]}
 
         def call() -> None:  # the batched product on the plan's torch threads (CpuCompiledPlan._pools)
             epilogue(conv(arrays[x_name], arrays[b_name]).ctypes.data)

@@ -11,9 +11,10 @@ The convolution is three steps over channels-last rows ``x`` (N*H*W, C) and the 
 3. the output transform ``Y = Aᵀ m A`` of each tile's 36 products, a generated kernel writing the product rows
    (N*OH*OW, O) that the kernel's generated epilogue (bias, residual, activation) then reads.
 
-The transforms round more than the direct product does: their results were 3-6x further from the exact
-convolution than oneDNN's (fp32, 64-512 channels), a fifth to a quarter of fp32's tolerance, which every candidate
-is checked against; never used for a 16-bit dtype.  Where it is used is measured (:func:`measured_convolution`), as is torch's fp32 attention."""
+The transforms round more than the direct product does: fp32 results were 3-6x further from the exact
+convolution than oneDNN's (64-512 channels), a fifth to a quarter of fp32's tolerance, which every candidate is
+checked against.  A 16-bit convolution (bf16, fp16) is transformed and multiplied in fp32 from its stored values:
+closer to the exact convolution than oneDNN's 16-bit product, and its epilogue reads the fp32 product.  Where it is used is measured (:func:`measured_convolution`), as is torch's fp32 attention."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ import numpy as np
 
 from backends.cpu import parallel
 from backends.cpu.buffers import aligned_empty
+from backends.cpu.codegen import storage_forms
 from backends.cpu.compiler import cache_dir, keep_record, read_record
+from backends.cpu.memory import from_storage
 from backends.cpu.prelude import PRELUDE, SYMBOL
 from planner.core.env import env_choice
 from planner.core.machine import cpu_model
@@ -51,8 +54,9 @@ A_T = np.array([[1, 1, 1, 1, 1, 0], [0, 1, -1, 2, -1 / 2, 0], [0, 1, 1, 4, 1 / 4
 #: channels each step of a transform carries as one vector (16 lanes of AVX-512; two AVX2 vectors)
 LANES = 16
 
-#: which product computes an fp32 3x3 convolution: ``auto`` (the default) the faster of oneDNN's and Winograd's,
-#: measured once per machine, torch version, shape and thread count; ``onednn`` or ``winograd`` force one
+#: which product computes a 3x3 convolution of stride 1: ``auto`` (the default) the faster of oneDNN's and
+#: Winograd's, measured once per machine, torch version, shape, dtype and thread count; ``onednn`` or ``winograd``
+#: force one
 CONVOLUTION_ENV = "FUSION_PLANNER_CPU_CONVOLUTION"
 CONVOLUTION_KERNELS = ("onednn", "winograd")
 #: Winograd must be this much faster than oneDNN to replace it: the measurement's noise
@@ -64,18 +68,17 @@ MIN_CHANNELS = 16
 Convolution = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
-def applies(window: Mapping[str, Any], channels: int, outputs: int, dtype: str) -> bool:
-    """Can Winograd's F(4x4, 3x3) compute this convolution: fp32, a 3x3 window of stride and dilation 1, padding
-    of at most 2 (a tile reads no further outside the image), channels in and out at least :data:`MIN_CHANNELS`?"""
+def applies(window: Mapping[str, Any], channels: int, outputs: int) -> bool:
+    """Can Winograd's F(4x4, 3x3) compute this convolution: a 3x3 window of stride and dilation 1, padding of at
+    most 2 (a tile reads no further outside the image), channels in and out at least :data:`MIN_CHANNELS`?"""
     kh, kw, sh, sw, ph, pw, dh, dw = (int(window[a]) for a in ("kh", "kw", "sh", "sw", "ph", "pw", "dh", "dw"))
-    return (dtype == "fp32" and (kh, kw, sh, sw, dh, dw) == (3, 3, 1, 1, 1, 1) and ph <= 2 and pw <= 2
-            and min(channels, outputs) >= MIN_CHANNELS)
+    return (kh, kw, sh, sw, dh, dw) == (3, 3, 1, 1, 1, 1) and ph <= 2 and pw <= 2 and min(channels, outputs) >= MIN_CHANNELS
 
 
-def weight_transform(w: np.ndarray, channels: int) -> np.ndarray:
-    """``U = G g Gᵀ`` of the GEMM weight ``w`` (3*3*C, O) (rows ordered kh, kw, c, as Im2col's columns), as 36
-    (C, O) matrices, computed in fp64 and rounded once."""
-    g = np.asarray(w, dtype=np.float64).reshape(3, 3, channels, -1)
+def weight_transform(w: np.ndarray, channels: int, dtype: str = "fp32") -> np.ndarray:
+    """``U = G g Gᵀ`` of the GEMM weight ``w`` (3*3*C, O) stored as ``dtype`` (rows ordered kh, kw, c, as Im2col's
+    columns), as 36 fp32 (C, O) matrices, computed in fp64 and rounded once."""
+    g = from_storage(w, dtype).astype(np.float64).reshape(3, 3, channels, -1)
     u = np.einsum("ia,jb,abco->ijco", G, G, g, optimize=True)
     return np.ascontiguousarray(u.reshape(ALPHA * ALPHA, channels, -1), dtype=np.float32)
 
@@ -109,30 +112,23 @@ def _defines(geometry: Mapping[str, int], channels: int) -> str:
     return "\n".join([*lines, f"#define FP_C {channels}", f"#define FP_L {LANES}", ""])
 
 
-def input_source(window: Mapping[str, Any], images: int, channels: int) -> str:
-    """C for the input transform of tiles [r0, r1): ``v[ij][t][c]`` (36 matrices of T rows of C) of the
-    channels-last rows ``x``; a pixel outside the image reads as 0."""
-    d = [f"d[{a}][j][k]" for a in range(ALPHA)]
-    cols = _combine(B_T, d)
+def input_source(window: Mapping[str, Any], images: int, channels: int, dtype: str = "fp32") -> str:
+    """C for the input transform of tiles [r0, r1): ``v[ij][t][c]`` (36 fp32 matrices of T rows of C) of the
+    channels-last rows ``x`` stored as ``dtype``; a pixel outside the image reads as 0 (a row of zeros)."""
+    ctype, load, _ = storage_forms(dtype)
+    d = [load.format(f"p[{a} * 6 + j][c0 + k]") for a in range(ALPHA)]
+    cols = _combine(B_T, [f"d{a}" for a in range(ALPHA)])
     rows = _combine(B_T, [f"s[i][{b}][k]" for b in range(ALPHA)])
     return PRELUDE + _defines(_geometry(window, images), channels) + f"""
+typedef {ctype} fp_in;
+static const fp_in fp_zeros[FP_C];
+
 static inline __attribute__((always_inline)) void fp_input_block(
-        const float* restrict x, float* restrict v, int64_t t, int64_t y0, int64_t x0, int64_t n, int c0, const int nl) {{
-    float d[6][6][FP_L], s[6][6][FP_L];
-    for (int i = 0; i < 6; ++i) {{
-        const int64_t yy = y0 + i;
-        for (int j = 0; j < 6; ++j) {{
-            const int64_t xx = x0 + j;
-            if (yy >= 0 && yy < FP_H && xx >= 0 && xx < FP_W) {{
-                const float* p = x + ((n * FP_H + yy) * FP_W + xx) * FP_C + c0;
-                for (int k = 0; k < nl; ++k) d[i][j][k] = p[k];
-            }} else {{
-                for (int k = 0; k < nl; ++k) d[i][j][k] = 0.0f;
-            }}
-        }}
-    }}
+        const fp_in* const* restrict p, float* restrict v, int64_t t, int c0, const int nl) {{
+    float s[6][6][FP_L];
     for (int j = 0; j < 6; ++j)
         for (int k = 0; k < nl; ++k) {{
+            const float {", ".join(f"d{a} = {e}" for a, e in enumerate(d))};
 {_assign("s[{}][j][k]", cols, 12)}
         }}
     for (int i = 0; i < 6; ++i)
@@ -141,14 +137,21 @@ static inline __attribute__((always_inline)) void fp_input_block(
         }}
 }}
 
-void {SYMBOL}(const float* restrict x, float* restrict v, int64_t r0, int64_t r1, int64_t unused) {{
+void {SYMBOL}(const fp_in* restrict x, float* restrict v, int64_t r0, int64_t r1, int64_t unused) {{
     (void)unused;
+    const fp_in* p[36];
     for (int64_t t = r0; t < r1; ++t) {{
         const int64_t n = t / (FP_TH * FP_TW), rest = t % (FP_TH * FP_TW);
         const int64_t y0 = (rest / FP_TW) * 4 - FP_PH, x0 = (rest % FP_TW) * 4 - FP_PW;
+        for (int i = 0; i < 6; ++i)
+            for (int j = 0; j < 6; ++j) {{
+                const int64_t yy = y0 + i, xx = x0 + j;
+                p[i * 6 + j] = yy >= 0 && yy < FP_H && xx >= 0 && xx < FP_W ? x + ((n * FP_H + yy) * FP_W + xx) * FP_C
+                                                                           : fp_zeros;
+            }}
         int c0 = 0;
-        for (; c0 + FP_L <= FP_C; c0 += FP_L) fp_input_block(x, v, t, y0, x0, n, c0, FP_L);
-        if (c0 < FP_C) fp_input_block(x, v, t, y0, x0, n, c0, FP_C % FP_L);
+        for (; c0 + FP_L <= FP_C; c0 += FP_L) fp_input_block(p, v, t, c0, FP_L);
+        if (c0 < FP_C) fp_input_block(p, v, t, c0, FP_C % FP_L);
     }}
 }}
 """
@@ -156,7 +159,7 @@ void {SYMBOL}(const float* restrict x, float* restrict v, int64_t r0, int64_t r1
 
 def output_source(window: Mapping[str, Any], images: int, outputs: int) -> str:
     """C for the output transform of tiles [r0, r1): each tile's 4x4 outputs ``Aᵀ m A`` of its 36 products
-    ``m[ij][t][o]``, written to the product rows ``y`` (N*OH*OW, O) inside the image."""
+    ``m[ij][t][o]``, written to the fp32 product rows ``y`` (N*OH*OW, O) inside the image."""
     cols = _combine(A_T, [f"m[((int64_t)({a} * 6 + j) * FP_T + t) * FP_C + c0 + k]" for a in range(ALPHA)])
     rows = _combine(A_T, [f"s[{b}][k]" for b in range(ALPHA)])
     return PRELUDE + _defines(_geometry(window, images), outputs) + f"""
@@ -199,28 +202,48 @@ def _assign(target: str, exprs: list[str], indent: int) -> str:
     return "\n".join(f"{pad}{target.format(i)} = {e};" for i, e in enumerate(exprs))
 
 
-def sources(window: Mapping[str, Any], images: int, channels: int, outputs: int) -> tuple[str, str]:
+def sources(window: Mapping[str, Any], images: int, channels: int, outputs: int, dtype: str = "fp32") -> tuple[str, str]:
     """The input and output transforms' C (what :func:`winograd_conv` compiles)."""
-    return input_source(window, images, channels), output_source(window, images, outputs)
+    return input_source(window, images, channels, dtype), output_source(window, images, outputs)
+
+
+def scratch_floats(window: Mapping[str, Any], images: int, channels: int, outputs: int) -> int:
+    """fp32 values of work memory :func:`winograd_conv` takes: the transformed inputs, the products and the
+    product rows, each starting on a cache line."""
+    return sum(_parts(window, images, channels, outputs))
+
+
+def _parts(window: Mapping[str, Any], images: int, channels: int, outputs: int) -> tuple[int, int, int]:
+    geometry = _geometry(window, images)
+    cells, tiles = ALPHA * ALPHA, geometry["T"]
+    sizes = (cells * tiles * channels, cells * tiles * outputs, images * geometry["OH"] * geometry["OW"] * outputs)
+    return tuple(-(-n // LANES) * LANES for n in sizes)  # type: ignore[return-value]
 
 
 def winograd_conv(window: Mapping[str, Any], images: int, channels: int, outputs: int,
-                  function: Callable[[str, int], Any], pool: parallel.WorkerPool, threads: int) -> Convolution:
+                  function: Callable[[str, int], Any], pool: parallel.WorkerPool, threads: int,
+                  dtype: str = "fp32", scratch: np.ndarray | None = None) -> Convolution:
     """``conv(x, w)``: the product ``Im2col(x) @ w`` of channels-last rows x (N*H*W, C) and the GEMM weight w
-    (9*C, O) by F(4x4, 3x3), as rows (N*OH*OW, O) in an array of its own (reused by the next call: the caller
-    reads it before then).  ``function(source, pointers)``: a compiled kernel.  The transforms' tiles are split
-    across ``pool``; the batched product runs on torch's threads.  The weight's transform is kept while the
-    weight is the same read-only array (a bound parameter)."""
+    (9*C, O), both stored as ``dtype``, by F(4x4, 3x3) in fp32, as fp32 rows (N*OH*OW, O) in work memory (the
+    caller reads them before the next call).  ``function(source, pointers)``: a compiled kernel.  ``scratch``: the
+    work memory, an fp32 array of at least :func:`scratch_floats` values (a plan's kernels run one at a time and
+    share theirs, which then stays in cache from one to the next); else one of its own.  The transforms' tiles
+    are split across ``pool``; the batched product runs on torch's threads.  The weight's transform is kept while
+    the weight is the same read-only array (a bound parameter)."""
     import torch  # optional dependency
 
     geometry = _geometry(window, images)
     tiles, cells = geometry["T"], ALPHA * ALPHA
-    in_src, out_src = sources(window, images, channels, outputs)
+    in_src, out_src = sources(window, images, channels, outputs, dtype)
     transform_in, transform_out = function(in_src, 2), function(out_src, 2)
-    v = aligned_empty((cells, tiles, channels), np.float32)
-    m = aligned_empty((cells, tiles, outputs), np.float32)
-    y = aligned_empty((images * geometry["OH"] * geometry["OW"], outputs), np.float32)
+    sizes = _parts(window, images, channels, outputs)
+    work = aligned_empty((sum(sizes),), np.float32) if scratch is None else scratch
+    v = work[:cells * tiles * channels].reshape(cells, tiles, channels)
+    m = work[sizes[0]:sizes[0] + cells * tiles * outputs].reshape(cells, tiles, outputs)
+    y = work[sizes[0] + sizes[1]:sizes[0] + sizes[1] + images * geometry["OH"] * geometry["OW"] * outputs]
+    y = y.reshape(-1, outputs)
     vt, mt = torch.from_numpy(v), torch.from_numpy(m)
+    v_ptr, m_ptr, y_ptr = v.ctypes.data, m.ctypes.data, y.ctypes.data
     ranges = parallel.split(tiles, threads)
     kept: list[tuple[np.ndarray, Any] | None] = [None]
 
@@ -228,42 +251,42 @@ def winograd_conv(window: Mapping[str, Any], images: int, channels: int, outputs
         hit = kept[0]
         if hit is not None and hit[0] is w:
             return hit[1]
-        u = torch.from_numpy(weight_transform(w, channels))
+        u = torch.from_numpy(weight_transform(w, channels, dtype))
         if not w.flags.writeable:
             kept[0] = (w, u)
         return u
 
     def conv(x: np.ndarray, w: np.ndarray) -> np.ndarray:
         u = transformed(w)
-        pool.run_kernel(transform_in, 2, [[x.ctypes.data, v.ctypes.data, r0, r1, 0] for r0, r1 in ranges])
+        pool.run_kernel(transform_in, 2, [[x.ctypes.data, v_ptr, r0, r1, 0] for r0, r1 in ranges])
         torch.bmm(vt, u, out=mt)
-        pool.run_kernel(transform_out, 2, [[m.ctypes.data, y.ctypes.data, r0, r1, 0] for r0, r1 in ranges])
+        pool.run_kernel(transform_out, 2, [[m_ptr, y_ptr, r0, r1, 0] for r0, r1 in ranges])
         return y
 
     return conv
 
 
-def measured_convolution(window: Mapping[str, Any], images: int, channels: int, outputs: int, threads: int,
-                         measure: Callable[[], Mapping[str, float]]) -> str:
-    """``onednn`` or ``winograd``: which product computes this fp32 3x3 convolution on ``threads`` threads
+def measured_convolution(window: Mapping[str, Any], images: int, channels: int, outputs: int, dtype: str,
+                         threads: int, measure: Callable[[], Mapping[str, float]]) -> str:
+    """``onednn`` or ``winograd``: which product computes this 3x3 convolution of ``dtype`` on ``threads`` threads
     (:data:`CONVOLUTION_ENV`).  ``auto`` takes the choice recorded in the kernel cache for this CPU, torch's
-    version, shape and threads, else times both (``measure()``: seconds per product) and takes Winograd's only
-    where it is :data:`WINOGRAD_MARGIN` faster."""
+    version, shape, dtype and threads, else times both (``measure()``: seconds per product) and takes Winograd's
+    only where it is :data:`WINOGRAD_MARGIN` faster."""
     value = env_choice(CONVOLUTION_ENV, ("auto", *CONVOLUTION_KERNELS), "auto")
     if value != "auto":
         return value
     import torch  # optional dependency (auto measures only where it is loaded)
 
     key = {"cpu": cpu_model(), "torch": torch.__version__, "window": {a: int(window[a]) for a in WINDOW},
-           "images": images, "channels": channels, "outputs": outputs, "threads": threads}
+           "images": images, "channels": channels, "outputs": outputs, "dtype": dtype, "threads": threads}
     path = cache_dir() / f"convolution-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
     record = read_record(path, key)
     if record is not None and record.get("choice") in CONVOLUTION_KERNELS:
         return str(record["choice"])
     seconds = dict(measure())
     choice = "winograd" if seconds["winograd"] * (1 + WINOGRAD_MARGIN) < seconds["onednn"] else "onednn"
-    log.info("fp32 3x3 convolution %s, %d images, %d -> %d channels on %d thread(s): %s (oneDNN %.2f ms, "
-             "Winograd %.2f ms)", geometry_text(window), images, channels, outputs, threads, choice,
+    log.info("%s 3x3 convolution %s, %d images, %d -> %d channels on %d thread(s): %s (oneDNN %.2f ms, "
+             "Winograd %.2f ms)", dtype, geometry_text(window), images, channels, outputs, threads, choice,
              seconds["onednn"] * 1e3, seconds["winograd"] * 1e3)
     keep_record(path, {"key": key, "choice": choice, "seconds": seconds}, "the convolution kernel choice")
     return choice

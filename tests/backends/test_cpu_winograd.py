@@ -12,6 +12,7 @@ import pytest
 from backends.cpu import parallel, winograd
 from backends.cpu.backend import CpuBackend
 from backends.cpu.compiler import Compiler
+from backends.cpu.memory import from_storage, to_storage
 from planner.core import examples
 from planner.core.cost import load_device
 from planner.core.errors import UsageError
@@ -87,12 +88,29 @@ def test_the_kernels_equal_the_direct_convolution(images, channels, outputs, h, 
     assert conv(2 * x, weight) is got and _tolerance_used(got, 2 * want) < 0.5  # its own array, reused
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_16bit_operands_are_transformed_and_multiplied_in_fp32(dtype) -> None:
+    """The stored 16-bit values, exactly as the direct convolution of those values computes them (to fp32's
+    tolerance, far inside the 16-bit one)."""
+    window, images, channels, outputs = _window(9, 7), 2, 20, 18
+    rng = np.random.default_rng(7)
+    x = np.empty((images * 63, channels), np.uint16)
+    weight = np.empty((9 * channels, outputs), np.uint16)
+    to_storage(rng.standard_normal(x.shape, dtype=np.float32), dtype, x)
+    to_storage(rng.standard_normal(weight.shape, dtype=np.float32) / 12, dtype, weight)
+    conv = winograd.winograd_conv(window, images, channels, outputs, Compiler().function, parallel.WorkerPool(1), 1,
+                                  dtype)
+    got = conv(x, weight)
+    assert got.dtype == np.float32
+    assert _tolerance_used(got, _direct(from_storage(x, dtype), from_storage(weight, dtype), images, window)) < 0.5
+
+
 def test_a_read_only_weight_is_transformed_once_and_a_writable_one_every_call(monkeypatch) -> None:
     window = _window(8, 8)
     conv = winograd.winograd_conv(window, 1, 16, 16, Compiler().function, parallel.WorkerPool(1), 1)
     transforms = []
     real = winograd.weight_transform
-    monkeypatch.setattr(winograd, "weight_transform", lambda w, c: transforms.append(1) or real(w, c))
+    monkeypatch.setattr(winograd, "weight_transform", lambda w, c, d: transforms.append(1) or real(w, c, d))
     x = np.ones((64, 16), np.float32)
     weight = np.full((144, 16), 0.5, np.float32)
     conv(x, weight)
@@ -104,18 +122,17 @@ def test_a_read_only_weight_is_transformed_once_and_a_writable_one_every_call(mo
     assert len(transforms) == 3
 
 
-@pytest.mark.parametrize(("window", "channels", "outputs", "dtype"), [
-    (_window(8, 8, sh=2, sw=2), 16, 16, "fp32"),  # stride 2
-    (_window(8, 8, dh=2, dw=2), 16, 16, "fp32"),  # dilated
-    (_window(8, 8, kh=5, kw=5), 16, 16, "fp32"),  # 5x5
-    (_window(8, 8, ph=3), 16, 16, "fp32"),  # padding past a tile's reach
-    (_window(8, 8), 8, 16, "fp32"),  # too few channels in
-    (_window(8, 8), 16, 8, "fp32"),  # too few out
-    (_window(8, 8), 16, 16, "bf16"),
+@pytest.mark.parametrize(("window", "channels", "outputs"), [
+    (_window(8, 8, sh=2, sw=2), 16, 16),  # stride 2
+    (_window(8, 8, dh=2, dw=2), 16, 16),  # dilated
+    (_window(8, 8, kh=5, kw=5), 16, 16),  # 5x5
+    (_window(8, 8, ph=3), 16, 16),  # padding past a tile's reach
+    (_window(8, 8), 8, 16),  # too few channels in
+    (_window(8, 8), 16, 8),  # too few out
 ])
-def test_it_applies_only_to_fp32_3x3_windows_of_stride_and_dilation_1(window, channels, outputs, dtype) -> None:
-    assert winograd.applies(_window(8, 8), 16, 16, "fp32")
-    assert not winograd.applies(window, channels, outputs, dtype)
+def test_it_applies_only_to_3x3_windows_of_stride_and_dilation_1(window, channels, outputs) -> None:
+    assert winograd.applies(_window(8, 8), 16, 16)
+    assert not winograd.applies(window, channels, outputs)
 
 
 def _block_plan():
@@ -151,7 +168,7 @@ def test_the_choice_is_measured_once_per_shape_and_recorded(winograd_ms, onednn_
     monkeypatch.setenv(winograd.CONVOLUTION_ENV, "auto")
     timed: list[tuple[int, ...]] = []
 
-    def fake_time(self, window, images, channels, outputs):
+    def fake_time(self, window, images, channels, outputs, dtype):
         timed.append((images, channels, outputs))
         return {"winograd": winograd_ms / 1e3, "onednn": onednn_ms / 1e3}
 

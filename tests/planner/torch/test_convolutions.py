@@ -371,16 +371,22 @@ def test_an_activation_after_a_convolution_is_one_of_onednns_post_ops(name: str)
     assert abs(got - want).max() < 1e-4
 
 
+@pytest.mark.parametrize(("dtype", "products"), [(torch.float32, "auto"), (torch.bfloat16, "auto"),
+                                                  (torch.bfloat16, "widen")], ids=["fp32", "bf16", "bf16-widened"])
 @pytest.mark.parametrize("name", ["basic", "small-cnn"])
-def test_winograd_convolutions_equal_eager(name: str, monkeypatch) -> None:
+def test_winograd_convolutions_equal_eager(name: str, dtype: torch.dtype, products: str, monkeypatch) -> None:
     """With Winograd's F(4x4, 3x3) chosen for the 3x3 convolutions of stride 1 (16 channels here), the planned
-    module still equals eager torch, on the planning input and another; the stride-2 stem stays oneDNN's."""
-    monkeypatch.setenv("FUSION_PLANNER_CPU_CONVOLUTION", "winograd")
-    module, x = _example(name)
+    module still equals eager torch, on the planning input and another; the stride-2 stem stays oneDNN's. Where
+    torch would widen a 16-bit product (an AVX2 CPU: ``widen`` here), Winograd's is the convolution whatever the
+    choice says (oneDNN's is not one)."""
+    monkeypatch.setenv("FUSION_PLANNER_CPU_CONVOLUTION", "winograd" if products == "auto" else "onednn")
+    monkeypatch.setenv("FUSION_PLANNER_CPU_GEMM_16BIT", products)
+    module, x = _example(name, dtype)
     result = planner.plan(module, (x,), backend="cpu", cache=False, max_candidates=3)
     impls = [str(f.get("impl")) for f in result.compiled.kernel_facts]
-    assert impls.count("winograd-f4x4-fp32-conv+c-epilogue") == 2, impls
-    assert sum(i.startswith("onednn-fp32-conv") for i in impls) == (name == "small-cnn"), impls
+    stored = TORCH_DTYPES[dtype]
+    assert impls.count(f"winograd-f4x4-{stored}-conv+c-epilogue") == 2, impls
+    assert sum(i.startswith(f"onednn-{stored}-conv") for i in impls) == (name == "small-cnn" and products == "auto"), impls
     with torch.no_grad():
         _close(result(x), module(x))
         other = torch.randn_like(x)
