@@ -14,8 +14,9 @@ Needs ``jax`` in the benchmark's environment (``pip install "jax[cpu]"``; the te
   core, each contender's turn first calls it untimed for :data:`SETTLE_S`: OpenBLAS's workers spin for up to
   2^28 cycles (about 0.1 s) after a call and took the second core from whoever ran next (torch.mm on two
   threads measured 5.7 ms right after numpy's product, 2.0 ms alone), and on this 2-vCPU VM a pool whose
-  workers slept (a pause, or another library's turn) ran a 2 ms plan in 2.5-6 ms for several calls.  fusion-planner is timed twice: the bare kernels (the compiled plan on
-  inputs already in its buffers) and the end-to-end call (torch tensors in, torch tensors out).
+  workers slept (a pause, or another library's turn) ran a 2 ms plan in 2.5-6 ms for several calls.  fusion-planner is timed twice, one planned result: the bare kernels
+  (its compiled plan on inputs already in its buffers, writing where the call's dropped output was) and the
+  end-to-end call (torch tensors in, torch tensors out); their difference is the call's overhead.
 * **Bandwidth**: memcpy and triad on the same thread count, on arrays of at least 4x the
   last-level cache, and each memory-bound fused kernel (the ew-chain ones) on that array size:
   its byte ledger over its time, as a fraction of memcpy.
@@ -421,9 +422,10 @@ def _block_jax(p: dict[str, Any], x: Any, heads: int) -> Any:
 # ---------------------------------------------------------------- contenders
 
 
-def make_contender(w: Workload, name: str) -> tuple[Callable[[], Any], Any]:
+def make_contender(w: Workload, name: str, planned: Any = None) -> tuple[Callable[[], Any], Any]:
     """(call, the planned result for fusion-planner): ``call()`` runs the contender once on the workload's
-    inputs, in its native form, and returns a value that is ready (jax's is blocked on)."""
+    inputs, in its native form, and returns a value that is ready (jax's is blocked on).  ``planned``: the
+    workload's planned result already made (``fp.bare`` and ``fp.call`` time one plan in the same buffers)."""
     import torch
 
     if name == "numpy":
@@ -455,7 +457,7 @@ def make_contender(w: Workload, name: str) -> tuple[Callable[[], Any], Any]:
     if name in ("fp.call", "fp.bare"):
         import planner
 
-        result = planner.plan(w.module, w.inputs, backend="cpu")
+        result = planned if planned is not None else planner.plan(w.module, w.inputs, backend="cpu")
         if name == "fp.call":
             return (lambda: result(*w.inputs)), result
         result(*w.inputs)  # loads the inputs into the plan's buffers
@@ -489,7 +491,7 @@ def steady(workload: str, rounds: int, mode: str) -> dict[str, Any]:
     calls, plans = {}, {}
     for c in CONTENDERS:
         if c not in w.skip:
-            calls[c], plans[c] = make_contender(w, c)
+            calls[c], plans[c] = make_contender(w, c, plans.get("fp.bare"))
     want = as_numpy(calls["torch"]())
     errors = {}
     for c, fn in calls.items():
@@ -508,6 +510,7 @@ def steady(workload: str, rounds: int, mode: str) -> dict[str, Any]:
             settle(mode, calls[c])
             samples[c] += _time_us(calls[c], 3)
     result = plans["fp.call"]
+    assert plans["fp.bare"] is result
     med = {c: statistics.median(v) for c, v in samples.items()}
     out: dict[str, Any] = {"workload": workload, "median_us": med, "errors": errors,
                            "plan": result.plan.notation(), "kernels": len(result.plan.kernels),
