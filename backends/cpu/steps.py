@@ -227,7 +227,8 @@ class GemmSteps(StepsBase):
         w.flags.writeable = False
         onednn = gemm.torch_conv(dtype, window)
         fast = winograd.winograd_conv(window, images, channels, outputs, self.compiler.function, self.pool,
-                                      self.threads, dtype)
+                                      self.threads, dtype, winograd.block_tiles(winograd.tiles_of(window, images),
+                                                                                channels, outputs))
         with parallel.torch_threads(self.threads):
             return gemm.fastest_of({"onednn": lambda: onednn(x, w), "winograd": lambda: fast(x, w)})
 
@@ -239,9 +240,10 @@ class GemmSteps(StepsBase):
         (pixels, channels), (rows, cols) = memory.own[x_name].shape, rows_cols(tuple(k.body.type.shape))
         window, dtype = im2col.attr_dict, tensors[x_name].dtype
         images = pixels // (int(window["height"]) * int(window["width"]))
-        work = memory.scratch(0, (winograd.scratch_floats(window, images, channels, cols),), np.float32)
+        block = winograd.block_tiles(winograd.tiles_of(window, images), channels, cols)
+        work = memory.scratch(0, (winograd.scratch_floats(window, images, channels, cols, block),), np.float32)
         conv = winograd.winograd_conv(window, images, channels, cols, self.compiler.function, self.pool,
-                                      self.threads, dtype, work)
+                                      self.threads, dtype, block, work)
         ck = generate(k.body, self._types(tensors), tile=mm, tile_dtype="fp32")
         fn, params, epilogue_reads = self._bind(ck, memory.own)
         epilogue = self._tile_epilogue(fn, params, memory.addr, k.out, rows, cols, 4)

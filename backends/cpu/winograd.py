@@ -30,7 +30,7 @@ from backends.cpu import parallel
 from backends.cpu.buffers import aligned_empty
 from backends.cpu.codegen import storage_forms
 from backends.cpu.compiler import cache_dir, keep_record, read_record
-from backends.cpu.memory import from_storage
+from backends.cpu.memory import cache_levels, from_storage
 from backends.cpu.prelude import PRELUDE, SYMBOL
 from planner.core.env import env_choice
 from planner.core.machine import cpu_model
@@ -61,6 +61,12 @@ CONVOLUTION_ENV = "FUSION_PLANNER_CPU_CONVOLUTION"
 CONVOLUTION_KERNELS = ("onednn", "winograd")
 #: Winograd must be this much faster than oneDNN to replace it: the measurement's noise
 WINOGRAD_MARGIN = 0.05
+#: a block's bytes where the CPU reports no L2 (:func:`block_tiles`), and its fewest tiles: on one Zen 4 core
+#: (1 MiB L2), 64 channels of 56x56 took 1.07 ms warm and 1.41 with the caches evicted in blocks of 49 tiles,
+#: 1.20 and 1.48 in one block of 196, 1.19 and 1.45 in blocks of 14; 256 channels of 14x14 1.44 and 2.04 in one
+#: block of 16 tiles, 1.67 and 2.44 in blocks of 8
+DEFAULT_BLOCK_BYTES = 1 << 20
+MIN_BLOCK = 16
 #: the smallest channel counts where Winograd is timed at all: with fewer, the transforms' memory traffic
 #: outweighs the product it saves
 MIN_CHANNELS = 16
@@ -99,6 +105,11 @@ def _combine(coefficients: np.ndarray, values: list[str]) -> list[str]:
     return out
 
 
+def tiles_of(window: Mapping[str, Any], images: int) -> int:
+    """How many 4x4 output tiles the convolution has."""
+    return _geometry(window, images)["T"]
+
+
 def _geometry(window: Mapping[str, Any], images: int) -> dict[str, int]:
     h, w = int(window["height"]), int(window["width"])
     oh, ow = window_out(window)
@@ -107,24 +118,37 @@ def _geometry(window: Mapping[str, Any], images: int) -> dict[str, int]:
             "TH": th, "TW": tw, "T": images * th * tw}
 
 
-def _defines(geometry: Mapping[str, int], channels: int) -> str:
-    lines = [f"#define FP_{k} {v}" for k, v in geometry.items()]
+def block_tiles(tiles: int, channels: int, outputs: int, budget: int | None = None) -> int:
+    """Tiles per block: a block's transformed inputs and products take at most ``budget`` bytes (default: this
+    CPU's L2, where they stay from the transform to the product to the back-transform), but at least
+    :data:`MIN_BLOCK` tiles (fewer rows starve the product); the blocks as even as can be."""
+    budget = budget if budget is not None else cache_levels().get(2, DEFAULT_BLOCK_BYTES)
+    per_tile = ALPHA * ALPHA * (channels + outputs) * 4
+    blocks = max(1, min(-(-per_tile * tiles // budget), tiles // MIN_BLOCK))
+    return -(-tiles // blocks)
+
+
+def _defines(geometry: Mapping[str, int], channels: int, block: int) -> str:
+    lines = [f"#define FP_{k} {v}" for k, v in {**geometry, "B": block}.items()]
     return "\n".join([*lines, f"#define FP_C {channels}", f"#define FP_L {LANES}", ""])
 
 
-def input_source(window: Mapping[str, Any], images: int, channels: int, dtype: str = "fp32") -> str:
-    """C for the input transform of tiles [r0, r1): ``v[ij][t][c]`` (36 fp32 matrices of T rows of C) of the
-    channels-last rows ``x`` stored as ``dtype``; a pixel outside the image reads as 0 (a row of zeros)."""
+def input_source(window: Mapping[str, Any], images: int, channels: int, dtype: str = "fp32",
+                 block: int | None = None) -> str:
+    """C for the input transform of tiles [r0, r1) of the block starting at tile b0: ``v[ij][t - b0][c]`` (36 fp32
+    matrices of ``block`` rows of C) of the channels-last rows ``x`` stored as ``dtype``; a pixel outside the
+    image, or of a tile past the last, reads as 0 (a row of zeros)."""
     ctype, load, _ = storage_forms(dtype)
     d = [load.format(f"p[{a} * 6 + j][c0 + k]") for a in range(ALPHA)]
     cols = _combine(B_T, [f"d{a}" for a in range(ALPHA)])
     rows = _combine(B_T, [f"s[i][{b}][k]" for b in range(ALPHA)])
-    return PRELUDE + _defines(_geometry(window, images), channels) + f"""
+    geometry = _geometry(window, images)
+    return PRELUDE + _defines(geometry, channels, block or geometry["T"]) + f"""
 typedef {ctype} fp_in;
 static const fp_in fp_zeros[FP_C];
 
 static inline __attribute__((always_inline)) void fp_input_block(
-        const fp_in* const* restrict p, float* restrict v, int64_t t, int c0, const int nl) {{
+        const fp_in* const* restrict p, float* restrict v, int64_t t, int64_t b0, int c0, const int nl) {{
     float s[6][6][FP_L];
     for (int j = 0; j < 6; ++j)
         for (int k = 0; k < nl; ++k) {{
@@ -133,12 +157,11 @@ static inline __attribute__((always_inline)) void fp_input_block(
         }}
     for (int i = 0; i < 6; ++i)
         for (int k = 0; k < nl; ++k) {{
-{_assign("v[((int64_t)(i * 6 + {}) * FP_T + t) * FP_C + c0 + k]", rows, 12)}
+{_assign("v[((int64_t)(i * 6 + {}) * FP_B + t - b0) * FP_C + c0 + k]", rows, 12)}
         }}
 }}
 
-void {SYMBOL}(const fp_in* restrict x, float* restrict v, int64_t r0, int64_t r1, int64_t unused) {{
-    (void)unused;
+void {SYMBOL}(const fp_in* restrict x, float* restrict v, int64_t r0, int64_t r1, int64_t b0) {{
     const fp_in* p[36];
     for (int64_t t = r0; t < r1; ++t) {{
         const int64_t n = t / (FP_TH * FP_TW), rest = t % (FP_TH * FP_TW);
@@ -146,25 +169,28 @@ void {SYMBOL}(const fp_in* restrict x, float* restrict v, int64_t r0, int64_t r1
         for (int i = 0; i < 6; ++i)
             for (int j = 0; j < 6; ++j) {{
                 const int64_t yy = y0 + i, xx = x0 + j;
-                p[i * 6 + j] = yy >= 0 && yy < FP_H && xx >= 0 && xx < FP_W ? x + ((n * FP_H + yy) * FP_W + xx) * FP_C
-                                                                           : fp_zeros;
+                p[i * 6 + j] = t < FP_T && yy >= 0 && yy < FP_H && xx >= 0 && xx < FP_W
+                    ? x + ((n * FP_H + yy) * FP_W + xx) * FP_C : fp_zeros;
             }}
         int c0 = 0;
-        for (; c0 + FP_L <= FP_C; c0 += FP_L) fp_input_block(p, v, t, c0, FP_L);
-        if (c0 < FP_C) fp_input_block(p, v, t, c0, FP_C % FP_L);
+        for (; c0 + FP_L <= FP_C; c0 += FP_L) fp_input_block(p, v, t, b0, c0, FP_L);
+        if (c0 < FP_C) fp_input_block(p, v, t, b0, c0, FP_C % FP_L);
     }}
 }}
 """
 
 
-def output_source(window: Mapping[str, Any], images: int, outputs: int) -> str:
-    """C for the output transform of tiles [r0, r1): each tile's 4x4 outputs ``Aᵀ m A`` of its 36 products
-    ``m[ij][t][o]``, written to the fp32 product rows ``y`` (N*OH*OW, O) inside the image."""
-    cols = _combine(A_T, [f"m[((int64_t)({a} * 6 + j) * FP_T + t) * FP_C + c0 + k]" for a in range(ALPHA)])
+def output_source(window: Mapping[str, Any], images: int, outputs: int, block: int | None = None) -> str:
+    """C for the output transform of tiles [r0, r1) of the block starting at tile b0: each tile's 4x4 outputs
+    ``Aᵀ m A`` of its 36 products ``m[ij][t - b0][o]``, written to the fp32 product rows ``y`` (N*OH*OW, O)
+    inside the image."""
+    cols = _combine(A_T, [f"m[((int64_t)({a} * 6 + j) * FP_B + t - b0) * FP_C + c0 + k]" for a in range(ALPHA)])
     rows = _combine(A_T, [f"s[{b}][k]" for b in range(ALPHA)])
-    return PRELUDE + _defines(_geometry(window, images), outputs) + f"""
+    geometry = _geometry(window, images)
+    return PRELUDE + _defines(geometry, outputs, block or geometry["T"]) + f"""
 static inline __attribute__((always_inline)) void fp_output_block(
-        const float* restrict m, float* restrict y, int64_t t, int64_t oy, int64_t ox, int64_t n, int c0, const int nl) {{
+        const float* restrict m, float* restrict y, int64_t t, int64_t b0, int64_t oy, int64_t ox, int64_t n, int c0,
+        const int nl) {{
     float a[4][6][FP_L];
     for (int j = 0; j < 6; ++j)
         for (int k = 0; k < nl; ++k) {{
@@ -184,14 +210,13 @@ static inline __attribute__((always_inline)) void fp_output_block(
     }}
 }}
 
-void {SYMBOL}(const float* restrict m, float* restrict y, int64_t r0, int64_t r1, int64_t unused) {{
-    (void)unused;
-    for (int64_t t = r0; t < r1; ++t) {{
+void {SYMBOL}(const float* restrict m, float* restrict y, int64_t r0, int64_t r1, int64_t b0) {{
+    for (int64_t t = r0; t < r1 && t < FP_T; ++t) {{
         const int64_t n = t / (FP_TH * FP_TW), rest = t % (FP_TH * FP_TW);
         const int64_t oy = (rest / FP_TW) * 4, ox = (rest % FP_TW) * 4;
         int c0 = 0;
-        for (; c0 + FP_L <= FP_C; c0 += FP_L) fp_output_block(m, y, t, oy, ox, n, c0, FP_L);
-        if (c0 < FP_C) fp_output_block(m, y, t, oy, ox, n, c0, FP_C % FP_L);
+        for (; c0 + FP_L <= FP_C; c0 += FP_L) fp_output_block(m, y, t, b0, oy, ox, n, c0, FP_L);
+        if (c0 < FP_C) fp_output_block(m, y, t, b0, oy, ox, n, c0, FP_C % FP_L);
     }}
 }}
 """
@@ -202,49 +227,54 @@ def _assign(target: str, exprs: list[str], indent: int) -> str:
     return "\n".join(f"{pad}{target.format(i)} = {e};" for i, e in enumerate(exprs))
 
 
-def sources(window: Mapping[str, Any], images: int, channels: int, outputs: int, dtype: str = "fp32") -> tuple[str, str]:
+def sources(window: Mapping[str, Any], images: int, channels: int, outputs: int, dtype: str = "fp32",
+            block: int | None = None) -> tuple[str, str]:
     """The input and output transforms' C (what :func:`winograd_conv` compiles)."""
-    return input_source(window, images, channels, dtype), output_source(window, images, outputs)
+    return input_source(window, images, channels, dtype, block), output_source(window, images, outputs, block)
 
 
-def scratch_floats(window: Mapping[str, Any], images: int, channels: int, outputs: int) -> int:
-    """fp32 values of work memory :func:`winograd_conv` takes: the transformed inputs, the products and the
+def scratch_floats(window: Mapping[str, Any], images: int, channels: int, outputs: int, block: int) -> int:
+    """fp32 values of work memory :func:`winograd_conv` takes: a block's transformed inputs and products and the
     product rows, each starting on a cache line."""
-    return sum(_parts(window, images, channels, outputs))
+    return sum(_parts(window, images, channels, outputs, block))
 
 
-def _parts(window: Mapping[str, Any], images: int, channels: int, outputs: int) -> tuple[int, int, int]:
+def _parts(window: Mapping[str, Any], images: int, channels: int, outputs: int, block: int) -> tuple[int, int, int]:
     geometry = _geometry(window, images)
-    cells, tiles = ALPHA * ALPHA, geometry["T"]
-    sizes = (cells * tiles * channels, cells * tiles * outputs, images * geometry["OH"] * geometry["OW"] * outputs)
+    cells = ALPHA * ALPHA
+    sizes = (cells * block * channels, cells * block * outputs, images * geometry["OH"] * geometry["OW"] * outputs)
     return tuple(-(-n // LANES) * LANES for n in sizes)  # type: ignore[return-value]
 
 
 def winograd_conv(window: Mapping[str, Any], images: int, channels: int, outputs: int,
                   function: Callable[[str, int], Any], pool: parallel.WorkerPool, threads: int,
-                  dtype: str = "fp32", scratch: np.ndarray | None = None) -> Convolution:
+                  dtype: str = "fp32", block: int | None = None, scratch: np.ndarray | None = None) -> Convolution:
     """``conv(x, w)``: the product ``Im2col(x) @ w`` of channels-last rows x (N*H*W, C) and the GEMM weight w
     (9*C, O), both stored as ``dtype``, by F(4x4, 3x3) in fp32, as fp32 rows (N*OH*OW, O) in work memory (the
     caller reads them before the next call).  ``function(source, pointers)``: a compiled kernel.  ``scratch``: the
     work memory, an fp32 array of at least :func:`scratch_floats` values (a plan's kernels run one at a time and
-    share theirs, which then stays in cache from one to the next); else one of its own.  The transforms' tiles
-    are split across ``pool``; the batched product runs on torch's threads.  The weight's transform is kept while
+    share theirs, which then stays in cache from one to the next); else one of its own.  The tiles go in blocks
+    of ``block`` (:func:`block_tiles`; None: one block), each transformed, multiplied and transformed back before
+    the next, its tiles split across ``pool`` in the transforms; the batched product runs on torch's threads.  The weight's transform is kept while
     the weight is the same read-only array (a bound parameter)."""
     import torch  # optional dependency
 
     geometry = _geometry(window, images)
     tiles, cells = geometry["T"], ALPHA * ALPHA
-    in_src, out_src = sources(window, images, channels, outputs, dtype)
+    block = block or tiles
+    in_src, out_src = sources(window, images, channels, outputs, dtype, block)
     transform_in, transform_out = function(in_src, 2), function(out_src, 2)
-    sizes = _parts(window, images, channels, outputs)
+    sizes = _parts(window, images, channels, outputs, block)
     work = aligned_empty((sum(sizes),), np.float32) if scratch is None else scratch
-    v = work[:cells * tiles * channels].reshape(cells, tiles, channels)
-    m = work[sizes[0]:sizes[0] + cells * tiles * outputs].reshape(cells, tiles, outputs)
+    v = work[:cells * block * channels].reshape(cells, block, channels)
+    m = work[sizes[0]:sizes[0] + cells * block * outputs].reshape(cells, block, outputs)
     y = work[sizes[0] + sizes[1]:sizes[0] + sizes[1] + images * geometry["OH"] * geometry["OW"] * outputs]
     y = y.reshape(-1, outputs)
     vt, mt = torch.from_numpy(v), torch.from_numpy(m)
     v_ptr, m_ptr, y_ptr = v.ctypes.data, m.ctypes.data, y.ctypes.data
-    ranges = parallel.split(tiles, threads)
+    ranges = parallel.split(block, threads)
+    blocks = [([[0, v_ptr, b0 + r0, b0 + r1, b0] for r0, r1 in ranges], [[m_ptr, y_ptr, b0 + r0, b0 + r1, b0] for r0, r1 in ranges])
+              for b0 in range(0, tiles, block)]
     kept: list[tuple[np.ndarray, Any] | None] = [None]
 
     def transformed(w: np.ndarray) -> Any:
@@ -257,10 +287,13 @@ def winograd_conv(window: Mapping[str, Any], images: int, channels: int, outputs
         return u
 
     def conv(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        u = transformed(w)
-        pool.run_kernel(transform_in, 2, [[x.ctypes.data, v_ptr, r0, r1, 0] for r0, r1 in ranges])
-        torch.bmm(vt, u, out=mt)
-        pool.run_kernel(transform_out, 2, [[m_ptr, y_ptr, r0, r1, 0] for r0, r1 in ranges])
+        u, x_ptr = transformed(w), x.ctypes.data
+        for inward, outward in blocks:
+            for part in inward:
+                part[0] = x_ptr
+            pool.run_kernel(transform_in, 2, inward)
+            torch.bmm(vt, u, out=mt)
+            pool.run_kernel(transform_out, 2, outward)
         return y
 
     return conv

@@ -66,7 +66,7 @@ def _tolerance_used(got: np.ndarray, want: np.ndarray) -> float:
     return float((np.abs(got - want) / (atol * np.abs(want).max() + rtol * np.abs(want))).max())
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("threads", "block"), [(1, None), (2, None), (1, 7), (2, 16)])
 @pytest.mark.parametrize(("images", "channels", "outputs", "h", "w", "ph", "pw"), [
     (1, 64, 64, 20, 20, 1, 1),  # whole tiles, whole vectors
     (2, 17, 33, 13, 11, 1, 1),  # a channel and an output past a vector, tiles cut at the image's edge
@@ -74,18 +74,32 @@ def _tolerance_used(got: np.ndarray, want: np.ndarray) -> float:
     (3, 24, 20, 5, 7, 2, 1),  # the widest padding a tile takes, unequal
     (1, 128, 96, 8, 8, 1, 1),
 ])
-def test_the_kernels_equal_the_direct_convolution(images, channels, outputs, h, w, ph, pw, threads) -> None:
+def test_the_kernels_equal_the_direct_convolution(images, channels, outputs, h, w, ph, pw, threads, block) -> None:
+    """In one block of every tile or in blocks (7: the last one ends past the last tile), one thread or two."""
     window = _window(h, w, ph, pw)
     rng = np.random.default_rng(images * 1000 + channels)
     x = rng.standard_normal((images * h * w, channels), dtype=np.float32)
     weight = (rng.standard_normal((9 * channels, outputs)) / np.sqrt(9 * channels)).astype(np.float32)
     conv = winograd.winograd_conv(window, images, channels, outputs, Compiler().function,
-                                  parallel.WorkerPool(threads), threads)
+                                  parallel.WorkerPool(threads), threads, block=block)
     want = _direct(x, weight, images, window)
     got = conv(x, weight)
     assert got.shape == want.shape == (OPS["Im2col"].evaluate([x], window).shape[0], outputs)
     assert _tolerance_used(got, want) < 0.5
     assert conv(2 * x, weight) is got and _tolerance_used(got, 2 * want) < 0.5  # its own array, reused
+
+
+@pytest.mark.parametrize(("tiles", "channels", "budget", "want"), [
+    (196, 64, 1 << 20, 49),  # 4 even blocks of 36 x 49 x 128 fp32 values
+    (196, 64, 1 << 30, 196),  # all in one
+    (128, 32, 1 << 20, 64),
+    (20, 256, 1 << 20, 20),  # fewer than 2 x MIN_BLOCK tiles: one block however large
+    (100, 256, 1 << 16, 17),  # 6 blocks of at least MIN_BLOCK, not the 73 the budget asks for
+])
+def test_blocks_fit_the_budget_evenly_with_enough_rows(tiles, channels, budget, want) -> None:
+    block = winograd.block_tiles(tiles, channels, channels, budget)
+    assert block == want
+    assert block >= min(tiles, winograd.MIN_BLOCK)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
