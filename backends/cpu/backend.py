@@ -52,6 +52,7 @@ from backends.cpu.memory import (
     blas_threads_from_env,
     cache_bytes,
     gemm_b_only,
+    small_products,
     storage_dtype,
     stream_bytes_default,
     streams,
@@ -97,12 +98,14 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
         threads: int | None = None,
         stream_bytes: int | None = None,
         gemm_library: str | None = None,
+        pack_min_macs: int = gemm.PACK_MIN_MACS,
     ) -> None:
         """``threads``: worker threads a plan runs on (None: ``FUSION_PLANNER_THREADS``, else every
         available core; see :mod:`backends.cpu.parallel`).  ``blas_threads``: threads
         BLAS may use inside one GEMM block (None: the library's default; "env":
         ``FUSION_PLANNER_BLAS_THREADS``, else :data:`DEFAULT_BLAS_THREADS`).  ``gemm_library``: numpy,
-        torch or auto (None: ``FUSION_PLANNER_CPU_GEMM``; :mod:`backends.cpu.gemm`)."""
+        torch or auto (None: ``FUSION_PLANNER_CPU_GEMM``; :mod:`backends.cpu.gemm`).  ``pack_min_macs``: the
+        fewest multiply-adds of a product whose weight is packed (``gemm.PACK_MIN_MACS``)."""
         super().__init__(spec)
         allocator.keep_freed_memory()
         self.gemm_library = gemm.library_from_env(gemm_library)
@@ -117,6 +120,7 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
         #: (gemm.weight_layout)
         self.weights = gemm.weight_layout(self.gemm_library)
         self.held = HeldWeights()
+        self.pack_min_macs = pack_min_macs
 
         self.controller = ThreadpoolController()  # numpy's BLAS is loaded by now
         try:
@@ -147,7 +151,8 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
         padded = gemm_b_only(plan) & set(inputs) if self.weights == "padded" else frozenset()
         packed_dtypes = self.packed_dtypes({plan.tensors[n].dtype for n in inputs if n in plan.tensors}
                                            & {"fp32", *gemm.DTYPES_16BIT})
-        packable = gemm_b_only(plan, packed_dtypes) & set(inputs) if packed_dtypes else frozenset()
+        packable = (gemm_b_only(plan, packed_dtypes) & set(inputs)) - small_products(plan, self.pack_min_macs) \
+            if packed_dtypes else frozenset()
         missing = [n for n in inputs + written if n not in plan.tensors]
         if missing:
             raise BackendError(f"plan has no type for tensor {missing[0]!r}")

@@ -295,6 +295,11 @@ def matmul(library: str) -> MatMul:
 PROBE_SHAPES = ((128, 768, 768), (256, 1024, 1024))
 #: numpy must be this much faster (summed over the shapes) to replace torch: the measurement's noise
 PROBE_MARGIN = 0.05
+#: the fewest multiply-adds of a product whose read-only weight is packed for oneDNN: its packed product (with or
+#: without post-ops) costs about 15 µs a call more than the library's plain one, on one Zen 4 core (2026-12-06):
+#: 17 against 1.6 µs for 1x240x10 (a squeeze-and-excitation), 22 against 7 for 64x64x64, 37 against 29 for
+#: 16x256x256 (2^20), but 88 against 93 for 1x1280x1000 and 1,360 against 1,578 for 128x768x768
+PACK_MIN_MACS = 1 << 20
 PROBE_ROUNDS = 5
 PROBE_FILE = "gemm-library.json"
 

@@ -894,7 +894,7 @@ def _packing_backend(monkeypatch, threads: int, tile_bytes: int | None = None, d
         pytest.skip(f"torch cannot multiply {dtype} from packed weights here: {gemm.packing_error(dtype)}")
     monkeypatch.setenv(gemm.WEIGHTS_16BIT_ENV if dtype != "fp32" else gemm.WEIGHTS_ENV, "packed")
     library = "numpy" if dtype == "fp32" else "torch"
-    return CpuBackend(SPEC, threads=threads, gemm_library=library, tile_bytes=tile_bytes)
+    return CpuBackend(SPEC, threads=threads, gemm_library=library, tile_bytes=tile_bytes, pack_min_macs=0)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -927,6 +927,27 @@ def test_a_held_weight_is_packed_once_and_shared_by_every_plan(threads, tiles, d
         (got,) = compiled.run(dict(inputs, w=inputs["w"].copy()))  # writable: may change, so never packed
         assert not compiled.memory.packed and close(got, want, dtype)
     assert backend.held.copies == 1  # one packed form, shared by both plans
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_a_small_products_weight_is_not_packed(dtype, monkeypatch):
+    """oneDNN's packed product costs a fixed 15 µs or so a call: a product of fewer than ``pack_min_macs``
+    multiply-adds (a squeeze-and-excitation's, a classifier's on a few rows) keeps the library's plain one, and
+    still matches the reference; one at the threshold is packed."""
+    from backends.cpu import gemm
+
+    backend = _packing_backend(monkeypatch, 1, dtype=dtype)
+    g = examples.mlp_epilogue(40, 24, 16, dtype)  # 40 x 24 x 16 multiply-adds
+    plan = next(p for p in build_candidates(g, SPEC).plans if len(p.kernels) == 1)
+    inputs, held = _with_held_weight(g, dtype, seed=5)
+    (want,) = execute_plan(plan, inputs)
+    for min_macs, packed in ((40 * 24 * 16 + 1, False), (40 * 24 * 16, True)):
+        backend.pack_min_macs = min_macs
+        compiled = backend.compile(plan)
+        assert (compiled.memory.packable == {"w"}) == packed
+        (got,) = compiled.run(dict(inputs, w=held))
+        assert close(got, want, dtype) and bool(compiled.memory.packed) == packed
+    assert type(backend)(SPEC, threads=1).pack_min_macs == gemm.PACK_MIN_MACS
 
 
 def _with_held_weight(g: Graph, dtype: str, seed: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
