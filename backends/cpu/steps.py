@@ -228,7 +228,7 @@ class GemmSteps(StepsBase):
         onednn = gemm.torch_conv(dtype, window)
         fast = winograd.winograd_conv(window, images, channels, outputs, self.compiler.function, self.pool,
                                       self.threads, dtype, winograd.block_tiles(winograd.tiles_of(window, images),
-                                                                                channels, outputs))
+                                                                                channels, outputs, threads=self.threads))
         with parallel.torch_threads(self.threads):
             return gemm.fastest_of({"onednn": lambda: onednn(x, w), "winograd": lambda: fast(x, w)})
 
@@ -240,7 +240,7 @@ class GemmSteps(StepsBase):
         (pixels, channels), (rows, cols) = memory.own[x_name].shape, rows_cols(tuple(k.body.type.shape))
         window, dtype = im2col.attr_dict, tensors[x_name].dtype
         images = pixels // (int(window["height"]) * int(window["width"]))
-        block = winograd.block_tiles(winograd.tiles_of(window, images), channels, cols)
+        block = winograd.block_tiles(winograd.tiles_of(window, images), channels, cols, threads=self.threads)
         work = memory.scratch(0, (winograd.scratch_floats(window, images, channels, cols, block),), np.float32)
         conv = winograd.winograd_conv(window, images, channels, cols, self.compiler.function, self.pool,
                                       self.threads, dtype, block, work)

@@ -64,7 +64,8 @@ WINOGRAD_MARGIN = 0.05
 #: a block's bytes where the CPU reports no L2 (:func:`block_tiles`), and its fewest tiles: on one Zen 4 core
 #: (1 MiB L2), 64 channels of 56x56 took 1.07 ms warm and 1.41 with the caches evicted in blocks of 49 tiles,
 #: 1.20 and 1.48 in one block of 196, 1.19 and 1.45 in blocks of 14; 256 channels of 14x14 1.44 and 2.04 in one
-#: block of 16 tiles, 1.67 and 2.44 in blocks of 8
+#: block of 16 tiles, 1.67 and 2.44 in blocks of 8; on both cores, 64 channels of 56x56 took 0.79 and 1.34 ms in
+#: one block, 1.12 and 1.65 in blocks of 49
 DEFAULT_BLOCK_BYTES = 1 << 20
 MIN_BLOCK = 16
 #: the smallest channel counts where Winograd is timed at all: with fewer, the transforms' memory traffic
@@ -118,11 +119,14 @@ def _geometry(window: Mapping[str, Any], images: int) -> dict[str, int]:
             "TH": th, "TW": tw, "T": images * th * tw}
 
 
-def block_tiles(tiles: int, channels: int, outputs: int, budget: int | None = None) -> int:
+def block_tiles(tiles: int, channels: int, outputs: int, budget: int | None = None, threads: int = 1) -> int:
     """Tiles per block: a block's transformed inputs and products take at most ``budget`` bytes (default: this
-    CPU's L2, where they stay from the transform to the product to the back-transform), but at least
-    :data:`MIN_BLOCK` tiles (fewer rows starve the product); the blocks as even as can be."""
-    budget = budget if budget is not None else cache_levels().get(2, DEFAULT_BLOCK_BYTES)
+    CPU's L2, where they stay from the transform to the product to the back-transform, times the square of
+    ``threads``: each block is split across them, and a product of few rows split in two ran slower than the
+    block's bytes saved), but at least :data:`MIN_BLOCK` tiles (fewer rows starve the product); the blocks as even
+    as can be."""
+    if budget is None:
+        budget = cache_levels().get(2, DEFAULT_BLOCK_BYTES) * threads * threads
     per_tile = ALPHA * ALPHA * (channels + outputs) * 4
     blocks = max(1, min(-(-per_tile * tiles // budget), tiles // MIN_BLOCK))
     return -(-tiles // blocks)

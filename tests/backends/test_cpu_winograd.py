@@ -102,6 +102,13 @@ def test_blocks_fit_the_budget_evenly_with_enough_rows(tiles, channels, budget, 
     assert block >= min(tiles, winograd.MIN_BLOCK)
 
 
+def test_blocks_grow_with_the_threads_that_split_them(monkeypatch) -> None:
+    monkeypatch.setattr(winograd, "cache_levels", lambda: {1: 32 << 10, 2: 1 << 20})
+    assert [winograd.block_tiles(196, 64, 64, threads=t) for t in (1, 2)] == [49, 196]
+    monkeypatch.setattr(winograd, "cache_levels", dict)  # no L2 reported: DEFAULT_BLOCK_BYTES
+    assert winograd.block_tiles(196, 64, 64) == 49
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_16bit_operands_are_transformed_and_multiplied_in_fp32(dtype) -> None:
     """The stored 16-bit values, exactly as the direct convolution of those values computes them (to fp32's
