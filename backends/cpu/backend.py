@@ -35,7 +35,7 @@ import numpy as np
 from threadpoolctl import ThreadpoolController
 
 from backends.codegen import find_matmul, is_row_kernel, loads
-from backends.cpu import allocator, gemm, native_pool, parallel, standalone
+from backends.cpu import allocator, gemm, native_pool, parallel, standalone, winograd
 from backends.cpu.buffers import (
     HeldWeights,
     aligned_empty,
@@ -57,7 +57,7 @@ from backends.cpu.memory import (
     stream_bytes_default,
     streams,
 )
-from backends.cpu.steps import GemmSteps, StandaloneSteps
+from backends.cpu.steps import CHANNEL_COPIES, GemmSteps, StandaloneSteps, channels_plane
 from backends.cpu.stream_probe import machine_probe
 from planner.backend import (
     Backend,
@@ -194,11 +194,13 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
         """Compile every kernel of ``plans`` that is not in the kernel cache, in batched compiler runs per worker
         thread, all at once (a search's candidates share most of their kernels): first each kernel as it stands
         (an fp32 attention's contiguous form is what its measured choice times), then the fp32 attentions that
-        read or write in place (their layouts follow from that choice)."""
+        read or write in place (their layouts follow from that choice), and the transforms of each convolution
+        Winograd's may compute (what its measured choice times)."""
         sources: dict[str, None] = {}
         for plan in plans:  # a 16-bit output is handed out widened by a generated loop (CpuCompiledPlan)
             sources.update(dict.fromkeys(widen_source(d) for d in {plan.tensors[o].dtype for o in plan.outputs}
                                          if d != "fp32"))
+            sources.update(dict.fromkeys(self._winograd_sources(plan)))
             for k in plan.kernels:
                 try:
                     sources.update(dict.fromkeys(self._sources(k, plan.tensors)))
@@ -214,6 +216,26 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
             except (CodegenError, BackendError, KeyError):
                 continue
         self._build(in_place, len(plans))
+
+    def _winograd_sources(self, plan: Plan) -> list[str]:
+        """The input and output transforms of each convolution of ``plan`` Winograd's applies to."""
+        out: list[str] = []
+        if winograd.forced() == "onednn":
+            return out
+        convolved = convolutions(plan, functools.partial(self._convolves, tensors=plan.tensors))
+        for k in plan.kernels:
+            patches = find_matmul(k.body).args[0] if k.kind in (KernelKind.GEMM_EPILOGUE, KernelKind.CUBLASLT) else None
+            im2col = convolved.get(patches.tensor) if isinstance(patches, Load) else None
+            if im2col is None:
+                continue
+            window, x = im2col.attr_dict, plan.tensors[im2col.args[0].tensor]  # type: ignore[union-attr]
+            (pixels, channels), outputs = x.shape, int(k.body.type.shape[-1])
+            if winograd.applies(window, channels, outputs):
+                images = pixels // (int(window["height"]) * int(window["width"]))
+                block = winograd.block_tiles(winograd.tiles_of(window, images), channels, outputs,
+                                             threads=self.threads)
+                out += winograd.sources(window, images, channels, outputs, x.dtype, block)
+        return out
 
     def _build(self, sources: Mapping[str, None], plans: int) -> bool:
         try:
@@ -251,6 +273,9 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
                 return []
             rows, width = tensors[table].shape
             return [standalone.gather_source(rows, width * storage_dtype(tensors[table].dtype).itemsize)]
+        if k.kind == KernelKind.STANDALONE and k.body.op in CHANNEL_COPIES:
+            itemsize = storage_dtype(k.body.type.dtype).itemsize
+            return [standalone.transpose_source(*channels_plane(k.body, tensors), itemsize)] if itemsize in (2, 4) else []
         if k.kind == KernelKind.STANDALONE:
             source = standalone.source_of(k.body, {n: t[0] for n, t in types.items()})
             dtype = k.body.type.dtype

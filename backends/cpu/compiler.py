@@ -389,8 +389,10 @@ class Compiler:
         return fn
 
 
-#: the file-level names of a generated source, renamed per kernel when kernels share a batch
-_RENAME = re.compile(r"\bfp_(?:kernel|block|stream|flush|row_store|first_tap|end_tap)\b")  # a kernel's own functions
+#: the file-level names of a generated source (a kernel's own functions, types and constants), renamed per kernel
+#: when kernels share a batch: two of one name in a translation unit fail the whole batch
+_RENAME = re.compile(
+    r"\bfp_(?:kernel|block|block8|stream|flush|row_store|first_tap|end_tap|input_block|output_block|zeros|in)\b")
 _BATCH_NAME = re.compile(r"b[0-9a-f]{32}\.so")
 
 

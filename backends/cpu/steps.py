@@ -40,6 +40,17 @@ CHANNEL_COPIES = frozenset({"ChannelsLast", "ChannelsFirst"})
 log = logging.getLogger(__name__)
 
 
+def channels_plane(body: Expr, tensors: Mapping[str, TensorType]) -> tuple[int, int]:
+    """The (rows, cols) of each image's plane a ChannelsLast ((C, pixels)) or ChannelsFirst ((pixels, C)) body
+    transposes."""
+    pixels = int(body.attr_dict["pixels"])
+    if body.op == "ChannelsLast":
+        return int(body.attr_dict["channels"]), pixels
+    source = body.args[0]
+    assert isinstance(source, Load)
+    return pixels, int(tensors[source.tensor].shape[-1])
+
+
 class StepsBase:
     """What the step builders read of the backend (``CpuBackend`` sets it), and the kernel binding they share."""
 
@@ -573,9 +584,7 @@ class StandaloneSteps(StepsBase):
         """ChannelsLast / ChannelsFirst as the generated transpose of each image's (C, pixels) or (pixels, C)
         plane, its units split across the pool."""
         body, addr, out_name = k.body, memory.addr, k.out
-        pixels = int(body.attr_dict["pixels"])
-        channels = int(body.attr_dict["channels"]) if body.op == "ChannelsLast" else int(tensors[source].shape[-1])
-        rows, cols = (channels, pixels) if body.op == "ChannelsLast" else (pixels, channels)
+        rows, cols = channels_plane(body, tensors)
         itemsize = memory.own[out_name].itemsize
         images = memory.own[out_name].size // (rows * cols)
         units = standalone.transpose_units(images, rows, itemsize)

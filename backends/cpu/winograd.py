@@ -303,13 +303,18 @@ def winograd_conv(window: Mapping[str, Any], images: int, channels: int, outputs
     return conv
 
 
+def forced() -> str:
+    """:data:`CONVOLUTION_ENV`: ``auto``, or the product it forces."""
+    return env_choice(CONVOLUTION_ENV, ("auto", *CONVOLUTION_KERNELS), "auto")
+
+
 def measured_convolution(window: Mapping[str, Any], images: int, channels: int, outputs: int, dtype: str,
                          threads: int, measure: Callable[[], Mapping[str, float]]) -> str:
     """``onednn`` or ``winograd``: which product computes this 3x3 convolution of ``dtype`` on ``threads`` threads
     (:data:`CONVOLUTION_ENV`).  ``auto`` takes the choice recorded in the kernel cache for this CPU, torch's
     version, shape, dtype and threads, else times both (``measure()``: seconds per product) and takes Winograd's
     only where it is :data:`WINOGRAD_MARGIN` faster."""
-    value = env_choice(CONVOLUTION_ENV, ("auto", *CONVOLUTION_KERNELS), "auto")
+    value = forced()
     if value != "auto":
         return value
     import torch  # optional dependency (auto measures only where it is loaded)

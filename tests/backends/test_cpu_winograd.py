@@ -212,3 +212,20 @@ def test_the_choice_is_measured_once_per_shape_and_recorded(winograd_ms, onednn_
 def test_the_timing_runs_both_products_on_the_backends_threads() -> None:
     seconds = CpuBackend(SPEC, threads=2)._time_convolution(_window(12, 12), 2, 16, 24)
     assert set(seconds) == {"winograd", "onednn"} and all(0 < s < 1 for s in seconds.values())
+
+
+@pytest.mark.parametrize("mode", ["auto", "winograd", "onednn"])
+def test_prepare_builds_the_transforms_a_compile_loads(mode, tmp_path, monkeypatch) -> None:
+    """A search's batched compiler runs build each convolution's transforms (what the measured choice times and
+    the Winograd step loads), so compiling the plan builds nothing more; none where oneDNN's is forced."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv(winograd.CONVOLUTION_ENV, mode)
+    _, plan = _block_plan()
+    compiler = Compiler()
+    backend = CpuBackend(SPEC, compiler=compiler, threads=1)
+    backend.prepare([plan])
+    built = compiler.compiled
+    impls = _impls(backend, plan)
+    assert compiler.compiled == built
+    assert (IMPL in impls) == (mode == "winograd") or mode == "auto"
+    assert bool(backend._winograd_sources(plan)) == (mode != "onednn")
