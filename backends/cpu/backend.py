@@ -218,7 +218,8 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
         self._build(in_place, len(plans))
 
     def _winograd_sources(self, plan: Plan) -> list[str]:
-        """The input and output transforms of each convolution of ``plan`` Winograd's applies to."""
+        """The input and output transforms and the epilogue of each convolution of ``plan`` Winograd's applies
+        to."""
         out: list[str] = []
         if winograd.forced() == "onednn":
             return out
@@ -231,10 +232,10 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
             window, x = im2col.attr_dict, plan.tensors[im2col.args[0].tensor]  # type: ignore[union-attr]
             (pixels, channels), outputs = x.shape, int(k.body.type.shape[-1])
             if winograd.applies(window, channels, outputs):
-                images = pixels // (int(window["height"]) * int(window["width"]))
-                block = winograd.block_tiles(winograd.tiles_of(window, images), channels, outputs,
-                                             threads=self.threads)
+                images = winograd.images_of(window, pixels)
+                block = winograd.block_for(window, images, channels, outputs, self.threads)
                 out += winograd.sources(window, images, channels, outputs, x.dtype, block)
+                out.append(self._winograd_epilogue(k, plan.tensors).source)  # over fp32 rows, a 16-bit one too
         return out
 
     def _build(self, sources: Mapping[str, None], plans: int) -> bool:

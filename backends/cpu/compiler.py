@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,6 +85,20 @@ def keep_record(path: Path, record: dict[str, Any], what: str) -> None:
         os.replace(f.name, path)
     except OSError as exc:
         log.warning("cannot keep %s in %s: %s", what, path, exc)
+
+
+def recorded_choice(kind: str, key: dict[str, Any], choices: Sequence[str],
+                    decide: Callable[[], tuple[str, Mapping[str, float]]], what: str) -> str:
+    """A measured choice among ``choices`` kept in the kernel cache as ``<kind>-<hash of key>.json``: the one
+    recorded there for ``key``, else ``decide()``'s (choice, seconds per contender), recorded there."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_dir() / f"{kind}-{digest}.json"
+    record = read_record(path, key)
+    if record is not None and record.get("choice") in choices:
+        return str(record["choice"])
+    choice, seconds = decide()
+    keep_record(path, {"key": key, "choice": choice, "seconds": dict(seconds)}, what)
+    return choice
 
 
 class CompilerUnavailable(RuntimeError):

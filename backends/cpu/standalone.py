@@ -8,8 +8,6 @@ at a time with an online softmax, groups split across the worker pool.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -20,7 +18,7 @@ import numpy as np
 from backends.codegen import CodegenError
 from backends.cpu import parallel
 from backends.cpu.codegen import storage_forms
-from backends.cpu.compiler import cache_dir, keep_record, read_record
+from backends.cpu.compiler import recorded_choice
 from backends.cpu.prelude import PRELUDE, SYMBOL
 from planner.core import semantics as sem
 from planner.core.dtypes import DTYPES, numpy_dtype
@@ -164,16 +162,15 @@ def measured_attention(body: Expr, shapes: Mapping[str, tuple[int, ...]], thread
 
     key = {"cpu": cpu_model(), "torch": torch.__version__, "op": body.op, "causal": int(body.attr_dict.get("causal", 0)),
            "shapes": [list(shapes[a.tensor]) for a in body.args if isinstance(a, Load)], "threads": threads}
-    path = cache_dir() / f"attention-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
-    record = read_record(path, key)
-    if record is not None and record.get("choice") in ATTENTION_KERNELS:
-        return str(record["choice"])
-    seconds = dict(measure())
-    choice = "torch" if seconds["torch"] * (1 + ATTENTION_MARGIN) < seconds["generated"] else "generated"
-    log.info("fp32 %s %s on %d thread(s): %s (generated %.2f ms, torch %.2f ms)", body.op, key["shapes"], threads,
-             choice, seconds["generated"] * 1e3, seconds["torch"] * 1e3)
-    keep_record(path, {"key": key, "choice": choice, "seconds": seconds}, "the attention kernel choice")
-    return choice
+
+    def decide() -> tuple[str, Mapping[str, float]]:
+        seconds = measure()
+        choice = "torch" if seconds["torch"] * (1 + ATTENTION_MARGIN) < seconds["generated"] else "generated"
+        log.info("fp32 %s %s on %d thread(s): %s (generated %.2f ms, torch %.2f ms)", body.op, key["shapes"],
+                 threads, choice, seconds["generated"] * 1e3, seconds["torch"] * 1e3)
+        return choice, seconds
+
+    return recorded_choice("attention", key, ATTENTION_KERNELS, decide, "the attention kernel choice")
 
 
 def heads_view(body: Expr) -> Callable[[np.ndarray], np.ndarray]:

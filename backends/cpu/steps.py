@@ -212,7 +212,7 @@ class GemmSteps(StepsBase):
         ``outputs`` channels: Winograd's where it applies and was measured faster (decided once per shape for this
         backend), or where torch does not multiply the 16-bit dtype natively (``_convolves``)."""
         pixels, channels = x_shape
-        images = pixels // (int(window["height"]) * int(window["width"]))
+        images = winograd.images_of(window, pixels)
         if not winograd.applies(window, channels, outputs):
             return "onednn"
         if dtype != "fp32" and not self.native(dtype):
@@ -237,11 +237,15 @@ class GemmSteps(StepsBase):
         to_storage(np.asarray(rng.standard_normal(w.shape, dtype=np.float32)), dtype, w)
         w.flags.writeable = False
         onednn = gemm.torch_conv(dtype, window)
+        block = winograd.block_for(window, images, channels, outputs, self.threads)
         fast = winograd.winograd_conv(window, images, channels, outputs, self.compiler.function, self.pool,
-                                      self.threads, dtype, winograd.block_tiles(winograd.tiles_of(window, images),
-                                                                                channels, outputs, threads=self.threads))
+                                      self.threads, dtype, block)
         with parallel.torch_threads(self.threads):
             return gemm.fastest_of({"onednn": lambda: onednn(x, w), "winograd": lambda: fast(x, w)})
+
+    def _winograd_epilogue(self, k: Kernel, tensors: Mapping[str, TensorType]) -> CKernel:
+        """The generated epilogue of a Winograd convolution kernel, over its fp32 product rows."""
+        return generate(k.body, self._types(tensors), tile=find_matmul(k.body), tile_dtype="fp32")
 
     def _winograd(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory, im2col: Expr) -> Step:
         """A GEMM kernel over Im2col patches as Winograd's F(4x4, 3x3) convolution of the patches' source, the
@@ -250,12 +254,12 @@ class GemmSteps(StepsBase):
         x_name, b_name = im2col.args[0].tensor, mm.args[1].tensor  # type: ignore[union-attr]
         (pixels, channels), (rows, cols) = memory.own[x_name].shape, rows_cols(tuple(k.body.type.shape))
         window, dtype = im2col.attr_dict, tensors[x_name].dtype
-        images = pixels // (int(window["height"]) * int(window["width"]))
-        block = winograd.block_tiles(winograd.tiles_of(window, images), channels, cols, threads=self.threads)
+        images = winograd.images_of(window, pixels)
+        block = winograd.block_for(window, images, channels, cols, self.threads)
         work = memory.scratch(0, (winograd.scratch_floats(window, images, channels, cols, block),), np.float32)
         conv = winograd.winograd_conv(window, images, channels, cols, self.compiler.function, self.pool,
                                       self.threads, dtype, block, work)
-        ck = generate(k.body, self._types(tensors), tile=mm, tile_dtype="fp32")
+        ck = self._winograd_epilogue(k, tensors)
         fn, params, epilogue_reads = self._bind(ck, memory.own)
         epilogue = self._tile_epilogue(fn, params, memory.addr, k.out, rows, cols, 4)
         arrays, reads = memory.arrays, [memory.own[x_name], memory.own[b_name]]

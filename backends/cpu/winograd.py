@@ -18,8 +18,6 @@ closer to the exact convolution than oneDNN's 16-bit product, and its epilogue r
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -29,7 +27,7 @@ import numpy as np
 from backends.cpu import parallel
 from backends.cpu.buffers import aligned_empty
 from backends.cpu.codegen import storage_forms
-from backends.cpu.compiler import cache_dir, keep_record, read_record
+from backends.cpu.compiler import recorded_choice
 from backends.cpu.memory import cache_levels, from_storage
 from backends.cpu.prelude import PRELUDE, SYMBOL
 from planner.core.env import env_choice
@@ -106,9 +104,14 @@ def _combine(coefficients: np.ndarray, values: list[str]) -> list[str]:
     return out
 
 
-def tiles_of(window: Mapping[str, Any], images: int) -> int:
-    """How many 4x4 output tiles the convolution has."""
-    return _geometry(window, images)["T"]
+def images_of(window: Mapping[str, Any], pixels: int) -> int:
+    """How many images ``pixels`` channels-last rows of the window's input hold."""
+    return pixels // (int(window["height"]) * int(window["width"]))
+
+
+def block_for(window: Mapping[str, Any], images: int, channels: int, outputs: int, threads: int) -> int:
+    """:func:`block_tiles` of this convolution on ``threads`` threads."""
+    return block_tiles(_geometry(window, images)["T"], channels, outputs, threads=threads)
 
 
 def _geometry(window: Mapping[str, Any], images: int) -> dict[str, int]:
@@ -321,18 +324,14 @@ def measured_convolution(window: Mapping[str, Any], images: int, channels: int, 
 
     key = {"cpu": cpu_model(), "torch": torch.__version__, "window": {a: int(window[a]) for a in WINDOW},
            "images": images, "channels": channels, "outputs": outputs, "dtype": dtype, "threads": threads}
-    path = cache_dir() / f"convolution-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
-    record = read_record(path, key)
-    if record is not None and record.get("choice") in CONVOLUTION_KERNELS:
-        return str(record["choice"])
-    seconds = dict(measure())
-    choice = "winograd" if seconds["winograd"] * (1 + WINOGRAD_MARGIN) < seconds["onednn"] else "onednn"
-    log.info("%s 3x3 convolution %s, %d images, %d -> %d channels on %d thread(s): %s (oneDNN %.2f ms, "
-             "Winograd %.2f ms)", dtype, geometry_text(window), images, channels, outputs, threads, choice,
-             seconds["onednn"] * 1e3, seconds["winograd"] * 1e3)
-    keep_record(path, {"key": key, "choice": choice, "seconds": seconds}, "the convolution kernel choice")
-    return choice
 
+    def decide() -> tuple[str, Mapping[str, float]]:
+        seconds = measure()
+        choice = "winograd" if seconds["winograd"] * (1 + WINOGRAD_MARGIN) < seconds["onednn"] else "onednn"
+        log.info("%s 3x3 convolution of %sx%s pixels, padding %s,%s, %d images, %d -> %d channels on %d thread(s): "
+                 "%s (oneDNN %.2f ms, Winograd %.2f ms)", dtype, window["height"], window["width"], window["ph"],
+                 window["pw"], images, channels, outputs, threads, choice, seconds["onednn"] * 1e3,
+                 seconds["winograd"] * 1e3)
+        return choice, seconds
 
-def geometry_text(window: Mapping[str, Any]) -> str:
-    return f"{int(window['height'])}x{int(window['width'])} padding {int(window['ph'])},{int(window['pw'])}"
+    return recorded_choice("convolution", key, CONVOLUTION_KERNELS, decide, "the convolution kernel choice")

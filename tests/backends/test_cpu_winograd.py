@@ -156,9 +156,9 @@ def test_it_applies_only_to_3x3_windows_of_stride_and_dilation_1(window, channel
     assert not winograd.applies(window, channels, outputs)
 
 
-def _block_plan():
+def _block_plan(dtype: str = "fp32"):
     """ResNet's basic block (2 images, 16 channels, 10x10) and its unfused plan."""
-    graph = examples.conv_block(2, 16, 10, "fp32")
+    graph = examples.conv_block(2, 16, 10, dtype)
     return graph, build_candidates(graph, SPEC).unfused
 
 
@@ -214,18 +214,20 @@ def test_the_timing_runs_both_products_on_the_backends_threads() -> None:
     assert set(seconds) == {"winograd", "onednn"} and all(0 < s < 1 for s in seconds.values())
 
 
-@pytest.mark.parametrize("mode", ["auto", "winograd", "onednn"])
-def test_prepare_builds_the_transforms_a_compile_loads(mode, tmp_path, monkeypatch) -> None:
-    """A search's batched compiler runs build each convolution's transforms (what the measured choice times and
-    the Winograd step loads), so compiling the plan builds nothing more; none where oneDNN's is forced."""
+@pytest.mark.parametrize(("mode", "dtype"), [("auto", "fp32"), ("winograd", "fp32"), ("onednn", "fp32"),
+                                             ("winograd", "bf16")])
+def test_prepare_builds_the_transforms_a_compile_loads(mode, dtype, tmp_path, monkeypatch) -> None:
+    """A search's batched compiler runs build each convolution's transforms and epilogue (what the measured choice
+    times and the Winograd step loads; a 16-bit one's epilogue reads fp32 rows), so compiling the plan builds
+    nothing more; no transforms where oneDNN's is forced."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv(winograd.CONVOLUTION_ENV, mode)
-    _, plan = _block_plan()
+    _, plan = _block_plan(dtype)
     compiler = Compiler()
     backend = CpuBackend(SPEC, compiler=compiler, threads=1)
     backend.prepare([plan])
     built = compiler.compiled
     impls = _impls(backend, plan)
     assert compiler.compiled == built
-    assert (IMPL in impls) == (mode == "winograd") or mode == "auto"
+    assert any(i.startswith("winograd-") for i in impls) == (mode == "winograd") or mode == "auto"
     assert bool(backend._winograd_sources(plan)) == (mode != "onednn")
