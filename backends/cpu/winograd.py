@@ -1,8 +1,9 @@
-"""Winograd's minimal filtering F(4x4, 3x3) for fp32 3x3 convolutions of stride and dilation 1 (Lavin and Gray,
-*Fast Algorithms for Convolutional Neural Networks*, 2016): each 4x4 block of outputs from a 6x6 block of inputs
-in 36 products where the direct form takes 144, so the product's multiply-adds drop 4x.
+"""Winograd's minimal filtering F(4x4, 3x3) for 3x3 convolutions of stride and dilation 1 (Lavin and Gray, *Fast
+Algorithms for Convolutional Neural Networks*, 2016): each 4x4 block of outputs from a 6x6 block of inputs in 36
+products where the direct form takes 144, so the product's multiply-adds drop 4x.
 
-The convolution is three steps over channels-last rows ``x`` (N*H*W, C) and the GEMM's weight ``w`` (9*C, O):
+The convolution is three steps over channels-last rows ``x`` (N*H*W, C) and the GEMM's weight ``w`` (9*C, O),
+block of tiles by block of tiles:
 
 1. the input transform ``V = Bᵀ d B`` of every 6x6 input tile ``d`` (tiles 4 pixels apart, padding read as 0),
    a generated kernel writing ``V`` as 36 matrices (tiles, C);
@@ -13,8 +14,9 @@ The convolution is three steps over channels-last rows ``x`` (N*H*W, C) and the 
 
 The transforms round more than the direct product does: fp32 results used 0.13-0.21 of fp32's tolerance against
 the exact convolution, oneDNN's 0.02-0.07 (``docs/results/conv_kernels_amd.md``), and every candidate is checked
-against that tolerance.  A 16-bit convolution (bf16, fp16) is transformed and multiplied in fp32 from its stored values:
-closer to the exact convolution than oneDNN's 16-bit product, and its epilogue reads the fp32 product.  Where it is used is measured (:func:`measured_convolution`), as is torch's fp32 attention."""
+against that tolerance.  A 16-bit convolution (bf16, fp16) is transformed and multiplied in fp32 from its stored
+values: closer to the exact convolution than oneDNN's 16-bit product, and its epilogue reads the fp32 product.
+Where it is used is measured (:func:`measured_convolution`), as is torch's fp32 attention."""
 
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ TILE, ALPHA = 4, 6
 #: F(4, 3)'s transforms from the interpolation points 0, 1, -1, 2, -1/2 and infinity: input Bᵀ, filter G, output
 #: Aᵀ.  Lavin and Gray's points 0, ±1, ±2 have larger constants (5, 8, 1/24), and their results came out 2-3x
 #: further from the exact convolution (fp32, 64-512 channels; Barabasz et al., *Error analysis and improving the
-#: accuracy of Winograd convolution*, 2020, compare point sets).  ``tests/backends/cpu/test_winograd.py`` proves
+#: accuracy of Winograd convolution*, 2020, compare point sets).  ``tests/backends/test_cpu_winograd.py`` proves
 #: the identity ``Aᵀ[(G g) ⊙ (Bᵀ d)] = g ⋆ d`` exactly.
 B_T = np.array([[1, 3 / 2, -2, -3 / 2, 1, 0], [0, -1, -5 / 2, -1 / 2, 1, 0], [0, 1, 1 / 2, -5 / 2, 1, 0],
                 [0, -1 / 2, -1, 1 / 2, 1, 0], [0, 2, -1, -2, 1, 0], [0, 1, 3 / 2, -2, -3 / 2, 1]], dtype=np.float64)
