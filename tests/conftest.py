@@ -61,7 +61,7 @@ def _generated_attention():
 
 @pytest.fixture(autouse=True, scope="session")
 def _onednn_convolution():
-    """fp32 3x3 convolutions are oneDNN's unless a test says otherwise: the measured choice between it and
+    """3x3 convolutions are oneDNN's unless a test says otherwise: the measured choice between it and
     Winograd's (``FUSION_PLANNER_CPU_CONVOLUTION=auto``) depends on the machine, and tests assert the kernel's
     facts."""
     with pytest.MonkeyPatch.context() as mp:
