@@ -13,7 +13,8 @@ tolerance. Every other input gets scale 1.
 
 An input that carries integer indices (a model's token ids, which the torch importer binds as fp32: read by
 the op table's ``Embedding``, or converted back with ``.long()`` right before an Opaque call that takes them)
-gets ``integers(0, rows)`` instead, ``rows`` the table it indexes: normal values are no indices.
+gets ``integers(0, rows)`` instead, ``rows`` the table it indexes: normal values are no indices; 2 where the
+indices are only converted to bool (an attention mask: 0s and 1s), 1 (index 0) where nothing says.
 """
 
 from __future__ import annotations
@@ -67,9 +68,20 @@ def index_rows(graph: Graph) -> dict[str, int]:
                 continue
             rows = [int(u["shapes"][1][0]) for u in steps if "embedding" in str(u.get("impl"))
                     and (u.get("args") or [None])[0] == {"$step": i} and len(u.get("shapes", [])) > 1]
+            if not rows and _read_as_bool(steps, i):
+                rows = [2]  # a mask: 0 and 1 (index 0 alone would mask every position)
             name = n.inputs[int(args[0]["$in"])]
             out[name] = min([out.get(name, 2**31), *rows]) if rows else 1
     return out
+
+
+def _read_as_bool(steps: Sequence[Mapping], i: int) -> bool:
+    """Is step ``i``'s value read only by conversions to bool (an attention mask of 0s and 1s)?"""
+    readers = [u for u in steps if {"$step": i} in (u.get("args") or [])]
+    return bool(readers) and all(".to." in str(u.get("impl")) and _BOOL in json.dumps(u) for u in readers)
+
+
+_BOOL = json.dumps({"$dtype": "bool"})
 
 
 class RecipeInputs(dict[str, np.ndarray]):
