@@ -7,15 +7,22 @@ loses no fusion the rules could express, so each piece (a *region*) can be plann
 on its own.  Regions are canonicalised (inputs and ops renamed by first use) and
 hashed; identical hashes mean identical subgraphs up to renaming, such as the
 layers of a transformer imported from torch, which carries no layer markers.
+
+*Side values* do not stop a cut: values that every plan stores and that were not computed from the piece's
+entry (the value of the cut it starts at), such as an attention mask prepared once and read by every layer.
+Within a piece, the *side ops* (those not computed from its entry) that hand the rest only values stored
+anyway form a region of their own before it: the layers of a model with a padding mask then repeat, though the
+first layer also prepares the mask.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planner.core.graph import Graph, GraphBuilder
+from planner.core.graph import Graph, GraphBuilder, Node
 from planner.core.kinds import OpKind
 from planner.core.ops import OPS
 
@@ -65,29 +72,72 @@ def forced_stores(graph: Graph) -> set[str]:
 
 
 def boundaries(graph: Graph, max_ops: int | None = None) -> list[int]:
-    """Indices into ``graph.ops`` after which the graph is cut: at forced stores, and where a piece
-    would hold more than ``max_ops`` ops, at the cheapest point of its second half (see ``_size_cuts``)."""
+    """Indices into ``graph.ops`` after which the graph is cut: at forced stores (see ``_natural_cuts``), and
+    where a piece would hold more than ``max_ops`` ops, at the cheapest point of its second half (see
+    ``_size_cuts``)."""
     ops = graph.ops
     pos = {n.id: i for i, n in enumerate(ops)}
-    last_use: dict[str, int] = {}
     forced = forced_stores(graph)
-    for i, n in enumerate(ops):
+    last_use = _last_uses(graph)
+    cuts = _natural_cuts(graph, forced, last_use)
+    if max_ops is None or len(ops) <= max_ops:
+        return cuts
+    return _size_cuts(graph, cuts, forced, pos, last_use, max_ops)
+
+
+def _last_uses(graph: Graph) -> dict[str, int]:
+    """Each value's last reader (its index in ``graph.ops``); past the end for graph outputs."""
+    pos = {n.id for n in graph.ops}
+    last_use: dict[str, int] = {}
+    for i, n in enumerate(graph.ops):
         for x in n.inputs:
             if x in pos:
                 last_use[x] = max(last_use.get(x, -1), i)
     for o in graph.outputs:
-        last_use[o] = len(ops)
-    cuts = []
+        last_use[o] = len(graph.ops)
+    return last_use
+
+
+def _natural_cuts(graph: Graph, forced: set[str], last_use: dict[str, int]) -> list[int]:
+    """Cut after an op whose value is stored anyway where every other value live across that point is a side
+    value: stored anyway too, and not computed from the current piece's entry (before the first cut: none may
+    be live)."""
+    ops = graph.ops
+    cuts: list[int] = []
     live: set[str] = set()
+    stream: set[str] | None = None  # values computed from the current piece's entry; None before the first cut
     for i, n in enumerate(ops):
         if last_use.get(n.id, -1) > i:
             live.add(n.id)
         live -= {x for x in n.inputs if last_use.get(x) == i}
-        if live == {n.id} and n.id in forced and i < len(ops) - 1:
+        if stream is not None and any(x in stream for x in n.inputs):
+            stream.add(n.id)
+        if i == len(ops) - 1 or n.id not in forced or n.id not in live:
+            continue
+        others = live - {n.id}
+        if not others or (stream is not None and others <= forced and not others & stream):
             cuts.append(i)
-    if max_ops is None or len(ops) <= max_ops:
-        return cuts
-    return _size_cuts(graph, cuts, forced, pos, last_use, max_ops)
+            stream = {n.id}
+    return cuts
+
+
+def _side_ops(members: Sequence[Node], entry: str, forced: set[str]) -> list[Node]:
+    """The ops of a piece not computed from its ``entry`` that may run before the others as a region of their
+    own: each hands the others only values stored anyway (a side op whose value a fused kernel of the rest
+    could read in registers stays with the rest, and so do the side ops it reads that way)."""
+    staying = {entry}
+    for n in members:
+        if any(x in staying for x in n.inputs):
+            staying.add(n.id)
+    readers: dict[str, list[str]] = {}
+    for n in members:
+        for x in n.inputs:
+            readers.setdefault(x, []).append(n.id)
+    for n in reversed(members):
+        if n.id not in forced and any(r in staying for r in readers.get(n.id, ())):
+            staying.add(n.id)
+    leaving = [n for n in members if n.id not in staying]
+    return leaving if len(leaving) < len(members) else []
 
 
 def _size_cuts(graph: Graph, cuts: list[int], forced: set[str], pos: dict[str, int], last_use: dict[str, int],
@@ -117,29 +167,38 @@ def _size_cuts(graph: Graph, cuts: list[int], forced: set[str], pos: dict[str, i
 
 def split_regions(graph: Graph, max_ops: int | None = None) -> list[Region]:
     """The graph's regions, in order; with ``max_ops``, none longer than that where a cut exists."""
-    ops = graph.ops
-    cuts = boundaries(graph, max_ops)
-    starts = [0] + [c + 1 for c in cuts]
-    ends = [c + 1 for c in cuts] + [len(ops)]
-    produced_after: dict[str, int] = {}
-    for r, (s, e) in enumerate(zip(starts, ends, strict=True)):
-        for n in ops[s:e]:
-            produced_after[n.id] = r
+    pieces = _pieces(graph, boundaries(graph, max_ops))
     used_later: dict[str, int] = {}
-    for r, (s, e) in enumerate(zip(starts, ends, strict=True)):
-        for n in ops[s:e]:
+    for r, members in enumerate(pieces):
+        for n in members:
             for x in n.inputs:
                 used_later[x] = max(used_later.get(x, -1), r)
     regions = []
     graph_outputs = set(graph.outputs)
-    for r, (s, e) in enumerate(zip(starts, ends, strict=True)):
-        members = ops[s:e]
+    for r, members in enumerate(pieces):
         inside = {n.id for n in members}
         outputs = tuple(
             n.id for n in members if used_later.get(n.id, -1) > r or n.id in graph_outputs
         )
         regions.append(_canonical(graph, r, members, inside, outputs))
     return regions
+
+
+def _pieces(graph: Graph, cuts: list[int]) -> list[list[Node]]:
+    """The ops between the cuts, in order; a piece that starts at a natural cut and holds side ops is two: those
+    side ops, then the rest (``_side_ops``)."""
+    ops = graph.ops
+    forced = forced_stores(graph)
+    natural = set(_natural_cuts(graph, forced, _last_uses(graph)))
+    pieces: list[list[Node]] = []
+    for s, e in zip([0] + [c + 1 for c in cuts], [c + 1 for c in cuts] + [len(ops)], strict=True):
+        members = ops[s:e]
+        side = _side_ops(members, ops[s - 1].id, forced) if s - 1 in natural else []
+        if side:
+            pieces += [side, [n for n in members if n not in side]]
+        else:
+            pieces.append(members)
+    return pieces
 
 
 def whole_graph_region(graph: Graph) -> Region:

@@ -42,3 +42,52 @@ def test_a_fan_out_of_outputs_is_cut_anywhere_for_free():
 
 def test_a_tiny_limit_still_terminates():
     assert len(split_regions(long_chain(10), 1)) == 10
+
+
+def _masked_layers(elementwise_side: bool = False) -> GraphBuilder:
+    """A stem GEMM, then two equal layers that each read a side value prepared once from input ``m`` (as a
+    padding mask is, inside the first layer's attention) through a GEMM; with ``elementwise_side``, the first
+    layer also adds a second side value no GEMM reads."""
+    b = GraphBuilder("masked")
+    b.input("x", (16, 32), "fp32")
+    b.input("m", (16, 32), "fp32")
+    for w in ("w0", "w1", "v1", "w2", "v2"):
+        b.input(w, (32, 32), "fp32")
+    h = b.op("h0", "MatMul", ["x", "w0"])
+    side = b.op("side", "Relu", ["m"])  # prepared where the first layer needs it
+    extra = b.op("extra", "Neg", ["m"]) if elementwise_side else None
+    for i in (1, 2):
+        p = b.op(f"p{i}", "MatMul", [h, f"w{i}"])
+        q = b.op(f"q{i}", "MatMul", [side, f"v{i}"])
+        s = b.op(f"s{i}", "Add", [p, q])
+        if extra is not None and i == 1:
+            s = b.op("with_extra", "Add", [s, extra])
+        h = b.op(f"o{i}", "Relu", [s])
+    return b
+
+
+def test_a_value_prepared_once_for_every_layer_does_not_stop_the_layers_repeating():
+    g = _masked_layers().build(["o2"])
+    regions = split_regions(g)
+    assert [r.ops for r in regions] == [("h0",), ("side",), ("p1", "q1", "s1", "o1"), ("p2", "q2", "s2", "o2")]
+    assert regions[2].key == regions[3].key  # the side value is an input of each layer
+    assert regions[2].inputs == ("h0", "w1", "side", "v1")
+
+
+def test_a_side_value_a_fused_kernel_could_read_in_registers_stays_with_its_reader():
+    g = _masked_layers(elementwise_side=True).build(["o2"])
+    regions = split_regions(g)
+    # ``extra`` is read only by the first layer's Add, never stored: it stays in that layer (no fusion lost)
+    assert [r.ops for r in regions] == [("h0",), ("side",), ("extra", "p1", "q1", "s1", "with_extra", "o1"),
+                                        ("p2", "q2", "s2", "o2")]
+
+
+def test_a_value_computed_from_the_piece_stops_a_cut():
+    b = GraphBuilder("residual")
+    b.input("x", (16, 32), "fp32")
+    b.input("w", (32, 32), "fp32")
+    h = b.op("h", "MatMul", ["x", "w"])
+    a = b.op("a", "MatMul", [h, "w"])  # stored anyway (a GEMM reads it), as h is (held across the GEMMs)
+    r = b.op("r", "Add", [b.op("c", "MatMul", [a, "w"]), h])
+    # after h alone; not after a, where h is live too: the piece's own entry, not a side value
+    assert boundaries(b.build([r])) == [0]
