@@ -149,8 +149,8 @@ def plan_graph(
 ) -> Planned:
     """Plan ``graph`` as the module docstring says; raises :class:`SearchError` when no plan verifies.
 
-    ``inputs`` (default: the input recipe) are what a whole-graph search verifies and times on;
-    a layer stack's regions always use the recipe."""
+    ``inputs`` (default: the input recipe) are what a whole-graph search verifies and times on, and a layer
+    stack's composite plan; its regions always use the recipe."""
     need_evaluator(graph)
     live = graph.live()
     if live is not graph:
@@ -160,7 +160,7 @@ def plan_graph(
     segment_ops = (options.limits or Limits()).max_segment_ops
     regions = split_regions(graph, segment_ops)
     if len(graph.ops) > segment_ops or (options.dedup and len(regions) > 1 and options.splits(regions)):
-        return _plan_regions(graph, regions, options, backend, cache, progress)
+        return _plan_regions(graph, regions, options, backend, cache, progress, inputs)
     whole = whole_graph_region(graph)
     key = options.cache_key(whole, backend)
     if cache is not None:
@@ -188,7 +188,7 @@ def plan_graph(
 
 
 def _plan_regions(graph: Graph, regions: Sequence[Region], options: PlanOptions, backend: Backend,
-                  cache: PlanCache | None, progress: Progress) -> Planned:
+                  cache: PlanCache | None, progress: Progress, inputs: Mapping[str, np.ndarray] | None) -> Planned:
     searches: dict[str, SearchResult] = {}
     notes: list[str] = []
     pending = len({r.key for r in regions}) if options.dedup else len(regions)
@@ -214,7 +214,7 @@ def _plan_regions(graph: Graph, regions: Sequence[Region], options: PlanOptions,
                     limits=options.limits, dedup=options.dedup, cache=cache, cap=options.cap, k=options.k,
                     seed=options.seed, regions=regions,
                     search_regions=on_cluster if options.executor.kind == "ray" else here)
-    composite = measure_composite(mp, backend, options.search)
+    composite = measure_composite(mp, backend, options.search, inputs)
     in_order = {u.region.graph.name: searches[u.region.graph.name] for u in mp.unique.values()
                 if u.region.graph.name in searches}  # a cluster's regions arrive in any order
     return Planned(graph, mp.plan, options, model=mp, region_searches=in_order, composite=composite,
@@ -270,16 +270,17 @@ def _logged_in_order(outcomes: Iterable[RegionOutcome], todo: Sequence[Region], 
         yield outcome
 
 
-def measure_composite(mp: ModelPlan, backend: Backend, opts: SearchOptions) -> dict[str, Any]:
+def measure_composite(mp: ModelPlan, backend: Backend, opts: SearchOptions,
+                      inputs: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
     """On a measuring backend: verify the whole composite plan against the reference, then time it
-    and the unfused plan.  Otherwise nothing more runs: every region's plan was verified by its
-    search, and the composite is those plans renamed (executing a deep model at full size in numpy
-    would cost far more than planning it)."""
+    and the unfused plan, on ``inputs`` (a module's own values; default: the input recipe).  Otherwise nothing
+    more runs: every region's plan was verified by its search, and the composite is those plans renamed
+    (executing a deep model at full size in numpy would cost far more than planning it)."""
     out: dict[str, Any] = {"verified": "per region", "meas_us": None, "unfused_meas_us": None,
                            "speedup_vs_unfused": None}
     if not backend.measures:
         return out
-    inputs = random_inputs(mp.graph, opts.seed)
+    inputs = inputs if inputs is not None else random_inputs(mp.graph, opts.seed)
     expected = execute_graph(mp.graph, inputs)
     compiled = backend.compile(mp.plan)
     outs = compiled.run(inputs)
