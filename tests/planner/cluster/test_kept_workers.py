@@ -3,8 +3,11 @@ cluster is): the next search takes them warm. The pools' own lease tests are in 
 
 from __future__ import annotations
 
+import fcntl
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ import ray
 
 from planner.cluster.jobs import Budget
 from planner.cluster.pool import ExecutorOptions, RayPool
+from planner.cluster.workers import CORE_LOCKS
 from planner.core import examples
 from planner.core.cost import load_device
 from planner.core.regions import split_regions
@@ -24,9 +28,31 @@ PORT = "6391"
 RAY = str(Path(sys.executable).parent / "ray")
 
 
+def wait_for_free_cores(timeout_s: float = 120.0) -> None:
+    """Wait until no worker of an earlier test holds a core lock: one still exiting on a loaded machine can
+    outlast a new worker's wait for its core (``CLAIM_WAIT_S``)."""
+    deadline = time.monotonic() + timeout_s
+    for core in sorted(os.sched_getaffinity(0)):
+        fd = os.open(CORE_LOCKS / f"{core}.lock", os.O_CREAT | os.O_RDWR, 0o600) if CORE_LOCKS.exists() else None
+        if fd is None:
+            return
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        pytest.fail(f"core {core} is still held by an earlier test's worker after {timeout_s:g} s")
+                    time.sleep(0.2)
+        finally:
+            os.close(fd)  # released at once: the test's own workers claim it
+
+
 @pytest.fixture
 def standing_cluster():
     assert not ray.is_initialized()
+    wait_for_free_cores()
     subprocess.run([RAY, "start", "--head", "--num-cpus", "2", "--port", PORT, "--include-dashboard=false"],
                    check=True, capture_output=True, timeout=120)
     try:
