@@ -76,6 +76,11 @@ SETTLE_BANDS = 1.5
 SETTLE_BANDS_NOT_PREFERRED = 0.5
 #: parents for mutation are drawn from this many fastest measured plans
 ELITE = 8
+#: candidates whose kernels are built with the baseline's, in the search's first batched build; the rest of the cost
+#: model's list is built in one more batch when the search reaches it, less the candidates whose kernels timed by
+#: then rule them out (an attention's 63 decomposed softmax forms once the fused kernel is timed: 30 kernels
+#: compiled in 1 s of a 3 s cold plan, most for candidates never run). One more compiler start costs ~40 ms.
+FIRST_BUILD = 4
 
 
 class SearchError(RuntimeError):
@@ -242,16 +247,30 @@ class _Run:
     def _bounded(self, entry: Entry) -> bool:
         """Record a candidate as slower, unrun, when the kernels it shares with plans timed before take longer
         than the best allows (the sum of their fastest times; its other kernels count as free)."""
+        bound = self.kernel_bound(entry.plan)
+        if bound is None:
+            return False
         best = self.best
-        if best is None or best.meas_us is None or not self.kernel_min:
-            return False
-        bound = sum(self.kernel_min.get(kernel_sig(k), 0.0) for k in entry.plan.kernels)
-        if bound <= best.meas_us * self.opts.early_stop:
-            return False
+        assert best is not None and best.meas_us is not None
         entry.bound_us = bound
         entry.verdict = Verdict.BOUNDED
         self.slog.bounded(entry.plan, bound / best.meas_us, entry.est_us, bound, _origin(entry))
         return True
+
+    def prepare(self, plans: Sequence[Plan]) -> None:
+        """Build the kernels of ``plans`` in a batch, less those of plans their kernels timed so far rule out."""
+        worth = [plan for plan in plans if self.kernel_bound(plan) is None]
+        if worth:
+            self.backend.prepare(worth)
+
+    def kernel_bound(self, plan: Plan) -> float | None:
+        """The sum of the fastest times of ``plan``'s kernels timed in earlier plans, where it already exceeds
+        what the best allows (best x ``early_stop``); else None."""
+        best = self.best
+        if best is None or best.meas_us is None or not self.kernel_min:
+            return None
+        bound = sum(self.kernel_min.get(kernel_sig(k), 0.0) for k in plan.kernels)
+        return bound if bound > best.meas_us * self.opts.early_stop else None
 
     def _predicted(self, entry: Entry) -> bool:
         """Record a candidate as not faster, unrun, when every kernel it differs from the best in was timed in
@@ -469,7 +488,8 @@ class _Run:
     # -- the genetic phase
     def evolve(self, rng: random.Random) -> None:
         """Generations of :data:`GENERATION` new plans, bred from the elite of what was timed so far; each
-        generation's kernels are prepared (compiled) together, then its plans are considered in turn."""
+        generation's kernels are prepared (compiled) together, less those of plans whose kernels timed so far
+        rule them out, then its plans are considered in turn."""
         mutator = Mutator(self.cands.extractor)
         stall = 0
         while self.budget_left():
@@ -480,7 +500,7 @@ class _Run:
                 return
             room = min(GENERATION, self.opts.max_candidates - self.tried)
             generation, stall = self._breed(mutator, rng, room, stall)
-            self.backend.prepare([plan for plan, _, _ in generation])
+            self.prepare([plan for plan, _, _ in generation])
             for plan, choice, source in generation:
                 if not self.budget_left() or self.out_of_patience():
                     return
@@ -556,7 +576,10 @@ def search(
     unfused = ex.plan_of(unfused_choice)
     if on_candidate is not None:
         on_candidate(0, run.total)
-    backend.prepare([unfused, *cands.plans[: opts.max_candidates]])  # the CPU's kernels: a few batched builds
+    listed = cands.plans[: opts.max_candidates]
+    first = listed[:FIRST_BUILD]
+    backend.prepare([unfused, *first])  # the CPU's kernels: a few batched builds
+    later = {p.key for p in listed} - {p.key for p in first}
     run.consider(unfused, unfused_choice, "unfused baseline", baseline=True)
     try:
         for plan in cands.plans:
@@ -566,6 +589,9 @@ def search(
             # (a long graph's segments share one budget: the last may find it spent)
             if run.tried and not run.budget_left():
                 break
+            if plan.key in later:  # the rest in one more build, less the candidates their kernels timed rule out
+                run.prepare([p for p in listed if p.key in later and p.key not in run.seen])
+                later.clear()
             run.consider(plan, cands.choices.get(plan.key), "model order")
         else:
             if cands.complete:

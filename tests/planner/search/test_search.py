@@ -544,6 +544,32 @@ def test_the_model_backend_executes_only_the_baseline_and_each_new_best(chain, m
     assert sum(e.verified for e in verify_only.entries) == 1 + 4  # no time to compare: every one tried is executed
 
 
+def test_kernels_of_candidates_their_timed_kernels_rule_out_are_not_built(chain):
+    """The first batched build holds the baseline and the cost model's first candidates; the rest of its list is
+    built in one more batch when the search reaches it, less the candidates already ruled out by their kernels
+    (each built kernel costs the compiler's time in a cold plan)."""
+    from planner.core.kinds import Verdict
+    from planner.search.engine import FIRST_BUILD
+
+    class Preparing(KernelEstimateBackend):
+        def __init__(self, spec) -> None:  # type: ignore[no-untyped-def]
+            super().__init__(spec)
+            self.prepared: list[list[str]] = []
+
+        def prepare(self, plans) -> None:  # type: ignore[no-untyped-def]
+            self.prepared.append([p.key for p in plans])
+
+    backend = Preparing(chain.spec)
+    res = search(chain, backend, options=SearchOptions(max_candidates=40, early_stop=1.2, **FAST))
+    assert backend.prepared[0] == [res.unfused.key] + [p.key for p in chain.plans[:FIRST_BUILD]]
+    built = {key for batch in backend.prepared for key in batch}
+    bounded = {e.plan.key for e in res.entries if e.verdict == Verdict.BOUNDED}
+    assert bounded and len(backend.prepared) >= 2
+    # bounded by the kernels timed before the second build: never built (others are bounded only later)
+    assert (bounded - set(backend.prepared[0])) - built and len(built) < 1 + 40
+    assert all(key in built for key in backend.compiled)
+
+
 def test_plans_whose_timed_kernels_already_lose_are_not_run(chain):
     """With kernel times from the plans timed before, a candidate whose known kernels alone take longer than
     the best x early_stop is recorded as slower without being compiled; under deterministic times the bound
