@@ -75,14 +75,19 @@ def boundaries(graph: Graph, max_ops: int | None = None) -> list[int]:
     """Indices into ``graph.ops`` after which the graph is cut: at forced stores (see ``_natural_cuts``), and
     where a piece would hold more than ``max_ops`` ops, at the cheapest point of its second half (see
     ``_size_cuts``)."""
+    return _cuts(graph, max_ops)[0]
+
+
+def _cuts(graph: Graph, max_ops: int | None) -> tuple[list[int], set[int], set[str]]:
+    """:func:`boundaries`, the natural cuts among them, and the forced stores."""
     ops = graph.ops
-    pos = {n.id: i for i, n in enumerate(ops)}
     forced = forced_stores(graph)
     last_use = _last_uses(graph)
-    cuts = _natural_cuts(graph, forced, last_use)
+    natural = _natural_cuts(graph, forced, last_use)
     if max_ops is None or len(ops) <= max_ops:
-        return cuts
-    return _size_cuts(graph, cuts, forced, pos, last_use, max_ops)
+        return natural, set(natural), forced
+    pos = {n.id: i for i, n in enumerate(ops)}
+    return _size_cuts(graph, natural, forced, pos, last_use, max_ops), set(natural), forced
 
 
 def _last_uses(graph: Graph) -> dict[str, int]:
@@ -123,19 +128,22 @@ def _natural_cuts(graph: Graph, forced: set[str], last_use: dict[str, int]) -> l
 
 def _side_ops(members: Sequence[Node], entry: str, forced: set[str]) -> list[Node]:
     """The ops of a piece not computed from its ``entry`` that may run before the others as a region of their
-    own: each hands the others only values stored anyway (a side op whose value a fused kernel of the rest
-    could read in registers stays with the rest, and so do the side ops it reads that way)."""
-    staying = {entry}
-    for n in members:
-        if any(x in staying for x in n.inputs):
-            staying.add(n.id)
+    own: each hands the others only values stored anyway. A side op whose value a fused kernel of the rest could
+    read in registers stays with the rest, and so do the side ops it reads that way and the ops that read it."""
     readers: dict[str, list[str]] = {}
     for n in members:
         for x in n.inputs:
             readers.setdefault(x, []).append(n.id)
-    for n in reversed(members):
-        if n.id not in forced and any(r in staying for r in readers.get(n.id, ())):
-            staying.add(n.id)
+    staying, grew = {entry}, True
+    while grew:
+        before = len(staying)
+        for n in members:  # computed from a staying value
+            if any(x in staying for x in n.inputs):
+                staying.add(n.id)
+        for n in reversed(members):  # read by a staying op where no plan need store it
+            if n.id not in forced and any(r in staying for r in readers.get(n.id, ())):
+                staying.add(n.id)
+        grew = len(staying) > before
     leaving = [n for n in members if n.id not in staying]
     return leaving if len(leaving) < len(members) else []
 
@@ -167,7 +175,7 @@ def _size_cuts(graph: Graph, cuts: list[int], forced: set[str], pos: dict[str, i
 
 def split_regions(graph: Graph, max_ops: int | None = None) -> list[Region]:
     """The graph's regions, in order; with ``max_ops``, none longer than that where a cut exists."""
-    pieces = _pieces(graph, boundaries(graph, max_ops))
+    pieces = _pieces(graph, *_cuts(graph, max_ops))
     used_later: dict[str, int] = {}
     for r, members in enumerate(pieces):
         for n in members:
@@ -184,20 +192,16 @@ def split_regions(graph: Graph, max_ops: int | None = None) -> list[Region]:
     return regions
 
 
-def _pieces(graph: Graph, cuts: list[int]) -> list[list[Node]]:
+def _pieces(graph: Graph, cuts: list[int], natural: set[int], forced: set[str]) -> list[list[Node]]:
     """The ops between the cuts, in order; a piece that starts at a natural cut and holds side ops is two: those
     side ops, then the rest (``_side_ops``)."""
     ops = graph.ops
-    forced = forced_stores(graph)
-    natural = set(_natural_cuts(graph, forced, _last_uses(graph)))
     pieces: list[list[Node]] = []
     for s, e in zip([0] + [c + 1 for c in cuts], [c + 1 for c in cuts] + [len(ops)], strict=True):
         members = ops[s:e]
         side = _side_ops(members, ops[s - 1].id, forced) if s - 1 in natural else []
-        if side:
-            pieces += [side, [n for n in members if n not in side]]
-        else:
-            pieces.append(members)
+        leaving = {n.id for n in side}
+        pieces += [side, [n for n in members if n.id not in leaving]] if side else [members]
     return pieces
 
 

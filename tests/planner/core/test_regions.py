@@ -82,6 +82,26 @@ def test_a_side_value_a_fused_kernel_could_read_in_registers_stays_with_its_read
                                         ("p2", "q2", "s2", "o2")]
 
 
+def test_a_side_op_reading_a_value_that_stays_stays_too():
+    """``p`` stays with the layer (its reader ``s`` may fuse it); ``side``, though stored anyway, reads ``p``: it
+    stays as well, for a region never reads a value of a later one."""
+    b = GraphBuilder("chained")
+    for name, shape in (("x", (16, 32)), ("m", (16, 32)), ("w", (32, 32))):
+        b.input(name, shape, "fp32")
+    h = b.op("h", "MatMul", ["x", "w"])  # a GEMM reads it too (d): stored anyway, a cut after it
+    p = b.op("p", "Neg", ["m"])
+    side = b.op("side", "Relu", [p])  # a GEMM reads it: stored anyway
+    s = b.op("s", "Mul", [h, p])  # p's last reader, before any GEMM that depends on p: p need not be stored
+    out = b.op("o", "Add", [b.op("a", "MatMul", [s, "w"]), b.op("c", "MatMul", [side, "w"])])
+    out = b.op("o2", "Add", [out, b.op("d", "MatMul", [h, "w"])])
+    regions = split_regions(b.build([out]))
+    assert [r.ops for r in regions] == [("h",), ("p", "side", "s", "a", "c", "o", "d", "o2")]
+    produced = {"x", "m", "w"}
+    for r in regions:
+        assert set(r.inputs) <= produced
+        produced |= set(r.ops)
+
+
 def test_a_value_computed_from_the_piece_stops_a_cut():
     b = GraphBuilder("residual")
     b.input("x", (16, 32), "fp32")
