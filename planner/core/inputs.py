@@ -78,7 +78,12 @@ def index_rows(graph: Graph) -> dict[str, int]:
 def _read_as_bool(steps: Sequence[Mapping], i: int) -> bool:
     """Is step ``i``'s value read only by conversions to bool (an attention mask of 0s and 1s)?"""
     readers = [u for u in steps if {"$step": i} in (u.get("args") or [])]
-    return bool(readers) and all(".to." in str(u.get("impl")) and _BOOL in json.dumps(u) for u in readers)
+    return bool(readers) and all(_to_bool(u) for u in readers)
+
+
+def _to_bool(step: Mapping) -> bool:
+    """Is this call step a conversion to bool (``.to(torch.bool)``, in any of its aten forms)?"""
+    return "to" in str(step.get("impl")).split(".") and _BOOL in json.dumps(step)
 
 
 _BOOL = json.dumps({"$dtype": "bool"})
