@@ -75,6 +75,9 @@ def index_rows(graph: Graph) -> dict[str, int]:
     return out
 
 
+_BOOL = json.dumps({"$dtype": "bool"})
+
+
 def _read_as_bool(steps: Sequence[Mapping], i: int) -> bool:
     """Is step ``i``'s value read only by conversions to bool (an attention mask of 0s and 1s)?"""
     readers = [u for u in steps if {"$step": i} in (u.get("args") or [])]
@@ -84,9 +87,6 @@ def _read_as_bool(steps: Sequence[Mapping], i: int) -> bool:
 def _to_bool(step: Mapping) -> bool:
     """Is this call step a conversion to bool (``.to(torch.bool)``, in any of its aten forms)?"""
     return "to" in str(step.get("impl")).split(".") and _BOOL in json.dumps(step)
-
-
-_BOOL = json.dumps({"$dtype": "bool"})
 
 
 class RecipeInputs(dict[str, np.ndarray]):

@@ -92,11 +92,11 @@ def _cuts(graph: Graph, max_ops: int | None) -> tuple[list[int], set[int], set[s
 
 def _last_uses(graph: Graph) -> dict[str, int]:
     """Each value's last reader (its index in ``graph.ops``); past the end for graph outputs."""
-    pos = {n.id for n in graph.ops}
+    computed = {n.id for n in graph.ops}
     last_use: dict[str, int] = {}
     for i, n in enumerate(graph.ops):
         for x in n.inputs:
-            if x in pos:
+            if x in computed:
                 last_use[x] = max(last_use.get(x, -1), i)
     for o in graph.outputs:
         last_use[o] = len(graph.ops)

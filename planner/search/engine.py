@@ -577,9 +577,8 @@ def search(
     if on_candidate is not None:
         on_candidate(0, run.total)
     listed = cands.plans[: opts.max_candidates]
-    first = listed[:FIRST_BUILD]
-    backend.prepare([unfused, *first])  # the CPU's kernels: a few batched builds
-    later = {p.key for p in listed} - {p.key for p in first}
+    backend.prepare([unfused, *listed[:FIRST_BUILD]])  # the CPU's kernels: a few batched builds
+    later = {p.key for p in listed[FIRST_BUILD:]}
     run.consider(unfused, unfused_choice, "unfused baseline", baseline=True)
     try:
         for plan in cands.plans:

@@ -31,11 +31,11 @@ RAY = str(Path(sys.executable).parent / "ray")
 def wait_for_free_cores(timeout_s: float = 120.0) -> None:
     """Wait until no worker of an earlier test holds a core lock: one still exiting on a loaded machine can
     outlast a new worker's wait for its core (``CLAIM_WAIT_S``)."""
+    if not CORE_LOCKS.exists():
+        return
     deadline = time.monotonic() + timeout_s
     for core in sorted(os.sched_getaffinity(0)):
-        fd = os.open(CORE_LOCKS / f"{core}.lock", os.O_CREAT | os.O_RDWR, 0o600) if CORE_LOCKS.exists() else None
-        if fd is None:
-            return
+        fd = os.open(CORE_LOCKS / f"{core}.lock", os.O_CREAT | os.O_RDWR, 0o600)
         try:
             while True:
                 try:

@@ -14,6 +14,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import planner  # noqa: E402
+from backends.cpu import gemm  # noqa: E402
 from planner.api import allclose_report  # noqa: E402
 from planner.torch.importer import TORCH_DTYPES, import_module  # noqa: E402
 
@@ -379,8 +380,6 @@ def test_winograd_convolutions_equal_eager(name: str, dtype: torch.dtype, produc
     module still equals eager torch, on the planning input and another; the stride-2 stem stays oneDNN's where
     torch multiplies the dtype. Where torch would widen a 16-bit product (an AVX2 CPU, or ``widen`` here),
     Winograd's is the convolution whatever the choice says (oneDNN's is not one)."""
-    from backends.cpu import gemm
-
     monkeypatch.setenv("FUSION_PLANNER_CPU_CONVOLUTION", "winograd" if products == "auto" else "onednn")
     monkeypatch.setenv("FUSION_PLANNER_CPU_GEMM_16BIT", products)
     module, x = _example(name, dtype)
