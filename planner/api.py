@@ -144,10 +144,31 @@ class PlanResult:
             if not ok:
                 raise PlanMismatchError(
                     f"output {i} of the chosen plan differs from eager torch beyond the {dtype} tolerance "
-                    f"{tolerance(dtype)}: max abs {max_abs:.3g}, max rel {max_rel:.3g}"
+                    f"{tolerance(dtype)}: max abs {max_abs:.3g}, max rel {max_rel:.3g}; "
+                    f"{self._mismatch_diagnosis(i, inputs, g, w, dtype)}; the plan: {self.plan.notation()}"
                 )
             errors.append((max_abs, max_rel))
         return errors
+
+    def _mismatch_diagnosis(self, i: int, inputs: Sequence[Any], got: Any, want: Any, dtype: str) -> str:
+        """Where a wrong output ``i`` (``got``, against eager's ``want``) comes from: a second run of the plan on
+        the same inputs (do its kernels give what they gave?), and the numpy reference of the plan's kernels
+        there (is the plan, or the import, wrong, or the backend's code for it?)."""
+        from torch.utils import _pytree as pytree
+
+        again = pytree.tree_leaves(self.call_plan(inputs))[i]
+        rerun = float(np.max(np.abs(again.float().numpy() - got.float().numpy()), initial=0.0))
+        said = [f"a second run differs from the first by max abs {rerun:.3g}"
+                + (" (its kernels are not deterministic)" if rerun else "")]
+        if self.imported is not None and self._bound is not None:
+            flat = self.imported.check_args(inputs)
+            ref = pytree.tree_leaves(self.imported.wrap_outputs(
+                execute_plan(self.plan, self._bound.feed_checked(flat, None), mode="device"), flat))[i]
+            ok, ref_abs, _ = allclose_report(ref.float().numpy(), want.detach().float().numpy(), dtype)
+            said.append(f"the numpy reference of its kernels on the same inputs {'agrees with' if ok else 'differs from'}"
+                        f" eager torch (max abs {ref_abs:.3g}: " + ("the backend computed them wrong)" if ok else
+                                                                    "the plan or the import is wrong)"))
+        return "; ".join(said)
 
     def _output_dtype(self, i: int, dtype: str) -> str:
         """The dtype whose tolerance judges output ``i``: the least precise one its value was computed through."""
