@@ -131,3 +131,22 @@ def test_ops_no_output_depends_on_are_left_out_of_the_plan(caplog):
         result = planner.plan(g, backend="cpu", **OPTIONS)
     assert [k.out for k in result.plan.kernels] == ["y"]
     assert "3 op(s) compute values no output depends on" in caplog.text
+
+
+@pytest.mark.parametrize(("call_us", "runs"), [(100_000.0, 3), (60_000.0, 4), (1_000.0, 7)])
+def test_a_composite_plan_is_timed_in_as_many_runs_as_fit_its_reporting_time(call_us: float, runs: int) -> None:
+    """A layer stack's composite and unfused plans are timed for the report only: one warm-up, then at least three
+    runs and more, up to the search's repeats, while they fit ``COMPOSITE_TIMING_S``."""
+    from planner import pipeline
+    from planner.backend import collect_samples
+
+    class Steady:
+        def time(self, inputs, *, warmup, repeats, stop_if=None):  # noqa: ANN001, ANN202
+            self.warmup, self.timing = warmup, collect_samples(lambda: call_us, warmup=warmup, repeats=repeats,
+                                                               stop_if=stop_if)
+            return self.timing
+
+    steady = Steady()
+    assert pipeline.COMPOSITE_TIMING_S == 0.2
+    assert pipeline._reported_us(steady, {}, SearchOptions()) == call_us  # type: ignore[arg-type]
+    assert len(steady.timing.samples_us) == runs and steady.warmup == 1
