@@ -52,7 +52,7 @@ from planner.core.reference import execute_graph, random_inputs
 from planner.core.tolerance import check_outputs, vacuous_inputs, vacuous_reference, verification_text
 from planner.egraph.candidates import CandidateSet
 from planner.egraph.extract import Option, kernel_sig
-from planner.search.duel import Outcome, duel, noise, ratio_interval
+from planner.search.duel import Outcome, duel, looks, noise, ratio_interval
 from planner.search.mutate import Mutator
 from planner.search.results import Entry, SearchOptions, SearchResult, Stop, StopKind, spearman
 from planner.search.searchlog import SearchLog
@@ -350,7 +350,9 @@ class _Run:
         machine that got busier during the search slows each alike, and no plan is timed with its own arrays
         left in the caches by its previous run (a duel's runs alternate alike). A runner-up displaces the cost
         model's choice only when its per-round ratio to it lies below 1 with the search's confidence (as in a
-        duel); 1.0 when the unfused plan wins."""
+        duel); 1.0 when the unfused plan wins. The unfused plan runs in the first :data:`SPEEDUP_ROUNDS` rounds
+        only (the speedup's ratio of medians needs no more), and the rounds end at a look (every
+        :data:`SPEEDUP_ROUNDS`, as a duel's) where no runner-up can still displace that choice."""
         contenders = list({id(e): e for e in [base, *finalists]}.values())
         if len(contenders) == 1:
             return base, 1.0
@@ -359,16 +361,42 @@ class _Run:
             compiled.time(self.inputs, warmup=1, repeats=1)
         # a best without runners-up only gives the speedup its numerator: fewer rounds suffice for a ratio of medians
         rounds = FINAL_ROUNDS if len(finalists) > 1 else SPEEDUP_ROUNDS
+        marks = looks(SPEEDUP_ROUNDS, rounds)
         samples: dict[int, list[float]] = {id(e): [] for e in contenders}
+        # past the speedup's rounds, the finalists only (the unfused plan among them where it is one)
+        later = [p for p in plans if any(p[0] is e for e in finalists)]
         for r in range(rounds):
-            for e, compiled in plans[r % len(plans):] + plans[: r % len(plans)]:
+            now = plans if r < SPEEDUP_ROUNDS else later
+            for e, compiled in now[r % len(now):] + now[: r % len(now)]:
                 samples[id(e)].append(self._once(compiled))
+            if r + 1 in marks[:-1] and self._final_settled(finalists, samples):
+                break
         for e in contenders:
             e.confirm_us = float(np.median(samples[id(e)]))
         winner, evidence = self._final_winner(finalists, samples)
         if len(finalists) > 1:
             self.slog.final_round([(e.plan, e.confirmed_us) for e in finalists], winner.plan, evidence)
-        return winner, base.confirmed_us / winner.confirmed_us
+        paired = len(samples[id(base)])  # the rounds the unfused plan ran in
+        return winner, float(np.median(samples[id(base)]) / np.median(samples[id(winner)][:paired]))
+
+    def _final_settled(self, finalists: list[Entry], samples: dict[int, list[float]]) -> bool:
+        """Can no runner-up displace the finalist the cost model prefers any more (a futility stop: it only ever
+        keeps that choice)? Each one's ratio interval to it lies above ``1 - DUEL_MARGIN`` (not faster beyond the
+        margin) or inside ``1 ± EQUIVALENCE`` (a tie), and none lies below ``1 - DUEL_MARGIN`` (a win, which the
+        rounds' end confirms)."""
+        reference = min(finalists, key=lambda e: e.plan.sort_key())
+        challengers = [e for e in finalists if e is not reference]
+        confidence = self._per_test(len(challengers))
+        for e in challengers:
+            _, low, high = ratio_interval(_paired_ratios(samples[id(e)], samples[id(reference)]), confidence)
+            if high < 1.0 - DUEL_MARGIN or not (low > 1.0 - DUEL_MARGIN
+                                                or (low > 1.0 - EQUIVALENCE and high < 1.0 + EQUIVALENCE)):
+                return False
+        return True
+
+    def _per_test(self, challengers: int) -> float:
+        """The confidence of each of the final round's comparisons: the search's, shared over the runners-up."""
+        return 1.0 - (1.0 - self.opts.confidence) / max(1, challengers)
 
     def _final_winner(self, finalists: list[Entry], samples: dict[int, list[float]]) -> tuple[Entry, str]:
         """The finalist the cost model prefers, unless another beats it in the paired rounds beyond the noise (the
@@ -379,10 +407,10 @@ class _Run:
         if not challengers:
             return reference, ""
         name = "the search's best" if reference is finalists[0] else "the cost model's choice"
-        per_test = 1.0 - (1.0 - self.opts.confidence) / len(challengers)
+        per_test = self._per_test(len(challengers))
         winner, evidence, lowest = reference, "", math.inf
         for e in challengers:
-            ratios = [a / b for a, b in zip(samples[id(e)], samples[id(reference)], strict=True)]
+            ratios = _paired_ratios(samples[id(e)], samples[id(reference)])
             med, low, high = ratio_interval(ratios, per_test)
             if high < 1.0 - DUEL_MARGIN and med < lowest:
                 winner, lowest = e, med
@@ -673,6 +701,11 @@ SPEEDUP_ROUNDS = 8
 DUEL_MARGIN = 0.01
 #: a duel whose interval lies within 1 ± this ends as a tie before its rounds run out (planner.search.duel)
 EQUIVALENCE = 0.03
+
+
+def _paired_ratios(a: Sequence[float], b: Sequence[float]) -> list[float]:
+    """Per-round ratios of two plans' timings in the same rounds."""
+    return [x / y for x, y in zip(a, b, strict=True)]
 
 
 def _margin_win(differ: tuple[float, float], best_us: float) -> bool:

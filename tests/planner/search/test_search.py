@@ -456,7 +456,8 @@ def test_the_reported_speedup_alternates_the_finalists_and_unfused(chain):
     """A machine that slows down mid-search must not inflate the speedup, nor pick a plan that merely ran at a
     quieter moment: the final figure comes from rounds that time the unfused plan and the finalists (the best
     and its close runners-up) alternately, one run of each in turn (none timed right after its own last run),
-    and the fastest there is the best."""
+    and the fastest there is the best. The unfused plan runs in the speedup's rounds only; the finalists' rounds
+    go on, up to FINAL_ROUNDS, while a runner-up may still win."""
     calls: list[str] = []
     runs: list[tuple[int, int]] = []  # (warm-up runs, timed runs) of each call
 
@@ -479,14 +480,19 @@ def test_the_reported_speedup_alternates_the_finalists_and_unfused(chain):
     measured = {e.plan.key for e in res.entries if e.confirm_us is not None}  # the unfused plan and the finalists
     assert {res.best.key, res.unfused.key} <= measured and len(measured) <= 4
     n = len(measured)
-    runners_up = any(line.startswith("Final round") for line in res.log_lines)
-    count = FINAL_ROUNDS if runners_up else SPEEDUP_ROUNDS
-    tail = calls[-(count + 1) * n:]
-    warm, rounds = tail[:n], [tail[(i + 1) * n:(i + 2) * n] for i in range(count)]
-    assert set(warm) == measured  # each warmed up, untimed, first
-    assert all(set(r) == measured for r in rounds)  # then every round times each finalist once
-    assert set(runs[-count * n:]) == {(0, 1)}  # one run, no warm-up of its own
+    start = max(i for i in range(len(calls) - n + 1) if set(runs[i:i + n]) == {(1, 1)})  # the round's warm-ups
+    assert set(calls[start:start + n]) == measured  # each warmed up, untimed, first
+    timed = calls[start + n:]
+    assert set(runs[start + n:]) == {(0, 1)}  # then one run at a time, no warm-up of its own
+    rounds = [timed[i * n:(i + 1) * n] for i in range(SPEEDUP_ROUNDS)]
+    assert all(set(r) == measured for r in rounds)  # every speedup round times each once
     assert {r[0] for r in rounds} == measured  # and each leads some round
+    finalists = measured - {res.unfused.key}
+    later = timed[SPEEDUP_ROUNDS * n:]
+    runners_up = any(line.startswith("Final round") for line in res.log_lines)
+    assert len(later) <= ((FINAL_ROUNDS - SPEEDUP_ROUNDS) * len(finalists) if runners_up else 0)
+    k = len(finalists)
+    assert len(later) % k == 0 and all(set(later[i:i + k]) == finalists for i in range(0, len(later), k))
 
 
 def test_ctrl_c_keeps_the_best_plan_so_far_and_caches_nothing(chain, tmp_path):
@@ -783,3 +789,50 @@ def test_a_candidate_its_just_timed_kernels_decide_settles_after_three_runs(deep
     assert sum("settled after 3 runs" in line for line in res.log_lines if line.startswith("Tie")) >= len(ties)
     timed = [e for e in res.entries if e.timed]
     assert truth(res.best) <= 1.01 * min(truth(e.plan) for e in timed)
+
+
+def _final_rounds(monkeypatch) -> list[int]:  # noqa: ANN001
+    """Record the rounds of each final round (the runs of its finalists over their count)."""
+    from planner.search import engine
+
+    rounds: list[int] = []
+    real_round, real_once = engine._Run.final_round, engine._Run._once
+    runs = [0]
+
+    def final_round(self, base, finalists):  # noqa: ANN001, ANN202
+        runs[0] = 0
+        out = real_round(self, base, finalists)
+        unfused = SPEEDUP_ROUNDS if all(base is not e for e in finalists) else 0
+        rounds.append((runs[0] - unfused) // len(finalists))
+        return out
+
+    def once(self, compiled):  # noqa: ANN001, ANN202
+        runs[0] += 1
+        return real_once(self, compiled)
+
+    monkeypatch.setattr(engine._Run, "final_round", final_round)
+    monkeypatch.setattr(engine._Run, "_once", once)
+    return rounds
+
+
+def test_a_final_round_of_twins_ends_at_its_first_look(deep_stack, monkeypatch):
+    """Twins in the final round (every plan 10 µs) tie within the equivalence bounds after the speedup's rounds:
+    no runner-up can displace the cost model's choice, and the round ends there, not at FINAL_ROUNDS."""
+    rounds = _final_rounds(monkeypatch)
+    favourite = deep_stack.plans[0]
+    res = search(deep_stack, _Moment(deep_stack.spec, favourite.key, 10.0, 1.6), options=SearchOptions(
+        max_candidates=8, seed=1, warmup=0, repeats=5, patience=0), log=SearchLog(enabled=False))
+    assert any(line.startswith("Final round") for line in res.log_lines)
+    assert rounds == [SPEEDUP_ROUNDS] and res.best.key == favourite.key
+
+
+def test_a_runner_up_faster_than_the_cost_models_choice_runs_every_final_round_and_wins(deep_stack, monkeypatch):
+    """The cost model's choice runs 6% slower than its twins: in the final round a twin's interval lies below
+    1 - DUEL_MARGIN at the first look, which ends nothing early; the rounds run out and the twin is crowned."""
+    rounds = _final_rounds(monkeypatch)
+    favourite = deep_stack.plans[0]
+    res = search(deep_stack, _Moment(deep_stack.spec, favourite.key, 10.6, 1.0), options=SearchOptions(
+        max_candidates=8, seed=1, warmup=0, repeats=5, patience=0), log=SearchLog(enabled=False))
+    final = next(line for line in res.log_lines if line.startswith("Final round"))
+    assert "ratio to the cost model's choice" in final
+    assert rounds == [FINAL_ROUNDS] and res.best.key != favourite.key
