@@ -376,8 +376,7 @@ class _Run:
         winner, evidence = self._final_winner(finalists, samples)
         if len(finalists) > 1:
             self.slog.final_round([(e.plan, e.confirmed_us) for e in finalists], winner.plan, evidence)
-        paired = len(samples[id(base)])  # the rounds the unfused plan ran in
-        return winner, float(np.median(samples[id(base)]) / np.median(samples[id(winner)][:paired]))
+        return winner, base.confirmed_us / winner.confirmed_us
 
     def _final_settled(self, finalists: list[Entry], samples: dict[int, list[float]]) -> bool:
         """Can no runner-up displace the finalist the cost model prefers any more (a futility stop: it only ever
