@@ -383,37 +383,34 @@ class _Run:
         keeps that choice)? Each one's ratio interval to it lies above ``1 - DUEL_MARGIN`` (not faster beyond the
         margin) or inside ``1 ± EQUIVALENCE`` (a tie), and none lies below ``1 - DUEL_MARGIN`` (a win, which the
         rounds' end confirms)."""
+        _, compared = self._against_preferred(finalists, samples)
+        return all(not high < 1.0 - DUEL_MARGIN and (low > 1.0 - DUEL_MARGIN
+                                                     or (low > 1.0 - EQUIVALENCE and high < 1.0 + EQUIVALENCE))
+                   for _, _, low, high in compared)
+
+    def _against_preferred(self, finalists: list[Entry], samples: dict[int, list[float]]
+                           ) -> tuple[Entry, list[tuple[Entry, float, float, float]]]:
+        """The finalist the cost model prefers, and each other one's per-round time ratio to it (estimate, low,
+        high) at the search's confidence shared over them (Bonferroni)."""
         reference = min(finalists, key=lambda e: e.plan.sort_key())
         challengers = [e for e in finalists if e is not reference]
-        confidence = self._per_test(len(challengers))
-        for e in challengers:
-            _, low, high = ratio_interval(_paired_ratios(samples[id(e)], samples[id(reference)]), confidence)
-            if high < 1.0 - DUEL_MARGIN or not (low > 1.0 - DUEL_MARGIN
-                                                or (low > 1.0 - EQUIVALENCE and high < 1.0 + EQUIVALENCE)):
-                return False
-        return True
-
-    def _per_test(self, challengers: int) -> float:
-        """The confidence of each of the final round's comparisons: the search's, shared over the runners-up."""
-        return 1.0 - (1.0 - self.opts.confidence) / max(1, challengers)
+        per_test = 1.0 - (1.0 - self.opts.confidence) / max(1, len(challengers))
+        return reference, [(e, *ratio_interval(_paired_ratios(samples[id(e)], samples[id(reference)]), per_test))
+                           for e in challengers]
 
     def _final_winner(self, finalists: list[Entry], samples: dict[int, list[float]]) -> tuple[Entry, str]:
         """The finalist the cost model prefers, unless another beats it in the paired rounds beyond the noise (the
         clearest one): a tie keeps the cost model's choice, as a duel's does. That is the search's best unless
         the plan the cost model prefers joined the round (:meth:`finalists`)."""
-        reference = min(finalists, key=lambda e: e.plan.sort_key())
-        challengers = [e for e in finalists if e is not reference]
-        if not challengers:
+        reference, compared = self._against_preferred(finalists, samples)
+        if not compared:
             return reference, ""
         name = "the search's best" if reference is finalists[0] else "the cost model's choice"
-        per_test = self._per_test(len(challengers))
         winner, evidence, lowest = reference, "", math.inf
-        for e in challengers:
-            ratios = _paired_ratios(samples[id(e)], samples[id(reference)])
-            med, low, high = ratio_interval(ratios, per_test)
+        for e, med, low, high in compared:
             if high < 1.0 - DUEL_MARGIN and med < lowest:
                 winner, lowest = e, med
-                evidence = f"ratio to {name} {med:.3f} [{low:.3f}, {high:.3f}] in {len(ratios)} rounds"
+                evidence = f"ratio to {name} {med:.3f} [{low:.3f}, {high:.3f}] in {len(samples[id(e)])} rounds"
         if reference is finalists[0]:
             return winner, evidence or "no runner-up beats the search's best beyond the noise"
         return winner, evidence or "no finalist beats the cost model's choice beyond the noise"
