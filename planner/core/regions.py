@@ -13,12 +13,18 @@ entry (the value of the cut it starts at), such as an attention mask prepared on
 Within a piece, the *side ops* (those not computed from its entry) that hand the rest only values stored
 anyway form a region of their own before it: the layers of a model with a padding mask then repeat, though the
 first layer also prepares the mask.
+
+*Repeats* are cut too: a region that occurs once but starts with the ops of another region, one with a GEMM,
+and holds no GEMM after them is cut after them, as the last layer of a language model is (it also holds the model's final norm):
+that layer then repeats the others, and one region search serves them all, for the values live across the
+cut stored.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -173,23 +179,65 @@ def _size_cuts(graph: Graph, cuts: list[int], forced: set[str], pos: dict[str, i
     return sorted(out)
 
 
-def split_regions(graph: Graph, max_ops: int | None = None) -> list[Region]:
-    """The graph's regions, in order; with ``max_ops``, none longer than that where a cut exists."""
+def split_regions(graph: Graph, max_ops: int | None = None, *, repeats: bool = True) -> list[Region]:
+    """The graph's regions, in order; with ``max_ops``, none longer than that where a cut exists; with
+    ``repeats``, a region that is another region (with a GEMM) followed by a few ops (without one) is cut after
+    the other's (``_repeat_cuts``)."""
     pieces = _pieces(graph, *_cuts(graph, max_ops))
-    used_later: dict[str, int] = {}
-    for r, members in enumerate(pieces):
-        for n in members:
-            for x in n.inputs:
-                used_later[x] = max(used_later.get(x, -1), r)
-    regions = []
-    graph_outputs = set(graph.outputs)
-    for r, members in enumerate(pieces):
-        inside = {n.id for n in members}
-        outputs = tuple(
-            n.id for n in members if used_later.get(n.id, -1) > r or n.id in graph_outputs
-        )
-        regions.append(_canonical(graph, r, members, inside, outputs))
+    readers = _readers(graph)
+    regions = [_region(graph, r, members, readers) for r, members in enumerate(pieces)]
+    if repeats:
+        pieces = _repeat_cuts(graph, pieces, regions, readers)
+        if len(pieces) > len(regions):
+            regions = [_region(graph, r, members, readers) for r, members in enumerate(pieces)]
     return regions
+
+
+def _readers(graph: Graph) -> dict[str, set[str]]:
+    """Each value's reading ops; a graph output is read by the caller (``""``)."""
+    readers: dict[str, set[str]] = {o: {""} for o in graph.outputs}
+    for n in graph.ops:
+        for x in n.inputs:
+            readers.setdefault(x, set()).add(n.id)
+    return readers
+
+
+def _region(graph: Graph, index: int, members: Sequence[Node], readers: dict[str, set[str]]) -> Region:
+    """``members`` (ops in order, every op they read from the graph before them) as a region: its outputs are the
+    values read after it (ops are in topological order: a reader outside is a later one) or by the caller."""
+    inside = {n.id for n in members}
+    outputs = tuple(n.id for n in members if readers.get(n.id, set()) - inside)
+    return _canonical(graph, index, list(members), inside, outputs)
+
+
+def _repeat_cuts(graph: Graph, pieces: list[list[Node]], regions: list[Region],
+                 readers: dict[str, set[str]]) -> list[list[Node]]:
+    """The pieces, each region that occurs once cut in two where its first ops form another region with a GEMM
+    and the rest holds none: the last layer of a model, which also holds the model's final norm (no GEMM reads the last
+    residual sum, so no forced store ends that layer), then repeats the layers before it, and one region search
+    serves them all. The cut stores the values live across it, which a plan of the whole piece might not; one
+    region search fewer is worth it, and the other layers are cut there anyway."""
+    counts = Counter(r.key for r in regions)
+    sizes: dict[int, set[str]] = {}
+    for r in regions:
+        sizes.setdefault(len(r.ops), set()).add(r.key)
+    out: list[list[Node]] = []
+    for members, region in zip(pieces, regions, strict=True):
+        out += _cut_at_repeat(graph, members, region, sizes, readers) if counts[region.key] == 1 else [members]
+    return out
+
+
+def _cut_at_repeat(graph: Graph, members: list[Node], region: Region, sizes: dict[int, set[str]],
+                   readers: dict[str, set[str]]) -> list[list[Node]]:
+    """``members`` as [another region's ops, the rest] where they start with another region's ops (the longest
+    such region) that hold a GEMM or another op that reads its operands from memory (a search worth saving) and
+    the rest holds none (a few ops, quickly searched), else as they are."""
+    for size in sorted((s for s in sizes if 0 < s < len(members)), reverse=True):
+        repeated, rest = members[:size], members[size:]
+        if (any(n.op in _MEMORY_READERS for n in repeated) and not any(n.op in _MEMORY_READERS for n in rest)
+                and _region(graph, region.index, repeated, readers).key in sizes[size]):
+            return [repeated, rest]
+    return [members]
 
 
 def _pieces(graph: Graph, cuts: list[int], natural: set[int], forced: set[str]) -> list[list[Node]]:

@@ -93,7 +93,7 @@ def _region_seed(graph: Graph, ex: Extractor, spec: DeviceSpec, rules, limits) -
     """The per-region best plans, stitched and refined: exact within each region
     (regions are cut at forced stores, so the optimum decomposes over them)."""
 
-    regions = split_regions(graph)
+    regions = split_regions(graph, repeats=False)
     if len(regions) < 2:
         return []
     kernels = []

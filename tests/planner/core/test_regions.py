@@ -2,6 +2,7 @@
 
 from _graphs import long_chain
 
+from planner.core.examples import transformer
 from planner.core.graph import GraphBuilder
 from planner.core.regions import boundaries, split_regions
 
@@ -111,3 +112,34 @@ def test_a_value_computed_from_the_piece_stops_a_cut():
     r = b.op("r", "Add", [b.op("c", "MatMul", [a, "w"]), h])
     # after h alone; not after a, where h is live too: the piece's own entry, not a side value
     assert boundaries(b.build([r])) == [0]
+
+
+def _layers_then(tail: tuple[str, ...], layers: int = 3) -> GraphBuilder:
+    """``layers`` equal residual layers (a GEMM, the residual add, a ReLU), then the elementwise ``tail`` ops
+    (a final norm's place): each layer's output is read by the next GEMM and again by its residual add (stored
+    anyway: a cut), the last one only by the tail."""
+    b = GraphBuilder("layers")
+    h = b.input("x", (16, 32), "fp32")
+    for i in range(layers):
+        b.input(f"w{i}", (32, 32), "fp32")
+        p = b.op(f"p{i}", "MatMul", [h, f"w{i}"])
+        h = b.op(f"o{i}", "Relu", [b.op(f"s{i}", "Add", [p, h])])
+    for j, op in enumerate(tail):
+        h = b.op(f"t{j}", op, [h])
+    return b
+
+
+def test_the_last_layer_holding_the_tail_is_cut_where_it_repeats_the_others():
+    g = _layers_then(("Neg", "Tanh")).build(["t1"])
+    regions = split_regions(g)
+    assert [r.ops for r in regions] == [("p0", "s0", "o0"), ("p1", "s1", "o1"), ("p2", "s2", "o2"), ("t0", "t1")]
+    assert len({r.key for r in regions[:3]}) == 1 and regions[3].inputs == ("o2",) and regions[2].outputs == ("o2",)
+    whole = split_regions(g, repeats=False)  # the forced stores alone: the tail stays with the last layer
+    assert [r.ops for r in whole][-1] == ("p2", "s2", "o2", "t0", "t1")
+
+
+def test_a_repeat_is_cut_only_where_it_holds_a_gemm_and_the_rest_none():
+    # one pre-LN layer: its MLP half starts with a LayerNorm, as the first region is; that saves no GEMM's search
+    g = transformer(1, 64, 16, "fp32")
+    assert [len(r.ops) for r in split_regions(g)] == [len(r.ops) for r in split_regions(g, repeats=False)]
+    assert len({r.key for r in split_regions(g)}) == len(split_regions(g))  # no repeat: the graph is searched whole

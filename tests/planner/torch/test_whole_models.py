@@ -135,6 +135,19 @@ def test_the_model_plans_with_no_opaque_node_and_equals_eager(name: str, dtype: 
         _close(result(*args), module(*args))
 
 
+@pytest.mark.parametrize("name", ["gpt2-model", "llama-model"])
+def test_the_last_layer_repeats_the_others_and_the_final_norm_is_planned_on_its_own(name: str) -> None:
+    """The last layer also holds the model's final norm (no forced store ends it): cut where it repeats the
+    layers before it, its attention and MLP are searched once for both layers."""
+    module, args = _example(name, torch.float32)
+    result = planner.plan(module, args, backend="cpu", cache=False, max_candidates=3)
+    mp = result.model_plan
+    assert mp is not None and [u.instances for u in mp.unique.values()] == [1, 2, 2, 1]  # embedding ... final norm
+    assert len(result.planned.region_searches) == 4
+    with torch.no_grad():
+        _close(result(*args), module(*args))
+
+
 def test_t5s_position_bias_fuses_into_one_biased_attention_kernel() -> None:
     """T5 adds its relative position bias (a row of keys per query) to the scores: attention.egg's biased rule
     makes the softmax and both products one BiasedAttention kernel, a candidate that equals eager torch."""
