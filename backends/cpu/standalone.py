@@ -815,6 +815,12 @@ def layout_copy(body: Expr) -> Callable[[np.ndarray, np.ndarray], None]:
             np.copyto(out, x[..., offset:offset + width])
 
         return columns_copy
+    if body.op == "Regroup":
+
+        def regroup_copy(x: np.ndarray, out: np.ndarray) -> None:
+            np.copyto(out, x.reshape(out.shape))
+
+        return regroup_copy
     heads = int(attrs["heads"])
     if body.op == "GroupRepeat":
         rows = int(attrs["rows"])

@@ -38,6 +38,8 @@ def _layout_lines(body: Expr, shape: tuple[int, ...], out_shape: tuple[int, ...]
     if body.op == "Columns":
         offset, width = int(a["offset"]), int(a["width"])
         return [f"out[e] = p0[(e / {width}) * {shape[-1]} + {offset} + e % {width}];"]
+    if body.op == "Regroup":
+        return ["out[e] = p0[e];"]
     heads = int(a["heads"])
     if body.op == "Heads":
         seq, offset, width = int(a["seq"]), int(a["offset"]), int(a["width"])

@@ -43,6 +43,7 @@ from planner.core.shapes import (
     per_image_shape,
     per_row_shape,
     pool_shape,
+    regroup_shape,
     rotate_half_shape,
     row_shape,
     same_shape,
@@ -442,6 +443,10 @@ OPS: dict[str, OpDef] = {
                      columns_shape, sem.columns,
                      "Columns [offset, offset+width) of the last dimension, copied: torch's chunk, split or "
                      "x[..., a:b] of a packed projection's output."),
+        # a head's rows: Qwen3 and Gemma3 normalise q and k per head, on view(b, s, heads, d) before the transpose
+        _standalone1("Regroup", "regroup", (AttrSpec("width", "i64", minimum=1),), regroup_shape, sem.regroup,
+                     "The same elements in order as rows of ``width`` (copied): torch's view of (batch, seq, C) as "
+                     "(batch, seq, heads, C / heads), and back."),
         _standalone1("ChannelsLast", "to-nhwc", (AttrSpec("channels", "i64", minimum=1), AttrSpec("pixels", "i64", minimum=1)),
                      channels_last_shape, sem.channels_last,
                      "Images (N, C, pixels) in torch's order, stored flat, as (N*pixels, C) channels-last rows (a copy)."),
@@ -556,7 +561,8 @@ OPS: dict[str, OpDef] = {
 
 
 #: standalone ops that copy their input's bits into another layout (no arithmetic: any dtype)
-LAYOUT_COPIES = frozenset({"Heads", "Merge", "GroupRepeat", "Columns", "ChannelsLast", "ChannelsFirst", "Im2col"})
+LAYOUT_COPIES = frozenset({"Heads", "Merge", "GroupRepeat", "Columns", "Regroup", "ChannelsLast", "ChannelsFirst",
+                           "Im2col"})
 #: standalone ops that reduce windows of channels-last images
 POOLS = frozenset({"MaxPool", "AvgPool", "SpatialMean"})
 #: the standalone ops that slide a window over channels-last rows and read a weight

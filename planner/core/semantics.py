@@ -76,6 +76,10 @@ def heads(x: np.ndarray, attrs: Attrs) -> np.ndarray:
     return np.ascontiguousarray(cols.transpose(0, 2, 1, 3)).reshape(-1, seq, width // heads)
 
 
+def regroup(x: np.ndarray, attrs: Attrs) -> np.ndarray:
+    return np.ascontiguousarray(x).reshape(-1, int(attrs["width"]))
+
+
 def columns(x: np.ndarray, attrs: Attrs) -> np.ndarray:
     offset, width = int(attrs["offset"]), int(attrs["width"])
     return np.ascontiguousarray(x[..., offset:offset + width])

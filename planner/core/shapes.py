@@ -7,6 +7,7 @@ naming the op when the inputs do not fit.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -120,6 +121,14 @@ def _columns(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
     if not x or offset + width > x[-1]:
         raise OpError(f"{op}: takes columns [{offset}, {offset + width}) of the last dimension, got {list(x)}")
     return (*x[:-1], width)
+
+
+def _regroup(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
+    (x,) = shapes
+    width, size = int(attrs["width"]), math.prod(x)
+    if not x or size % width:
+        raise OpError(f"{op}: takes rows of {width} elements from a tensor of a multiple of {width}, got {list(x)}")
+    return (size // width, width)
 
 
 def _embedding(op: str, shapes: Sequence[Shape], attrs: Attrs) -> Shape:
@@ -268,6 +277,7 @@ mask_shape = ShapeRule(_mask, lambda first: ((first[0], 1, first[2]),) if len(fi
 heads_shape = ShapeRule(_heads, _no_example)
 merge_shape = ShapeRule(_merge, _no_example)
 columns_shape = ShapeRule(_columns, _no_example)
+regroup_shape = ShapeRule(_regroup, _no_example)
 embedding_shape = ShapeRule(_embedding, _no_example)
 im2col_shape = ShapeRule(_im2col, _no_example)
 pool_shape = ShapeRule(_pool, _no_example)
@@ -286,5 +296,5 @@ def batched_shape(transpose_b: bool) -> ShapeRule:
 
 __all__ = ["WINDOW", "Attrs", "Shape", "ShapeRule", "attention_shape", "batch_shape", "batched_shape", "bias_shape",
            "biased_attention_shape", "channels_first_shape", "channels_last_shape", "columns_shape", "im2col_shape", "pool_shape",
-           "spatial_mean_shape", "window_out", "embedding_shape", "group_repeat_shape", "heads_shape", "mask_shape", "matmul_shape", "merge_shape", "per_row_shape",
+           "regroup_shape", "spatial_mean_shape", "window_out", "embedding_shape", "group_repeat_shape", "heads_shape", "mask_shape", "matmul_shape", "merge_shape", "per_row_shape",
            "rotate_half_shape", "row_shape", "same_shape", "tile_shape"]

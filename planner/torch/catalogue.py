@@ -47,7 +47,9 @@ def supported_ops() -> str:
         lines += textwrap.wrap(f"-> {BECOMES[kind]}", WIDTH, initial_indent="      ", subsequent_indent="         ")
     lines += textwrap.wrap(
         "  layouts: the split, view and transpose of a projection into attention heads and back become Heads and "
-        "Merge; RoPE's rotate_half (a slice, a negation and a cat) becomes RotateHalf (planner.torch.heads)",
+        "Merge; a projection viewed as heads before its transpose (a norm per head between them) becomes Regroup, "
+        "then Regroup and Heads; RoPE's rotate_half (a slice, a negation and a cat) becomes RotateHalf "
+        "(planner.torch.heads)",
         WIDTH, subsequent_indent="      ")
     lines.append("Unary torch functions the op table maps itself (OpDef.torch_names):")
     for op in OPS.values():

@@ -4,7 +4,9 @@ Model code takes q, k and v head-major with ``split(d, dim=-1)[i]`` (or a projec
 h, d // h)`` and ``transpose(1, 2)`` (or ``permute(0, 2, 1, 3)``), and merges the heads back with
 ``transpose(1, 2)`` and ``reshape(b, s, d)``.  The importer records such calls as Opaque steps; these
 functions recognise the two layouts in a recorded step list, so that the importer emits the op table's
-``Heads`` and ``Merge`` instead (``docs/torch.md``).  RoPE's ``rotate_half`` (``cat((-x[..., d/2:],
+``Heads`` and ``Merge`` instead (``docs/torch.md``).  Qwen3 and Gemma3 view the projection as heads first, normalise
+each head's row, then transpose: the view is the op table's ``Regroup``, the transpose ``Regroup`` back to token
+rows and ``Heads``.  RoPE's ``rotate_half`` (``cat((-x[..., d/2:],
 x[..., :d/2]), dim=-1)``, slices and all) is recognised the same way, as the op table's ``RotateHalf``.
 Anything else is not recognised and stays Opaque.
 """
@@ -146,6 +148,28 @@ def head_split(steps: Sequence[dict[str, Any]], in_shapes: Sequence[Shape]) -> t
     if swap.get("out") != [b, out[2], s, out[3]]:
         return None
     return 0, HeadSplit(heads=out[2], seq=s, offset=offset, width=width)
+
+
+def regrouped(steps: Sequence[dict[str, Any]], in_shapes: Sequence[Shape], out_shape: Shape) -> bool:
+    """Do ``steps`` only view one input (``view``, ``reshape``, ``contiguous``) as rows of another length: the same
+    elements in order (Qwen3's ``view(b, s, heads, d)`` of a projection that it normalises per head)?"""
+    if len(in_shapes) != 1 or not steps or not in_shapes[0] or not out_shape or out_shape[-1] == in_shapes[0][-1]:
+        return False
+    return all(step.get("impl") in _VIEWS and _reads(step, {"$in": 0} if i == 0 else {"$step": i - 1})
+               for i, step in enumerate(steps))
+
+
+def rows_to_heads(steps: Sequence[dict[str, Any]], in_shapes: Sequence[Shape]) -> tuple[int, int] | None:
+    """(heads, seq) when ``steps`` swap dims 1 and 2 of one (batch, seq, heads, d) input (then ``contiguous()`` or
+    not): heads taken out of token rows that were viewed as heads before (:func:`regrouped`)."""
+    steps = _without_trailing_copies(steps)
+    if len(in_shapes) != 1 or len(in_shapes[0]) != 4 or len(steps) != 1:
+        return None
+    b, s, h, d = in_shapes[0]
+    (swap,) = steps
+    if not _reads(swap, {"$in": 0}) or not _swaps_dims_1_2(swap, 4) or swap.get("out") != [b, h, s, d]:
+        return None
+    return h, s
 
 
 def head_merge(steps: Sequence[dict[str, Any]], in_shapes: Sequence[Shape], out_shape: Shape) -> int | None:

@@ -24,7 +24,7 @@ from planner.core.opaque import flat_shape, step_flops
 from planner.core.ops import OPS, OpError
 from planner.torch.binding import INDEX_DTYPES, TORCH_DTYPES, Binding, OutputSpec, ir_dtype, to_numpy
 from planner.torch.errors import TorchImportError
-from planner.torch.heads import column_take, head_merge, head_split, rotate_half
+from planner.torch.heads import column_take, head_merge, head_split, regrouped, rotate_half, rows_to_heads
 from planner.torch.ops import IMPORTER_TABLE, encode_arg, resolve_torch_fn, torch_fn_name, trust_traced
 from planner.torch.tracing import BATCH_NORMS, INPLACE_OPERATORS, mutated_input_of, written_inputs
 
@@ -626,8 +626,8 @@ class Importer:
 
     def layout_op(self, p: Program, v: Traced) -> str | None:
         """The op-table layout op a pending torch program is, emitted: heads merged back (``Merge``), heads taken
-        out of token rows (``Heads``), RoPE's ``RotateHalf``, columns of a packed projection (``Columns``); None
-        when it is none of them."""
+        out of token rows (``Heads``), rows of another length (:meth:`regroup_op`), RoPE's ``RotateHalf``, columns of
+        a packed projection (``Columns``); None when it is none of them."""
         in_ir = self.b.shape_of(p.inputs[0]) if len(p.inputs) == 1 else None
         heads = head_merge(p.steps, p.in_shapes, v.shape)
         if heads is not None and in_ir == head_major_shape(p.in_shapes[0]):
@@ -637,6 +637,10 @@ class Importer:
             layout = split[1]
             attrs = {"heads": layout.heads, "seq": layout.seq, "offset": layout.offset, "width": layout.width}
             return self.emit(p.node, "Heads", [p.inputs[0]], attrs, v.shape, v.dtype).id
+        if in_ir is not None and in_ir == flat_shape(p.in_shapes[0]):
+            regroup = self.regroup_op(p, v)
+            if regroup is not None:
+                return regroup
         if rotate_half(p.steps, p.in_shapes, v.shape) and in_ir is not None and in_ir[-1] == v.shape[-1]:
             return self.emit(p.node, "RotateHalf", [p.inputs[0]], None, v.shape, v.dtype).id
         taken = column_take(p.steps, p.in_shapes, v.shape)
@@ -644,6 +648,19 @@ class Importer:
             return self.emit(p.node, "Columns", [p.inputs[0]], {"offset": taken[0], "width": taken[1]}, v.shape,
                              v.dtype).id
         return None
+
+    def regroup_op(self, p: Program, v: Traced) -> str | None:
+        """A view of a value stored as rows as rows of another length (``Regroup``), or heads taken out of such a
+        view (``Regroup`` back to token rows, then ``Heads``); None when ``p`` is neither."""
+        if regrouped(p.steps, p.in_shapes, v.shape):
+            return self.emit(p.node, "Regroup", [p.inputs[0]], {"width": v.shape[-1]}, v.shape, v.dtype).id
+        split = rows_to_heads(p.steps, p.in_shapes)
+        if split is None:
+            return None
+        (b, s, h, d), (heads, seq) = p.in_shapes[0], split
+        rows = self.emit(p.node, "Regroup", [p.inputs[0]], {"width": h * d}, (b, s, h * d), v.dtype, "_rows")
+        attrs = {"heads": heads, "seq": seq, "offset": 0, "width": h * d}
+        return self.emit(p.node, "Heads", [rows.id], attrs, v.shape, v.dtype).id
 
 
 def renumber(step: dict[str, Any], inputs: Mapping[int, int], base: int) -> dict[str, Any]:

@@ -635,3 +635,28 @@ def test_prepare_builds_every_kernel_a_compile_loads(mode, tmp_path, monkeypatch
     impls = {f["impl"] for f in facts}
     assert "c-gather" in impls and (any("in_place" in f for f in facts) or "torch-sdpa-fp32" in impls)
     assert mode == "auto" or "torch-sdpa-fp32" not in impls
+
+
+def _per_head_rows(dtype: str) -> GraphBuilder:
+    """Token rows viewed as rows of 8 (a head's), each shifted by its max, viewed back: Qwen3's per-head norm's
+    layout."""
+    b = GraphBuilder(f"per-head-{dtype}")
+    b.input("x", (6, 32), dtype)
+    heads = b.op("heads", "Regroup", [b.op("t", "Tanh", ["x"])], {"width": 8})
+    shifted = b.op("shifted", "SubRow", [heads, b.op("top", "RowMax", [heads])])
+    b.op("out", "Regroup", [shifted], {"width": 32})
+    return b
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_rows_regrouped_to_another_length_and_back_equal_the_reference(dtype) -> None:
+    graph = _per_head_rows(dtype).build(["out"])
+    inputs = random_inputs(graph, seed=4)
+    x = inputs["x"].astype(np.float32)
+    for plan in build_candidates(graph, SPEC).plans[:4]:
+        assert "standalone[Regroup]" in {k.describe() for k in plan.kernels}
+        got = CpuBackend(SPEC).compile(plan).run(inputs)[0].astype(np.float32)
+        np.testing.assert_allclose(got, execute_plan(plan, inputs)[0].astype(np.float32), rtol=1e-6, atol=1e-6)
+        heads = np.tanh(x).reshape(24, 8)
+        want = (heads - heads.max(axis=1, keepdims=True)).reshape(6, 32)
+        np.testing.assert_allclose(got, want, rtol=2e-2 if dtype == "bf16" else 1e-5, atol=2e-2 if dtype == "bf16" else 1e-5)

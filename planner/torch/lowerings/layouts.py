@@ -11,7 +11,7 @@ from torch import fx
 
 from planner.core.opaque import flat_shape
 from planner.torch.binding import TORCH_DTYPES
-from planner.torch.heads import head_split
+from planner.torch.heads import head_split, rows_to_heads
 from planner.torch.walk import (
     CHANNELS_LAST,
     Emitted,
@@ -104,11 +104,12 @@ def affine(imp: Importer, node: fx.Node, x: Traced, a: float, b: float, concrete
 
 def head_major(imp: Importer, t: Traced) -> bool:
     """Is ``t`` (batch, heads, seq, d) in the op table's head-major layout: an IR value of shape
-    (batch * heads, seq, d), or heads taken out of token rows still pending (``Heads`` once used)?"""
+    (batch * heads, seq, d), or heads taken out of token rows still pending (``Heads`` once used; of token rows
+    viewed as heads: ``Regroup`` then ``Heads``)?"""
     if t.program is not None:
         p = t.program
-        return (head_split(p.steps, p.in_shapes) is not None and len(p.inputs) == 1
-                and imp.b.shape_of(p.inputs[0]) == flat_shape(p.in_shapes[0]))
+        taken = head_split(p.steps, p.in_shapes) is not None or rows_to_heads(p.steps, p.in_shapes) is not None
+        return taken and len(p.inputs) == 1 and imp.b.shape_of(p.inputs[0]) == flat_shape(p.in_shapes[0])
     return t.id is not None and imp.b.shape_of(t.id) == head_major_shape(t.shape)
 
 

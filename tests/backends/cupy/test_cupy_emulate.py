@@ -333,6 +333,23 @@ def test_generated_gather_and_column_copies_match_the_reference(dtype, tmp_path)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_generated_regroup_copies_match_the_reference(dtype, tmp_path):
+    """Token rows viewed as rows of a head's length (Regroup), each shifted by its max in a row kernel, viewed
+    back: through their generated CUDA executed on the host, equal the reference."""
+    b = GraphBuilder(f"per-head-{dtype}")
+    b.input("x", (6, 32), dtype)
+    heads = b.op("heads", "Regroup", ["x"], {"width": 8})
+    shifted = b.op("shifted", "SubRow", [heads, b.op("top", "RowMax", [heads])])
+    graph = b.build([b.op("out", "Regroup", [shifted], {"width": 32})])
+    plan = _plan(graph, lambda p: len(p.kernels) == 3)
+    assert [k.describe() for k in plan.kernels] == ["standalone[Regroup]", "elementwise[RowMax+SubRow]",
+                                                   "standalone[Regroup]"]
+    inputs = random_inputs(graph, seed=6)
+    got = _run_host(plan, inputs, tmp_path)
+    np.testing.assert_allclose(got[0], execute_plan(plan, inputs, mode="device")[0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_generated_image_kernels_match_the_reference(dtype, tmp_path):
     """A small convolutional network's standalone kernels through their generated CUDA (channels-last copies,
     Im2col with padding, stride and dilation, max and average pooling, the spatial mean, a depthwise convolution),

@@ -189,3 +189,16 @@ def test_columns_and_embedding_check_their_shapes_and_ids() -> None:
     for bad in (5.0, -1.0, 0.5, np.nan):
         with pytest.raises(IndexError, match="is not a row of a table of 5 rows"):
             embedding.evaluate([np.array([1.0, bad]), table], {})
+
+
+def test_regroup_takes_the_same_elements_in_order_as_rows_of_its_width() -> None:
+    from planner.core.errors import OpError
+
+    regroup = OPS["Regroup"]
+    assert regroup.out_shape([(6, 12)], {"width": 4}) == (18, 4)
+    assert regroup.out_shape([(2, 3, 4)], {"width": 12}) == (2, 12)
+    with pytest.raises(OpError, match="rows of 5 elements"):
+        regroup.out_shape([(6, 12)], {"width": 5})
+    x = np.arange(72, dtype=np.float32).reshape(6, 12)
+    np.testing.assert_array_equal(regroup.evaluate([x], {"width": 4}), x.reshape(18, 4))
+    np.testing.assert_array_equal(regroup.evaluate([x[:, ::2]], {"width": 3}), x[:, ::2].reshape(12, 3))
