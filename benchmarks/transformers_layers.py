@@ -2,8 +2,8 @@
 
 Usage: python benchmarks/transformers_layers.py [--out docs/results/transformers_layers.md] [--rounds 11]
                                                [--layers gpt2,bert,vit,llama,bert-masked,llama-gqa,phi3,gemma,
-                                                t5-attention,gpt2-model,llama-model,bert-model-padded,
-                                                llama-model-padded] [--dtypes fp32,bf16] [--modes 1,all]
+                                                t5-attention,gpt2-model,llama-model,qwen3-model,
+                                                bert-model-padded,llama-model-padded] [--dtypes fp32,bf16] [--modes 1,all]
 
 Needs the ``models`` extra (``transformers``).  Each layer is built from its own config at GPT-2 small's width
 (768 wide, 12 heads, 128 tokens, batch 1; LLaMA with a SwiGLU of 2,048), random weights, ``attn_implementation=
@@ -11,8 +11,8 @@ Needs the ``models`` extra (``transformers``).  Each layer is built from its own
 BERT's additive ``finfo.min`` mask of shape (1, 1, 1, 128), a buffer of the wrapper), ``llama-gqa`` LLaMA's with
 4 key/value heads for its 12 query heads (grouped-query attention); ``phi3`` and ``gemma`` their decoder layers
 (Phi-3's packed qkv and gate/up projections, a SwiGLU of 2,048; Gemma's GeGLU), ``t5-attention`` T5's
-self-attention with its relative position bias, ``gpt2-model`` and ``llama-model`` whole 2-layer models (a
-vocabulary of 32,000) called with 128 token ids; ``bert-model-padded`` and ``llama-model-padded`` whole 2-layer
+self-attention with its relative position bias, ``gpt2-model``, ``llama-model`` and ``qwen3-model`` whole 2-layer models (a
+vocabulary of 32,000; Qwen3 with 4 key/value heads, q and k normalised per head) called with 128 token ids; ``bert-model-padded`` and ``llama-model-padded`` whole 2-layer
 models called with a batch of 2 x 128 token ids and an ``attention_mask`` padding the second sequence by 32 (BERT
 at its end, LLaMA at its start: its first queries see no key).  Per thread mode and dtype a child process (``1``: one thread pinned to one core;
 ``all``: every core; the same environment as ``cpu_peers.py``) plans the layer with ``planner.plan(...,
@@ -29,10 +29,10 @@ from typing import Any
 from against_torch import main
 
 LAYERS = ("gpt2", "bert", "vit", "llama", "bert-masked", "llama-gqa", "phi3", "gemma", "t5-attention", "gpt2-model",
-          "llama-model", "bert-model-padded", "llama-model-padded")
+          "llama-model", "qwen3-model", "bert-model-padded", "llama-model-padded")
 #: whole models called with token ids (2 layers, a vocabulary of 32,000): their last hidden states; ``-padded``: a
 #: batch of 2 with an ``attention_mask`` that pads one sequence
-MODELS = ("gpt2-model", "llama-model", "bert-model-padded", "llama-model-padded")
+MODELS = ("gpt2-model", "llama-model", "qwen3-model", "bert-model-padded", "llama-model-padded")
 #: padding tokens of the padded models' second sequence (BERT's at its end, LLaMA's at its start)
 PADDING = 32
 CONTENDERS = ("torch", "torch.compile", "fp.call")
@@ -49,6 +49,10 @@ def build_model(name: str, dtype: str) -> tuple[Any, Any]:
     if name == "gpt2-model":
         model = transformers.GPT2Model(transformers.GPT2Config(n_embd=D, n_head=HEADS, n_layer=2, vocab_size=32000,
                                                                attn_implementation="sdpa"))
+    elif name == "qwen3-model":
+        model = transformers.Qwen3Model(transformers.Qwen3Config(
+            hidden_size=D, num_attention_heads=HEADS, num_key_value_heads=4, head_dim=D // HEADS, intermediate_size=2048,
+            num_hidden_layers=2, vocab_size=32000, attn_implementation="sdpa"))
     elif name == "bert-model-padded":
         model = transformers.BertModel(transformers.BertConfig(
             hidden_size=D, num_attention_heads=HEADS, intermediate_size=4 * D, num_hidden_layers=2, vocab_size=32000,
