@@ -15,9 +15,9 @@ anyway form a region of their own before it: the layers of a model with a paddin
 first layer also prepares the mask.
 
 *Repeats* are cut too: a region that occurs once but starts with the ops of another region, one with a GEMM,
-and holds no GEMM after them is cut after them, as the last layer of a language model is (it also holds the model's final norm):
-that layer then repeats the others, and one region search serves them all, for the values live across the
-cut stored.
+and holds no GEMM after them is cut after them, as the last layer of a language model is (it also holds the
+model's final norm): that layer then repeats the others, and one region search serves them all, for the values
+live across the cut stored.
 """
 
 from __future__ import annotations
@@ -213,10 +213,10 @@ def _region(graph: Graph, index: int, members: Sequence[Node], readers: dict[str
 def _repeat_cuts(graph: Graph, pieces: list[list[Node]], regions: list[Region],
                  readers: dict[str, set[str]]) -> list[list[Node]]:
     """The pieces, each region that occurs once cut in two where its first ops form another region with a GEMM
-    and the rest holds none: the last layer of a model, which also holds the model's final norm (no GEMM reads the last
-    residual sum, so no forced store ends that layer), then repeats the layers before it, and one region search
-    serves them all. The cut stores the values live across it, which a plan of the whole piece might not; one
-    region search fewer is worth it, and the other layers are cut there anyway."""
+    and the rest holds none: the last layer of a model, which also holds the model's final norm (no GEMM reads
+    the last residual sum, so no forced store ends that layer), then repeats the layers before it, and one
+    region search serves them all. The cut stores the values live across it, which a plan of the whole piece
+    might not; one region search fewer is worth it, and the other layers are cut there anyway."""
     counts = Counter(r.key for r in regions)
     sizes: dict[int, set[str]] = {}
     for r in regions:

@@ -153,8 +153,8 @@ def head_split(steps: Sequence[dict[str, Any]], in_shapes: Sequence[Shape]) -> t
 def regrouped(steps: Sequence[dict[str, Any]], in_shapes: Sequence[Shape], out_shape: Shape) -> bool:
     """Do ``steps`` only view one input (``view``, ``reshape``, ``contiguous``) as rows of another length: the same
     elements in order (Qwen3's ``view(b, s, heads, d)`` of a projection that it normalises per head)?"""
-    if len(in_shapes) != 1 or not steps or not in_shapes[0] or not out_shape or out_shape[-1] == in_shapes[0][-1]:
-        return False
+    if len(in_shapes) != 1 or not steps or not in_shapes[0] or len(out_shape) < 2 or out_shape[-1] == in_shapes[0][-1]:
+        return False  # a 1-D result is its own IR shape, not rows
     return all(step.get("impl") in _VIEWS and _reads(step, {"$in": 0} if i == 0 else {"$step": i - 1})
                for i, step in enumerate(steps))
 

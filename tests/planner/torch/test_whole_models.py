@@ -270,3 +270,26 @@ def test_a_model_whose_caller_leaves_part_of_its_result_unused_plans_and_equals_
     result = planner.plan(module, (x,), backend="cpu", cache=False, max_candidates=2)
     with torch.no_grad():
         _close(result(x), module(x))
+
+
+def test_a_view_of_a_computed_value_as_rows_of_another_length_is_a_regroup_and_a_flat_one_stays_torchs() -> None:
+    """Heads normalised on ``view(b, s, h, d)`` and viewed back: Regroup both ways, equal to eager; a view to
+    1-D (no rows) is left to torch."""
+
+    class PerHead(nn.Module):
+        def __init__(self, flat: bool) -> None:
+            super().__init__()
+            self.proj, self.norm, self.flat = nn.Linear(D, D), nn.RMSNorm(D // HEADS), flat
+
+        def forward(self, x):
+            y = self.norm(self.proj(x).view(2, SEQ, HEADS, D // HEADS)).view(2, SEQ, D)
+            return y.view(-1).tanh() if self.flat else y.tanh()
+
+    x = torch.randn(2, SEQ, D)
+    for flat, regroups in ((False, 2), (True, 1)):
+        module = PerHead(flat).eval()
+        ops = Counter(n.op for n in import_module(module, (x,)).graph.ops)
+        assert ops["Regroup"] == regroups and ("Opaque" in ops) == flat, ops
+        result = planner.plan(module, (x,), backend="cpu", cache=False, max_candidates=3)
+        with torch.no_grad():
+            _close(result(x), module(x))
