@@ -443,7 +443,7 @@ OPS: dict[str, OpDef] = {
                      columns_shape, sem.columns,
                      "Columns [offset, offset+width) of the last dimension, copied: torch's chunk, split or "
                      "x[..., a:b] of a packed projection's output."),
-        # a head's rows: Qwen3 and Gemma3 normalise q and k per head, on view(b, s, heads, d) before the transpose
+        # a head's rows: Qwen3 normalises q and k per head on view(b, s, heads, d), before the transpose
         _standalone1("Regroup", "regroup", (AttrSpec("width", "i64", minimum=1),), regroup_shape, sem.regroup,
                      "The same elements in order as rows of ``width`` (copied): torch's view of (batch, seq, C) as "
                      "(batch, seq, heads, C / heads), and back."),

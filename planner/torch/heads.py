@@ -4,8 +4,8 @@ Model code takes q, k and v head-major with ``split(d, dim=-1)[i]`` (or a projec
 h, d // h)`` and ``transpose(1, 2)`` (or ``permute(0, 2, 1, 3)``), and merges the heads back with
 ``transpose(1, 2)`` and ``reshape(b, s, d)``.  The importer records such calls as Opaque steps; these
 functions recognise the two layouts in a recorded step list, so that the importer emits the op table's
-``Heads`` and ``Merge`` instead (``docs/torch.md``).  Qwen3 and Gemma3 view the projection as heads first, normalise
-each head's row, then transpose: the view is the op table's ``Regroup``, the transpose ``Regroup`` back to token
+``Heads`` and ``Merge`` instead (``docs/torch.md``).  Qwen3 views the projection as heads first, normalises
+each head's row, then transposes: the view is the op table's ``Regroup``, the transpose ``Regroup`` back to token
 rows and ``Heads``.  RoPE's ``rotate_half`` (``cat((-x[..., d/2:],
 x[..., :d/2]), dim=-1)``, slices and all) is recognised the same way, as the op table's ``RotateHalf``.
 Anything else is not recognised and stays Opaque.

@@ -1,5 +1,5 @@
 """Whole language models from token ids and the layers whose packing, casts and position biases used to stay
-torch's: GPT-2, LLaMA, Qwen3 (q and k normalised per head) and T5's encoder (2 layers) from ``input_ids``, Whisper's encoder from mel frames, Phi-3's decoder layer (packed ``qkv_proj`` sliced,
+torch's: GPT-2, LLaMA, Qwen3 and Gemma3 (q and k normalised per head) and T5's encoder (2 layers) from ``input_ids``, Whisper's encoder from mel frames, Phi-3's decoder layer (packed ``qkv_proj`` sliced,
 ``gate_up_proj`` chunked), Gemma's (``type_as`` in its RMSNorm) and T5's self-attention with its relative
 position bias, each with no Opaque node and equal to eager torch in fp32 and bf16 (transformers' own classes,
 small configs, random weights, nothing downloaded)."""
@@ -63,6 +63,16 @@ def qwen3_model() -> nn.Module:
                                              vocab_size=VOCAB, attn_implementation="sdpa")))
 
 
+def gemma3_model() -> nn.Module:
+    """Gemma3's text model: q and k normalised per head after the transpose (head-major rows), its layers'
+    attention local (a sliding window) or global."""
+    from transformers import Gemma3TextConfig, Gemma3TextModel
+
+    return LastHidden(Gemma3TextModel(Gemma3TextConfig(
+        hidden_size=D, num_attention_heads=HEADS, num_key_value_heads=HEADS // 2, head_dim=D // HEADS,
+        intermediate_size=2 * D, num_hidden_layers=2, vocab_size=VOCAB, attn_implementation="sdpa")))
+
+
 def t5_encoder() -> nn.Module:
     from transformers import T5Config, T5EncoderModel
 
@@ -110,6 +120,7 @@ MODELS = {
     "llama-model": (llama_model, "ids", {"Embedding": 1, "RotateHalf": 4}),
     # per layer: q and k viewed as heads (Regroup), normalised, back to token rows (Regroup) and Heads
     "qwen3-model": (qwen3_model, "ids", {"Embedding": 1, "Regroup": 8, "Heads": 6, "GroupRepeat": 4}),
+    "gemma3-model": (gemma3_model, "ids", {"Embedding": 1, "Heads": 6, "GroupRepeat": 4}),
     # its position bias, one per head, added in the attention (SDPA's attn_mask of (1, heads, S, S))
     "t5-encoder": (t5_encoder, "ids", {"Embedding": 1, "BatchScores": 2, "Add": 2}),
     # 1-D convolutions over mel frames, heads taken out with transpose(1, 2).contiguous()
