@@ -352,7 +352,8 @@ def plan(
 
         if isinstance(module, torch.export.ExportedProgram):
             module = module.module()  # what eager torch runs, for the check and the re-measurement
-    if backend == "cpu" and imported is not None and imported.opaque_ops and not _omp_quiet():
+    # only Opaque nodes an output depends on run (a model's cache slices no caller reads are left out)
+    if backend == "cpu" and any(n.op == "Opaque" for n in graph.live().ops) and not _omp_quiet():
         log.warning(
             "torch-backed Opaque kernels share the cores with the timed cpu kernels: torch's spinning OpenMP "
             "workers can stall measurements by tens of ms; set OMP_WAIT_POLICY=PASSIVE (or OMP_NUM_THREADS=1) "

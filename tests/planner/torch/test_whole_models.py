@@ -304,3 +304,23 @@ def test_a_view_of_a_computed_value_as_rows_of_another_length_is_a_regroup_and_a
         result = planner.plan(module, (x,), backend="cpu", cache=False, max_candidates=3)
         with torch.no_grad():
             _close(result(x), module(x))
+
+
+def test_a_sliding_window_model_plans_and_only_opaque_nodes_it_runs_warn(caplog) -> None:
+    """Gemma3 with a window shorter than the sequence: the sliding layers' cache slices (Opaque, read by no output)
+    are left out of the plan, so no warning about torch's threads; the result equals eager."""
+    from transformers import Gemma3TextConfig, Gemma3TextModel
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(hidden_size=D, num_attention_heads=HEADS, num_key_value_heads=HEADS // 2,
+                           head_dim=D // HEADS, intermediate_size=2 * D, num_hidden_layers=2, vocab_size=VOCAB,
+                           sliding_window=6, layer_types=["sliding_attention", "full_attention"],
+                           attn_implementation="sdpa")
+    module = LastHidden(Gemma3TextModel(cfg)).eval()
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    assert "Opaque" in {n.op for n in import_module(module, (ids,)).graph.ops}
+    result = planner.plan(module, (ids,), backend="cpu", cache=False, max_candidates=3)
+    assert "Opaque" not in {k.body.op for k in result.plan.kernels}
+    assert "spinning OpenMP" not in caplog.text
+    with torch.no_grad():
+        _close(result(ids), module(ids))
