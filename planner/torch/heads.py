@@ -159,17 +159,15 @@ def regrouped(steps: Sequence[dict[str, Any]], in_shapes: Sequence[Shape], out_s
                for i, step in enumerate(steps))
 
 
-def rows_to_heads(steps: Sequence[dict[str, Any]], in_shapes: Sequence[Shape]) -> tuple[int, int] | None:
-    """(heads, seq) when ``steps`` swap dims 1 and 2 of one (batch, seq, heads, d) input (then ``contiguous()`` or
-    not): heads taken out of token rows that were viewed as heads before (:func:`regrouped`)."""
+def rows_to_heads(steps: Sequence[dict[str, Any]], in_shapes: Sequence[Shape]) -> bool:
+    """Do ``steps`` swap dims 1 and 2 of one (batch, seq, heads, d) input (then ``contiguous()`` or not): heads
+    taken out of token rows that were viewed as heads before (:func:`regrouped`)?"""
     steps = _without_trailing_copies(steps)
     if len(in_shapes) != 1 or len(in_shapes[0]) != 4 or len(steps) != 1:
-        return None
+        return False
     b, s, h, d = in_shapes[0]
     (swap,) = steps
-    if not _reads(swap, {"$in": 0}) or not _swaps_dims_1_2(swap, 4) or swap.get("out") != [b, h, s, d]:
-        return None
-    return h, s
+    return _reads(swap, {"$in": 0}) and _swaps_dims_1_2(swap, 4) and swap.get("out") == [b, h, s, d]
 
 
 def head_merge(steps: Sequence[dict[str, Any]], in_shapes: Sequence[Shape], out_shape: Shape) -> int | None:

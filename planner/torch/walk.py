@@ -654,12 +654,11 @@ class Importer:
         view (``Regroup`` back to token rows, then ``Heads``); None when ``p`` is neither."""
         if regrouped(p.steps, p.in_shapes, v.shape):
             return self.emit(p.node, "Regroup", [p.inputs[0]], {"width": v.shape[-1]}, v.shape, v.dtype).id
-        split = rows_to_heads(p.steps, p.in_shapes)
-        if split is None:
+        if not rows_to_heads(p.steps, p.in_shapes):
             return None
-        (b, s, h, d), (heads, seq) = p.in_shapes[0], split
+        b, s, h, d = p.in_shapes[0]
         rows = self.emit(p.node, "Regroup", [p.inputs[0]], {"width": h * d}, (b, s, h * d), v.dtype, "_rows")
-        attrs = {"heads": heads, "seq": seq, "offset": 0, "width": h * d}
+        attrs = {"heads": h, "seq": s, "offset": 0, "width": h * d}
         return self.emit(p.node, "Heads", [rows.id], attrs, v.shape, v.dtype).id
 
 

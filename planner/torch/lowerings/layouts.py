@@ -108,7 +108,7 @@ def head_major(imp: Importer, t: Traced) -> bool:
     viewed as heads: ``Regroup`` then ``Heads``)?"""
     if t.program is not None:
         p = t.program
-        taken = head_split(p.steps, p.in_shapes) is not None or rows_to_heads(p.steps, p.in_shapes) is not None
+        taken = head_split(p.steps, p.in_shapes) is not None or rows_to_heads(p.steps, p.in_shapes)
         return taken and len(p.inputs) == 1 and imp.b.shape_of(p.inputs[0]) == flat_shape(p.in_shapes[0])
     return t.id is not None and imp.b.shape_of(t.id) == head_major_shape(t.shape)
 
