@@ -28,7 +28,7 @@ from planner.core.cost import DeviceSpec
 from planner.core.graph import Graph
 from planner.core.plans import Plan, compose_plan, rename_kernel
 from planner.core.reference import execute_graph, random_inputs
-from planner.core.regions import Region, split_regions, whole_graph_region
+from planner.core.regions import Region, region_shares, split_regions, whole_graph_region
 from planner.core.report import region_title
 from planner.core.tolerance import check_outputs
 from planner.core.torch_allowlist import trusted_names
@@ -97,9 +97,9 @@ class PlanOptions:
         repeats = len({r.key for r in regions}) < len(regions)
         return repeats or self.by_region or self.executor.kind == "ray"
 
-    def job(self, region: Region, inputs: Mapping[str, np.ndarray] | None = None) -> RegionJob:
+    def job(self, region: Region, inputs: Mapping[str, np.ndarray] | None = None, share: float = 1.0) -> RegionJob:
         return RegionJob(region, region_title(region), self.spec, tuple(self.rules), self.limits, self.cap, self.k,
-                         self.search, inputs)
+                         self.search, inputs, share=share)
 
     def pool(self) -> RayPool:
         """The cluster's workers, each making this backend on its own device."""
@@ -193,6 +193,7 @@ def _plan_regions(graph: Graph, regions: Sequence[Region], options: PlanOptions,
     notes: list[str] = []
     pending = len({r.key for r in regions}) if options.dedup else len(regions)
     budget = Budget(options.search.time_budget_s, pending)
+    shares = region_shares(regions, options.spec)
 
     def label(n: int, region: Region) -> str:
         return f"region {n}/{pending} {region_title(region)}"
@@ -200,13 +201,15 @@ def _plan_regions(graph: Graph, regions: Sequence[Region], options: PlanOptions,
     def here(todo: Sequence[Region]) -> Iterator[RegionPlan]:
         for region in todo:
             with progress(label(len(searches) + 1, region)) as (slog, tick):
-                outcome = search_region(options.job(region).with_budget(budget.share()), backend, slog, tick)
+                job = options.job(region, share=shares[region.key]).with_budget(budget.share())
+                outcome = search_region(job, backend, slog, tick)
             budget.done()
             searches[region.graph.name] = outcome.result
             yield outcome.plan
 
     def on_cluster(todo: Sequence[Region]) -> Iterator[RegionPlan]:
-        for outcome in _on_cluster(options, notes, [options.job(r) for r in todo], budget, progress, label):
+        jobs = [options.job(r, share=shares[r.key]) for r in todo]
+        for outcome in _on_cluster(options, notes, jobs, budget, progress, label):
             searches[outcome.plan.region.graph.name] = outcome.result
             yield outcome.plan
 

@@ -50,6 +50,8 @@ class RegionJob:
     part: tuple[int, int] = (0, 1)
     #: the parts' best plans: this job compares them with the unfused plan, interleaved, on one device
     finalists: tuple[Plan, ...] = ()
+    #: the region's share of its whole graph's estimated time, its instances counted (a small one's search is brief)
+    share: float = 1.0
 
     def with_budget(self, seconds: float) -> RegionJob:
         """This job with ``seconds`` of search budget (its share of ``--time-budget`` when it starts)."""
@@ -84,7 +86,7 @@ def search_region(job: RegionJob, backend: Backend, log: SearchLog,
     if inputs is None and job.stage != "whole":  # the parts' seeds differ; they verify and time on one set of inputs
         inputs = random_inputs(job.region.graph, seed=job.options.seed)
     searched, options = _narrowed(cands, job)
-    result = search(searched, backend, inputs, options=options, log=log, on_candidate=tick)
+    result = search(searched, backend, inputs, options=options, log=log, on_candidate=tick, share=job.share)
     return RegionOutcome(RegionPlan.searched(job.region, result.best, cands), result, job,
                          candidates=searched if job.keep_candidates else None)
 

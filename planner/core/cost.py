@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from planner.core.files import read_json
-from planner.core.kinds import KernelKind
+from planner.core.graph import Graph
+from planner.core.kinds import KERNEL_OF_OP, KernelKind, OpKind
+from planner.core.ops import OPS
 from planner.core.schema import check_document
 
 
@@ -209,3 +211,19 @@ def kernel_cost(
         mem_us *= spec.spill_penalty
     est = max(mem_us, compute_us) + spec.launch_us
     return KernelCost(nbytes, gemm_flops, ew_flops, regs, spills, mem_us, compute_us, est)
+
+
+def unfused_estimate_us(graph: Graph, spec: DeviceSpec) -> float:
+    """The cost model's time of ``graph`` run one op per kernel, reckoned from the graph alone (the extractor's
+    unfused plan costs the same kernels): what a region's share of a whole model is estimated by."""
+    total = 0.0
+    for n in graph.ops:
+        opd = OPS[n.op]
+        ins = [graph[x].type for x in n.inputs]
+        nbytes = n.type.nbytes + sum(opd.read_bytes(i, t.nbytes, n.type.nbytes) for i, t in enumerate(ins))
+        flops = opd.flops(n.type.shape, [t.shape for t in ins], n.attr_dict)
+        gemm, ew = (flops, 0.0) if opd.kind in (OpKind.MATMUL, OpKind.STANDALONE) else (0.0, flops)
+        total += kernel_cost(spec, kind=KERNEL_OF_OP.get(opd.kind, KernelKind.ELEMENTWISE), dtype=n.type.dtype,
+                             nbytes=nbytes, gemm_flops=gemm, ew_flops=ew, regs=opd.live_regs(n.attr_dict),
+                             out_shape=n.type.shape).est_us
+    return total

@@ -37,6 +37,12 @@ class KernelKind(StrEnum):
     OPAQUE = "opaque"  # one Opaque op, its registered implementation
 
 
+#: the kernel kind of a body holding an op of this kind (a body holds at most one op that is not elementwise or a
+#: reduction: the extractor's rules); elementwise otherwise
+KERNEL_OF_OP: dict[str, KernelKind] = {OpKind.MATMUL: KernelKind.GEMM_EPILOGUE, OpKind.OPAQUE: KernelKind.OPAQUE,
+                                       OpKind.STANDALONE: KernelKind.STANDALONE}
+
+
 class Verdict(StrEnum):
     """What the search (or the remote runner) made of a candidate; a rejection carries its reason."""
 

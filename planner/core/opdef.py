@@ -133,6 +133,9 @@ class OpDef:
     attr_check: Callable[[dict[str, Any]], None] | None = None
     #: live temporaries a code generator must keep (the C-05 register-pressure probe)
     probe_temps: Callable[[Attrs], int] = field(default=lambda attrs: 0)
+    #: inputs of which a kernel reads only the rows its result holds (a gather's table): the cost model counts
+    #: the result's bytes for them, not the whole input's
+    gathered: tuple[int, ...] = ()
     #: a reduction's start value and combine, as the row kernels compute it (kind ``reduction`` only)
     reduction: Reduction | None = None
     #: inputs whose values must be positive for the result to be finite (sqrt's, a divisor): an example of
@@ -199,6 +202,11 @@ class OpDef:
 
     def live_regs(self, attrs: Attrs) -> int:
         return int(self.regs(attrs))
+
+    def read_bytes(self, i: int, input_bytes: int, out_bytes: int) -> int:
+        """The DRAM bytes a kernel of this op reads of its input ``i`` (stored in ``input_bytes``): all of them, or
+        for a gathered input the rows of the result (``out_bytes``), at most the whole input."""
+        return min(input_bytes, out_bytes) if i in self.gathered else input_bytes
 
 
 def example_operands(op: OpDef, first: Shape) -> tuple[Shape, ...] | None:

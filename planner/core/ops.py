@@ -434,6 +434,7 @@ OPS: dict[str, OpDef] = {
             dtype_rule=lambda ins, attrs: ins[1],
             numpy_fn=lambda xs, attrs: sem.embedding(xs[0], xs[1]),
             flops_rule=lambda out, ins, attrs: 0.0,
+            gathered=(1,),
             doc="table[ids]: one row of the (rows, d) table per id, ids of any shape flattened to the result's "
                 "rows (torch's embedding); an id that is not a row of the table is an error.",
         ),
@@ -568,7 +569,7 @@ POOLS = frozenset({"MaxPool", "AvgPool", "SpatialMean"})
 #: the standalone ops that slide a window over channels-last rows and read a weight
 WINDOWED_PRODUCTS = frozenset({"DepthwiseConv"})
 #: standalone ops that gather rows of their second input at the ids their first holds
-GATHERS = frozenset({"Embedding"})
+GATHERS = frozenset(name for name, d in OPS.items() if d.gathered)
 
 
 def register_op(op: OpDef) -> OpDef:

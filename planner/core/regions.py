@@ -28,6 +28,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from planner.core.cost import DeviceSpec, unfused_estimate_us
 from planner.core.graph import Graph, GraphBuilder, Node
 from planner.core.kinds import OpKind
 from planner.core.ops import OPS
@@ -251,6 +252,16 @@ def _pieces(graph: Graph, cuts: list[int], natural: set[int], forced: set[str]) 
         leaving = {n.id for n in side}
         pieces += [side, [n for n in members if n.id not in leaving]] if side else [members]
     return pieces
+
+
+def region_shares(regions: Sequence[Region], spec: DeviceSpec) -> dict[str, float]:
+    """Each distinct region's share of the graph's estimated time (each unfused, as the cost model reckons them on
+    ``spec``), its instances counted: by region key."""
+    instances = Counter(r.key for r in regions)
+    first = {r.key: r for r in reversed(regions)}
+    times = {key: n * unfused_estimate_us(first[key].graph, spec) for key, n in instances.items()}
+    total = sum(times.values())
+    return {key: t / total if total > 0 else 1.0 for key, t in times.items()}
 
 
 def whole_graph_region(graph: Graph) -> Region:

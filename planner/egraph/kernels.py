@@ -12,17 +12,12 @@ from typing import Any
 
 from planner.core.cost import DeviceSpec, KernelCost, kernel_cost
 from planner.core.graph import Graph
-from planner.core.kinds import KernelKind, OpKind
+from planner.core.kinds import KERNEL_OF_OP, KernelKind, OpKind
 from planner.core.ops import CUBLASLT_EPILOGUES, OPS
 from planner.core.plans import Expr, Kernel, Load
 from planner.egraph.view import EGraphView, ENode, ExtractionError
 
 log = logging.getLogger(__name__)
-
-#: the kernel kind of a body holding an op of this kind (a body holds at most one op that is not
-#: elementwise or a reduction: the extractor's rules)
-_KERNEL_OF_OP: dict[str, str] = {OpKind.MATMUL: KernelKind.GEMM_EPILOGUE, OpKind.OPAQUE: KernelKind.OPAQUE,
-                 OpKind.STANDALONE: KernelKind.STANDALONE}
 
 #: values a body-cap note names
 CAPPED_NAMED = 4
@@ -180,7 +175,7 @@ class KernelOptions:
             assign = p.assign.copy()
             assign[v] = idx
             return Body(assign, p.leaves, p.n_mm + (op_kind == OpKind.MATMUL), p.n_red + (op_kind == OpKind.REDUCTION),
-                         p.gemm + g, p.ew + e, p.regs + r, _KERNEL_OF_OP.get(op_kind, p.kind))
+                         p.gemm + g, p.ew + e, p.regs + r, KERNEL_OF_OP.get(op_kind, p.kind))
         bodies = [p for p in parts if p.assign]
         n_mm = (op_kind == OpKind.MATMUL) + sum(p.n_mm for p in parts)
         n_red = (op_kind == OpKind.REDUCTION) + sum(p.n_red for p in parts)
@@ -198,7 +193,7 @@ class KernelOptions:
                     if j is None:
                         assign[c] = i
                         cg, ce, cr, c_kind = self._node_facts(c, i)
-                        gemm, ew, regs, kind = gemm + cg, ew + ce, regs + cr, _KERNEL_OF_OP.get(c_kind, kind)
+                        gemm, ew, regs, kind = gemm + cg, ew + ce, regs + cr, KERNEL_OF_OP.get(c_kind, kind)
                     elif j != i:
                         return None  # one value computed two ways in one kernel
             if len(assign) + (v not in assign) > self.max_region_ops:
@@ -210,7 +205,7 @@ class KernelOptions:
             return None
         if j is None:
             assign[v] = idx
-            gemm, ew, regs, kind = gemm + g, ew + e, regs + r, _KERNEL_OF_OP.get(op_kind, kind)
+            gemm, ew, regs, kind = gemm + g, ew + e, regs + r, KERNEL_OF_OP.get(op_kind, kind)
         leaves = parts[0].leaves if len(parts) == 1 else frozenset[str]().union(*(p.leaves for p in parts))
         if self._loads_own(leaves, assign):
             return None
@@ -256,7 +251,8 @@ class KernelOptions:
     def _body_option(self, cls: str, body: Body) -> Option:
         v = self.view
         leaves = tuple(sorted(body.leaves, key=v.order.__getitem__))
-        nbytes = sum(self._nbytes(leaf) for leaf in leaves) + self._nbytes(cls)
+        gathered = self._gathered_reads(body) if body.kind == KernelKind.STANDALONE else {}
+        nbytes = sum(gathered.get(leaf, self._nbytes(leaf)) for leaf in leaves) + self._nbytes(cls)
         cost = kernel_cost(
             self.spec, kind=body.kind, dtype=v.types[cls].dtype, nbytes=nbytes, gemm_flops=body.gemm,
             ew_flops=body.ew, regs=body.regs, out_shape=v.types[cls].shape,
@@ -288,6 +284,21 @@ class KernelOptions:
         sig = f"cublaslt({epilogue})<{','.join(v.tensor[x] for x in args)}"
         return Option(cls, KernelKind.CUBLASLT, {}, leaves, 1 + len(epi_ops), cost, sig=sig, epilogue=epilogue,
                       lt_args=args)
+
+    def _gathered_reads(self, body: Body) -> dict[str, int]:
+        """The bytes read of each leaf that the body reads only as a gather's table: the rows its gathers hold."""
+        v = self.view
+        rows: dict[str, int] = {}
+        whole: set[str] = set()
+        for c, i in body.assign.items():
+            n = v.classes[c][i]
+            opd = OPS[n.op]
+            for j, child in enumerate(n.children):
+                if j in opd.gathered:
+                    rows[child] = opd.read_bytes(j, self._nbytes(child), self._nbytes(c)) + rows.get(child, 0)
+                else:
+                    whole.add(child)
+        return {leaf: min(b, self._nbytes(leaf)) for leaf, b in rows.items() if leaf not in whole}
 
     def _nbytes(self, cls: str) -> int:
         n = self._bytes.get(cls)

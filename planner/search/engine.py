@@ -29,7 +29,9 @@ is not compiled, verified or run (verdict "slower by its kernels"; each kernel's
 sum is a lower bound of the plan's, up to noise).  The search
 ends at ``max_candidates`` candidates besides the baseline, after
 ``time_budget_s`` seconds of wall time, when no new candidate turns up, or when the genetic phase has gone
-``patience`` candidates without a new best.
+``patience`` candidates without a new best.  A region of a whole model whose share of the model's time is below
+``SMALL_SHARE`` (the pipeline's estimate, corrected by its baseline's measurement) compares the cost model's
+favourite with the unfused plan and stops: not even a free region could make the model faster by a duel's margin.
 """
 
 from __future__ import annotations
@@ -81,6 +83,10 @@ ELITE = 8
 #: then rule them out (an attention's 63 decomposed softmax forms once the fused kernel is timed: 30 kernels
 #: compiled in 1 s of a 3 s cold plan, most for candidates never run). One more compiler start costs ~40 ms.
 FIRST_BUILD = 4
+#: candidates a region below ``SMALL_SHARE`` of its whole model's time tries besides the unfused plan: the cost
+#: model's favourite (an embedding's search of 18 candidates was 1.3 s of BERT's 14 s cold plan, for 0.3% of its
+#: call; 0.5 s with this)
+BRIEF_CANDIDATES = 1
 
 
 class SearchError(RuntimeError):
@@ -123,9 +129,13 @@ class _Run:
         self.best_compiled: CompiledPlan | None = None  # the best's compiled plan, for interleaved comparisons
         self.band = 0.0  # a candidate within this fraction of the best is compared with it in rounds
         self.crowned_at = 0  # candidates tried when a faster best was last found (the genetic phase's patience)
+        self.small_share: float | None = None  # a small region's share of its model (``weigh``): a brief search
 
     # -- budgets
     def budget_left(self) -> bool:
+        if self.small_share is not None and self.tried >= BRIEF_CANDIDATES:
+            self.stop = self.stop or Stop(StopKind.SMALL_SHARE, f"{self.small_share:.2%}")
+            return False
         if self.tried >= self.opts.max_candidates:
             self.stop = self.stop or Stop(StopKind.MAX_CANDIDATES, str(self.opts.max_candidates))
             return False
@@ -133,6 +143,18 @@ class _Run:
             self.stop = self.stop or Stop(StopKind.TIME_BUDGET, f"{self.opts.time_budget_s:g}s")
             return False
         return True
+
+    def weigh(self, share: float) -> None:
+        """Make the search brief where the region's ``share`` of its model's estimated time, with its estimate
+        replaced by its baseline's measurement, is below ``SMALL_SHARE``."""
+        base = self.entries[0]
+        if share >= 1.0:
+            return
+        if base.timed and base.est_us > 0:
+            measured = share * base.time_us / base.est_us
+            share = measured / (measured + 1.0 - share)
+        if share < SMALL_SHARE:
+            self.small_share = share
 
     # -- one candidate
     def consider(self, plan: Plan, choice: dict[str, Option] | None, source: str, baseline: bool = False) -> bool:
@@ -580,8 +602,12 @@ def search(
     log: SearchLog | None = None,
     *,
     on_candidate: Callable[[int, int], None] | None = None,
+    share: float = 1.0,
 ) -> SearchResult:
     """Verify and time candidates on ``backend``; see the module docstring.
+
+    ``share``: the graph's share of a whole model's estimated time (a region's, its instances counted), which
+    makes a small region's search brief.
 
     ``on_candidate(done, total)`` is called before the first candidate and after each one (progress bars);
     ``total`` is what the search expects to try (it stops earlier on a budget or a stall).
@@ -601,9 +627,11 @@ def search(
     if on_candidate is not None:
         on_candidate(0, run.total)
     listed = cands.plans[: opts.max_candidates]
-    backend.prepare([unfused, *listed[:FIRST_BUILD]])  # the CPU's kernels: a few batched builds
-    later = {p.key for p in listed[FIRST_BUILD:]}
+    first = BRIEF_CANDIDATES if share < SMALL_SHARE else FIRST_BUILD
+    backend.prepare([unfused, *listed[:first]])  # the CPU's kernels: a few batched builds
+    later = {p.key for p in listed[first:]}
     run.consider(unfused, unfused_choice, "unfused baseline", baseline=True)
+    run.weigh(share)
     try:
         for plan in cands.plans:
             if plan.key in run.seen:
@@ -695,6 +723,8 @@ FINAL_ROUNDS = 24
 SPEEDUP_ROUNDS = 8
 #: a duel (and the final round) calls a plan faster only when its time ratio's interval lies below 1 - this
 DUEL_MARGIN = 0.01
+#: were a region below this share of its model free, the model would not be faster by the margin a duel asks
+SMALL_SHARE = DUEL_MARGIN
 #: a duel whose interval lies within 1 ± this ends as a tie before its rounds run out (planner.search.duel)
 EQUIVALENCE = 0.03
 

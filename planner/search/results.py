@@ -61,6 +61,7 @@ class StopKind(StrEnum):
     STALLED = "no new candidate"
     PATIENCE = "no faster plan"
     EXHAUSTED = "every candidate tried"
+    SMALL_SHARE = "a small share of the model"
     INTERRUPTED = "interrupted (Ctrl-C)"
     DONE = "done"
 
@@ -77,6 +78,8 @@ class Stop:
             return f"no new candidate in {self.detail} tries"
         if self.kind == StopKind.PATIENCE:
             return f"no faster plan in the last {self.detail} candidates"
+        if self.kind == StopKind.SMALL_SHARE:
+            return f"{self.detail} of the whole model's estimated time: the cost model's favourite only"
         return f"{self.kind} ({self.detail})" if self.detail else str(self.kind)
 
 

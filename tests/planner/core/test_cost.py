@@ -10,8 +10,9 @@ import pytest
 from scipy import stats
 from testpaths import ROOT
 
-from planner.core.cost import gemm_busy_share, kernel_cost, load_device
-from planner.core.examples import mlp_epilogue
+from planner.core.cost import gemm_busy_share, kernel_cost, load_device, unfused_estimate_us
+from planner.core.examples import mlp_epilogue, transformer
+from planner.core.graph import Graph, GraphBuilder
 from planner.core.kinds import KernelKind
 from planner.egraph.candidates import build_candidates
 
@@ -47,3 +48,25 @@ def test_the_calibrated_model_ranks_the_measured_decode_plans_as_the_h200_did() 
     pairs = [(est[c["key"]], c["graph_us"]) for c in measured if c["key"] in est]
     assert len(pairs) == 15
     assert stats.spearmanr(*zip(*pairs, strict=True)).statistic > 0.9
+
+
+def _embedded(rows: int) -> Graph:
+    """A table of ``rows`` rows gathered at 64 ids, then a GEMM and a ReLU."""
+    b = GraphBuilder("embedded")
+    ids = b.input("ids", (1, 64), "fp32")
+    table, w = b.input("table", (rows, 128), "fp32"), b.input("w", (128, 128), "fp32")
+    return b.build([b.op("r", "Relu", [b.op("p", "MatMul", [b.op("e", "Embedding", [ids, table]), w])])])
+
+
+def test_a_gather_costs_the_rows_it_reads_not_its_whole_table() -> None:
+    spec = load_device("seed-k4")
+    small, large = (unfused_estimate_us(_embedded(rows), spec) for rows in (64, 32_000))
+    assert large == pytest.approx(small)
+    gather = build_candidates(_embedded(32_000), spec).unfused.kernels[0]
+    assert gather.body.op == "Embedding" and gather.cost.bytes == 2 * 64 * 128 * 4 + 64 * 4  # rows in and out, ids
+
+
+def test_the_graph_estimate_is_the_extractors_unfused_plan() -> None:
+    spec = load_device("seed-k4")
+    for graph in (_embedded(1000), mlp_epilogue(16, 64, 32, "fp16"), transformer(2, 64, 16, "fp32")):
+        assert unfused_estimate_us(graph, spec) == pytest.approx(build_candidates(graph, spec).unfused.est_us)

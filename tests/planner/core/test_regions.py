@@ -1,10 +1,12 @@
 """Regions: cuts at forced stores, and the segment limit's cuts on long graphs."""
 
+import pytest
 from _graphs import long_chain
 
+from planner.core.cost import load_device, unfused_estimate_us
 from planner.core.examples import transformer
 from planner.core.graph import GraphBuilder
-from planner.core.regions import boundaries, split_regions
+from planner.core.regions import boundaries, region_shares, split_regions
 
 
 def test_a_long_chain_is_cut_into_segments_within_the_limit():
@@ -143,3 +145,14 @@ def test_a_repeat_is_cut_only_where_it_holds_a_gemm_and_the_rest_none():
     g = transformer(1, 64, 16, "fp32")
     assert [len(r.ops) for r in split_regions(g)] == [len(r.ops) for r in split_regions(g, repeats=False)]
     assert len({r.key for r in split_regions(g)}) == len(split_regions(g))  # no repeat: the graph is searched whole
+
+
+def test_each_distinct_region_has_its_share_of_the_estimate_its_instances_counted():
+    g = _layers_then(("Neg", "Tanh")).build(["t1"])
+    spec = load_device("seed-k4")
+    regions = split_regions(g)
+    shares = region_shares(regions, spec)
+    layer, tail = regions[0].key, regions[3].key
+    assert set(shares) == {layer, tail} and sum(shares.values()) == pytest.approx(1.0)
+    each = {key: unfused_estimate_us(r.graph, spec) for r in regions for key in [r.key]}
+    assert shares[layer] / shares[tail] == pytest.approx(3 * each[layer] / each[tail])

@@ -31,11 +31,13 @@ from planner.core.tolerance import allclose_report
 from planner.egraph.candidates import build_candidates
 from planner.search.duel import noise
 from planner.search.engine import (
+    BRIEF_CANDIDATES,
     FINAL_MARGIN,
     FINAL_ROUNDS,
     MIN_BAND,
     SETTLE_BANDS,
     SETTLE_BANDS_NOT_PREFERRED,
+    SMALL_SHARE,
     SPEEDUP_ROUNDS,
     search,
 )
@@ -836,3 +838,24 @@ def test_a_runner_up_faster_than_the_cost_models_choice_runs_every_final_round_a
     final = next(line for line in res.log_lines if line.startswith("Final round"))
     assert "ratio to the cost model's choice" in final
     assert rounds == [FINAL_ROUNDS] and res.best.key != favourite.key
+
+
+def test_a_region_of_a_small_share_of_its_model_compares_the_favourite_with_the_unfused_plan_only(stack):
+    res = search(stack, EstimateBackend(stack.spec), options=SearchOptions(**FAST), log=SearchLog(enabled=False),
+                 share=0.001)
+    tried = [e for e in res.entries[1:] if e.timed]
+    assert res.stop.kind == StopKind.SMALL_SHARE and len(tried) == BRIEF_CANDIDATES == 1
+    assert tried[0].plan.key == stack.plans[0].key  # the cost model's favourite
+    assert str(res.stop) == "0.10% of the whole model's estimated time: the cost model's favourite only"
+    whole = search(stack, EstimateBackend(stack.spec), options=SearchOptions(**FAST), log=SearchLog(enabled=False))
+    assert whole.stop.kind != StopKind.SMALL_SHARE and len([e for e in whole.entries if e.timed]) > 2
+
+
+def test_a_region_estimated_small_but_measured_large_is_searched_in_full(stack):
+    """Its share is corrected by its baseline's measurement: ten times its estimate makes 0.5% of the model 4.8%."""
+    slow = NoisyBackend(stack.spec, lambda plan: 10 * plan.est_us, sigma=0.01, spikes=0.0)
+    res = search(stack, slow, options=SearchOptions(**FAST), log=SearchLog(enabled=False), share=SMALL_SHARE / 2)
+    assert res.stop.kind != StopKind.SMALL_SHARE and len([e for e in res.entries if e.timed]) > 2
+    fast = NoisyBackend(stack.spec, lambda plan: plan.est_us, sigma=0.01, spikes=0.0)
+    res = search(stack, fast, options=SearchOptions(**FAST), log=SearchLog(enabled=False), share=SMALL_SHARE / 2)
+    assert res.stop.kind == StopKind.SMALL_SHARE
