@@ -11,7 +11,12 @@ The rounds are looked at a few times only (every ``min_rounds``), each look at t
 looks (Bonferroni), so that stopping at the first look that separates the plans does not inflate the chance of
 calling a tie a win.  A look whose interval lies inside ``1 ± equivalence`` ends the duel as a tie at once (the
 plans are shown to be that close, as in a two one-sided test): more rounds could only tell apart plans no one
-would choose between, and on a quiet machine most candidates of a region are such near-twins.
+would choose between, and on a quiet machine most candidates of a region are such near-twins.  A look whose
+interval, narrowed to the width the remaining rounds could at best give it (``1/sqrt(rounds)``), would still reach
+beyond ``1 ± margin`` on both sides ends the duel as a tie too: no other outcome is within reach of the rounds left
+(futility), and a duel of plans 1-2% apart on 5% noise ran all 24 rounds for nothing (0.7 s of a padded BERT's 14 s
+cold plan, each).  Simulated (tests/planner/search/test_duel.py): 11 rounds instead of 23 for such plans; a true
+5% win on 5% noise found in half the duels (0.63 with every round run), on 2% noise in all.
 """
 
 from __future__ import annotations
@@ -88,7 +93,8 @@ def looks(min_rounds: int, max_rounds: int) -> list[int]:
 def duel(challenger: Callable[[], float], incumbent: Callable[[], float], *, min_rounds: int = 8,
          max_rounds: int = 24, confidence: float = 0.95, margin: float = 0.01, equivalence: float = 0.0) -> Duel:
     """Time both in interleaved rounds until the ratio's interval lies below ``1 - margin`` (faster), above
-    ``1 + margin`` (slower), inside ``1 ± equivalence`` (a tie; 0: never), or ``max_rounds`` have run (a tie)."""
+    ``1 + margin`` (slower), inside ``1 ± equivalence`` (a tie; 0: never), or ``max_rounds`` have run or could no
+    longer separate them (a tie)."""
     marks = looks(min_rounds, max_rounds)
     per_look = 1.0 - (1.0 - confidence) / len(marks)
     ratios: list[float] = []
@@ -110,7 +116,18 @@ def duel(challenger: Callable[[], float], incumbent: Callable[[], float], *, min
             return Duel(Outcome.SLOWER, med, low, high, len(ratios))
         if 1.0 - equivalence < low and high < 1.0 + equivalence:
             break
+        if len(ratios) < max_rounds and _out_of_reach(med, low, high, len(ratios) / max_rounds, margin):
+            break
     return Duel(Outcome.TIE, med, low, high, len(ratios))
+
+
+def _out_of_reach(med: float, low: float, high: float, done: float, margin: float) -> bool:
+    """Would the interval, narrowed as ``sqrt(done)`` (the share of the rounds run) about its estimate, still reach
+    past ``1 - margin`` below and ``1 + margin`` above (so that neither plan could be called faster)?"""
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return False
+    shrink = math.sqrt(done)
+    return med * (high / med) ** shrink >= 1.0 + margin and med * (low / med) ** shrink <= 1.0 - margin
 
 
 def noise(samples: Sequence[float]) -> float:

@@ -68,6 +68,10 @@ GENERATION = 8
 STALL_LIMIT = 64
 #: samples a candidate gets before the early stop may end its timing (one sample is too noisy)
 MIN_SAMPLES_BEFORE_STOP = 3
+#: where its region's unfused plan runs this long (µs), a candidate's verification run is its only warm-up: what one
+#: run leaves in the caches is well under 1% of such a run, and a padded BERT's MLP half (27 ms a run) spent a
+#: fifth of its search on the second warm-up of each candidate
+LONG_RUN_US = 5_000.0
 #: a candidate whose running median (from its third sample on) lies beyond the best's time by this many noise
 #: bands is slower, settled: its timing ends there and its median stands (for the final round and the parents of
 #: mutants) where the other runs could only confirm it (a 45 ms BERT took 9 runs a candidate, its cold plan 18 s)
@@ -209,9 +213,10 @@ class _Run:
         model's, or remote results) gives all it has at once: timing again would only repeat them."""
         opts = self.opts
         bound, settle = self._stop_bounds(entry, baseline)
-        # the verification run just made is the first warm-up: the same kernels on the same inputs
-        timing = compiled.time(self.inputs, warmup=max(0, opts.warmup - 1), repeats=min(MIN_SAMPLES_BEFORE_STOP,
-                                                                                         opts.repeats))
+        # the verification run just made is the first warm-up: the same kernels on the same inputs (the only one
+        # where the region's runs are long)
+        warmup = 0 if not baseline and self._long_runs() else max(0, opts.warmup - 1)
+        timing = compiled.time(self.inputs, warmup=warmup, repeats=min(MIN_SAMPLES_BEFORE_STOP, opts.repeats))
         samples = list(timing.samples_us)
         if not samples:
             raise RuntimeError("backend returned no timing samples")
@@ -231,6 +236,11 @@ class _Run:
             self._note_kernels(entry, more.kernel_min_us)
         entry.samples_us = samples
         entry.meas_us = statistics.median(samples)
+
+    def _long_runs(self) -> bool:
+        """Does the unfused plan's median reach :data:`LONG_RUN_US` (its region's plans run long)?"""
+        base = self.entries[0]
+        return base.timed and base.time_us >= LONG_RUN_US
 
     def _stop_bounds(self, entry: Entry, baseline: bool) -> tuple[float, float]:
         """The running medians beyond which a candidate's timing ends: stopped early (best x ``early_stop``), and

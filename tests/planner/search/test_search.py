@@ -34,6 +34,7 @@ from planner.search.engine import (
     BRIEF_CANDIDATES,
     FINAL_MARGIN,
     FINAL_ROUNDS,
+    LONG_RUN_US,
     MIN_BAND,
     SETTLE_BANDS,
     SETTLE_BANDS_NOT_PREFERRED,
@@ -737,8 +738,10 @@ def test_a_backend_of_given_figures_is_asked_for_them_once(chain):
     assert res.elapsed_s < 10 and not res.interrupted
 
 
-@pytest.mark.parametrize("warmup", [0, 1, 3])
-def test_the_verification_run_is_a_candidates_first_warm_up(chain, warmup):
+@pytest.mark.parametrize(("warmup", "scale", "after_verification"), [(0, 1, 0), (1, 1, 0), (3, 1, 2), (3, 10**4, 0)])
+def test_the_verification_run_is_a_candidates_first_warm_up(chain, warmup, scale, after_verification):
+    """... and its only one where the unfused plan runs :data:`LONG_RUN_US` or longer (``scale`` makes the chain's
+    runs milliseconds long)."""
     calls: list[object] = []
 
     class Counted(NoisyTimed):
@@ -754,10 +757,12 @@ def test_the_verification_run_is_a_candidates_first_warm_up(chain, warmup):
         def compile(self, plan):  # type: ignore[no-untyped-def]
             return Counted(plan, self.truth(plan), self.rng, self.sigma, self.spikes, self.kernel_us)
 
-    search(chain, Counting(chain.spec, lambda plan: plan.est_us, seed=0, sigma=0.01, spikes=0.0),
+    search(chain, Counting(chain.spec, lambda plan: scale * plan.est_us, seed=0, sigma=0.01, spikes=0.0),
            options=SearchOptions(max_candidates=4, seed=1, warmup=warmup, repeats=5), log=SearchLog(enabled=False))
     evaluations = [calls[i + 1] for i, c in enumerate(calls[:-1]) if c == "run" and isinstance(calls[i + 1], int)]
-    assert len(evaluations) >= 3 and set(evaluations) == {max(0, warmup - 1)}
+    assert len(evaluations) >= 3 and evaluations[0] == max(0, warmup - 1)  # the unfused plan: every warm-up
+    assert set(evaluations[1:]) == {after_verification}
+    assert (chain.unfused.est_us * scale >= LONG_RUN_US) == (scale > 1)
 
 
 def test_a_candidate_the_cost_model_does_not_prefer_settles_half_a_band_above_the_best(deep_stack):
