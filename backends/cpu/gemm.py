@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from threadpoolctl import threadpool_info, threadpool_limits
+from threadpoolctl import threadpool_limits
 
 from backends.cpu.buffers import aligned_empty, padded_matrix
 from backends.cpu.compiler import cache_dir, keep_record, read_record
@@ -312,7 +312,12 @@ def _probe_key() -> dict[str, Any]:
 
 
 def _blas_builds() -> list[str]:
-    return sorted(f"{i.get('internal_api')} {i.get('version')}" for i in threadpool_info() if i.get("user_api") == "blas")
+    """numpy's own BLAS, as its build records it: what its products run on. Not every BLAS the process has
+    loaded: scipy's, which jax brings in, made the key differ between processes, so that each re-measured the
+    choice and replaced the record (the likely cause of a one-thread benchmark child whose fp32 products all ran
+    8-25% slower: its choice measured in a busy moment)."""
+    blas = np.show_config(mode="dicts").get("Build Dependencies", {}).get("blas", {})
+    return [f"{blas.get('name')} {blas.get('version')}"]
 
 
 def fastest_of(calls: Mapping[str, Callable[[], Any]], rounds: int = PROBE_ROUNDS,

@@ -8,6 +8,7 @@ import threading
 
 import numpy as np
 import pytest
+import threadpoolctl
 
 from backends.cpu import backend as cpu_backend
 from backends.cpu import parallel
@@ -463,6 +464,33 @@ def test_auto_pads_weights_only_where_it_measured_faster_once_per_library(monkey
         assert cpu(1).weights == layout
         keys.add(PlanOptions("cpu", SPEC, ()).cache_key(region, cpu(1)))
     assert len(keys) == 2
+
+
+def test_the_measured_choice_holds_in_a_process_that_loaded_another_blas(monkeypatch, tmp_path) -> None:
+    """The record's key names numpy's own BLAS, not every BLAS the process has loaded: a process that imported
+    jax (and with it scipy's OpenBLAS) reads the choice another process measured, instead of measuring it again."""
+    from backends.cpu import gemm
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(gemm.WEIGHTS_ENV, raising=False)
+    monkeypatch.setattr(gemm, "packing_error", lambda dtype: "RuntimeError: no oneDNN")
+    measured = []
+    monkeypatch.setattr(gemm, "time_layouts", lambda mm, packs: measured.append(packs) or
+                        {"padded": [0.7, 0.7, 0.7], "given": [1.0, 1.0, 1.0]})
+    scipy_blas = {"user_api": "blas", "internal_api": "openblas", "version": "0.3.30",
+                  "filepath": "/site-packages/scipy.libs/libscipy_openblas.so"}
+    gemm.measured_weight_layout.cache_clear()
+    try:
+        assert gemm.weight_layout("numpy") == "padded" and len(measured) == 1
+        loaded = [*threadpoolctl.threadpool_info(), scipy_blas]
+        monkeypatch.setattr(threadpoolctl, "threadpool_info", lambda: loaded)
+        monkeypatch.setattr(gemm, "threadpool_info", lambda: loaded, raising=False)
+        gemm.measured_weight_layout.cache_clear()  # a new process, scipy's BLAS loaded too
+        assert gemm.weight_layout("numpy") == "padded" and len(measured) == 1
+        numpy_blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        assert gemm._layout_key("numpy")["blas"] == [f"{numpy_blas['name']} {numpy_blas['version']}"]
+    finally:
+        gemm.measured_weight_layout.cache_clear()
 
 
 def test_auto_packs_fp32_weights_where_oneDNN_beats_the_better_stored_layout(monkeypatch, tmp_path) -> None:
