@@ -252,7 +252,10 @@ class CpuCompiledPlan(CompiledPlan):
             arrays.append(self._output_array(name))
             self.memory.bind(name, arrays[-1], self._handed_out[name][2])
         handed = hand_out(arrays)
-        with self._pools():
+        if self.uses_blas or self.uses_torch:
+            with self._pools():
+                self._execute()
+        else:  # no pool to set: no context manager's two calls just after the last call's kernels
             self._execute()
         return handed
 

@@ -14,6 +14,7 @@ What is not guarded: global variables and closures the forward reads, and hooks 
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -109,7 +110,7 @@ class QuickCheck:
     def same(self) -> bool:
         if not self._dicts_same():
             return False
-        return layout_facts(self.layouts) == self.layout_facts and self.derived.same()
+        return (not self.layouts or layout_facts(self.layouts) == self.layout_facts) and self.derived.same()
 
     def _dicts_same(self) -> bool:
         if _dict_version is not None and self.versions:
@@ -311,6 +312,33 @@ def describe_signature(sig: Sequence[ArgLayout]) -> str:
     return ", ".join(parts)
 
 
+def _tensor_facts(t: torch.Tensor) -> tuple[Any, ...]:
+    return t.data_ptr(), t.shape, t.dtype, t.is_contiguous(), t.requires_grad, t.is_cpu
+
+
+@dataclass(frozen=True, eq=False)
+class LastCall:
+    """The host tensors of the last plannable call, their layout and their arrays (:func:`call_layout`). The same
+    tensor objects found again at the same address, of the same shape, dtype and contiguity, on the host and
+    needing no grad have the same arrays: five torch getters instead of ``numpy()``, the costliest step of a call
+    just after a kernel evicted the caches (40-55 µs, the getters 10-15). The arrays stay the same objects, so
+    the binding and the backend find them bound already. It holds the tensors, so none can be freed and its
+    memory taken by another."""
+
+    args: tuple[torch.Tensor, ...]
+    sig: tuple[ArgLayout, ...]
+    arrays: list[np.ndarray]
+    facts: list[tuple[Any, ...]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "facts", list(map(_tensor_facts, self.args)))
+
+    def same(self, args: tuple[Any, ...]) -> bool:
+        mine = self.args
+        return (len(args) == len(mine) and all(map(operator.is_, args, mine))
+                and list(map(_tensor_facts, mine)) == self.facts)
+
+
 #: what a planned module does when it finds the module changed: plan again, run eagerly, or raise
 ON_CHANGE = ("replan", "eager", "error")
 #: plans one planned module keeps (one per input layout, for the module as it is) before it runs eagerly
@@ -345,6 +373,7 @@ class CallGuard:
     #: what the guard decided, newest last: (reason, action)
     events: list[tuple[str, str]] = field(default_factory=list)
     eager_since: str | None = None  # the module is run eagerly from then on (on_change='eager', or a plan limit)
+    _last: LastCall | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.on_change not in ON_CHANGE:
@@ -357,15 +386,23 @@ class CallGuard:
                 self._module_changed(changed)
         if self.eager_since is not None:
             return self._eager(args)
-        sig, arrays = call_layout(args)
+        sig, arrays = self._layout(args)
         if arrays is None:  # else: fp32 host tensors that need no grad, plannable
             refusal = unplannable(args)
             if refusal is not None:
                 raise TorchImportError(refusal)
-        if sig not in self.plans:
-            self._new_layout(sig, args)
-        chosen = self.plans.get(sig)
+        plans = self.plans
+        chosen = plans[sig] if sig in plans else self._new_layout(sig, args)
         return self._eager(args) if chosen is None else chosen.call_plan(args, arrays)
+
+    def _layout(self, args: tuple[Any, ...]) -> tuple[tuple[ArgLayout, ...], list[np.ndarray] | None]:
+        """:func:`call_layout`, answered from the last call's where the same tensors come again as they were."""
+        last = self._last
+        if last is not None and last.same(args):
+            return last.sig, last.arrays
+        sig, arrays = call_layout(args)
+        self._last = LastCall(args, sig, arrays) if arrays is not None else None
+        return sig, arrays
 
     def _module_changed(self, reason: str) -> None:
         if self.on_change == "error":
@@ -379,25 +416,25 @@ class CallGuard:
         self.plans.clear()
         self.state = ModuleState.record(self.module, self.state_keys, self.folded_from)
 
-    def _new_layout(self, sig: tuple[ArgLayout, ...], args: tuple[Any, ...]) -> None:
+    def _new_layout(self, sig: tuple[ArgLayout, ...], args: tuple[Any, ...]) -> Planned | None:
+        """The plan for a layout not seen before (None: eager torch runs these calls), kept for the next."""
         why = f"inputs {describe_signature(sig)}"
         if self.on_change == "error":
             raise GuardError(f"the plan was made for other inputs than {why}; plan again for them, or plan with "
                              "on_change='replan'")
+        chosen: Planned | None = None
         if len(self.plans) >= MAX_PLANS:
             self._note(why, f"runs eagerly: {MAX_PLANS} plans are kept already")
-            self.plans[sig] = None
-            return
-        if self.on_change == "eager":
+        elif self.on_change == "eager":
             self._note(why, "runs eagerly (on_change='eager')")
-            self.plans[sig] = None
-            return
-        try:
-            self.plans[sig] = self.replan(args)
-            self._note(why, "planned for them", logging.INFO)
-        except Exception as exc:  # a plan that cannot be made: eager torch runs these calls, never a wrong answer
-            self._note(why, f"runs eagerly: planning failed ({type(exc).__name__}: {str(exc)[:200]})")
-            self.plans[sig] = None
+        else:
+            try:
+                chosen = self.replan(args)
+                self._note(why, "planned for them", logging.INFO)
+            except Exception as exc:  # a plan that cannot be made: eager torch runs these calls, never a wrong answer
+                self._note(why, f"runs eagerly: planning failed ({type(exc).__name__}: {str(exc)[:200]})")
+        self.plans[sig] = chosen
+        return chosen
 
     def _eager(self, args: tuple[Any, ...]) -> Any:
         with torch.no_grad():

@@ -91,6 +91,41 @@ def test_new_input_shapes_get_plans_of_their_own_up_to_a_limit_then_eager():
     assert any("kept already" in action for _, action in result.guard.events)
 
 
+#: changes to the very tensor a planned module was last called with, before it is passed again
+INPUT_CHANGES = {
+    "written in place": lambda x: x.mul_(-2),
+    "new memory through .data": lambda x: setattr(x, "data", torch.randn_like(x)),
+    "set_ to another storage": lambda x: x.set_(torch.randn(4, 16)),
+    "strided in place": lambda x: x.as_strided_((4, 16), (1, 4)),
+    "given another shape": lambda x: x.set_(torch.randn(6, 16)),
+    "made to need grad": lambda x: x.requires_grad_(),
+}
+
+
+@pytest.mark.parametrize("change", sorted(INPUT_CHANGES))
+def test_the_same_input_tensor_changed_between_calls_gives_eager_torchs_answer(change):
+    m, x, result = _planned()
+    _agrees(result, m, x)
+    _agrees(result, m, x)  # the second call reads the layout the first found
+    with torch.no_grad():
+        INPUT_CHANGES[change](x)
+        _agrees(result, m, x)
+
+
+def test_the_same_input_tensors_again_skip_the_layout_read_and_the_feed(monkeypatch):
+    import planner.torch.guards as guards
+
+    m, x, result = _planned()
+    result(x)
+    reads = []
+    monkeypatch.setattr(guards, "call_layout", lambda args: reads.append(args) or call_layout(args))
+    fed = result.bound._fed
+    _agrees(result, m, x)
+    assert reads == [] and result.bound._fed is fed
+    _agrees(result, m, x.clone())  # another tensor of the same layout: read again
+    assert len(reads) == 1 and result.bound._fed is not fed
+
+
 def test_a_weight_written_between_the_samples_is_seen_with_exact_weights_or_after_rebind():
     m, x, result = _planned(exact_weights=True)
     with torch.no_grad():
