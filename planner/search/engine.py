@@ -123,6 +123,9 @@ class _Run:
         self.seen: set[str] = set()
         self.best: Entry | None = None
         self.kernel_min: dict[str, float] = {}  # kernel signature -> its fastest time in any plan timed (µs)
+        #: (the best's key, the kernels a challenger had and the best lacked, those the best had, the duel's
+        #: figures) of each duel that ended in a tie
+        self.tied_swaps: list[tuple[str, Counter[str], Counter[str], str]] = []
         self.tried = 0  # candidates besides the baseline
         self.t0 = time.perf_counter()
         self.on_candidate = on_candidate
@@ -263,13 +266,14 @@ class _Run:
 
     def _decided_by_kernels(self, entry: Entry, median_us: float) -> bool:
         """Would :meth:`_record` call ``entry`` a tie with the best on the evidence of the kernels they differ in
-        (all timed now), whatever its median within the noise: near twins, or no win beyond the duel's margin
-        predicted for a plan the cost model does not prefer?"""
+        (all timed now), whatever its median within the noise: near twins, no win beyond the duel's margin
+        predicted for a plan the cost model does not prefer, or a swap a duel already tied?"""
         best = self.best
         if best is None or not self.backend.times_live or not self._close(median_us, best.time_us):
             return False
         differ = self._differing_us(entry, best)
-        return differ is not None and (_near_twins(differ, best.time_us) or _no_win_predicted(entry, differ, best)) is not None
+        return differ is not None and (_near_twins(differ, best.time_us) or _no_win_predicted(entry, differ, best)
+                                       or self._swap_tied_before(entry, best)) is not None
 
     def _close(self, median_us: float, best_us: float) -> bool:
         """Is a median too close to the best's to be judged on it alone (within the noise band, or lower short of
@@ -492,7 +496,8 @@ class _Run:
             return
         differ = self._differing_us(entry, best)
         evidence = None if differ is None else (_near_twins(differ, best.time_us)
-                                                or _no_win_predicted(entry, differ, best))
+                                                or _no_win_predicted(entry, differ, best)
+                                                or self._swap_tied_before(entry, best))
         if evidence is not None:
             if entry.plan.sort_key() < best.plan.sort_key():
                 self._crown(entry, compiled, faster=False)
@@ -504,13 +509,29 @@ class _Run:
     def _differing_us(self, entry: Entry, best: Entry) -> tuple[float, float] | None:
         """The fastest times, summed, of the kernels ``entry`` has and the best lacks, and of those the best has
         and ``entry`` lacks; None while one of them was never timed."""
-        mine = Counter(kernel_sig(k) for k in entry.plan.kernels)
-        theirs = Counter(kernel_sig(k) for k in best.plan.kernels)
-        own, other = mine - theirs, theirs - mine
+        return self._summed(*_difference(entry.plan, best.plan))
+
+    def _summed(self, own: Counter[str], other: Counter[str]) -> tuple[float, float] | None:
         if any(sig not in self.kernel_min for sig in (*own, *other)):
             return None
         return (sum(self.kernel_min[sig] * n for sig, n in own.items()),
                 sum(self.kernel_min[sig] * n for sig, n in other.items()))
+
+    def _swap_tied_before(self, entry: Entry, best: Entry) -> str | None:
+        """Why no duel is needed, or None: ``entry`` differs from the best by a swap of kernels that a duel against
+        this best already called a tie, and by kernels that, at their fastest, take within the margin either way
+        (near twins). Its rounds would time that swap again: a region's candidates often share one such choice (a
+        gated MLP's two forms 1% apart, each with a different split of a small elementwise group), and a layer's
+        search once ran twelve duels of 8-24 rounds on it, 4 s of a 9 s search."""
+        own, other = _difference(entry.plan, best.plan)
+        for key, tied_own, tied_other, said in self.tied_swaps:
+            if key != best.plan.key or not (_holds(own, tied_own) and _holds(other, tied_other)):
+                continue
+            rest = self._summed(own - tied_own, other - tied_other)
+            if rest is not None and _near_twins(rest, best.time_us) is not None:
+                return (f"it swaps the kernels a duel with the best called a tie ({said}); the rest take "
+                        f"{rest[0]:,.0f} and {rest[1]:,.0f} µs: within the {DUEL_MARGIN:.0%} margin")
+        return None
 
     def _duel(self, entry: Entry, compiled: CompiledPlan, best: Entry) -> None:
         """A candidate within the noise of the best: paired, interleaved rounds decide; a tie keeps the plan the
@@ -527,6 +548,7 @@ class _Run:
         elif d.outcome == Outcome.SLOWER:
             self.slog.slower(entry.plan, d.ratio, entry.est_us, entry.time_us, None, _origin(entry), evidence)
         else:
+            self.tied_swaps.append((best.plan.key, *_difference(entry.plan, best.plan), d.describe()))
             if entry.plan.sort_key() < best.plan.sort_key():
                 self._crown(entry, compiled, faster=False)
             self.slog.tie(entry.plan, evidence, self.best.plan if self.best else best.plan, _origin(entry))
@@ -749,6 +771,17 @@ def _margin_win(differ: tuple[float, float], best_us: float) -> bool:
     ``_Run._differing_us``) predict it faster than the best beyond :data:`DUEL_MARGIN`?"""
     own, other = differ
     return other - own > DUEL_MARGIN * best_us
+
+
+def _difference(plan: Plan, best: Plan) -> tuple[Counter[str], Counter[str]]:
+    """The kernels (signatures, counted) ``plan`` has and ``best`` lacks, and those ``best`` has and it lacks."""
+    mine = Counter(kernel_sig(k) for k in plan.kernels)
+    theirs = Counter(kernel_sig(k) for k in best.kernels)
+    return mine - theirs, theirs - mine
+
+
+def _holds(kernels: Counter[str], part: Counter[str]) -> bool:
+    return all(kernels[sig] >= n for sig, n in part.items())
 
 
 def _near_twins(differ: tuple[float, float], best_us: float) -> str | None:

@@ -32,6 +32,7 @@ from planner.egraph.candidates import build_candidates
 from planner.search.duel import noise
 from planner.search.engine import (
     BRIEF_CANDIDATES,
+    DUEL_MARGIN,
     FINAL_MARGIN,
     FINAL_ROUNDS,
     LONG_RUN_US,
@@ -40,10 +41,13 @@ from planner.search.engine import (
     SETTLE_BANDS_NOT_PREFERRED,
     SMALL_SHARE,
     SPEEDUP_ROUNDS,
+    _difference,
+    _holds,
+    _Run,
     search,
 )
 from planner.search.mutate import OPERATORS, Mutator
-from planner.search.results import SearchOptions, StopKind, spearman
+from planner.search.results import Entry, SearchOptions, StopKind, spearman
 from planner.search.searchlog import SearchLog
 
 FAST = dict(warmup=0, repeats=2)
@@ -864,3 +868,38 @@ def test_a_region_estimated_small_but_measured_large_is_searched_in_full(stack):
     fast = NoisyBackend(stack.spec, lambda plan: plan.est_us, sigma=0.01, spikes=0.0)
     res = search(stack, fast, options=SearchOptions(**FAST), log=SearchLog(enabled=False), share=SMALL_SHARE / 2)
     assert res.stop.kind == StopKind.SMALL_SHARE
+
+
+
+def test_a_swap_a_duel_tied_is_not_dueled_again():
+    """A candidate that differs from the best by a swap of kernels a duel against that best called a tie, and
+    otherwise by kernels within the duel's margin at their fastest, is a tie on that evidence: no rounds. Other
+    kernels beyond the margin, another best, or a swap not contained are not."""
+    cands = build_candidates(examples.mlp_stack(2, 16, 8, "fp32"), load_device("h200"), cap=64, k=16)
+    plans = cands.plans
+    pairs = [(b, p1, p2) for b in plans for p1 in plans for p2 in plans
+             if len({b.key, p1.key, p2.key}) == 3 and _difference(p1, b)[0] and _contained(p1, p2, b)]
+    best, tied, later = pairs[0]
+    run = _Run(cands, NoisyBackend(cands.spec, lambda plan: plan.est_us, seed=0), random_inputs(cands.graph),
+               SearchOptions(), SearchLog(enabled=False), None)
+    run.best = Entry(best, "model order", meas_us=1000.0, samples_us=[1000.0])
+    swap_own, swap_other = _difference(tied, best)
+    run.tied_swaps.append((best.key, swap_own, swap_other, "ratio 0.990 [0.970, 1.010] in 24 rounds"))
+    own, other = _difference(later, best)
+    rest = (own - swap_own) + (other - swap_other)
+    entry = Entry(later, "sample")
+    for us, tie in [(DUEL_MARGIN * 1000.0 / (2 * max(1, sum(rest.values()))), True), (DUEL_MARGIN * 1000.0, bool(not rest))]:
+        run.kernel_min = {sig: (us if sig in rest else 500.0) for sig in (*own, *other)}
+        said = run._swap_tied_before(entry, run.best)
+        assert (said is not None) == tie, (us, rest, said)
+        assert said is None or "a duel with the best called a tie (ratio 0.990" in said
+    run.tied_swaps[0] = (best.key, own, other, "")  # the later plan's whole swap: not contained in the tied one's
+    assert run._swap_tied_before(Entry(tied, "sample"), run.best) is None
+    run.tied_swaps[0] = ("another best", swap_own, swap_other, "")
+    assert run._swap_tied_before(entry, run.best) is None
+
+
+def _contained(p1, p2, best) -> bool:  # noqa: ANN001
+    own1, other1 = _difference(p1, best)
+    own2, other2 = _difference(p2, best)
+    return _holds(own2, own1) and _holds(other2, other1) and (own2 - own1 or other2 - other1)
