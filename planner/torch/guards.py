@@ -320,7 +320,7 @@ def _tensor_facts(t: torch.Tensor) -> tuple[Any, ...]:
 class LastCall:
     """The host tensors of the last plannable call, their layout and their arrays (:func:`call_layout`). The same
     tensor objects found again at the same address, of the same shape, dtype and contiguity, on the host and
-    needing no grad have the same arrays: five torch getters instead of ``numpy()``, the costliest step of a call
+    needing no grad have the same arrays: six torch getters instead of ``numpy()``, the costliest step of a call
     just after a kernel evicted the caches (40-55 µs, the getters 10-15). The arrays stay the same objects, so
     the binding and the backend find them bound already. It holds the tensors, so none can be freed and its
     memory taken by another."""
