@@ -33,6 +33,7 @@ from backends.cpu.prelude import (
 )
 from planner.core.env import env_seconds
 from planner.core.files import untrusted_dir
+from planner.core.machine import target_isa
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,9 @@ def _run(cmd: list[str], timeout: float, what: str, error: type[Exception]) -> p
 
 
 Probe = tuple[tuple[str, ...], tuple[str, ...], str]
+#: the flags that narrow ``-march=native`` to each :func:`~planner.core.machine.target_isa` (the generated code uses
+#: no AMX instruction: AVX-512 is what an AVX2 machine lacks of it)
+ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",)}
 _NATIVE = BASE_FLAGS + NATIVE_FLAGS
 #: what the probe tries, best first: (flags, libraries)
 PROBE_ATTEMPTS = ((_NATIVE + WIDE_VECTOR_FLAGS + VECTOR_MATH[0], VECTOR_MATH[1]), (_NATIVE + VECTOR_MATH[0], VECTOR_MATH[1]),
@@ -205,14 +209,17 @@ class Compiler:
     #: contract a*x + b into one fused multiply-add (rounded once); None: $FUSION_PLANNER_CPU_FMA, default on
     fma: bool | None = None
     #: flags after the probed ones that narrow the target: ``("-mno-avx512f",)`` compiles this machine's kernels as
-    #: an AVX2 machine's (the prelude's 8-lane branch), to test and measure them where AVX-512 is present
-    target: tuple[str, ...] = ()
+    #: an AVX2 machine's (the prelude's 8-lane branch), to test and measure them where AVX-512 is present;
+    #: None: those of ``$FUSION_PLANNER_CPU_ISA`` (:data:`ISA_FLAGS`)
+    target: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         self.cc = self.cc or os.environ.get("CC", "cc")
         self.build_timeout_s = build_timeout_s()  # a bad $FUSION_PLANNER_CC_TIMEOUT is named here, before any build
         if self.fma is None:
             self.fma = os.environ.get("FUSION_PLANNER_CPU_FMA", "1").strip().lower() not in ("0", "off", "false", "no")
+        if self.target is None:
+            self.target = ISA_FLAGS[target_isa()]
         flags, self.libs, self.version = _probe(self.cc)
         self.flags = (*flags, CONTRACT_FLAGS[self.fma], *self.target)
         self.directory = self.directory or cache_dir()

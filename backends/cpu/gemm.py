@@ -67,7 +67,7 @@ from planner.backend import BackendError
 from planner.core.dtypes import DTYPES
 from planner.core.env import env_choice
 from planner.core.errors import UsageError
-from planner.core.machine import cpu_model
+from planner.core.machine import cpu_model, target_isa
 from planner.core.shapes import WINDOW, window_out
 
 log = logging.getLogger(__name__)
@@ -276,7 +276,7 @@ def native_16bit(dtype: str) -> bool:
     """Does torch multiply ``dtype`` in the CPU's own instructions here, so a GEMM need not widen it to fp32?
     (torch is imported: the caller uses the torch library.)"""
     value = env_choice(GEMM_16BIT_ENV, ("auto", "native", "widen"), "auto")
-    if value == "widen" or dtype not in _NATIVE_16BIT:
+    if value == "widen" or dtype not in _NATIVE_16BIT or target_isa() == "avx2":  # AMX, AVX-512 BF16 are absent
         return False
     if value == "native":
         return True

@@ -1,9 +1,15 @@
-"""What machine a measurement ran on (standard library only: the remote runner uses it)."""
+"""What machine a measurement ran on, and which of its vector units this project's code may use."""
 
 from __future__ import annotations
 
 import os
 import platform
+
+from planner.core.env import env_choice
+
+#: ``avx2``: compile and choose kernels as on a machine without AVX-512 or AMX, where the CPU has them
+ISA_ENV = "FUSION_PLANNER_CPU_ISA"
+ISA_CHOICES = ("native", "avx2")
 
 
 def _cpuinfo() -> dict[str, str]:
@@ -35,6 +41,12 @@ def isa(flags: set[str]) -> str:
     return f"{vec}, {amx}"
 
 
+def target_isa() -> str:
+    """``native`` (the CPU's own vector units) or ``avx2`` (``$FUSION_PLANNER_CPU_ISA``): the code an AVX2-only
+    machine runs, on a CPU that also has AVX-512 or AMX, to test and measure that machine's kernels and choices."""
+    return env_choice(ISA_ENV, ISA_CHOICES, "native")
+
+
 def cpu_model() -> str:
     """The CPU's model name, family and model, and vector ISA, from /proc/cpuinfo (else what ``platform``
     knows): two machines sold under one name (a VM's "AMD EPYC") can differ in what decides a kernel's speed."""
@@ -42,7 +54,8 @@ def cpu_model() -> str:
     name = info.get("model name") or platform.processor() or "unknown CPU"
     ident = f"family {info['cpu family']} model {info['model']}" if "cpu family" in info and "model" in info else ""
     features = isa(set(info.get("flags", "").split())) if info else ""
-    details = "; ".join(d for d in (ident, features) if d)
+    narrowed = "code narrowed to AVX2" if target_isa() == "avx2" else ""
+    details = "; ".join(d for d in (ident, features, narrowed) if d)
     return f"{name} ({details})" if details else name
 
 

@@ -10,12 +10,13 @@ import platform
 import numpy as np
 import pytest
 
-from backends.cpu import compiler
+from backends.cpu import compiler, gemm
 from backends.cpu.backend import CpuBackend
 from backends.cpu.prelude import PRELUDE
 from planner.core import examples
 from planner.core.cost import load_device
 from planner.core.graph import Graph
+from planner.core.machine import ISA_ENV
 from planner.core.reference import execute_graph, random_inputs
 from planner.egraph.candidates import build_candidates
 
@@ -35,6 +36,18 @@ def test_the_avx2_target_takes_the_preludes_8_lane_branch(target) -> None:
     source = PRELUDE + "int fp_lanes(void) { return FP_VL; }\n"
     lanes = ctypes.CDLL(str(target.build(source))).fp_lanes()
     assert lanes == 8 if target.target else lanes in (8, 16)
+
+
+def test_the_isa_variable_narrows_every_compiler_and_its_16_bit_products(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv(ISA_ENV, "avx2")
+    narrowed = compiler.Compiler()
+    assert narrowed.target == ("-mno-avx512f",) and narrowed.flags[-1] == "-mno-avx512f"
+    assert not any(gemm.native_16bit(dtype) for dtype in gemm.DTYPES_16BIT)
+    source = PRELUDE + "int fp_lanes(void) { return FP_VL; }\n"
+    assert ctypes.CDLL(str(narrowed.build(source))).fp_lanes() == 8
+    monkeypatch.setenv(ISA_ENV, "native")
+    assert compiler.Compiler().target == () and compiler.Compiler().key(source) != narrowed.key(source)
 
 
 def _fused(graph: Graph):  # the plan with the fewest kernels: the row op, or the attention, in one kernel
