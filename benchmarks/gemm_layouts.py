@@ -10,7 +10,7 @@ copy, and the CPU backend's padded (K, N) layout (``backends/cpu/buffers.padded_
 of cache lines apart); and oneDNN (through torch) multiplies the activation by the weight reordered once into
 its blocked form (``gemm.pack_weight``/``gemm.packed_linear``: the backend's ``packed`` layout), returning a fresh
 tensor.  Every contender runs once per round, the order rotating, all in one process; a figure is the median
-over the rounds, in µs.  The backend's own choice (``gemm.weight_layout``, packed included) is printed too.
+over the rounds, in µs.  The backend's own choice for each shape (``gemm.shape_layout``, packed included) is printed too.
 """
 
 from __future__ import annotations
@@ -83,8 +83,9 @@ def report(figures: dict[tuple[int, int, int], dict[tuple[str, str], float]], co
              f"Machine: {cpu_model()} ({platform.machine()}), one pinned thread, Python {platform.python_version()}  ",
              f"Date: {datetime.date.today().isoformat()}  ",
              f"Versions: numpy {np.__version__}, torch {torch.__version__}  ",
-             f"The CPU backend's choice here (`gemm.weight_layout`, torch loaded): torch "
-             f"{gemm.weight_layout('torch')}, numpy {gemm.weight_layout('numpy')}", "",
+             "The CPU backend's choice here (`gemm.shape_layout`: per shape, torch loaded): " + "; ".join(
+                 f"{'×'.join(map(str, shape))} torch {gemm.shape_layout('torch', gemm.fp32_packs(), shape)}, numpy "
+                 f"{gemm.shape_layout('numpy', gemm.fp32_packs(), shape)}" for shape in figures), "",
              "Method: benchmarks/gemm_layouts.py's docstring. Medians in µs.", "",
              "| M×K×N | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
     for shape, per in figures.items():

@@ -52,6 +52,8 @@ from backends.cpu.memory import (
     blas_threads_from_env,
     cache_bytes,
     gemm_b_only,
+    gemm_products,
+    gemm_tile_rows,
     small_products,
     storage_dtype,
     stream_bytes_default,
@@ -116,9 +118,10 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
         self.blas_threads: int | None = (
             blas_threads_from_env() if isinstance(blas_threads, str) else blas_threads
         )
-        #: how fp32 weights held between calls are stored: "packed" by oneDNN, "padded" rows or "given"
-        #: (gemm.weight_layout)
-        self.weights = gemm.weight_layout(self.gemm_library)
+        #: how fp32 weights held between calls are stored: "packed" by oneDNN, "padded" rows or "given" for every
+        #: product, or "per-shape": each in the layout timed fastest for its product's shape (gemm.weight_layout)
+        self.weights = gemm.weight_layout()
+        self.fp32_packs = self.weights in ("packed", gemm.PER_SHAPE) and gemm.fp32_packs()
         self.held = HeldWeights()
         self.pack_min_macs = pack_min_macs
 
@@ -148,11 +151,13 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
             raise BackendError("plan writes one tensor from two kernels")
         read = {r for k in plan.kernels for r in k.reads}
         inputs = sorted((read | set(plan.outputs)) - set(written))
-        padded = gemm_b_only(plan) & set(inputs) if self.weights == "padded" else frozenset()
+        weights = self.weight_layouts(plan, frozenset(inputs))
+        padded = frozenset(n for n, layout in weights.items() if layout == "padded")
         packed_dtypes = self.packed_dtypes({plan.tensors[n].dtype for n in inputs if n in plan.tensors}
-                                           & {"fp32", *gemm.DTYPES_16BIT})
-        packable = (gemm_b_only(plan, packed_dtypes) & set(inputs)) - small_products(plan, self.pack_min_macs) \
-            if packed_dtypes else frozenset()
+                                           & set(gemm.DTYPES_16BIT))
+        packable = frozenset(n for n, layout in weights.items() if layout == "packed") | (
+            (gemm_b_only(plan, packed_dtypes) & set(inputs)) - small_products(plan, self.pack_min_macs)
+            if packed_dtypes else frozenset())
         missing = [n for n in inputs + written if n not in plan.tensors]
         if missing:
             raise BackendError(f"plan has no type for tensor {missing[0]!r}")
@@ -185,6 +190,22 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
             except (CodegenError, BackendError) as exc:
                 raise BackendError(f"kernel {i} ({k.describe()}): {exc}") from exc
         return CpuCompiledPlan(plan, steps, memory, inputs, time.perf_counter() - t0, self, padded)
+
+    def weight_layouts(self, plan: Plan, inputs: frozenset[str]) -> dict[str, str]:
+        """Each fp32 weight's layout (an input only GEMM libraries read, as the right operand): the one forced,
+        else the one timed fastest for its product's shape, the rows of one tile (``gemm.shape_layout``).  A
+        product of fewer than ``pack_min_macs`` multiply-adds is never packed."""
+        layouts = {}
+        products = gemm_products(plan)
+        for name in gemm_b_only(plan) & inputs:
+            rows, kdim, cols = products[name]
+            small = rows * kdim * cols < self.pack_min_macs
+            if self.weights != gemm.PER_SHAPE:
+                layouts[name] = "given" if small and self.weights == "packed" else self.weights
+                continue
+            tile = (min(rows, gemm_tile_rows(rows, cols, kdim, self.tile_bytes)), kdim, cols)
+            layouts[name] = gemm.shape_layout(self.gemm_library, self.fp32_packs and not small, tile)
+        return layouts
 
     def _layout_views(self, plan: Plan) -> LayoutViews:
         return layout_views(plan, functools.partial(self._torch_attention, tensors=plan.tensors),
@@ -323,10 +344,10 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
             return False
 
     def packed_dtypes(self, dtypes: Iterable[str] = gemm.DTYPES_16BIT) -> frozenset[str]:
-        """Those of ``dtypes`` whose weights this backend multiplies from oneDNN's packed form: fp32 where its
-        weights are ``packed`` (``gemm.weight_layout``), a 16-bit one where torch multiplies it natively here and
+        """Those of ``dtypes`` whose weights this backend may multiply from oneDNN's packed form: fp32 where its
+        weights are ``packed`` or chosen per shape and fp32 packs here (``gemm.weight_layout``), a 16-bit one where torch multiplies it natively here and
         packing is chosen (``gemm.weight_layout_16bit``)."""
-        return frozenset(d for d in dtypes if (self.weights == "packed" if d == "fp32" else
+        return frozenset(d for d in dtypes if (self.fp32_packs if d == "fp32" else
                                                self.native(d) and gemm.weight_layout_16bit(d) == "packed"))
 
     def _step(self, k: Kernel, tensors: Mapping[str, TensorType], memory: Memory) -> Step:

@@ -28,11 +28,18 @@ as its (K, N) transpose), or, where torch is loaded, ``packed``: reordered once 
 multiplied by oneDNN (as 16-bit weights below).  On a Sapphire Rapids core (2026-12-03) padded rows made MKL
 1.2-1.6x and OpenBLAS 1.1-1.3x faster on GPT-2's and a 2048-wide MLP's GEMMs.  On an AMD EPYC (Zen 4) core
 (2026-12-04) packed fp32 weights multiplied 1.1-1.4x faster than OpenBLAS, MKL and jax.jit's XLA on GPT-2's
-shapes, 64x2048x2048 and 1024x1024x1024.  ``FUSION_PLANNER_CPU_WEIGHTS``: ``auto`` (the default) times the
-layouts on :data:`LAYOUT_SHAPES` once per machine, library and versions (``gemm-weights.json`` in the kernel
-cache) and keeps ``given`` unless another is faster on their sum by :data:`PROBE_MARGIN` and slower on none
-(``packed`` judged against the better of the other two); ``packed``, ``padded`` and ``given`` force one
-(``packed`` is an error where torch is not loaded or cannot pack fp32).
+shapes, 64x2048x2048 and 1024x1024x1024.  Which layout wins depends on the product's shape: on that core
+(2026-12-06) packed beat padded OpenBLAS by 7-12% on 1024x1024x1024, 64x2048x2048, 128x3072x768 and
+256x768x3072, by 4% on 128x768x3072 and not at all on 128x768x768, and with every library narrowed to AVX2
+code (``benchmarks/avx2.py``) padded OpenBLAS beat packed by 0-9% on each.  So ``FUSION_PLANNER_CPU_WEIGHTS``:
+``auto`` (the default) chooses per product (:func:`shape_layout`): the layouts timed on the product's own shape
+(the rows of one tile), once per shape, machine, library and versions (``gemm-weights-<hash>.json`` in the
+kernel cache), ``given`` kept unless another is faster by :data:`PROBE_MARGIN` (``packed`` judged against the
+better of the other two; a product of fewer than :data:`PACK_MIN_MACS` multiply-adds never packed).  ``packed``,
+``padded`` and ``given`` force one for every product (``packed`` is an error where torch is not loaded or cannot
+pack fp32).  One layout for every product, timed on three small shapes, took padded on that core in one process
+and packed in another (5.98 against 5.82 ms, inside the margin), and with it every large product lost or won
+its 7-12%.
 
 16-bit weights torch multiplies natively are either read as ``given`` (nn.Linear's (N, K) layout; oneDNN
 reorders the operand into its blocked form inside every product) or ``packed``: reordered once into oneDNN's
@@ -53,7 +60,7 @@ import functools
 import logging
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +68,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from backends.cpu.buffers import aligned_empty, padded_matrix
-from backends.cpu.compiler import cache_dir, keep_record, read_record
+from backends.cpu.compiler import cache_dir, keep_record, read_record, recorded_choice
 from backends.cpu.parallel import torch_threads
 from planner.backend import BackendError
 from planner.core.dtypes import DTYPES
@@ -383,18 +390,27 @@ def measured_library() -> str:
 #: the fp32 products the weight layout is timed on (M, K, N): rows 3, 4 and 4.0625 KiB apart as nn.Linear
 #: stores its weight, 3 and 4 KiB in a C-ordered copy
 LAYOUT_SHAPES = ((128, 768, 768), (64, 1024, 1024), (128, 1040, 768))
-LAYOUT_FILE = "gemm-weights.json"
+#: the kernel cache's per-shape records of the fp32 weight layout: ``gemm-weights-<hash of the key>.json``
+LAYOUT_KIND = "gemm-weights"
+#: :func:`weight_layout` where no layout is forced: each product's weight in the layout timed fastest for its shape
+PER_SHAPE = "per-shape"
+#: a product's (M, K, N)
+Shape = tuple[int, int, int]
 
 
-def weight_layout(library: str) -> str:
-    """How fp32 weights are stored for ``library``'s products: ``packed``, ``padded`` or ``given`` (module
-    docstring); ``packed`` only where torch is loaded and packs fp32."""
+def weight_layout() -> str:
+    """How fp32 weights are stored: ``packed``, ``padded`` or ``given`` where ``$FUSION_PLANNER_CPU_WEIGHTS``
+    forces one, else :data:`PER_SHAPE` (module docstring); ``packed`` only where torch is loaded and packs fp32."""
     value = env_choice(WEIGHTS_ENV, ("auto", *WEIGHT_LAYOUTS), "auto")
-    packs = "torch" in sys.modules and packing_error("fp32") is None
-    if value == "packed" and not packs:
+    if value == "packed" and not fp32_packs():
         why = packing_error("fp32") if "torch" in sys.modules else "torch is not loaded"
         raise BackendError(f"{WEIGHTS_ENV}=packed, but fp32 weights cannot be packed here ({why})")
-    return measured_weight_layout(library, packs) if value == "auto" else value
+    return PER_SHAPE if value == "auto" else value
+
+
+def fp32_packs() -> bool:
+    """Can fp32 weights be packed here (torch loaded, and its packed product agrees with the plain one)?"""
+    return "torch" in sys.modules and packing_error("fp32") is None
 
 
 def _layout_key(library: str, packs: bool = False) -> dict[str, Any]:
@@ -407,15 +423,15 @@ def _layout_key(library: str, packs: bool = False) -> dict[str, Any]:
     return key
 
 
-def time_layouts(mm: MatMul, packs: bool = False) -> dict[str, list[float]]:
-    """Seconds per layout and shape of :data:`LAYOUT_SHAPES` (the fastest round), the layouts interleaved;
-    ``packed`` (oneDNN's product from the packed weight) only where ``packs``."""
+def time_layouts(mm: MatMul, packs: bool = False, shapes: Sequence[Shape] = LAYOUT_SHAPES) -> dict[str, list[float]]:
+    """Seconds per layout and shape of ``shapes`` (the fastest round), the layouts interleaved; ``packed``
+    (oneDNN's product from the packed weight) only where ``packs``."""
     rng = np.random.default_rng(0)
     layouts = _layouts(packs)
     best: dict[str, list[float]] = {layout: [] for layout in layouts}
     linear = packed_linear("fp32") if packs else None
     with threadpool_limits(limits=1, user_api="blas"), torch_threads(1):
-        for m, k, n in LAYOUT_SHAPES:
+        for m, k, n in shapes:
             a = aligned_empty((m, k), np.float32)
             a[...] = rng.standard_normal((m, k), dtype=np.float32)
             weight = aligned_empty((n, k), np.float32)  # nn.Linear's (N, K) weight, read as its transpose
@@ -449,17 +465,19 @@ def choose_layout(seconds: Mapping[str, list[float]]) -> str:
 
 
 @functools.cache
-def measured_weight_layout(library: str, packs: bool = False) -> str:
-    """The layout :func:`choose_layout` takes from :func:`time_layouts` here; measured once per machine,
-    library, versions and whether fp32 packs, the record kept in the kernel cache."""
-    def measure() -> tuple[str, dict[str, list[float]]]:
-        seconds = time_layouts(matmul(library), packs)
+def shape_layout(library: str, packs: bool, shape: Shape) -> str:
+    """The layout :func:`choose_layout` takes from :func:`time_layouts` on the product ``shape`` (M, K, N) here;
+    measured once per shape, machine, library, versions and whether fp32 packs, the record kept in the kernel
+    cache."""
+    def measure() -> tuple[str, dict[str, float]]:
+        seconds = time_layouts(matmul(library), packs, (shape,))
         choice = choose_layout(seconds)
-        log.info("CPU GEMM weights (%s): %s (fp32 on one thread: %s)", library, choice,
-                 ", ".join(f"{layout} {sum(t) * 1e3:.2f} ms" for layout, t in seconds.items()))
-        return choice, seconds
+        log.info("CPU GEMM weights (%s) of a %dx%dx%d product: %s (fp32 on one thread: %s)", library, *shape, choice,
+                 ", ".join(f"{layout} {t[0] * 1e3:.3f} ms" for layout, t in seconds.items()))
+        return choice, {layout: t[0] for layout, t in seconds.items()}
 
-    return _recorded(LAYOUT_FILE, _layout_key(library, packs), _layouts(packs), measure)
+    key = {**_layout_key(library, packs), "shape": list(shape)}
+    return recorded_choice(LAYOUT_KIND, key, _layouts(packs), measure, "the weight layout")
 
 
 def _layouts(packs: bool) -> tuple[str, ...]:
@@ -605,7 +623,7 @@ def time_16bit_layouts(dtype: str) -> dict[str, list[float]]:
 @functools.cache
 def measured_16bit_layout(dtype: str) -> str:
     """``packed`` where it multiplies ``dtype`` faster than ``given`` here (the rule of
-    :func:`measured_weight_layout`), else ``given``; measured once per machine and versions, kept in the cache."""
+    :func:`shape_layout`), else ``given``; measured once per machine and versions, kept in the cache."""
     def measure() -> tuple[str, dict[str, list[float]]]:
         seconds = time_16bit_layouts(dtype)
         packed, given = seconds["packed"], seconds["given"]

@@ -247,18 +247,25 @@ def gemm_b_only(plan: Plan, dtypes: frozenset[str] = frozenset({"fp32"})) -> fro
     return frozenset(n for n in b_operands - other - set(plan.outputs) if plan.tensors[n].dtype in dtypes)
 
 
-def small_products(plan: Plan, min_macs: int) -> frozenset[str]:
-    """Right operands of a GEMM kernel whose product has fewer than ``min_macs`` multiply-adds: oneDNN's packed
-    product costs a fixed 15 µs or so a call (one Zen 4 core), the library's plain one 2 (``gemm.PACK_MIN_MACS``)."""
-    small = set()
+def gemm_products(plan: Plan) -> dict[str, tuple[int, int, int]]:
+    """Each GEMM kernel's right operand (a tensor it loads) and its product's (M, K, N): the largest product where
+    several read it."""
+    products: dict[str, tuple[int, int, int]] = {}
     for k in plan.kernels:
         mm = find_matmul(k.body) if k.kind in (KernelKind.GEMM_EPILOGUE, KernelKind.CUBLASLT) else None
         if mm is None or not isinstance(mm.args[1], Load):
             continue
-        rows, cols = math.prod(mm.type.shape[:-1]), int(mm.type.shape[-1])
-        if rows * int(plan.tensors[mm.args[1].tensor].shape[0]) * cols < min_macs:
-            small.add(mm.args[1].tensor)
-    return frozenset(small)
+        b = mm.args[1].tensor
+        shape = (math.prod(mm.type.shape[:-1]), int(plan.tensors[b].shape[0]), int(mm.type.shape[-1]))
+        if math.prod(shape) > math.prod(products.get(b, (0,))):
+            products[b] = shape
+    return products
+
+
+def small_products(plan: Plan, min_macs: int) -> frozenset[str]:
+    """Right operands of a GEMM kernel whose product has fewer than ``min_macs`` multiply-adds: oneDNN's packed
+    product costs a fixed 15 µs or so a call (one Zen 4 core), the library's plain one 2 (``gemm.PACK_MIN_MACS``)."""
+    return frozenset(b for b, shape in gemm_products(plan).items() if math.prod(shape) < min_macs)
 
 
 def weights_fact(b_buf: np.ndarray) -> str:

@@ -428,42 +428,68 @@ def test_auto_takes_the_gemm_library_measured_faster_here_once_per_machine(monke
         gemm.measured_library.cache_clear()
 
 
-def test_auto_pads_weights_only_where_it_measured_faster_once_per_library(monkeypatch, tmp_path) -> None:
-    """auto times the weight layouts once per library and keeps the record; padded must win on the sum by the
-    margin and lose on no shape; a bad value names the variable; the layout is in the plan-cache key."""
+def _two_products():
+    """A plan of two GEMM kernels whose weights differ in shape: 64x256x1024 (``gate_up.w``), 64x512x256
+    (``down.w``)."""
+    graph = examples.token_mlp(64, 1000, 256, 512, "fp32")
+    plan = next(p for p in build_candidates(graph, load_device("h200")).plans
+                if sum(k.kind.name in ("GEMM_EPILOGUE", "CUBLASLT") for k in p.kernels) == 2)
+    return graph, plan
+
+
+def _faster_where(wins: dict[tuple[int, int, int], str], measured: list):
+    """A stand-in for ``gemm.time_layouts``: the layout ``wins`` names for a shape is twice as fast as the rest."""
+    def timings(mm, packs, shapes):
+        (shape,) = shapes
+        measured.append((shape, packs))
+        layouts = ("packed", "padded", "given") if packs else ("padded", "given")
+        return {layout: [0.5 if wins.get(shape) == layout else 1.0] for layout in layouts}
+    return timings
+
+
+def test_auto_lays_each_weight_out_as_its_own_products_shape_measured_fastest(monkeypatch, tmp_path) -> None:
+    """auto times the layouts on each product's shape, once: each weight gets its own shape's choice; the record
+    answers a new process; a tampered record is measured again; a forced layout holds for every product; a bad
+    value names the variable; the layout is in the plan-cache key."""
     from backends.cpu import gemm
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv(gemm.WEIGHTS_ENV, raising=False)
     monkeypatch.setattr(gemm, "packing_error", lambda dtype: "RuntimeError: no oneDNN")  # packed is not timed
-    timings = iter([{"padded": [0.7, 0.7, 0.7], "given": [1.0, 1.0, 1.0]},
-                    {"padded": [0.5, 0.5, 1.2], "given": [1.0, 1.0, 1.0]}])  # faster on the sum, slower on one shape
-    measured = []
-    monkeypatch.setattr(gemm, "time_layouts", lambda mm, packs: measured.append(packs) or next(timings))
-    gemm.measured_weight_layout.cache_clear()
+    measured: list = []
+    monkeypatch.setattr(gemm, "time_layouts", _faster_where({(64, 256, 1024): "padded"}, measured))
+    graph, plan = _two_products()
+    gemm.shape_layout.cache_clear()
     try:
-        assert gemm.weight_layout("numpy") == "padded" and measured == [False]
-        gemm.measured_weight_layout.cache_clear()  # a new process: the record answers
-        assert gemm.weight_layout("numpy") == "padded" and len(measured) == 1
-        record = tmp_path / "fusion-planner" / "cpu" / gemm.LAYOUT_FILE
-        record.write_text(record.read_text().replace('"choice": "padded"', '"choice": "diagonal"'))
-        gemm.measured_weight_layout.cache_clear()  # a tampered record is measured again
-        assert gemm.weight_layout("numpy") == "given" and len(measured) == 2
+        compiled = cpu(1).compile(plan)
+        assert compiled.padded == {"gate_up.w"} and sorted(measured) == [((64, 256, 1024), False),
+                                                                         ((64, 512, 256), False)]
+        inputs = random_inputs(graph)
+        np.testing.assert_allclose(compiled.run(inputs)[0], execute_graph(graph, inputs)[0], rtol=1e-4, atol=1e-4)
+        gemm.shape_layout.cache_clear()  # a new process: the records answer
+        assert cpu(1).compile(plan).padded == {"gate_up.w"} and len(measured) == 2
+        for record in (tmp_path / "fusion-planner" / "cpu").glob(f"{gemm.LAYOUT_KIND}-*.json"):
+            record.write_text(record.read_text().replace('"choice": "padded"', '"choice": "diagonal"'))
+        monkeypatch.setattr(gemm, "time_layouts", _faster_where({}, measured))
+        gemm.shape_layout.cache_clear()  # a tampered record is measured again
+        assert cpu(1).compile(plan).padded == frozenset() and len(measured) == 3
     finally:
-        gemm.measured_weight_layout.cache_clear()
+        gemm.shape_layout.cache_clear()
+    monkeypatch.setenv(gemm.WEIGHTS_ENV, "padded")
+    assert cpu(1).compile(plan).padded == {"gate_up.w", "down.w"} and len(measured) == 3
     monkeypatch.setenv(gemm.WEIGHTS_ENV, "diagonal")
     with pytest.raises(UsageError, match="FUSION_PLANNER_CPU_WEIGHTS='diagonal'"):
         cpu(1)
     monkeypatch.setenv(gemm.WEIGHTS_ENV, "packed")
-    with pytest.raises(BackendError, match="FUSION_PLANNER_CPU_WEIGHTS=packed, but .*no oneDNN"):
+    with pytest.raises(BackendError, match="FUSION_PLANNER_CPU_WEIGHTS=packed, but fp32 weights cannot be packed here"):
         cpu(1)
     region = whole_graph_region(examples.ew_chain(2, 1000))
     keys = set()
-    for layout in ("padded", "given"):
+    for layout in ("padded", "given", "auto"):
         monkeypatch.setenv(gemm.WEIGHTS_ENV, layout)
-        assert cpu(1).weights == layout
+        assert cpu(1).weights == (gemm.PER_SHAPE if layout == "auto" else layout)
         keys.add(PlanOptions("cpu", SPEC, ()).cache_key(region, cpu(1)))
-    assert len(keys) == 2
+    assert len(keys) == 3
 
 
 def test_the_measured_choice_holds_in_a_process_that_loaded_another_blas(monkeypatch, tmp_path) -> None:
@@ -472,61 +498,84 @@ def test_the_measured_choice_holds_in_a_process_that_loaded_another_blas(monkeyp
     from backends.cpu import gemm
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.delenv(gemm.WEIGHTS_ENV, raising=False)
-    monkeypatch.setattr(gemm, "packing_error", lambda dtype: "RuntimeError: no oneDNN")
-    measured = []
-    monkeypatch.setattr(gemm, "time_layouts", lambda mm, packs: measured.append(packs) or
-                        {"padded": [0.7, 0.7, 0.7], "given": [1.0, 1.0, 1.0]})
+    measured: list = []
+    monkeypatch.setattr(gemm, "time_layouts", _faster_where({(64, 256, 1024): "padded"}, measured))
     scipy_blas = {"user_api": "blas", "internal_api": "openblas", "version": "0.3.30",
                   "filepath": "/site-packages/scipy.libs/libscipy_openblas.so"}
-    gemm.measured_weight_layout.cache_clear()
+    gemm.shape_layout.cache_clear()
     try:
-        assert gemm.weight_layout("numpy") == "padded" and len(measured) == 1
+        assert gemm.shape_layout("numpy", False, (64, 256, 1024)) == "padded" and len(measured) == 1
         loaded = [*threadpoolctl.threadpool_info(), scipy_blas]
         monkeypatch.setattr(threadpoolctl, "threadpool_info", lambda: loaded)
         monkeypatch.setattr(gemm, "threadpool_info", lambda: loaded, raising=False)
-        gemm.measured_weight_layout.cache_clear()  # a new process, scipy's BLAS loaded too
-        assert gemm.weight_layout("numpy") == "padded" and len(measured) == 1
+        gemm.shape_layout.cache_clear()  # a new process, scipy's BLAS loaded too
+        assert gemm.shape_layout("numpy", False, (64, 256, 1024)) == "padded" and len(measured) == 1
         numpy_blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
         assert gemm._layout_key("numpy")["blas"] == [f"{numpy_blas['name']} {numpy_blas['version']}"]
     finally:
-        gemm.measured_weight_layout.cache_clear()
+        gemm.shape_layout.cache_clear()
+
+
+def test_a_product_is_timed_on_the_rows_of_one_tile(monkeypatch, tmp_path) -> None:
+    """The library multiplies a tile at a time: a product taller than a tile is timed on a tile's rows."""
+    from backends.cpu import gemm
+    from backends.cpu.memory import gemm_tile_rows
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(gemm.WEIGHTS_ENV, raising=False)
+    monkeypatch.setattr(gemm, "packing_error", lambda dtype: "RuntimeError: no oneDNN")
+    measured: list = []
+    monkeypatch.setattr(gemm, "time_layouts", _faster_where({}, measured))
+    _, plan = _two_products()
+    gemm.shape_layout.cache_clear()
+    try:
+        cpu(1, tile_bytes=64 * 1024).compile(plan)
+    finally:
+        gemm.shape_layout.cache_clear()
+    tile = gemm_tile_rows(64, 1024, 256, 64 * 1024)
+    assert tile < 64 and ((tile, 256, 1024), False) in measured
 
 
 def test_auto_packs_fp32_weights_where_oneDNN_beats_the_better_stored_layout(monkeypatch, tmp_path) -> None:
-    """Where torch packs fp32, auto times the packed product too and takes it only where it beats the better of
-    padded and given by the rule; the packed layout is in the plan-cache key and packs the plan's weights."""
+    """Where torch packs fp32, auto times the packed product too and takes it for a shape only where it beats the
+    better of padded and given by the rule; never for a product too small to pay for oneDNN's call; the weights
+    it takes it for are packed, and the plan agrees with the reference."""
     pytest.importorskip("torch")
     from backends.cpu import gemm
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv(gemm.WEIGHTS_ENV, raising=False)
-    monkeypatch.setattr(gemm, "packing_error", lambda dtype: None)
-    timings = iter([{"packed": [0.6, 0.6, 0.6], "padded": [0.7, 0.7, 0.7], "given": [1.0, 1.0, 1.0]},
-                    {"packed": [0.7, 0.7, 0.7], "padded": [0.7, 0.7, 0.7], "given": [1.0, 1.0, 1.0]},
-                    {"packed": [0.8, 0.8, 0.8], "padded": [1.0, 1.0, 1.0], "given": [0.8, 0.8, 0.8]}])
-    measured = []
-    monkeypatch.setattr(gemm, "time_layouts", lambda mm, packs: measured.append(packs) or next(timings))
-    gemm.measured_weight_layout.cache_clear()
+    assert gemm.choose_layout({"packed": [0.6], "padded": [0.7], "given": [1.0]}) == "packed"
+    assert gemm.choose_layout({"packed": [0.7], "padded": [0.7], "given": [1.0]}) == "padded"  # a tie: not packed
+    assert gemm.choose_layout({"packed": [0.8], "padded": [1.0], "given": [0.8]}) == "given"  # the better stored one
+    if gemm.packing_error("fp32") is not None:
+        pytest.skip(f"fp32 does not pack here: {gemm.packing_error('fp32')}")
+    measured: list = []
+    monkeypatch.setattr(gemm, "time_layouts", _faster_where({(64, 256, 1024): "packed", (64, 512, 256): "packed"},
+                                                            measured))
+    graph, plan = _two_products()
+    gemm.shape_layout.cache_clear()
     try:
-        assert gemm.weight_layout("numpy") == "packed" and measured == [True]
-        gemm.measured_weight_layout.cache_clear()
-        assert gemm.weight_layout("numpy") == "packed" and len(measured) == 1  # the record answers
-        (tmp_path / "fusion-planner" / "cpu" / gemm.LAYOUT_FILE).unlink()
-        gemm.measured_weight_layout.cache_clear()
-        assert gemm.weight_layout("numpy") == "padded"  # a tie with padded: not packed
-        (tmp_path / "fusion-planner" / "cpu" / gemm.LAYOUT_FILE).unlink()
-        gemm.measured_weight_layout.cache_clear()
-        assert gemm.weight_layout("numpy") == "given"  # a tie with given, the better stored one
+        compiled = cpu(1).compile(plan)
+        assert compiled.memory.packable == {"gate_up.w", "down.w"} and compiled.padded == frozenset()
+        assert all(packs for _, packs in measured)
+        held = {name: a.copy() for name, a in random_inputs(graph).items()}
+        for name in ("gate_up.w", "down.w"):
+            held[name].setflags(write=False)  # a bound parameter: packed once
+        np.testing.assert_allclose(compiled.run(held)[0], execute_graph(graph, held)[0], rtol=1e-4, atol=1e-4)
+        assert compiled.packs == 2
+        gemm.shape_layout.cache_clear()
+        small = cpu(1)
+        small.pack_min_macs = 10 * 2**20  # 64x512x256 (8.4M) is now too small to pack
+        assert small.compile(plan).memory.packable == {"gate_up.w"} and ((64, 512, 256), False) in measured
     finally:
-        gemm.measured_weight_layout.cache_clear()
+        gemm.shape_layout.cache_clear()
     region = whole_graph_region(examples.ew_chain(2, 1000))
     keys = set()
-    for layout in gemm.WEIGHT_LAYOUTS:
+    for layout in (*gemm.WEIGHT_LAYOUTS, "auto"):
         monkeypatch.setenv(gemm.WEIGHTS_ENV, layout)
-        assert cpu(1).weights == layout
         keys.add(PlanOptions("cpu", SPEC, ()).cache_key(region, cpu(1)))
-    assert len(keys) == 3
+    assert len(keys) == 4
 
 
 def test_the_layout_probe_times_each_layout_of_each_shape() -> None:
