@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-
-from testpaths import ROOT
-
-
-def _launcher():
-    spec = importlib.util.spec_from_file_location("avx2", ROOT / "benchmarks" / "avx2.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from testpaths import benchmark_script
 
 
 def test_every_contender_is_told_to_use_avx2_code():
-    env = _launcher().narrowed_env({"PATH": "/bin", "XLA_FLAGS": "--xla_cpu_enable_fast_math=false"})
+    env = benchmark_script("avx2").narrowed_env({"PATH": "/bin", "XLA_FLAGS": "--xla_cpu_enable_fast_math=false"})
     assert env["PATH"] == "/bin" and env["FUSION_PLANNER_CPU_ISA"] == "avx2" and env["ATEN_CPU_CAPABILITY"] == "avx2"
     assert env["XLA_FLAGS"] == "--xla_cpu_enable_fast_math=false --xla_cpu_max_isa=AVX2"
-    assert _launcher().narrowed_env(env)["XLA_FLAGS"] == env["XLA_FLAGS"]
+    assert benchmark_script("avx2").narrowed_env(env)["XLA_FLAGS"] == env["XLA_FLAGS"]

@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 
 import pytest
 from scipy import stats
-from testpaths import ROOT
+from testpaths import benchmark_script
 
 
 @pytest.fixture(scope="module")
 def report():
-    spec = importlib.util.spec_from_file_location("gpu_report", ROOT / "benchmarks" / "gpu_report.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("gpu_report")
 
 
 def test_spearman_matches_scipy_with_ties(report):

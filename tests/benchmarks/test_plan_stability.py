@@ -3,22 +3,17 @@ chose the same plan differ by is reported beside it, not counted as a different 
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 
 import pytest
-from testpaths import ROOT
+from testpaths import ROOT, benchmark_script
 
 
 @pytest.fixture(scope="module")
 def stability():
     sys.path.insert(0, str(ROOT / "benchmarks"))  # the script imports its siblings (cpu_peers, noise)
     try:
-        spec = importlib.util.spec_from_file_location("plan_stability", ROOT / "benchmarks" / "plan_stability.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
+        yield benchmark_script("plan_stability")
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
 
