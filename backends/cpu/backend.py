@@ -345,8 +345,8 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
 
     def packed_dtypes(self, dtypes: Iterable[str] = gemm.DTYPES_16BIT) -> frozenset[str]:
         """Those of ``dtypes`` whose weights this backend may multiply from oneDNN's packed form: fp32 where its
-        weights are ``packed`` or chosen per shape and fp32 packs here (``gemm.weight_layout``), a 16-bit one where torch multiplies it natively here and
-        packing is chosen (``gemm.weight_layout_16bit``)."""
+        weights are ``packed`` or chosen per shape and fp32 packs here (``gemm.weight_layout``), a 16-bit one
+        where torch multiplies it natively here and packing is chosen (``gemm.weight_layout_16bit``)."""
         return frozenset(d for d in dtypes if (self.fp32_packs if d == "fp32" else
                                                self.native(d) and gemm.weight_layout_16bit(d) == "packed"))
 
