@@ -330,10 +330,12 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
     @property
     def identity(self) -> str:
         """What the plan cache keys on besides the device: a choice timed on 1 thread may not be best on 8, nor
-        one timed with the kernels of another version of this backend (:func:`kernels_fingerprint`)."""
+        one timed with the kernels of another version of this backend (:func:`kernels_fingerprint`), nor one timed
+        with AVX-512 code on an AVX2-narrowed run (the compiler's target flags)."""
         packed = ",".join(sorted(d for d in ("fp32", *gemm.DTYPES_16BIT) if self._packs(d))) or "none"
+        target = " ".join(self.compiler.target or ()) or "native"
         return (f"cpu threads={self.threads} gemm={self.gemm_library} weights={self.weights} packed={packed} "
-                f"kernels={kernels_fingerprint()}")
+                f"target={target} kernels={kernels_fingerprint()}")
 
     def _packs(self, dtype: str) -> bool:
         """Whether weights of ``dtype`` are packed, for the identity: a dtype this CPU cannot pack, where the

@@ -1,4 +1,5 @@
-"""What machine a measurement ran on, and which of its vector units this project's code may use."""
+"""What machine a measurement ran on, and which of its vector units this project's code may use (standard library
+only, as planner.core.env is: the remote runner uses it)."""
 
 from __future__ import annotations
 

@@ -183,6 +183,9 @@ def test_the_kernels_code_is_part_of_the_plan_cache_key(monkeypatch: pytest.Monk
     assert f"kernels={cpu_backend.kernels_fingerprint()}" in before
     monkeypatch.setattr(cpu_backend, "kernels_fingerprint", lambda: "another-version")
     assert cpu(1).identity != before  # a plan timed with other kernels never answers
+    monkeypatch.undo()
+    monkeypatch.setenv("FUSION_PLANNER_CPU_ISA", "avx2")
+    assert cpu(1).identity != before  # nor one timed with AVX-512 code, on an AVX2-narrowed run
     with pytest.raises(UsageError, match="thread count"):
         get_backend("model", SPEC, threads=2)
 
