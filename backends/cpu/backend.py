@@ -193,7 +193,8 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
 
     def weight_layouts(self, plan: Plan, inputs: frozenset[str]) -> dict[str, str]:
         """Each fp32 weight's layout (an input only GEMM libraries read, as the right operand): the one forced,
-        else the one timed fastest for its product's shape, the rows of one tile (``gemm.shape_layout``).  A
+        else the one timed fastest for its product's shape, the rows of one tile, on this backend's threads
+        (``gemm.shape_layout``).  A
         product of fewer than ``pack_min_macs`` multiply-adds is never packed."""
         layouts = {}
         products = gemm_products(plan)
@@ -204,7 +205,7 @@ class CpuBackend(GemmSteps, StandaloneSteps, Backend):
                 layouts[name] = "given" if small and self.weights == "packed" else self.weights
                 continue
             tile = (min(rows, gemm_tile_rows(rows, cols, kdim, self.tile_bytes)), kdim, cols)
-            layouts[name] = gemm.shape_layout(self.gemm_library, self.fp32_packs and not small, tile)
+            layouts[name] = gemm.shape_layout(self.gemm_library, self.fp32_packs and not small, tile, self.pool)
         return layouts
 
     def _layout_views(self, plan: Plan) -> LayoutViews:

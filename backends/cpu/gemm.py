@@ -33,8 +33,9 @@ shapes, 64x2048x2048 and 1024x1024x1024.  Which layout wins depends on the produ
 256x768x3072, by 4% on 128x768x3072 and not at all on 128x768x768, and with every library narrowed to AVX2
 code (``benchmarks/avx2.py``) padded OpenBLAS beat packed by 0-9% on each.  So ``FUSION_PLANNER_CPU_WEIGHTS``:
 ``auto`` (the default) chooses per product (:func:`shape_layout`): the layouts timed on the product's own shape
-(the rows of one tile), once per shape, machine, library and versions (``gemm-weights-<hash>.json`` in the
-kernel cache), ``given`` kept unless another is faster by :data:`PROBE_MARGIN` (``packed`` judged against the
+(the rows of one tile) as the plan runs it (on its threads: with AVX2 code padded OpenBLAS won every shape on
+one thread and packed most of them on two), once per shape, thread count, machine, library and versions
+(``gemm-weights-<hash>.json`` in the kernel cache), ``given`` kept unless another is faster by :data:`PROBE_MARGIN` (``packed`` judged against the
 better of the other two; a product of fewer than :data:`PACK_MIN_MACS` multiply-adds never packed).  ``packed``,
 ``padded`` and ``given`` force one for every product (``packed`` is an error where torch is not loaded or cannot
 pack fp32).  One layout for every product, timed on three small shapes, took padded on that core in one process
@@ -69,7 +70,7 @@ from threadpoolctl import threadpool_limits
 
 from backends.cpu.buffers import aligned_empty, padded_matrix
 from backends.cpu.compiler import cache_dir, keep_record, read_record, recorded_choice
-from backends.cpu.parallel import torch_threads
+from backends.cpu.parallel import WorkerPool, gemm_parts, split, torch_threads
 from planner.backend import BackendError
 from planner.core.dtypes import DTYPES
 from planner.core.env import env_choice
@@ -413,24 +414,44 @@ def fp32_packs() -> bool:
     return "torch" in sys.modules and packing_error("fp32") is None
 
 
-def _layout_key(library: str, packs: bool = False) -> dict[str, Any]:
+def _layout_key(library: str, packs: bool = False, threads: int = 1, route: str = "") -> dict[str, Any]:
     key: dict[str, Any] = {"cpu": cpu_model(), "numpy": np.__version__, "blas": _blas_builds(), "library": library}
     torch = sys.modules.get("torch")
     if (library == "torch" or packs) and torch is not None:
         key["torch"] = torch.__version__
     if packs:
         key["packs"] = True
+    if threads > 1:
+        key["threads"], key["route"] = threads, route
     return key
 
 
-def time_layouts(mm: MatMul, packs: bool = False, shapes: Sequence[Shape] = LAYOUT_SHAPES) -> dict[str, list[float]]:
+def split_product(mm: MatMul, pool: WorkerPool | None) -> MatMul:
+    """``mm`` as the numpy route of a plan on ``pool``'s threads runs it: the rows cut into one block per
+    worker (``parallel.gemm_parts``), each multiplied on its worker (BLAS on one thread); ``mm`` itself where
+    there is no pool."""
+    if pool is None or pool.threads < 2:
+        return mm
+
+    def run(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+        pool.run([functools.partial(mm, a[r0:r1], b, out[r0:r1])
+                  for r0, r1 in split(a.shape[0], gemm_parts(pool.threads, a.shape[0]))])
+
+    return run
+
+
+def time_layouts(mm: MatMul, packs: bool = False, shapes: Sequence[Shape] = LAYOUT_SHAPES,
+                 pool: WorkerPool | None = None, threads: int = 1) -> dict[str, list[float]]:
     """Seconds per layout and shape of ``shapes`` (the fastest round), the layouts interleaved; ``packed``
-    (oneDNN's product from the packed weight) only where ``packs``."""
+    (oneDNN's product from the packed weight) only where ``packs``.  On ``threads`` threads each runs as a plan
+    on them would: ``mm`` on row blocks split over ``pool`` where one is given (a numpy product, BLAS on one
+    thread in each), else on torch's threads, as oneDNN's packed product."""
     rng = np.random.default_rng(0)
     layouts = _layouts(packs)
     best: dict[str, list[float]] = {layout: [] for layout in layouts}
     linear = packed_linear("fp32") if packs else None
-    with threadpool_limits(limits=1, user_api="blas"), torch_threads(1):
+    product = split_product(mm, pool)
+    with threadpool_limits(limits=1, user_api="blas"), torch_threads(threads):
         for m, k, n in shapes:
             a = aligned_empty((m, k), np.float32)
             a[...] = rng.standard_normal((m, k), dtype=np.float32)
@@ -439,8 +460,8 @@ def time_layouts(mm: MatMul, packs: bool = False, shapes: Sequence[Shape] = LAYO
             padded = padded_matrix(k, n, np.float32)
             padded[...] = weight.T
             out = aligned_empty((m, n), np.float32)
-            calls: dict[str, Callable[[], Any]] = {"padded": functools.partial(mm, a, padded, out),
-                                                   "given": functools.partial(mm, a, weight.T, out)}
+            calls: dict[str, Callable[[], Any]] = {"padded": functools.partial(product, a, padded, out),
+                                                   "given": functools.partial(product, a, weight.T, out)}
             if linear is not None:
                 calls["packed"] = functools.partial(linear, a, pack_weight(weight.T, "fp32"))
             fastest = fastest_of(calls)
@@ -464,20 +485,44 @@ def choose_layout(seconds: Mapping[str, list[float]]) -> str:
     return choice
 
 
-@functools.cache
-def shape_layout(library: str, packs: bool, shape: Shape) -> str:
-    """The layout :func:`choose_layout` takes from :func:`time_layouts` on the product ``shape`` (M, K, N) here;
-    measured once per shape, machine, library, versions and whether fp32 packs, the record kept in the kernel
-    cache."""
+#: :func:`shape_layout`'s answers in this process, by (library, packs, shape, threads, route)
+_shape_layouts: dict[tuple[Any, ...], str] = {}
+
+
+def shape_layout(library: str, packs: bool, shape: Shape, pool: WorkerPool | None = None) -> str:
+    """The layout :func:`choose_layout` takes from :func:`time_layouts` on the product ``shape`` (M, K, N) here,
+    run as a plan on ``pool`` runs it (numpy: row blocks over the pool; torch and packed: its thread count);
+    measured once per shape, thread count and route, machine, library, versions and whether fp32 packs, the
+    record kept in the kernel cache (and the answer in this process)."""
+    threads = 1 if pool is None else pool.threads
+    route = "" if threads == 1 else parallel_route(pool)
+    known = _shape_layouts.get((library, packs, shape, threads, route))
+    if known is not None:
+        return known
+
     def measure() -> tuple[str, dict[str, float]]:
-        seconds = time_layouts(matmul(library), packs, (shape,))
+        seconds = time_layouts(matmul(library), packs, (shape,), pool if library == "numpy" else None, threads)
         choice = choose_layout(seconds)
-        log.info("CPU GEMM weights (%s) of a %dx%dx%d product: %s (fp32 on one thread: %s)", library, *shape, choice,
+        log.info("CPU GEMM weights (%s) of a %dx%dx%d product: %s (fp32 on %d thread%s: %s)", library, *shape, choice,
+                 threads, "" if threads == 1 else "s",
                  ", ".join(f"{layout} {t[0] * 1e3:.3f} ms" for layout, t in seconds.items()))
         return choice, {layout: t[0] for layout, t in seconds.items()}
 
-    key = {**_layout_key(library, packs), "shape": list(shape)}
-    return recorded_choice(LAYOUT_KIND, key, _layouts(packs), measure, "the weight layout")
+    key = {**_layout_key(library, packs, threads, route), "shape": list(shape)}
+    choice = _shape_layouts[(library, packs, shape, threads, route)] = recorded_choice(
+        LAYOUT_KIND, key, _layouts(packs), measure, "the weight layout")
+    return choice
+
+
+def forget_layouts() -> None:
+    """Drop this process's answers of :func:`shape_layout` (the kernel cache's records stay)."""
+    _shape_layouts.clear()
+
+
+def parallel_route(pool: WorkerPool | None) -> str:
+    """Where a pool's parallel work runs: its native pool's route (``openmp``, ``pthreads``), else ``python``."""
+    native = None if pool is None else pool.native
+    return "python" if native is None else str(getattr(native, "route", "native"))
 
 
 def _layouts(packs: bool) -> tuple[str, ...]:
@@ -532,6 +577,55 @@ def packed_linear(dtype: str, unary: UnaryPostOp = NO_POST_OP) -> PackedLinear:
         return linear(view(0, a), w, None if bias is None else view(1, bias), attr, scalars, algorithm)
 
     return run
+
+
+#: the kernel-cache records of :func:`post_op_pays`
+POST_OP_KIND = "gemm-post-ops"
+POST_OP_CHOICES = ("post-ops", "epilogue")
+
+
+def _operand(rng: np.random.Generator, shape: tuple[int, int], dtype: str) -> np.ndarray:
+    """A random aligned operand as the backend stores it: fp32, or a 16-bit dtype's bits as ``uint16``."""
+    import torch  # optional dependency (packed products: torch is loaded)
+
+    values = rng.standard_normal(shape, dtype=np.float32)
+    if dtype == "fp32":
+        return aligned_copy(values)
+    return aligned_copy(torch.from_numpy(values).to(_torch_dtype(dtype)).view(torch.uint16).numpy())
+
+
+def time_post_op(dtype: str, unary: UnaryPostOp, shape: Shape, threads: int = 1) -> dict[str, float]:
+    """Seconds (the fastest round, interleaved) of oneDNN's packed product of ``shape`` (M, K, N) with a bias,
+    with the activation ``unary`` as its post-op (``post-ops``) and without (``epilogue``: what the generated
+    epilogue then finishes), on ``threads`` torch threads."""
+    rng = np.random.default_rng(0)
+    m, k, n = shape
+    a, bias = _operand(rng, (m, k), dtype), _operand(rng, (1, n), dtype)[0]
+    weight = pack_weight(_operand(rng, (n, k), dtype).T, dtype)  # from nn.Linear's (N, K)
+    fused, plain = packed_linear(dtype, unary), packed_linear(dtype)
+    with torch_threads(threads):
+        return fastest_of({"post-ops": functools.partial(fused, a, weight, bias),
+                           "epilogue": functools.partial(plain, a, weight, bias)})
+
+
+@functools.cache
+def post_op_pays(dtype: str, unary: UnaryPostOp, shape: Shape, threads: int = 1) -> bool:
+    """Does oneDNN's post-op ``unary`` cost its packed product of ``shape`` at most :data:`PROBE_MARGIN` (what a
+    generated epilogue's pass over the result costs, or less)?  oneDNN's own activations are not equally fast on
+    every CPU: with AVX2 code GELU's tanh form added 35% to a 128x768x3072 product on one Zen 4 core
+    (2026-12-07), 1.6% with AVX-512.  Measured once per dtype, activation, shape, thread count, machine and
+    versions; the record kept in the kernel cache."""
+    def measure() -> tuple[str, dict[str, float]]:
+        seconds = time_post_op(dtype, unary, shape, threads)
+        choice = "post-ops" if seconds["post-ops"] <= seconds["epilogue"] * (1 + PROBE_MARGIN) else "epilogue"
+        log.info("CPU GEMM %s %s of a %dx%dx%d product on %d thread(s): %s (post-ops %.3f ms, without %.3f ms)",
+                 dtype, unary.name + (f"/{unary.algorithm}" if unary.algorithm else ""), *shape, threads, choice,
+                 seconds["post-ops"] * 1e3, seconds["epilogue"] * 1e3)
+        return choice, seconds
+
+    key = {**_layout_key("torch", packs=True), "dtype": dtype, "unary": [unary.name, *unary.scalars, unary.algorithm],
+           "shape": list(shape), "threads": threads}
+    return recorded_choice(POST_OP_KIND, key, POST_OP_CHOICES, measure, "the post-op choice") == "post-ops"
 
 
 def packing(product: MatMul, linear: PackedLinear, weight: Callable[[], Any]) -> MatMul:

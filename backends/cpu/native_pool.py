@@ -11,6 +11,16 @@ within it), then sleep on a condition variable: they never spin while BLAS or to
 step.  One pool per process and thread count is shared by every plan and lives as long as the
 process; a second caller that finds it busy runs its parts on its own thread rather than wait.
 
+Where torch is loaded and runs on OpenMP, the parts run on torch's OpenMP team instead
+(``$FUSION_PLANNER_CPU_POOL``: ``auto``, the default; ``openmp`` or ``pthreads`` force one): one
+``GOMP_parallel`` call of the runtime torch loaded, the parts claimed from the same counter.  GNU
+OpenMP's threads spin for milliseconds after each region (its default wait policy): on two cores here
+(2026-12-07) a kernel split over our own pthreads within 3 ms of a torch product ran on one core, its
+other worker waiting for the spinning OpenMP thread to be descheduled (a 128x768x3072 product split
+over two threads took 6.6 ms there, 3.4 ms 10 ms later).  On the team torch's products ran on, a plan
+that mixes oneDNN products and generated kernels keeps both cores: a 4M-element kernel right after a
+product took 212-267 µs against 287-405 on the pthreads.
+
 Every kernel :meth:`Compiler.function` loads takes ``n`` pointers and three ``int64_t``; the pool
 calls it through a function pointer of that arity with ``void*`` pointers, exactly as ctypes does.
 """
@@ -21,6 +31,7 @@ import ctypes
 import functools
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,6 +39,8 @@ from pathlib import Path
 from backends.codegen import CodegenError
 from backends.cpu import parallel
 from backends.cpu.compiler import Compiler
+from planner.backend import BackendError
+from planner.core.env import env_choice
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +48,12 @@ log = logging.getLogger(__name__)
 MAX_POINTERS = 32
 #: how long an idle worker spins for the next kernel before it sleeps ($FUSION_PLANNER_SPIN_US)
 SPIN_US = 30
+POOL_ENV = "FUSION_PLANNER_CPU_POOL"
+ROUTES = ("openmp", "pthreads")
+#: the OpenMP runtimes torch's wheels load (GNU's; Intel's, which also answers GNU's entry points)
+OPENMP_RUNTIMES = ("libgomp.so.1", "libiomp5.so")
+#: task ``i`` of :meth:`NativePool.run_tasks`, called from the C side
+_TASK = ctypes.CFUNCTYPE(None, ctypes.c_int64)
 
 _HEAD = r"""
 #include <pthread.h>
@@ -168,6 +187,42 @@ void fp_pool_run(fp_pool* p, void* fn, int n_ptr, const int64_t* args, int64_t p
 """
 
 
+_OPENMP = r"""
+/* The same parts on the OpenMP team of the runtime whose GOMP_parallel is passed (torch's): its threads are the
+   ones torch's products just ran on, still spinning for the next region, not a second pool competing for cores. */
+typedef void (*fp_gomp_parallel)(void (*)(void*), void*, unsigned, unsigned);
+
+static void fp_omp_body(void* job) { fp_work(job); }
+
+void fp_omp_run(void* gomp_parallel, int threads, void* fn, int n_ptr, const int64_t* args, int64_t parts) {
+    fp_job job = {.fn = fn, .n_ptr = n_ptr, .args = args, .parts = parts};
+    atomic_init(&job.next, 0);
+    atomic_init(&job.done, 0);
+    atomic_init(&job.active, 0);
+    ((fp_gomp_parallel)gomp_parallel)(fp_omp_body, &job, (unsigned)(parts < threads ? parts : threads), 0);
+}
+
+/* Tasks 0..n-1 by calling task(i) (a Python callable through ctypes, which takes the GIL for it) on the team. */
+typedef struct fp_tasks {
+    void (*task)(int64_t);
+    int64_t n;
+    atomic_llong next;
+} fp_tasks;
+
+static void fp_tasks_body(void* arg) {
+    fp_tasks* t = arg;
+    int64_t i;
+    while ((i = atomic_fetch_add(&t->next, 1)) < t->n) t->task(i);
+}
+
+void fp_omp_tasks(void* gomp_parallel, int threads, void (*task)(int64_t), int64_t n) {
+    fp_tasks t = {.task = task, .n = n};
+    atomic_init(&t.next, 0);
+    ((fp_gomp_parallel)gomp_parallel)(fp_tasks_body, &t, (unsigned)(n < threads ? n : threads), 0);
+}
+"""
+
+
 def pool_source(max_pointers: int = MAX_POINTERS) -> str:
     """The pool's C source: a call of each arity from 1 to ``max_pointers`` pointers, then the pool."""
     cases = []
@@ -177,7 +232,7 @@ def pool_source(max_pointers: int = MAX_POINTERS) -> str:
         cases.append(f"    case {n}: ((void (*)({types}))fn)({args}); return;")
     call = ("static void fp_call(void* fn, int n, const int64_t* a) {\n    switch (n) {\n"
             + "\n".join(cases) + "\n    default: return;\n    }\n}\n")
-    return _HEAD + call + _TAIL
+    return _HEAD + call + _TAIL + _OPENMP
 
 
 def spin_us_from_env() -> int:
@@ -185,10 +240,40 @@ def spin_us_from_env() -> int:
     return SPIN_US if n is None else n
 
 
-class NativePool:
-    """``threads - 1`` pthreads that run a loaded kernel's parts (see the module docstring)."""
+def openmp_parallel() -> tuple[int | None, str]:
+    """(the address of ``GOMP_parallel`` in the OpenMP runtime torch runs on, or None; why not, when None)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None, "torch is not loaded"
+    if not torch._C.has_openmp:
+        return None, "this torch does not run on OpenMP"
+    for name in OPENMP_RUNTIMES:
+        try:
+            runtime = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_NOW)  # only the one already loaded
+            return ctypes.cast(runtime.GOMP_parallel, ctypes.c_void_p).value, ""
+        except (OSError, AttributeError):
+            continue
+    return None, f"none of {', '.join(OPENMP_RUNTIMES)} is loaded with GOMP_parallel"
 
-    def __init__(self, library: Path, threads: int, spin_us: int) -> None:
+
+def route_from_env() -> tuple[str, int | None]:
+    """(``openmp`` or ``pthreads``, GOMP_parallel's address for openmp): ``$FUSION_PLANNER_CPU_POOL``, where
+    ``auto`` (the default) takes torch's OpenMP team where there is one; ``openmp`` where there is none is an
+    error that says why."""
+    choice = env_choice(POOL_ENV, ("auto", *ROUTES), "auto")
+    if choice == "pthreads":
+        return "pthreads", None
+    address, why = openmp_parallel()
+    if address is None and choice == "openmp":
+        raise BackendError(f"{POOL_ENV}=openmp, but there is no OpenMP team to run on ({why})")
+    return ("openmp", address) if address is not None else ("pthreads", None)
+
+
+class NativePool:
+    """``threads - 1`` pthreads that run a loaded kernel's parts, or ``threads`` of torch's OpenMP team where
+    ``gomp_parallel`` (its runtime's entry point) is given (see the module docstring)."""
+
+    def __init__(self, library: Path, threads: int, spin_us: int, gomp_parallel: int | None = None) -> None:
         """The pool of the compiled :func:`pool_source` at ``library`` (:func:`start_library`)."""
         lib = ctypes.CDLL(str(library))
         lib.fp_pool_new.argtypes = [ctypes.c_int, ctypes.c_int64]
@@ -197,11 +282,24 @@ class NativePool:
         lib.fp_pool_workers.restype = ctypes.c_int
         lib.fp_pool_run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
         lib.fp_pool_run.restype = None
+        lib.fp_omp_run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                   ctypes.c_int64]
+        lib.fp_omp_run.restype = None
+        lib.fp_omp_tasks.argtypes = [ctypes.c_void_p, ctypes.c_int, _TASK, ctypes.c_int64]
+        lib.fp_omp_tasks.restype = None
         self._lib = lib
+        self._gomp_parallel = gomp_parallel
+        self.route = "pthreads" if gomp_parallel is None else "openmp"
+        #: Python tasks run here too (:meth:`run_tasks`): on the OpenMP team, where the other route would be a
+        #: third pool beside it and torch's
+        self.runs_tasks = gomp_parallel is not None
+        self.max_pointers = MAX_POINTERS
+        if gomp_parallel is not None:
+            self._handle, self.threads = None, threads
+            return
         self._handle = lib.fp_pool_new(threads - 1, spin_us * 1000)
         if not self._handle:
             raise CodegenError("the native worker pool could not allocate its state")
-        self.max_pointers = MAX_POINTERS
         self.threads = 1 + lib.fp_pool_workers(self._handle)
         if self.threads < threads:
             log.warning("the native worker pool started %d of %d threads", self.threads - 1, threads - 1)
@@ -211,10 +309,30 @@ class NativePool:
         integers), the parts in parallel; returns when every part has ended."""
         flat = [v for part in parts for v in part]
         args = (ctypes.c_int64 * len(flat))(*flat)
+        if self._gomp_parallel is not None:
+            self._lib.fp_omp_run(self._gomp_parallel, self.threads, address, n_pointers, args, len(parts))
+            return
         self._lib.fp_pool_run(self._handle, address, n_pointers, args, len(parts))
 
+    def run_tasks(self, tasks: Sequence[Callable[[], None]]) -> None:
+        """Run every task on the OpenMP team (each takes the GIL through ctypes' callback; a GEMM block releases
+        it inside BLAS); re-raises the first failure after all ended."""
+        if self._gomp_parallel is None:
+            raise CodegenError("Python tasks run on the OpenMP route only")
+        failures: list[BaseException] = []
 
-_shared: dict[tuple[int, int, int], NativePool | None] = {}
+        def one(i: int) -> None:
+            try:
+                tasks[i]()
+            except BaseException as exc:  # noqa: BLE001 - raised below, once every task has ended
+                failures.append(exc)
+
+        self._lib.fp_omp_tasks(self._gomp_parallel, self.threads, _TASK(one), len(tasks))
+        if failures:
+            raise failures[0]
+
+
+_shared: dict[tuple[int, int, int, str], NativePool | None] = {}
 _shared_lock = threading.Lock()
 
 
@@ -224,15 +342,17 @@ def start_library(compiler: Compiler) -> Callable[[], Path]:
 
 
 def shared_pool(compiler: Compiler, threads: int) -> NativePool | None:
-    """This process's pool of ``threads`` threads (made on first use; a forked child makes its own), or None
-    when it cannot be built (the caller then runs kernels on its Python pool; the reason is logged)."""
+    """This process's pool of ``threads`` threads on the route :func:`route_from_env` takes (made on first use;
+    a forked child makes its own), or None when it cannot be built (the caller then runs kernels on its Python
+    pool; the reason is logged)."""
     return start_shared_pool(compiler, threads)()
 
 
 def start_shared_pool(compiler: Compiler, threads: int) -> Callable[[], NativePool | None]:
     """:func:`shared_pool`, its compiler run started where the pool is not made yet: the caller works meanwhile
     (a cold kernel cache compiles the pool for about 0.3 s), then calls what this returns."""
-    key = (os.getpid(), threads, spin_us_from_env())
+    route, gomp_parallel = route_from_env()
+    key = (os.getpid(), threads, spin_us_from_env(), route)
     with _shared_lock:
         if key in _shared:
             made = _shared[key]
@@ -240,31 +360,31 @@ def start_shared_pool(compiler: Compiler, threads: int) -> Callable[[], NativePo
     try:
         library = start_library(compiler)
     except (CodegenError, OSError) as exc:
-        return functools.partial(_made, key, exc)
+        return functools.partial(_made, key, exc, gomp_parallel)
 
     def finish() -> NativePool | None:
         try:
-            return _made(key, library())  # waited for even where another caller made the pool: its run is reaped
+            return _made(key, library(), gomp_parallel)  # waited for even where another caller made the pool
         except (CodegenError, OSError) as exc:
-            return _made(key, exc)
+            return _made(key, exc, gomp_parallel)
 
     return finish
 
 
-def _made(key: tuple[int, int, int], library: Path | Exception) -> NativePool | None:
+def _made(key: tuple[int, int, int, str], library: Path | Exception, gomp_parallel: int | None) -> NativePool | None:
     """The shared pool of ``key``: the one made already, else made from ``library``; None where the library's
     build failed (``library`` is the error) or the pool cannot start (the reason is logged)."""
     with _shared_lock:
         if key not in _shared:
-            _shared[key] = _new_pool(library, key[1], key[2])
+            _shared[key] = _new_pool(library, key[1], key[2], gomp_parallel)
         return _shared[key]
 
 
-def _new_pool(library: Path | Exception, threads: int, spin_us: int) -> NativePool | None:
+def _new_pool(library: Path | Exception, threads: int, spin_us: int, gomp_parallel: int | None) -> NativePool | None:
     failure = library if isinstance(library, Exception) else None
     if not isinstance(library, Exception):
         try:
-            return NativePool(library, threads, spin_us)
+            return NativePool(library, threads, spin_us, gomp_parallel)
         except (CodegenError, OSError) as exc:
             failure = exc
     log.warning("no native worker pool (%s); kernels are split across Python threads", failure)

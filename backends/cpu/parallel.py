@@ -70,11 +70,15 @@ def kernel_address(fn: Callable[..., None]) -> int:
 
 
 class KernelPool(Protocol):
-    """Runs a loaded C kernel's parts in parallel (``native_pool.NativePool``)."""
+    """Runs a loaded C kernel's parts in parallel (``native_pool.NativePool``), and Python tasks where
+    ``runs_tasks``."""
 
     max_pointers: int
+    runs_tasks: bool
 
     def run(self, address: int, n_pointers: int, parts: Sequence[Sequence[int]]) -> None: ...
+
+    def run_tasks(self, tasks: Sequence[Callable[[], None]]) -> None: ...
 
 
 class WorkerPool:
@@ -118,12 +122,18 @@ class WorkerPool:
         self.run([functools.partial(fn, *part) for part in parts])
 
     def run(self, tasks: Sequence[Callable[[], None]]) -> None:
-        """Run every task, the first on the calling thread; re-raises the first failure after all ended."""
+        """Run every task, the first on the calling thread (on the native pool where it runs tasks: torch's
+        OpenMP team); re-raises the first failure after all ended."""
         if self._executor is None or len(tasks) < 2:
             for task in tasks:
                 task()
             return
         self.parallel_runs += 1
+        native = self.native
+        if native is not None and native.runs_tasks:
+            self.native_runs += 1
+            native.run_tasks(tasks)
+            return
         futures = [self._executor.submit(task) for task in tasks[1:]]
         first: BaseException | None = None
         try:

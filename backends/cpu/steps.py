@@ -278,7 +278,8 @@ class GemmSteps(StepsBase):
         ``[activation]([BiasAdd](product))``, which oneDNN applies to the packed product itself as post-ops
         (``gemm.LINEAR_UNARY``): its right operand a packable weight, every operand and the output of the product
         tile's dtype (fp32, or the 16-bit one torch multiplies natively); else None.  A residual add stays the
-        generated epilogue's (oneDNN's binary post-op was no faster: bf16 256x3072x768, one core)."""
+        generated epilogue's (oneDNN's binary post-op was no faster: bf16 256x3072x768, one core), and so does an
+        activation whose post-op is slower than the epilogue here (:meth:`_post_op_pays`)."""
         if k.kind not in (KernelKind.CUBLASLT, KernelKind.GEMM_EPILOGUE):
             return None
         mm = find_matmul(k.body)
@@ -291,7 +292,16 @@ class GemmSteps(StepsBase):
         operands = [a_name, b_name, k.out, *([bias] if bias else [])]
         if b_name not in memory.packable or any(tensors[n].dtype != dtype for n in operands):
             return None
+        if unary != gemm.NO_POST_OP and not self._post_op_pays(dtype, unary, memory, a_name, b_name):
+            return None
         return a_name, b_name, bias, gemm.packed_linear(dtype, unary)
+
+    def _post_op_pays(self, dtype: str, unary: gemm.UnaryPostOp, memory: Memory, a_name: str, b_name: str) -> bool:
+        """Is oneDNN's activation as a post-op no slower than the generated epilogue here
+        (``gemm.post_op_pays``, timed on the product's shape, the rows of one tile, on this backend's threads)?"""
+        (rows, kdim), cols = memory.own[a_name].shape, memory.own[b_name].shape[1]
+        tile = (min(rows, gemm_tile_rows(rows, cols, kdim, self.tile_bytes)), kdim, cols)
+        return gemm.post_op_pays(dtype, unary, tile, self.threads)
 
     @staticmethod
     def _with_post_ops(k: Kernel, memory: Memory, step: Step, a_name: str, b_name: str, bias: str | None,

@@ -882,12 +882,16 @@ def test_16_bit_gemms_in_torchs_native_product_match_the_widened_ones(dtype, gel
         CpuBackend(SPEC, threads=1, gemm_library="torch").compile(plan)
 
 
-def _packing_backend(monkeypatch, threads: int, tile_bytes: int | None = None, dtype: str = "bf16"):
+def _packing_backend(monkeypatch, threads: int, tile_bytes: int | None = None, dtype: str = "bf16",
+                     post_ops_pay: bool = True):
     """A CPU backend multiplying ``dtype`` from packed weights (bf16 natively; fp32 with numpy's BLAS for the
-    rest); skips where this torch cannot pack it."""
+    rest), oneDNN's activations taken as post-ops where ``post_ops_pay`` (else the generated epilogue's); skips
+    where this torch cannot pack it."""
     pytest.importorskip("torch")
     from backends.cpu import gemm
     from backends.cpu.backend import CpuBackend
+
+    monkeypatch.setattr(gemm, "post_op_pays", lambda *args: post_ops_pay)
 
     monkeypatch.setenv(gemm.GEMM_16BIT_ENV, "native")
     if gemm.packing_error(dtype) is not None:
@@ -1027,6 +1031,59 @@ def test_a_generated_gemm_epilogue_onednn_applies_runs_as_its_post_ops(activatio
                         ("torch-bf16-gemm+c-epilogue" if dtype == "bf16" else "numpy-gemm+c-epilogue"))
         for feed in (dict(inputs, w=held), dict(inputs, w=held), dict(inputs, w=inputs["w"].copy())):
             assert all(close(a, e, dtype) for a, e in zip(compiled.run(feed), want, strict=True)), plan.notation()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_an_activation_whose_post_op_is_slower_here_stays_the_generated_epilogues(dtype, threads, monkeypatch):
+    """Where oneDNN's GELU post-op costs its product more than the epilogue would (as with AVX2 code), the
+    packed product runs bare and the generated epilogue adds the bias and GELU: the reference's answer."""
+    backend = _packing_backend(monkeypatch, threads, dtype=dtype, post_ops_pay=False)
+    b = GraphBuilder("post-op-slower")
+    b.input("x", (24, 40), dtype)
+    b.input("w", (40, 32), dtype)
+    b.input("bias", (32,), dtype)
+    y = b.op("y", "GeluTanh", [b.op("b", "BiasAdd", [b.op("mm", "MatMul", ["x", "w"]), "bias"])])
+    g = b.build([b.op("out", "Affine", [y], {"a": 0.5, "b": 1.0})])
+    plan = next(p for p in build_candidates(g, SPEC, cap=64).plans if p.kernels[0].epilogue == "GELU_BIAS")
+    inputs, held = _with_held_weight(g, dtype, seed=4)
+    want = execute_plan(plan, inputs)
+    compiled = backend.compile(plan)
+    assert "post-ops" not in compiled.kernel_facts[0]["impl"]
+    for feed in (dict(inputs, w=held), dict(inputs, w=held)):
+        assert all(close(a, e, dtype) for a, e in zip(compiled.run(feed), want, strict=True))
+    assert compiled.packs == 1  # the weight is packed all the same: the bare product reads it
+
+
+def test_the_post_op_choice_is_measured_once_per_shape_and_threads_and_recorded(monkeypatch, tmp_path):
+    """oneDNN's activation is a post-op only where it costs the packed product at most the margin; the choice is
+    timed once per shape and thread count, recorded, and read back by a new process."""
+    pytest.importorskip("torch")
+    from backends.cpu import gemm
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    timed: list = []
+
+    def timing(dtype, unary, shape, threads):  # GELU: 20% slower as a post-op on 2 threads, 2% on one
+        timed.append((shape, threads))
+        return {"post-ops": 1.2 if threads == 2 else 1.02, "epilogue": 1.0}
+
+    probe = gemm.time_post_op
+    monkeypatch.setattr(gemm, "time_post_op", timing)
+    gelu = gemm.LINEAR_UNARY["GeluTanh"]({})
+    gemm.post_op_pays.cache_clear()
+    try:
+        assert gemm.post_op_pays("fp32", gelu, (128, 768, 3072), 1)
+        assert not gemm.post_op_pays("fp32", gelu, (128, 768, 3072), 2)
+        gemm.post_op_pays.cache_clear()  # a new process: the records answer
+        assert gemm.post_op_pays("fp32", gelu, (128, 768, 3072), 1)
+        assert not gemm.post_op_pays("fp32", gelu, (128, 768, 3072), 2)
+        assert timed == [((128, 768, 3072), 1), ((128, 768, 3072), 2)]
+    finally:
+        gemm.post_op_pays.cache_clear()
+    if gemm.packing_error("fp32") is None:  # the probe itself: both forms timed
+        seconds = probe("fp32", gelu, (16, 64, 64), 2)
+        assert set(seconds) == set(gemm.POST_OP_CHOICES) and min(seconds.values()) > 0
 
 
 def test_packed_16_bit_weights_are_chosen_by_measurement_and_refused_where_torch_cannot_pack(monkeypatch, tmp_path):

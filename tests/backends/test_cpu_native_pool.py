@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import numpy as np
@@ -10,9 +11,10 @@ import pytest
 from backends.codegen import CodegenError
 from backends.cpu import native_pool, parallel
 from backends.cpu.compiler import Compiler
-from planner.backend import BackendUnavailable
+from planner.backend import BackendError, BackendUnavailable
 from planner.core import examples
 from planner.core.cost import load_device
+from planner.core.errors import UsageError
 from planner.core.reference import random_inputs
 from planner.egraph.candidates import build_candidates
 
@@ -102,6 +104,7 @@ def test_a_kernel_with_more_pointers_than_the_pool_calls_runs_on_python_threads(
 
     class Refusing:
         max_pointers = 1
+        runs_tasks = False
 
         def run(self, address: int, n_pointers: int, parts: object) -> None:
             raise AssertionError("a kernel of too many pointers reached the native pool")
@@ -147,3 +150,63 @@ def test_a_pool_whose_build_fails_is_none_and_says_why(compiler: Compiler, monke
     with caplog.at_level("WARNING"):
         assert native_pool.start_shared_pool(compiler, 2)() is None
     assert "cc failed on the pool" in caplog.text
+
+
+# ---------------------------------------------------------------- torch's OpenMP team
+
+
+def _openmp_pool(compiler: Compiler, threads: int) -> native_pool.NativePool:
+    pytest.importorskip("torch")
+    address, why = native_pool.openmp_parallel()
+    if address is None:
+        pytest.skip(f"no OpenMP team: {why}")
+    return native_pool.NativePool(native_pool.start_library(compiler)(), threads, spin_us=0, gomp_parallel=address)
+
+
+def test_on_torchs_openmp_team_every_part_runs_once_and_the_team_shares_them(compiler: Compiler) -> None:
+    pool = _openmp_pool(compiler, 2)
+    fn = _count_kernel(compiler)
+    counts, owner = np.zeros(64, np.int64), np.zeros(64, np.int64)
+    for _ in range(5):
+        pool.run(parallel.kernel_address(fn), 2, [[counts.ctypes.data, owner.ctypes.data, r, r + 1, 400_000]
+                                              for r in range(64)])
+    assert np.array_equal(counts, np.full(64, 5))
+    assert len(set(owner.tolist())) == 2 and pool.route == "openmp" and pool.threads == 2
+
+
+def test_python_tasks_run_once_each_on_the_team_and_a_failure_is_raised_after_all_ended(compiler: Compiler) -> None:
+    pool = _openmp_pool(compiler, 2)
+    ran: list[int] = []
+
+    def task(i: int) -> None:
+        if i == 1:
+            raise ValueError("task 1 failed")
+        ran.append(i)
+
+    with pytest.raises(ValueError, match="task 1 failed"):
+        pool.run_tasks([lambda i=i: task(i) for i in range(6)])  # type: ignore[misc]
+    assert sorted(ran) == [0, 2, 3, 4, 5]
+    workers = parallel.WorkerPool(2)
+    workers.native = pool
+    out = np.zeros(8)
+    workers.run([lambda r=r: out.__setitem__(slice(r, r + 1), r + 1) for r in range(8)])  # type: ignore[misc]
+    assert np.array_equal(out, np.arange(1, 9)) and workers.native_runs == 1
+    workers.close()
+
+
+def test_the_route_is_torchs_openmp_team_unless_the_environment_says_pthreads(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("torch")
+    if native_pool.openmp_parallel()[0] is None:
+        pytest.skip("this torch does not run on OpenMP")
+    assert native_pool.route_from_env()[0] == "openmp"
+    monkeypatch.setenv(native_pool.POOL_ENV, "pthreads")
+    assert native_pool.route_from_env() == ("pthreads", None)
+    monkeypatch.setenv(native_pool.POOL_ENV, "openmp")
+    monkeypatch.delitem(sys.modules, "torch")
+    with pytest.raises(BackendError, match="FUSION_PLANNER_CPU_POOL=openmp.*torch is not loaded"):
+        native_pool.route_from_env()
+    monkeypatch.setenv(native_pool.POOL_ENV, "auto")
+    assert native_pool.route_from_env() == ("pthreads", None)
+    monkeypatch.setenv(native_pool.POOL_ENV, "gomp")
+    with pytest.raises(UsageError, match="FUSION_PLANNER_CPU_POOL"):
+        native_pool.route_from_env()

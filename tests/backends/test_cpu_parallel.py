@@ -442,9 +442,9 @@ def _two_products():
 
 def _faster_where(wins: dict[tuple[int, int, int], str], measured: list):
     """A stand-in for ``gemm.time_layouts``: the layout ``wins`` names for a shape is twice as fast as the rest."""
-    def timings(mm, packs, shapes):
+    def timings(mm, packs, shapes, pool=None, threads=1):
         (shape,) = shapes
-        measured.append((shape, packs))
+        measured.append((shape, packs) if threads == 1 else (shape, packs, threads, pool is not None))
         layouts = ("packed", "padded", "given") if packs else ("padded", "given")
         return {layout: [0.5 if wins.get(shape) == layout else 1.0] for layout in layouts}
     return timings
@@ -462,22 +462,22 @@ def test_auto_lays_each_weight_out_as_its_own_products_shape_measured_fastest(mo
     measured: list = []
     monkeypatch.setattr(gemm, "time_layouts", _faster_where({(64, 256, 1024): "padded"}, measured))
     graph, plan = _two_products()
-    gemm.shape_layout.cache_clear()
+    gemm.forget_layouts()
     try:
         compiled = cpu(1).compile(plan)
         assert compiled.padded == {"gate_up.w"} and sorted(measured) == [((64, 256, 1024), False),
                                                                          ((64, 512, 256), False)]
         inputs = random_inputs(graph)
         np.testing.assert_allclose(compiled.run(inputs)[0], execute_graph(graph, inputs)[0], rtol=1e-4, atol=1e-4)
-        gemm.shape_layout.cache_clear()  # a new process: the records answer
+        gemm.forget_layouts()  # a new process: the records answer
         assert cpu(1).compile(plan).padded == {"gate_up.w"} and len(measured) == 2
         for record in (tmp_path / "fusion-planner" / "cpu").glob(f"{gemm.LAYOUT_KIND}-*.json"):
             record.write_text(record.read_text().replace('"choice": "padded"', '"choice": "diagonal"'))
         monkeypatch.setattr(gemm, "time_layouts", _faster_where({}, measured))
-        gemm.shape_layout.cache_clear()  # a tampered record is measured again
+        gemm.forget_layouts()  # a tampered record is measured again
         assert cpu(1).compile(plan).padded == frozenset() and len(measured) == 3
     finally:
-        gemm.shape_layout.cache_clear()
+        gemm.forget_layouts()
     monkeypatch.setenv(gemm.WEIGHTS_ENV, "padded")
     assert cpu(1).compile(plan).padded == {"gate_up.w", "down.w"} and len(measured) == 3
     monkeypatch.setenv(gemm.WEIGHTS_ENV, "diagonal")
@@ -505,18 +505,18 @@ def test_the_measured_choice_holds_in_a_process_that_loaded_another_blas(monkeyp
     monkeypatch.setattr(gemm, "time_layouts", _faster_where({(64, 256, 1024): "padded"}, measured))
     scipy_blas = {"user_api": "blas", "internal_api": "openblas", "version": "0.3.30",
                   "filepath": "/site-packages/scipy.libs/libscipy_openblas.so"}
-    gemm.shape_layout.cache_clear()
+    gemm.forget_layouts()
     try:
         assert gemm.shape_layout("numpy", False, (64, 256, 1024)) == "padded" and len(measured) == 1
         loaded = [*threadpoolctl.threadpool_info(), scipy_blas]
         monkeypatch.setattr(threadpoolctl, "threadpool_info", lambda: loaded)
         monkeypatch.setattr(gemm, "threadpool_info", lambda: loaded, raising=False)
-        gemm.shape_layout.cache_clear()  # a new process, scipy's BLAS loaded too
+        gemm.forget_layouts()  # a new process, scipy's BLAS loaded too
         assert gemm.shape_layout("numpy", False, (64, 256, 1024)) == "padded" and len(measured) == 1
         numpy_blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
         assert gemm._layout_key("numpy")["blas"] == [f"{numpy_blas['name']} {numpy_blas['version']}"]
     finally:
-        gemm.shape_layout.cache_clear()
+        gemm.forget_layouts()
 
 
 def test_a_product_is_timed_on_the_rows_of_one_tile(monkeypatch, tmp_path) -> None:
@@ -530,11 +530,11 @@ def test_a_product_is_timed_on_the_rows_of_one_tile(monkeypatch, tmp_path) -> No
     measured: list = []
     monkeypatch.setattr(gemm, "time_layouts", _faster_where({}, measured))
     _, plan = _two_products()
-    gemm.shape_layout.cache_clear()
+    gemm.forget_layouts()
     try:
         cpu(1, tile_bytes=64 * 1024).compile(plan)
     finally:
-        gemm.shape_layout.cache_clear()
+        gemm.forget_layouts()
     tile = gemm_tile_rows(64, 1024, 256, 64 * 1024)
     assert tile < 64 and ((tile, 256, 1024), False) in measured
 
@@ -557,7 +557,7 @@ def test_auto_packs_fp32_weights_where_oneDNN_beats_the_better_stored_layout(mon
     monkeypatch.setattr(gemm, "time_layouts", _faster_where({(64, 256, 1024): "packed", (64, 512, 256): "packed"},
                                                             measured))
     graph, plan = _two_products()
-    gemm.shape_layout.cache_clear()
+    gemm.forget_layouts()
     try:
         compiled = cpu(1).compile(plan)
         assert compiled.memory.packable == {"gate_up.w", "down.w"} and compiled.padded == frozenset()
@@ -567,18 +567,60 @@ def test_auto_packs_fp32_weights_where_oneDNN_beats_the_better_stored_layout(mon
             held[name].setflags(write=False)  # a bound parameter: packed once
         np.testing.assert_allclose(compiled.run(held)[0], execute_graph(graph, held)[0], rtol=1e-4, atol=1e-4)
         assert compiled.packs == 2
-        gemm.shape_layout.cache_clear()
+        gemm.forget_layouts()
         small = cpu(1)
         small.pack_min_macs = 10 * 2**20  # 64x512x256 (8.4M) is now too small to pack
         assert small.compile(plan).memory.packable == {"gate_up.w"} and ((64, 512, 256), False) in measured
     finally:
-        gemm.shape_layout.cache_clear()
+        gemm.forget_layouts()
     region = whole_graph_region(examples.ew_chain(2, 1000))
     keys = set()
     for layout in (*gemm.WEIGHT_LAYOUTS, "auto"):
         monkeypatch.setenv(gemm.WEIGHTS_ENV, layout)
         keys.add(PlanOptions("cpu", SPEC, ()).cache_key(region, cpu(1)))
     assert len(keys) == 4
+
+
+def test_on_several_threads_each_layout_is_timed_as_the_plan_runs_it_and_recorded_apart(monkeypatch, tmp_path) -> None:
+    """A backend of two threads times each product's layouts on its own pool (numpy's row blocks split over it),
+    and its record is its own: a one-thread backend's choice does not answer it, nor its choice the other's."""
+    from backends.cpu import gemm
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(gemm.WEIGHTS_ENV, raising=False)
+    monkeypatch.setattr(gemm, "packing_error", lambda dtype: "RuntimeError: no oneDNN")
+    measured: list = []
+    monkeypatch.setattr(gemm, "time_layouts", _faster_where({(64, 256, 1024): "padded"}, measured))
+    _, plan = _two_products()
+    gemm.forget_layouts()
+    try:
+        assert cpu(1, gemm_library="numpy").compile(plan).padded == {"gate_up.w"} and len(measured) == 2
+        gemm.forget_layouts()
+        monkeypatch.setattr(gemm, "time_layouts", _faster_where({(64, 512, 256): "padded"}, measured))
+        assert cpu(2, gemm_library="numpy").compile(plan).padded == {"down.w"}
+        assert sorted(measured[2:]) == [((64, 256, 1024), False, 2, True), ((64, 512, 256), False, 2, True)]
+        gemm.forget_layouts()
+        assert cpu(1, gemm_library="numpy").compile(plan).padded == {"gate_up.w"}
+        assert cpu(2, gemm_library="numpy").compile(plan).padded == {"down.w"} and len(measured) == 4  # both answered by their records
+    finally:
+        gemm.forget_layouts()
+
+
+def test_a_product_split_over_a_pool_computes_every_row_and_the_probe_times_it() -> None:
+    from backends.cpu import gemm
+
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((70, 40), dtype=np.float32), rng.standard_normal((40, 24), dtype=np.float32)
+    out = np.zeros((70, 24), np.float32)
+    pool = parallel.WorkerPool(2)
+    try:
+        gemm.split_product(gemm.numpy_mm, pool)(a, b, out)
+        np.testing.assert_allclose(out, a @ b, rtol=1e-5, atol=1e-5)
+        assert pool.parallel_runs == 1 and gemm.split_product(gemm.numpy_mm, None) is gemm.numpy_mm
+        seconds = gemm.time_layouts(gemm.numpy_mm, shapes=((64, 128, 256),), pool=pool, threads=2)
+        assert set(seconds) == {"padded", "given"} and all(min(v) > 0 for v in seconds.values())
+    finally:
+        pool.close()
 
 
 def test_the_layout_probe_times_each_layout_of_each_shape() -> None:
