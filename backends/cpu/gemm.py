@@ -522,7 +522,7 @@ def forget_layouts() -> None:
 def parallel_route(pool: WorkerPool | None) -> str:
     """Where a pool's parallel work runs: its native pool's route (``openmp``, ``pthreads``), else ``python``."""
     native = None if pool is None else pool.native
-    return "python" if native is None else str(getattr(native, "route", "native"))
+    return "python" if native is None else native.route
 
 
 def _layouts(packs: bool) -> tuple[str, ...]:

@@ -74,6 +74,7 @@ class KernelPool(Protocol):
     ``runs_tasks``."""
 
     max_pointers: int
+    route: str
     runs_tasks: bool
 
     def run(self, address: int, n_pointers: int, parts: Sequence[Sequence[int]]) -> None: ...
