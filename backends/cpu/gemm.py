@@ -161,6 +161,8 @@ class UnaryPostOp:
     def torch(self, y: Any) -> Any:
         import torch.nn.functional as F  # optional dependency
 
+        if self.name == "gelu":
+            return F.gelu(y, approximate="tanh" if self.algorithm == "tanh" else "none")
         return getattr(F, self.function or self.name)(y, *self.scalars)
 
 
@@ -596,35 +598,42 @@ def _operand(rng: np.random.Generator, shape: tuple[int, int], dtype: str) -> np
 
 def time_post_op(dtype: str, unary: UnaryPostOp, shape: Shape, threads: int = 1) -> dict[str, float]:
     """Seconds (the fastest round, interleaved) of oneDNN's packed product of ``shape`` (M, K, N) with a bias,
-    with the activation ``unary`` as its post-op (``post-ops``) and without (``epilogue``: what the generated
-    epilogue then finishes), on ``threads`` torch threads."""
+    with the activation ``unary`` as its post-op (``post-ops``), and without it followed by a pass of the
+    activation over the result (``epilogue``: the generated epilogue's work, priced by torch's own activation;
+    ``product``: the bare product, for the log), on ``threads`` torch threads."""
     rng = np.random.default_rng(0)
     m, k, n = shape
     a, bias = _operand(rng, (m, k), dtype), _operand(rng, (1, n), dtype)[0]
     weight = pack_weight(_operand(rng, (n, k), dtype).T, dtype)  # from nn.Linear's (N, K)
     fused, plain = packed_linear(dtype, unary), packed_linear(dtype)
+
+    def then_activation() -> Any:
+        return unary.torch(plain(a, weight, bias))
+
     with torch_threads(threads):
-        return fastest_of({"post-ops": functools.partial(fused, a, weight, bias),
-                           "epilogue": functools.partial(plain, a, weight, bias)})
+        return fastest_of({"post-ops": functools.partial(fused, a, weight, bias), "epilogue": then_activation,
+                           "product": functools.partial(plain, a, weight, bias)})
 
 
 @functools.cache
 def post_op_pays(dtype: str, unary: UnaryPostOp, shape: Shape, threads: int = 1) -> bool:
-    """Does oneDNN's post-op ``unary`` cost its packed product of ``shape`` at most :data:`PROBE_MARGIN` (what a
-    generated epilogue's pass over the result costs, or less)?  oneDNN's own activations are not equally fast on
-    every CPU: with AVX2 code GELU's tanh form added 35% to a 128x768x3072 product on one Zen 4 core
-    (2026-12-07), 1.6% with AVX-512.  Measured once per dtype, activation, shape, thread count, machine and
+    """Is oneDNN's post-op ``unary`` no slower than the product followed by a pass of the activation over its
+    result (what the generated epilogue does instead), within :data:`PROBE_MARGIN` (the tie goes to the post-op:
+    one pass fewer over the result)?  oneDNN's own activations are not equally fast on every CPU: with AVX2
+    code GELU's tanh form added 35% to a 128x768x3072 product on one Zen 4 core (2026-12-07), 1.6% with
+    AVX-512.  Measured once per dtype, activation, shape, thread count, machine and
     versions; the record kept in the kernel cache."""
     def measure() -> tuple[str, dict[str, float]]:
         seconds = time_post_op(dtype, unary, shape, threads)
         choice = "post-ops" if seconds["post-ops"] <= seconds["epilogue"] * (1 + PROBE_MARGIN) else "epilogue"
-        log.info("CPU GEMM %s %s of a %dx%dx%d product on %d thread(s): %s (post-ops %.3f ms, without %.3f ms)",
-                 dtype, unary.name + (f"/{unary.algorithm}" if unary.algorithm else ""), *shape, threads, choice,
-                 seconds["post-ops"] * 1e3, seconds["epilogue"] * 1e3)
+        log.info("CPU GEMM %s %s of a %dx%dx%d product on %d thread(s): %s (post-ops %.3f ms, product then "
+                 "activation %.3f ms, bare product %.3f ms)", dtype,
+                 unary.name + (f"/{unary.algorithm}" if unary.algorithm else ""), *shape, threads, choice,
+                 seconds["post-ops"] * 1e3, seconds["epilogue"] * 1e3, seconds["product"] * 1e3)
         return choice, seconds
 
     key = {**_layout_key("torch", packs=True), "dtype": dtype, "unary": [unary.name, *unary.scalars, unary.algorithm],
-           "shape": list(shape), "threads": threads}
+           "shape": list(shape), "threads": threads, "against": "product, then the activation"}
     return recorded_choice(POST_OP_KIND, key, POST_OP_CHOICES, measure, "the post-op choice") == "post-ops"
 
 
