@@ -290,6 +290,8 @@ def _loop_function(in_ctypes: list[str], out_ctype: str, stmts: list[str], store
     else:
         blocks = (f"        for (int64_t fp_b = 0; fp_b < cols; fp_b += {TAIL_BLOCK}) {{\n"
                   f"            const int64_t fp_c0 = fp_b + {TAIL_BLOCK} <= cols ? fp_b : cols - {TAIL_BLOCK};\n"
+                  # not unrolled before the vectoriser sees it: unrolled, ReLU's select is branches there
+                  '            _Pragma("GCC unroll 1")\n'
                   f"            for (int64_t fp_j = 0; fp_j < {TAIL_BLOCK}; ++fp_j) {{\n"
                   "                const int64_t c = fp_c0 + fp_j;\n"
                   f"{element(' ' * 16)}\n            }}\n        }}\n")

@@ -15,7 +15,7 @@ from backends.cpu.backend import CpuBackend
 from backends.cpu.prelude import PRELUDE
 from planner.core import examples
 from planner.core.cost import load_device
-from planner.core.graph import Graph
+from planner.core.graph import Graph, GraphBuilder
 from planner.core.machine import ISA_ENV
 from planner.core.reference import execute_graph, random_inputs
 from planner.egraph.candidates import build_candidates
@@ -81,3 +81,26 @@ def test_the_fused_attention_equals_the_unfused_graph(seq, form, threads, target
     want = execute_graph(graph, inputs)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("shape", [(3, 8), (3, 37), (1, 1 << 16)], ids=["rows", "blocks-of-16", "streaming"])
+def test_relu_in_a_fused_chain_keeps_nan_and_negative_zero_bit_for_bit(shape, target) -> None:
+    """``fp_relu`` is x86's max(zero, x) with a zero gcc cannot fold: NaN and -0 pass through, negatives become +0,
+    in the plain loop, the overlapping blocks of 16 and the streaming loop, with either target's vectors."""
+    b = GraphBuilder("relu-bits")
+    b.input("x", shape, "fp32")
+    b.input("s", shape, "fp32")
+    g = b.build([b.op("y", "Relu", [b.op("m", "Mul", ["x", "s"])])])
+    plan = _fused(g)
+    assert len(plan.kernels) == 1
+    special = np.array([np.nan, -np.nan, -0.0, 0.0, -1.5, 2.5, -np.inf, np.inf, -1e-45, 1e-45], dtype=np.float32)
+    x = np.resize(special, shape).astype(np.float32)
+    inputs = {"x": x, "s": np.ones(shape, dtype=np.float32)}
+    streams = shape[0] == 1
+    backend = CpuBackend(SPEC, threads=1, compiler=target, stream_bytes=1 if streams else 1 << 40)
+    compiled = backend.compile(plan)
+    assert ("fp_stream(" in backend._sources(plan.kernels[0], plan.tensors)[0]) == streams
+    got = compiled.run(inputs)[0]
+    want = np.where(x < 0, np.float32(0), x)  # NaN and -0 compare false: kept as they are
+    np.testing.assert_array_equal(got.view(np.uint32) & 0xFFBFFFFF, want.view(np.uint32) & 0xFFBFFFFF)
+    np.testing.assert_array_equal(got, execute_graph(g, inputs)[0])
