@@ -599,8 +599,8 @@ def _operand(rng: np.random.Generator, shape: tuple[int, int], dtype: str) -> np
 def time_post_op(dtype: str, unary: UnaryPostOp, shape: Shape, threads: int = 1) -> dict[str, float]:
     """Seconds (the fastest round, interleaved) of oneDNN's packed product of ``shape`` (M, K, N) with a bias,
     with the activation ``unary`` as its post-op (``post-ops``), and without it followed by a pass of the
-    activation over the result (``epilogue``: the generated epilogue's work, priced by torch's own activation;
-    ``product``: the bare product, for the log), on ``threads`` torch threads."""
+    activation over the result (``epilogue``: the generated epilogue's work, priced by torch's own activation),
+    on ``threads`` torch threads."""
     rng = np.random.default_rng(0)
     m, k, n = shape
     a, bias = _operand(rng, (m, k), dtype), _operand(rng, (1, n), dtype)[0]
@@ -611,8 +611,7 @@ def time_post_op(dtype: str, unary: UnaryPostOp, shape: Shape, threads: int = 1)
         return unary.torch(plain(a, weight, bias))
 
     with torch_threads(threads):
-        return fastest_of({"post-ops": functools.partial(fused, a, weight, bias), "epilogue": then_activation,
-                           "product": functools.partial(plain, a, weight, bias)})
+        return fastest_of({"post-ops": functools.partial(fused, a, weight, bias), "epilogue": then_activation})
 
 
 @functools.cache
@@ -627,9 +626,8 @@ def post_op_pays(dtype: str, unary: UnaryPostOp, shape: Shape, threads: int = 1)
         seconds = time_post_op(dtype, unary, shape, threads)
         choice = "post-ops" if seconds["post-ops"] <= seconds["epilogue"] * (1 + PROBE_MARGIN) else "epilogue"
         log.info("CPU GEMM %s %s of a %dx%dx%d product on %d thread(s): %s (post-ops %.3f ms, product then "
-                 "activation %.3f ms, bare product %.3f ms)", dtype,
-                 unary.name + (f"/{unary.algorithm}" if unary.algorithm else ""), *shape, threads, choice,
-                 seconds["post-ops"] * 1e3, seconds["epilogue"] * 1e3, seconds["product"] * 1e3)
+                 "activation %.3f ms)", dtype, unary.name + (f"/{unary.algorithm}" if unary.algorithm else ""),
+                 *shape, threads, choice, seconds["post-ops"] * 1e3, seconds["epilogue"] * 1e3)
         return choice, seconds
 
     key = {**_layout_key("torch", packs=True), "dtype": dtype, "unary": [unary.name, *unary.scalars, unary.algorithm],
