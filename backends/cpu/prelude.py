@@ -53,8 +53,8 @@ static inline uint32_t fp_f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); ret
 __attribute__((weak, visibility("hidden"))) float fp_relu_zero = 0.0f;
 static inline float fp_relu(float x) { const float zero = fp_relu_zero; return zero > x ? zero : x; }
 
-/* torch.maximum / torch.minimum as bit masks too: NaN if either operand is NaN, the second operand
-   when they compare equal (so max(-0, +0) = +0 and max(+0, -0) = -0, as torch and numpy answer). */
+/* torch.maximum / torch.minimum as bit masks (x86's max answers NaN for one operand only): NaN if either operand is
+   NaN, the second when they compare equal (so max(-0, +0) = +0 and max(+0, -0) = -0, as torch and numpy answer). */
 static inline float fp_pick(float a, float b, uint32_t take_a) {
     uint32_t m = -take_a;
     return fp_bits_f32((fp_f32_bits(a) & m) | (fp_f32_bits(b) & ~m));
