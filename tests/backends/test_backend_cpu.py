@@ -889,7 +889,6 @@ def _packing_backend(monkeypatch, threads: int, tile_bytes: int | None = None, d
     rest), oneDNN's activations taken as post-ops where ``post_ops_pay`` (else the generated epilogue's); skips
     where this torch cannot pack it."""
     pytest.importorskip("torch")
-    from backends.cpu import gemm
     from backends.cpu.backend import CpuBackend
 
     monkeypatch.setattr(gemm, "post_op_pays", lambda *args: post_ops_pay)
@@ -939,7 +938,6 @@ def test_a_small_products_weight_is_not_packed(dtype, monkeypatch):
     """oneDNN's packed product costs a fixed 15 µs or so a call: a product of fewer than ``pack_min_macs``
     multiply-adds (a squeeze-and-excitation's, a classifier's on a few rows) keeps the library's plain one, and
     still matches the reference; one at the threshold is packed."""
-    from backends.cpu import gemm
 
     backend = _packing_backend(monkeypatch, 1, dtype=dtype)
     g = examples.mlp_epilogue(40, 24, 16, dtype)  # 40 x 24 x 16 multiply-adds
@@ -1061,7 +1059,6 @@ def test_the_post_op_choice_is_measured_once_per_shape_and_threads_and_recorded(
     own pass, by the margin; the choice is timed once per shape and thread count, recorded, and read back by a
     new process."""
     pytest.importorskip("torch")
-    from backends.cpu import gemm
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     timed: list = []
@@ -1109,7 +1106,6 @@ def test_packed_16_bit_weights_are_chosen_by_measurement_and_refused_where_torch
     """auto packs only where packing measured faster (the padded rule: the sum by the margin, no shape slower),
     recorded once; ``packed`` where torch cannot pack names the variable and the reason; a bad value is refused."""
     pytest.importorskip("torch")
-    from backends.cpu import gemm
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv(gemm.WEIGHTS_16BIT_ENV, raising=False)
@@ -1139,7 +1135,6 @@ def test_packed_16_bit_weights_are_chosen_by_measurement_and_refused_where_torch
 def test_the_16_bit_layout_probe_times_both_layouts_of_each_shape(monkeypatch):
     """The probe itself (no stand-in), where torch packs bf16: a positive time per layout and shape."""
     _packing_backend(monkeypatch, 1)
-    from backends.cpu import gemm
 
     seconds = gemm.time_16bit_layouts("bf16")
     assert set(seconds) == set(gemm.WEIGHT_LAYOUTS_16BIT)
@@ -1206,7 +1201,6 @@ def test_a_held_weight_is_copied_once_into_padded_rows(library, threads, monkeyp
     candidates); a writable one is still read in place.  Every way agrees with the reference."""
     if library == "torch":
         pytest.importorskip("torch")
-    from backends.cpu import gemm
     from backends.cpu.backend import CpuBackend
     from backends.cpu.buffers import ALIGN
 
@@ -1244,7 +1238,6 @@ def test_a_product_alone_is_written_by_the_library_into_the_output(library, thre
     """A GEMM kernel that is only its MatMul has no tile and no epilogue: the library writes the output rows."""
     if library == "torch":
         pytest.importorskip("torch")
-    from backends.cpu import gemm
     from backends.cpu.backend import CpuBackend
 
     monkeypatch.setenv(gemm.WEIGHTS_ENV, "given")  # the library's route (packed weights: oneDNN's)
@@ -1269,7 +1262,6 @@ def test_a_torch_gemm_keeps_operand_views_only_while_the_arrays_stay(threads, ep
     """torch's product keeps the views of its operands between calls; a call that binds other arrays (another
     input read in place, another weight) is multiplied from those, never from a kept view of the old ones."""
     pytest.importorskip("torch")
-    from backends.cpu import gemm
     from backends.cpu.backend import CpuBackend
 
     monkeypatch.setenv(gemm.WEIGHTS_ENV, "given")  # torch.mm's route

@@ -99,8 +99,9 @@ def test_relu_in_a_fused_chain_keeps_nan_and_negative_zero_bit_for_bit(shape, ta
     streams = shape[0] == 1
     backend = CpuBackend(SPEC, threads=1, compiler=target, stream_bytes=1 if streams else 1 << 40)
     compiled = backend.compile(plan)
-    assert ("fp_stream(" in backend._sources(plan.kernels[0], plan.tensors)[0]) == streams
+    assert compiled.kernel_facts[0]["streaming_stores"] == streams
     got = compiled.run(inputs)[0]
     want = np.where(x < 0, np.float32(0), x)  # NaN and -0 compare false: kept as they are
-    np.testing.assert_array_equal(got.view(np.uint32) & 0xFFBFFFFF, want.view(np.uint32) & 0xFFBFFFFF)
+    quiet = np.uint32(0xFFBFFFFF)  # every bit but NaN's quiet bit, which a vector op may set
+    np.testing.assert_array_equal(got.view(np.uint32) & quiet, want.view(np.uint32) & quiet)
     np.testing.assert_array_equal(got, execute_graph(g, inputs)[0])
