@@ -7,8 +7,11 @@ that differs now (a replaced submodule, an attribute set, ``train()``, a paramet
 inputs' layouts are the plan's :class:`InputSignature`. Tensors replaced by others of the same layout, or written
 in place, are :class:`planner.torch.binding.BoundInputs`' business: they are bound again, not re-planned.
 
-What is not guarded: global variables and closures the forward reads, and hooks registered after planning
-(docs/torch.md).
+Forward hooks are guarded too: one registered anywhere after planning (every registration takes a number from
+``RemovableHandle.next_id``, read as one integer), or one the plan ran removed, is a change of the module; so is
+any other object set on a module's instance (``m.forward = ...``, ``m.act = F.gelu``, ``m.config = ...``) and a
+plain value inside an object a module holds (``m.config.scale = 2``). What is not guarded: global variables and
+closures the forward reads, methods patched on a module's class, and objects held deeper (docs/torch.md).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from torch.utils import _pytree as pytree
 from planner.core.dtypes import numpy_dtype
 from planner.torch.binding import Sampler, TensorWatch, layout_facts
 from planner.torch.errors import TorchImportError
+from planner.torch.tracing import FORWARD_HOOKS, GLOBAL_FORWARD_HOOKS
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,51 @@ def _plain(v: Any, depth: int = 0) -> bool:
 
 def _same(a: Any, b: Any) -> bool:
     return a is b or (type(a) is type(b) and a == b)
+
+
+def _guarded_attrs(m: nn.Module) -> dict[str, Any]:
+    """The instance attributes of ``m`` a plan may have read: plain values, callables and other objects it holds
+    (a config), each compared as the object it was or an equal one; not its submodules and tensors (held in its
+    holders, and guarded or bound there)."""
+    return _guarded_in(vars(m))
+
+
+def _guarded_in(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if not k.startswith("_") and not isinstance(v, (nn.Module, torch.Tensor))}
+
+
+def _plain_items(d: dict[Any, Any]) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if isinstance(k, str) and not k.startswith("__") and _plain(v)}
+
+
+def _held_dicts(module: nn.Module) -> list[tuple[str, dict[Any, Any]]]:
+    """(where, its attributes) of each object other than a callable that a module of the tree holds (a config, a
+    namespace, a dict): the plain values in them are what a forward reads (``self.config.scale``); once each."""
+    seen: set[int] = set()
+    out = []
+    for path, m in module.named_modules():
+        for k, v in _guarded_attrs(m).items():
+            d = v if isinstance(v, dict) else None if _plain(v) or callable(v) else getattr(v, "__dict__", None)
+            if isinstance(d, dict) and id(d) not in seen:
+                seen.add(id(d))
+                out.append((_join(path, k), d))
+    return out
+
+
+def _hook_count() -> int | None:
+    """How many hooks torch has handed out handles for, anywhere (``RemovableHandle.next_id``; None where this
+    torch keeps no such count: every hook dict is then compared)."""
+    count = getattr(torch.utils.hooks.RemovableHandle, "next_id", None)
+    return count if isinstance(count, int) else None
+
+
+def _hook_dicts(module: nn.Module) -> list[tuple[str, dict[Any, Any]]]:
+    """(where, hook dict) of each forward hook dict of ``module``'s tree, then the global ones."""
+    out = [(path or "the module itself", d) for path, m in module.named_modules()
+           for d in (getattr(m, name, None) for name in FORWARD_HOOKS) if isinstance(d, dict)]
+    out += [("every module (a global hook)", d) for d in (getattr(nn.modules.module, name, None)
+                                                        for name in GLOBAL_FORWARD_HOOKS) if isinstance(d, dict)]
+    return out
 
 
 #: the dicts of a module that hold its submodules, parameters and buffers
@@ -83,14 +132,20 @@ class QuickCheck:
     derived: TensorWatch
     #: every object whose id is compared, held so that none can be freed and its id reused
     held: tuple[Any, ...]
+    #: ``RemovableHandle.next_id`` then: any hook registered since moves it (None: the hook dicts are in ``dicts``)
+    hook_count: int | None = None
+    #: each module's ``__dict__`` and its size, compared where dicts have no version tags
+    module_dicts: tuple[dict[str, Any], ...] = ()
+    module_sizes: list[int] = field(default_factory=list)
 
     @classmethod
     def of(cls, module: nn.Module, state: ModuleState) -> QuickCheck:
         modules = list(module.modules())
         attrs, kept = [], []
-        for m in modules:
-            d = m.__dict__
-            keys = tuple(k for k, v in d.items() if k in _HOLDERS or (not k.startswith("_") and _plain(v)))
+        held = tuple(d for _, d in _held_dicts(module))
+        watched = [(m.__dict__, {*_guarded_in(m.__dict__), *_HOLDERS}) for m in modules]
+        for d, guarded in watched + [(h, set(_plain_items(h))) for h in held]:
+            keys = tuple(k for k in d if k in guarded)
             values = [d[k] for k in keys]
             kept += values
             attrs.append((d, keys, (_MISSING,) * len(keys), [id(v) for v in values]))
@@ -98,16 +153,22 @@ class QuickCheck:
         names = [k for h in holders for k in h]
         members = [v for h in holders for v in h.values()]
         layouts = tuple(t for t in (getattr(o, n, None) for o, _, n, *_ in state.tensors) if isinstance(t, torch.Tensor))
-        dicts = tuple(d for m in modules for d in (m.__dict__, m._modules, m._parameters, m._buffers))
+        hook_count = _hook_count()
+        # a hook registered moves the count; one removed changes its dict, so the dicts that hold hooks are watched
+        hooks = tuple(d for _, d in _hook_dicts(module) if d or hook_count is None)
+        dicts = tuple(d for m in modules for d in (m.__dict__, m._modules, m._parameters, m._buffers)) + held + hooks
+        module_dicts = tuple(m.__dict__ for m in modules) + held + hooks
         return cls(
             dicts, list(map(_dict_version, dicts)) if _dict_version is not None else [],
             tuple(attrs), holders, [len(h) for h in holders], [id(k) for k in names], [id(v) for v in members],
             layouts, layout_facts(layouts),
             TensorWatch([(s.tensor, s.sample) for *_, s in state.derived]),
-            (tuple(kept), tuple(names), tuple(members)),
+            (tuple(kept), tuple(names), tuple(members)), hook_count, module_dicts, list(map(len, module_dicts)),
         )
 
     def same(self) -> bool:
+        if self.hook_count is not None and _hook_count() != self.hook_count:
+            return False
         if not self._dicts_same():
             return False
         return (not self.layouts or layout_facts(self.layouts) == self.layout_facts) and self.derived.same()
@@ -118,7 +179,8 @@ class QuickCheck:
         for d, keys, missing, ids in self.attrs:
             if list(map(id, map(d.get, keys, missing))) != ids:
                 return False
-        return (list(map(len, self.holders)) == self.sizes
+        return (list(map(len, self.module_dicts)) == self.module_sizes
+                and list(map(len, self.holders)) == self.sizes
                 and list(map(id, chain.from_iterable(self.holders))) == self.key_ids
                 and list(map(id, chain.from_iterable(map(dict.values, self.holders)))) == self.value_ids)
 
@@ -137,6 +199,10 @@ class ModuleState:
     #: (owner module, the tensor's path, attribute, the tensor as it was) for the parameters and buffers that
     #: values the plan holds were computed from at import: any write to them is a change of the module
     derived: tuple[tuple[nn.Module, str, str, StateSnapshot], ...] = ()
+    #: (where, hook dict, its keys) of each forward hook dict of the tree and the global ones
+    hooks: tuple[tuple[str, dict[Any, Any], tuple[Any, ...]], ...] = ()
+    #: (where, the attributes of an object a module holds, their plain values then) (:func:`_held_dicts`)
+    held: tuple[tuple[str, dict[Any, Any], dict[str, Any]], ...] = ()
     #: the module, for :class:`QuickCheck` (None: every check looks closer)
     module: nn.Module | None = None
     quick: QuickCheck | None = field(default=None, repr=False)
@@ -146,10 +212,12 @@ class ModuleState:
         edges, attrs = [], []
         for path, m in module.named_modules(remove_duplicate=False):
             edges += [(m, path, name, child) for name, child in m._modules.items() if child is not None]
-            attrs += [(m, path, k, v) for k, v in vars(m).items() if not k.startswith("_") and _plain(v)]
+            attrs += [(m, path, k, v) for k, v in _guarded_attrs(m).items()]
         tensors = [(owner, key, name, tuple(t.shape), t.dtype, t.device) for owner, key, name, t in _state(module, state_keys)]
         derived = [(owner, key, name, StateSnapshot.of(t)) for owner, key, name, t in _state(module, folded_from)]
-        state = cls(tuple(edges), tuple(attrs), tuple(tensors), tuple(derived), module)
+        hooks = tuple((where, d, tuple(d)) for where, d in _hook_dicts(module))
+        held = tuple((where, d, _plain_items(d)) for where, d in _held_dicts(module))
+        state = cls(tuple(edges), tuple(attrs), tuple(tensors), tuple(derived), hooks, held, module)
         state.quick = QuickCheck.of(module, state)
         return state
 
@@ -173,6 +241,19 @@ class ModuleState:
             if not _same(now, v):
                 was = "removed" if now is _MISSING else f"set to {_short(now)}"
                 return f"{_join(path, k)} was {_short(v)} when planned, is {was} now"
+        added = self._attribute_added()
+        if added is not None:
+            return added
+        for where, d, items in self.held:
+            now = _plain_items(d)
+            for k in {*items, *now}:
+                if not _same(now.get(k, _MISSING), items.get(k, _MISSING)):
+                    was = "removed" if k not in now else f"set to {_short(now[k])}"
+                    then = _short(items[k]) if k in items else "not there"
+                    return f"{_join(where, k)} was {then} when planned, is {was} now"
+        for where, d, keys in self.hooks:
+            if tuple(d) != keys:
+                return f"a forward hook was registered on or removed from {where} after planning"
         for owner, key, name, shape, dtype, device in self.tensors:
             t = getattr(owner, name, None)
             if not isinstance(t, torch.Tensor):
@@ -184,6 +265,18 @@ class ModuleState:
         for owner, key, name, snapshot in self.derived:
             if not snapshot.fresh(getattr(owner, name, None)):
                 return f"parameter or buffer {key}, from which the plan computed a value at import, was written"
+        return None
+
+
+    def _attribute_added(self) -> str | None:
+        """A plain or callable attribute set on a module of the tree since planning, named."""
+        planned = {(id(m), k) for m, _, k, _ in self.attrs}
+        tree = [("", self.module)] if self.module is not None else []
+        tree += [(_join(path, name), child) for _, path, name, child in self.edges]
+        for where, m in tree:
+            for k, v in _guarded_attrs(m).items():
+                if (id(m), k) not in planned:
+                    return f"{_join(where, k)} was set to {_short(v)} after planning"
         return None
 
 

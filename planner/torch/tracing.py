@@ -54,7 +54,8 @@ class _Tracer(fx.Tracer):
         self.example_args = example_args
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return type(m) in self.LEAVES
+        # a forward set on the instance is what a call runs, not the class's: traced into
+        return type(m) in self.LEAVES and "forward" not in m.__dict__
 
     def iter(self, obj: fx.Proxy) -> Any:
         try:
@@ -182,12 +183,34 @@ def first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
+#: a module's dicts of the hooks that run around its forward (``register_forward_hook``, ``..._pre_hook``)
+FORWARD_HOOKS = ("_forward_pre_hooks", "_forward_hooks")
+#: the same for every module (``nn.modules.module.register_module_forward_hook``, ``..._pre_hook``)
+GLOBAL_FORWARD_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks")
+
+
+def hooked_modules(module: nn.Module) -> list[str]:
+    """Where forward hooks would run in a call of ``module``: each hooked submodule's path (``""``: the module
+    itself), and ``"every module"`` for a global hook."""
+    hooked = [path for path, m in module.named_modules() if any(getattr(m, d, None) for d in FORWARD_HOOKS)]
+    if any(getattr(nn.modules.module, d, None) for d in GLOBAL_FORWARD_HOOKS):
+        hooked.append("every module")
+    return hooked
+
+
 def trace(module: nn.Module | torch.export.ExportedProgram, args: tuple[Any, ...],
            strategy: str) -> tuple[fx.GraphModule, list[Any], str, Any, Any]:
     """Trace with fx, else torch.export; returns the graph module, its placeholder values, the tracer, the
-    placeholders' sources and the pytree spec of the module's result (None: the graph's output node has it)."""
+    placeholders' sources and the pytree spec of the module's result (None: the graph's output node has it).
+    A module with forward hooks goes to torch.export, which runs them (fx calls ``forward`` itself, past them)."""
     fx_error: BaseException | None = None
-    if strategy in ("auto", "fx"):
+    hooked = hooked_modules(module) if isinstance(module, nn.Module) else []
+    if hooked and strategy == "fx":
+        raise TorchImportError(f"forward hooks on {_where(hooked)}: torch.fx traces past them (it calls forward "
+                               "itself); trace with torch.export (strategy 'auto' or 'export') or remove them")
+    if hooked:
+        log.info("forward hooks on %s: traced with torch.export, which runs them", _where(hooked))
+    elif strategy in ("auto", "fx"):
         try:
             tracer = _Tracer(args)
             graph = tracer.trace(module)
@@ -208,6 +231,11 @@ def trace(module: nn.Module | torch.export.ExportedProgram, args: tuple[Any, ...
     except Exception as exc:
         raise _untraceable(fx_error, exc) from exc
     return _from_export(ep, args)
+
+
+def _where(paths: list[str]) -> str:
+    named = [p or "the module itself" for p in paths]
+    return ", ".join(named[:4]) + (f" and {len(named) - 4} more" if len(named) > 4 else "")
 
 
 def _from_export(ep: torch.export.ExportedProgram, args: tuple[Any, ...]) -> tuple[fx.GraphModule, list[Any], str, Any, Any]:

@@ -3,6 +3,8 @@ change gives eager torch's answer (a new plan, or eager torch itself), a named r
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -54,6 +56,9 @@ CHANGES = {
     "an attribute": lambda m: setattr(m, "scale", 5.0),
     "a norm's eps": lambda m: setattr(m.ln, "eps", 0.5),
     "train()": lambda m: m.train(),
+    "a forward hook": lambda m: m.l1.register_forward_hook(lambda mod, args, out: out * 2),
+    "a forward pre-hook": lambda m: m.l2.register_forward_pre_hook(lambda mod, args: (args[0] + 1,)),
+    "a forward set on the instance": lambda m: setattr(m.l1, "forward", lambda x: nn.functional.linear(x, m.l1.weight)),
 }
 
 
@@ -64,6 +69,91 @@ def test_every_change_gives_eager_torchs_answer(change, dtype):
     _agrees(result, m, x)
     CHANGES[change](m)
     _agrees(result, m, x)
+
+
+class Configured(nn.Module):
+    """A module whose forward reads values of objects it holds: a config, a dict of options."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(16, 16)
+        self.config = types.SimpleNamespace(scale=2.0, act="relu")
+        self.options = {"shift": 1.0}
+
+    def forward(self, x):
+        h = self.l1(x)
+        h = torch.relu(h) if self.config.act == "relu" else torch.tanh(h)
+        return h * self.config.scale + self.options["shift"]
+
+
+HELD_CHANGES = {
+    "a config value": (lambda m: setattr(m.config, "scale", 3.0), "config.scale was 2.0 when planned, is set to 3.0"),
+    "a config choice": (lambda m: setattr(m.config, "act", "tanh"), "config.act was 'relu' when planned"),
+    "the config replaced": (lambda m: setattr(m, "config", types.SimpleNamespace(scale=5.0, act="relu")), "config was"),
+    "a dict's value": (lambda m: m.options.update(shift=-1.0), "options.shift was 1.0 when planned"),
+}
+
+
+@pytest.mark.parametrize("change", sorted(HELD_CHANGES))
+def test_a_value_in_an_object_a_module_holds_changed_gives_eager_torchs_answer(change):
+    torch.manual_seed(0)
+    m, x = Configured().eval(), torch.randn(4, 16)
+    result = planner.plan(m, (x,), **FAST)
+    make, reason = HELD_CHANGES[change]
+    make(m)
+    _agrees(result, m, x)
+    assert reason in result.guard.events[0][0]
+
+
+def test_a_held_object_set_to_equal_values_keeps_the_plan():
+    torch.manual_seed(0)
+    m, x = Configured().eval(), torch.randn(4, 16)
+    result = planner.plan(m, (x,), **FAST)
+    m.config.scale = float("2.0")
+    m.config = types.SimpleNamespace(scale=2.0, act="relu")
+    _agrees(result, m, x)
+    assert not result.guard.events
+
+
+def test_a_global_forward_hook_registered_after_planning_gives_eager_torchs_answer():
+    m, x, result = _planned()
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda mod, args, out: out + 1 if isinstance(mod, nn.Linear) else out)
+    try:
+        _agrees(result, m, x)
+        assert "every module" in result.guard.events[0][0]
+    finally:
+        handle.remove()
+    _agrees(result, m, x)
+
+
+def test_a_hook_present_when_planning_is_traced_and_its_removal_plans_again():
+    torch.manual_seed(0)
+    m, x = Mlp().eval(), torch.randn(4, 16)
+    handle = m.ln.register_forward_hook(lambda mod, args, out: out * 3)
+    result = planner.plan(m, (x,), **FAST)
+    _agrees(result, m, x)
+    assert not result.guard.events
+    handle.remove()
+    _agrees(result, m, x)
+    assert result.guard.events[0] == ("a forward hook was registered on or removed from ln after planning",
+                                      "plans again")
+
+
+def test_a_hook_elsewhere_keeps_the_plan():
+    m, x, result = _planned()
+    nn.Linear(2, 2).register_forward_hook(lambda mod, args, out: out * 2)  # no module of the plan's tree
+    _agrees(result, m, x)
+    assert not result.guard.events and result.guard.state.quick.same()
+
+
+def test_fx_alone_refuses_a_hooked_module_naming_where_the_hooks_are():
+    from planner.torch.importer import import_module
+
+    m = Mlp().eval()
+    m.l2.register_forward_pre_hook(lambda mod, args: None)
+    with pytest.raises(TorchImportError, match="forward hooks on l2: torch.fx traces past them"):
+        import_module(m, (torch.randn(4, 16),), strategy="fx")
 
 
 def test_a_structural_change_under_eager_runs_the_module_and_says_so():
@@ -78,6 +168,11 @@ def test_a_structural_change_under_error_raises_naming_it():
     m.ln.eps = 0.1
     with pytest.raises(GuardError, match=r"ln\.eps was 1e-05 when planned"):
         result(x)
+    m.ln.eps = 1e-5
+    handle = m.l1.register_forward_hook(lambda mod, args, out: out)
+    with pytest.raises(GuardError, match="a forward hook was registered on or removed from l1"):
+        result(x)
+    handle.remove()
     with pytest.raises(GuardError, match="inputs"):
         result(torch.randn(8, 16)) if (setattr(m.ln, "eps", 1e-5) or True) else None
 
@@ -339,6 +434,39 @@ def test_the_quick_check_answers_an_unchanged_module_and_is_made_again_after_an_
                    lambda: m.bn.register_buffer("extra", torch.zeros(1)), lambda: m.train()):
         change()
         assert not state.quick.same()
+
+
+HOOK_CHANGES = {
+    "a forward hook": (lambda m: m.conv.register_forward_hook(lambda mod, args, out: out),
+                       "a forward hook was registered on or removed from conv"),
+    "a global forward pre-hook": (lambda m: nn.modules.module.register_module_forward_pre_hook(lambda mod, args: None),
+                                  "every module"),
+    "a forward set on the instance": (lambda m: setattr(m.bn, "forward", m.bn.forward), "bn.forward was set to"),
+    "a callable attribute replaced": (lambda m: setattr(m, "act", torch.tanh), "act was <built-in method relu"),
+}
+
+
+@pytest.mark.parametrize("tags", [True, False], ids=["dict-versions", "ids"])
+@pytest.mark.parametrize("change", sorted(HOOK_CHANGES))
+def test_the_quick_check_sees_hooks_and_callables_and_the_full_check_names_them(change, tags, monkeypatch):
+    from planner.torch import guards
+    from planner.torch.guards import ModuleState
+
+    if not tags:  # nor a count of hook handles: every hook dict is watched
+        monkeypatch.setattr(guards, "_dict_version", None)
+        monkeypatch.setattr(guards, "_hook_count", lambda: None)
+    m = ConvBn().eval()
+    m.act = torch.relu
+    state = ModuleState.record(m)
+    assert state.quick is not None and state.quick.same()
+    make, reason = HOOK_CHANGES[change]
+    handle = make(m)
+    try:
+        assert not state.quick.same()
+        assert reason in (state.changed() or "")
+    finally:
+        if handle is not None:
+            handle.remove()
 
 
 def test_a_sample_set_sees_a_write_to_any_of_its_tensors_and_compares_a_strided_one_apart():
