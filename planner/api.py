@@ -9,9 +9,11 @@ inputs, and returns a :class:`PlanResult` that executes it.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -79,18 +81,48 @@ class PlanResult:
     guard: Any = field(default=None, repr=False)
     #: compare every byte of the bound parameters each call, not a sample (``BoundInputs``)
     exact_weights: bool = False
+    #: one call at a time: a plan runs in its own buffers, and the guard keeps state between calls
+    _turn: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
-    def __call__(self, *inputs: Any) -> Any:
+    def __call__(self, *inputs: Any, **named: Any) -> Any:
         """Execute the chosen plan; torch tensors in and out for a module, numpy arrays for a Graph. A planned
-        module's guard first checks that the module and the inputs' layout are what a plan was made for."""
-        if self.guard is not None:
-            return self.guard(inputs)
-        return self.call_plan(inputs)
+        module's guard first checks that the module and the inputs' layout are what a plan was made for. Inputs
+        named as the module's forward names them are taken in its order. Calls from several threads take turns."""
+        if named:
+            inputs = self._positional(inputs, named)
+        with self._turn:
+            if self.guard is not None:
+                return self.guard(inputs)
+            return self.call_plan(inputs)
+
+    def _positional(self, inputs: tuple[Any, ...], named: dict[str, Any]) -> tuple[Any, ...]:
+        """``inputs`` and ``named`` as the module's forward takes them, by position (the parameters after the last
+        one given left out, to their defaults, as a call by position leaves them)."""
+        forward = getattr(self.module, "forward", None)
+        if forward is None:
+            raise TypeError(f"a plan of a graph takes its inputs as one dict, not by name ({', '.join(named)})")
+        try:
+            bound = inspect.signature(forward).bind(*inputs, **named)
+        except TypeError as exc:
+            raise TypeError(f"{type(self.module).__name__}.forward: {exc}") from None
+        params = list(bound.signature.parameters.values())
+        given = [p for p in params if p.name in bound.arguments]
+        unplaced = [p.name for p in given if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if unplaced:
+            raise TypeError(f"{type(self.module).__name__}.forward: a plan takes the inputs its forward takes by "
+                            f"position; {', '.join(unplaced)} cannot be")
+        last = max(params.index(p) for p in given)
+        bound.apply_defaults()
+        return tuple(bound.arguments[p.name] for p in params[:last + 1])
 
     def call_plan(self, inputs: Sequence[Any], arrays: Sequence[np.ndarray] | None = None) -> Any:
         """Execute this plan, unguarded. ``arrays``: the inputs (tensors of the layout this plan was made for,
         fp32 or 16-bit on the host, needing no grad: the guard checked) as numpy arrays over their memory
-        (``guards.call_layout``)."""
+        (``guards.call_layout``). Calls from several threads take turns."""
+        with self._turn:
+            return self._call_plan(inputs, arrays)
+
+    def _call_plan(self, inputs: Sequence[Any], arrays: Sequence[np.ndarray] | None) -> Any:
         assert self._runner is not None
         if self.imported is None:
             (feed,) = inputs

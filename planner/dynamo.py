@@ -8,6 +8,7 @@ that name when this module is imported. It plans through the same pipeline as
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -61,13 +62,16 @@ class ShapePlans:
                                                                                 "time_budget_s": 10.0}
         self.options.update(options)
         self.plans: dict[tuple[Any, ...], PlanResult | None] = {}
+        self._planning = threading.Lock()  # a shape planned once, when calls from several threads meet it
 
     def __call__(self, *args: Any) -> Any:
         if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args):
             return self.gm(*args)  # this call needs gradients, which the plan does not compute
         key = _shape_key(args)
         if key not in self.plans:
-            self.plan_for(args)
+            with self._planning:
+                if key not in self.plans:
+                    self.plan_for(args)
         result = self.plans[key]
         if result is None:
             return self.gm(*args)

@@ -216,8 +216,10 @@ def trace(module: nn.Module | torch.export.ExportedProgram, args: tuple[Any, ...
             graph = tracer.trace(module)
             gm = fx.GraphModule(tracer.root, graph)
             n_ph = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
-            if n_ph != len(args):
-                raise TorchImportError(f"forward takes {n_ph} input(s) after tracing, got {len(args)} example input(s)")
+            if n_ph != len(args):  # parameters left to their defaults (``forward(x, mask=None)`` given x): fx
+                # makes each an input; torch.export calls forward as the module is called
+                raise _InputCountError(f"forward takes {n_ph} input(s) after fx tracing, got {len(args)} example "
+                                       "input(s)")
             return gm, list(args), "fx", None, None
         except TorchImportError:
             raise
@@ -231,6 +233,10 @@ def trace(module: nn.Module | torch.export.ExportedProgram, args: tuple[Any, ...
     except Exception as exc:
         raise _untraceable(fx_error, exc) from exc
     return _from_export(ep, args)
+
+
+class _InputCountError(Exception):
+    """fx's graph takes other inputs than the example inputs given."""
 
 
 def _where(paths: list[str]) -> str:

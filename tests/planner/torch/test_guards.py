@@ -3,6 +3,7 @@ change gives eager torch's answer (a new plan, or eager torch itself), a named r
 
 from __future__ import annotations
 
+import threading
 import types
 
 import pytest
@@ -154,6 +155,27 @@ def test_fx_alone_refuses_a_hooked_module_naming_where_the_hooks_are():
     m.l2.register_forward_pre_hook(lambda mod, args: None)
     with pytest.raises(TorchImportError, match="forward hooks on l2: torch.fx traces past them"):
         import_module(m, (torch.randn(4, 16),), strategy="fx")
+
+
+def test_calls_from_two_threads_take_turns_and_each_gets_eager_torchs_answer():
+    m, x, result = _planned()
+    y = torch.randn_like(x)
+    with torch.no_grad():
+        want = {id(x): m(x), id(y): m(y)}
+    wrong: list[float] = []
+
+    def calls(inp):
+        for _ in range(100):
+            got = result(inp)
+            if not torch.allclose(got, want[id(inp)], rtol=1e-4, atol=1e-5):
+                wrong.append(float((got - want[id(inp)]).abs().max()))
+
+    threads = [threading.Thread(target=calls, args=(inp,)) for inp in (x, y)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong
 
 
 def test_a_structural_change_under_eager_runs_the_module_and_says_so():

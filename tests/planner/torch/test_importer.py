@@ -681,6 +681,29 @@ def test_shape_dependent_control_flow_falls_back_to_export() -> None:
     _assert_close(result(x), m(x))
 
 
+class Optional(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x, shift=None):
+        h = F.relu(self.fc(x))
+        return h if shift is None else h + shift
+
+
+def test_an_input_left_to_its_default_is_planned_by_export_and_given_later_gets_a_plan_of_its_own() -> None:
+    m, x, shift = Optional().eval(), torch.randn(4, 16), torch.randn(4, 16)
+    result = planner.plan(m, (x,), backend="reference")
+    assert result.imported.tracer == "export"  # fx would make ``shift`` a second graph input
+    _assert_close(result(x), m(x))
+    _assert_close(result(x, shift), m(x, shift))
+    _assert_close(result(x, shift=shift), m(x, shift))
+    _assert_close(result(shift=shift, x=x), m(x, shift))
+    _assert_close(result(x=x), m(x))
+    with pytest.raises(TypeError, match="Optional.forward: .*scale"):
+        result(x, scale=2.0)
+
+
 def test_a_loop_over_a_split_is_traced_by_fx_with_its_concrete_length() -> None:
     """GPT-2-style attention iterating over ``qkv.split(d, -1)`` in a generator: fx alone cannot iterate a traced
     value; the tracer takes the length from the example inputs, so no torch.export (1.2 s) is needed. A loop over
