@@ -15,7 +15,7 @@ from planner.backend import Backend
 from planner.core.cost import DeviceSpec
 from planner.core.ops import OPS
 from planner.core.plans import Plan
-from planner.core.reference import random_inputs
+from planner.core.reference import recipe_inputs
 from planner.core.regions import Region
 from planner.egraph.candidates import CandidateSet, build_candidates
 from planner.egraph.program import Limits
@@ -84,7 +84,7 @@ def search_region(job: RegionJob, backend: Backend, log: SearchLog,
                              seed=job.options.seed)
     inputs = job.inputs
     if inputs is None and job.stage != "whole":  # the parts' seeds differ; they verify and time on one set of inputs
-        inputs = random_inputs(job.region.graph, seed=job.options.seed)
+        inputs, _ = recipe_inputs(job.region.graph, seed=job.options.seed)
     searched, options = _narrowed(cands, job)
     result = search(searched, backend, inputs, options=options, log=log, on_candidate=tick, share=job.share)
     return RegionOutcome(RegionPlan.searched(job.region, result.best, cands), result, job,

@@ -15,6 +15,9 @@ An input that carries integer indices (a model's token ids, which the torch impo
 the op table's ``Embedding``, or converted back with ``.long()`` right before an Opaque call that takes them)
 gets ``integers(0, rows)`` instead, ``rows`` the table it indexes: normal values are no indices; 2 where the
 indices are only converted to bool (an attention mask: 0s and 1s), 1 (index 0) where nothing says.
+
+A search whose graph's reference is NaN or infinite on those inputs verifies on their absolute values instead
+(:func:`nonnegative`), and its log says so.
 """
 
 from __future__ import annotations
@@ -117,6 +120,17 @@ def seeded_inputs(
         x *= np.float32(scales.get(name, 1.0))
         out[name] = x if t.dtype == "fp32" else round_to(x, t.dtype)
     return out
+
+
+class NonnegativeRecipe(RecipeInputs):
+    """The recipe's inputs as their absolute values (:func:`nonnegative`)."""
+
+
+def nonnegative(inputs: Mapping[str, np.ndarray]) -> NonnegativeRecipe:
+    """The recipe's inputs as their absolute values: what a graph is verified on where its reference is NaN or
+    infinite on the recipe itself (a region whose input is a softmax's or a norm's result, never negative in a
+    model, read by a log or a square root); indices are nonnegative already."""
+    return NonnegativeRecipe((name, np.abs(x)) for name, x in inputs.items())
 
 
 def random_inputs(graph: Graph, seed: int = 0, scale: float = 1.0) -> RecipeInputs:

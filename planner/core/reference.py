@@ -20,12 +20,12 @@ import numpy as np
 
 from planner.core.dtypes import round_to
 from planner.core.graph import Graph
-from planner.core.inputs import RecipeInputs, random_inputs
+from planner.core.inputs import RecipeInputs, nonnegative, random_inputs
 from planner.core.ops import op_def
 from planner.core.plans import Expr, Kernel, Load, Plan
 
 MODES = ("device", "oracle")
-__all__ = ["MODES", "ExecutionError", "execute_graph", "execute_plan", "random_inputs"]
+__all__ = ["MODES", "ExecutionError", "execute_graph", "execute_plan", "random_inputs", "recipe_inputs"]
 
 
 class ExecutionError(RuntimeError):
@@ -110,3 +110,18 @@ def execute_graph(graph: Graph, inputs: Mapping[str, np.ndarray], mode: str = "d
             v = np.asarray(op_def(n.op).evaluate([mem[i] for i in n.inputs], n.attr_dict), dtype=work)
         mem[n.id] = round_to(v, n.type.dtype) if mode == "device" else v
     return [mem[o] for o in graph.outputs]
+
+
+def recipe_inputs(graph: Graph, seed: int = 0) -> tuple[RecipeInputs, list[np.ndarray]]:
+    """The inputs a search of ``graph`` verifies on, and the reference's outputs on them: the recipe's, or their
+    absolute values where the reference is NaN or infinite on the recipe and finite on those (a log of a region
+    input that is a softmax's result); the recipe's still where neither is finite."""
+    drawn = random_inputs(graph, seed=seed)
+    expected = execute_graph(graph, drawn, "device")
+    if all(np.isfinite(e).all() for e in expected):
+        return drawn, expected
+    positive = nonnegative(drawn)
+    retried = execute_graph(graph, positive, "device")
+    if all(np.isfinite(e).all() for e in retried):
+        return positive, retried
+    return drawn, expected

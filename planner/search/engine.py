@@ -48,9 +48,10 @@ import numpy as np
 
 from planner.backend import Backend, BackendError, BackendUnavailable, CompiledPlan
 from planner.core.errors import UsageError
+from planner.core.inputs import NonnegativeRecipe
 from planner.core.kinds import Verdict
 from planner.core.plans import Plan
-from planner.core.reference import execute_graph, random_inputs
+from planner.core.reference import execute_graph, recipe_inputs
 from planner.core.tolerance import check_outputs, vacuous_inputs, vacuous_reference, verification_text
 from planner.egraph.candidates import CandidateSet
 from planner.egraph.extract import Option, kernel_sig
@@ -108,11 +109,13 @@ class _Run:
         opts: SearchOptions,
         slog: SearchLog,
         on_candidate: Callable[[int, int], None] | None,
+        expected: list[np.ndarray] | None = None,
     ) -> None:
+        """``expected``: the reference's outputs on ``inputs``, where already computed."""
         self.cands, self.backend, self.inputs, self.opts, self.slog = cands, backend, inputs, opts, slog
         graph_inputs = {n.id: inputs[n.id] for n in cands.graph.inputs if n.id in inputs}
         problem = vacuous_inputs(graph_inputs)
-        self.expected = execute_graph(cands.graph, inputs, "device")
+        self.expected = execute_graph(cands.graph, inputs, "device") if expected is None else expected
         problem = problem or vacuous_reference(cands.graph.outputs, self.expected)
         if problem:
             raise UsageError(f"{cands.graph.name}: no candidate can be verified: {problem}; plan with inputs of "
@@ -650,9 +653,14 @@ def search(
     need_evaluator(cands.graph)
     slog = log if log is not None else SearchLog()
     drawn = inputs is None
-    inputs = random_inputs(cands.graph, seed=opts.seed) if inputs is None else inputs
+    expected = None
+    if inputs is None:
+        inputs, expected = recipe_inputs(cands.graph, opts.seed)
     slog.header(cands.graph.name, cands.space, cands.complete, backend.name, cands.spec.name, backend.measures)
-    run = _Run(cands, backend, inputs, opts, slog, on_candidate)
+    if isinstance(inputs, NonnegativeRecipe):
+        slog.emit(f"{cands.graph.name}: inputs: the recipe's absolute values (its reference is NaN or infinite on "
+                  "the recipe itself)")
+    run = _Run(cands, backend, inputs, opts, slog, on_candidate, expected)
     ex = cands.extractor
     unfused_choice = ex.unfused()
     unfused = ex.plan_of(unfused_choice)
@@ -726,7 +734,7 @@ def search(
         stop=stop,
         options=opts,
         verification=verification_text(unfused, opts.rtol, opts.atol,
-                                       f"seeded inputs (seed {opts.seed})" if drawn else "the given inputs"),
+                                       _inputs_text(inputs, opts.seed) if drawn else "the given inputs"),
     )
 
 
@@ -811,3 +819,9 @@ def _no_win_predicted(entry: Entry, differ: tuple[float, float], best: Entry) ->
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0][:200] if text else "(no message)"
+
+
+def _inputs_text(inputs: Mapping[str, np.ndarray], seed: int) -> str:
+    if isinstance(inputs, NonnegativeRecipe):
+        return f"the absolute values of seeded inputs (seed {seed})"
+    return f"seeded inputs (seed {seed})"

@@ -47,7 +47,17 @@ def _plain(v: Any, depth: int = 0) -> bool:
 
 
 def _same(a: Any, b: Any) -> bool:
-    return a is b or (type(a) is type(b) and a == b)
+    """The same object, or an equal one of the same type (an object whose ``==`` answers no plain bool, a numpy
+    array's elementwise answer, is the same only as itself)."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    try:
+        equal = a == b
+    except Exception:  # an object whose comparison fails is not known to be the same
+        return False
+    return equal if isinstance(equal, bool) else False
 
 
 def _guarded_attrs(m: nn.Module) -> dict[str, Any]:

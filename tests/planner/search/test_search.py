@@ -633,6 +633,22 @@ def test_a_graph_undefined_everywhere_is_refused_not_verified_vacuously():
         search(cands, EstimateBackend(cands.spec), options=SearchOptions(**FAST))
 
 
+def test_a_graph_undefined_on_negative_inputs_is_verified_on_the_recipes_absolute_values():
+    """A region whose input is a softmax's or a norm's result reads it through a square root or a log: the recipe's
+    normal values make its reference NaN, so nothing would verify; their absolute values are in its domain."""
+    b = GraphBuilder("root")
+    b.input("x", (4, 64), "fp32")
+    y = b.op("y", "Affine", [b.op("r", "Sqrt", ["x"])], {"a": 2.0, "b": 1.0})
+    graph = b.build([y])
+    cands = build_candidates(graph, load_device("h200"))
+    drawn = random_inputs(graph)
+    assert not np.isfinite(execute_graph(graph, drawn)[0]).all()
+    res = search(cands, TimedReferenceBackend(cands.spec), options=SearchOptions(**FAST))
+    assert "inputs: the recipe's absolute values" in "\n".join(res.log_lines)
+    assert "the absolute values of seeded inputs (seed 0)" in res.verification
+    assert res.timed and not res.rejected  # every candidate verified on them
+
+
 def test_the_report_says_what_was_verified(chain):
     res = search(chain, EstimateBackend(chain.spec), options=SearchOptions(**FAST))
     assert res.verification.startswith("every output against the numpy reference on seeded inputs (seed 0)")

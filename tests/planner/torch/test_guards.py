@@ -80,6 +80,7 @@ class Configured(nn.Module):
         self.l1 = nn.Linear(16, 16)
         self.config = types.SimpleNamespace(scale=2.0, act="relu")
         self.options = {"shift": 1.0}
+        self.table = np.arange(3.0)  # compared elementwise by ==: only as itself
 
     def forward(self, x):
         h = self.l1(x)
@@ -92,6 +93,7 @@ HELD_CHANGES = {
     "a config choice": (lambda m: setattr(m.config, "act", "tanh"), "config.act was 'relu' when planned"),
     "the config replaced": (lambda m: setattr(m, "config", types.SimpleNamespace(scale=5.0, act="relu")), "config was"),
     "a dict's value": (lambda m: m.options.update(shift=-1.0), "options.shift was 1.0 when planned"),
+    "an array replaced": (lambda m: setattr(m, "table", np.arange(3.0)), "table was array"),
 }
 
 
