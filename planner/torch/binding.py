@@ -4,6 +4,7 @@ converted once (:class:`BoundInputs`)."""
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import functools
 import logging
@@ -97,9 +98,18 @@ class ImportedModule:
 
     def wraps_views(self, stored: Sequence[str]) -> bool:
         """Does :meth:`wrap_outputs` only view the arrays of outputs stored as ``stored`` (the graph outputs' IR
-        dtypes: fp32, or a 16-bit dtype's bits), reading no value? An output of another torch dtype is converted."""
-        return all(o.arg is not None or o.view_of is not None or TORCH_DTYPES.get(o.dtype) == stored[o.index]
-                   for o in self.outputs)
+        dtypes: fp32, or a 16-bit dtype's bits), reading no value? An output of another torch dtype is converted,
+        and a result that is not built of containers (a ``DynamicCache``, which copies the tensors it is given)
+        may read them."""
+        return self._containers_only and all(
+            o.arg is not None or o.view_of is not None or TORCH_DTYPES.get(o.dtype) == stored[o.index]
+            for o in self.outputs)
+
+    @functools.cached_property
+    def _containers_only(self) -> bool:
+        """Is the module's return value a tensor, or tuples, lists, named tuples and dicts (a ``ModelOutput`` is
+        one) of them, whose rebuild holds the tensors without reading them?"""
+        return _holds_references(self.out_tree)
 
     def wrap_outputs(self, arrays: Sequence[np.ndarray], flat_args: Sequence[Any] = ()) -> Any:
         """The module's return value from the plan's output arrays: outputs that share memory in eager torch
@@ -137,6 +147,13 @@ class ImportedModule:
         if t.dtype == torch.uint16 and dtype in BITS_16:  # a 16-bit output handed out as its bits
             return t.view(dtype)
         return t if t.dtype == dtype else t.to(dtype)
+
+
+def _holds_references(spec: Any) -> bool:
+    node = spec.type
+    container = node is None or node is collections.namedtuple or (
+        isinstance(node, type) and issubclass(node, (tuple, list, dict)))
+    return container and all(_holds_references(child) for child in spec.children())
 
 
 def _check_arg(i: int, t: Any, shape: tuple[int, ...], dtype: torch.dtype) -> None:

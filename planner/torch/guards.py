@@ -82,11 +82,21 @@ def _held_dicts(module: nn.Module) -> list[tuple[str, dict[Any, Any]]]:
     out = []
     for path, m in module.named_modules():
         for k, v in _guarded_attrs(m).items():
-            d = v if isinstance(v, dict) else None if _plain(v) or callable(v) else getattr(v, "__dict__", None)
-            if isinstance(d, dict) and id(d) not in seen:
+            d = _attributes_of(v)
+            if d is not None and id(d) not in seen:
                 seen.add(id(d))
                 out.append((_join(path, k), d))
     return out
+
+
+def _attributes_of(v: Any) -> dict[Any, Any] | None:
+    """A held object's attributes: a dict itself, else its ``__dict__``; None for a plain value or a callable."""
+    if isinstance(v, dict):
+        return v
+    if _plain(v) or callable(v):
+        return None
+    d = getattr(v, "__dict__", None)
+    return d if isinstance(d, dict) else None
 
 
 def _hook_count() -> int | None:
@@ -277,9 +287,8 @@ class ModuleState:
                 return f"parameter or buffer {key}, from which the plan computed a value at import, was written"
         return None
 
-
     def _attribute_added(self) -> str | None:
-        """A plain or callable attribute set on a module of the tree since planning, named."""
+        """An attribute set on a module of the tree since planning (one :func:`_guarded_attrs` takes), named."""
         planned = {(id(m), k) for m, _, k, _ in self.attrs}
         tree = [("", self.module)] if self.module is not None else []
         tree += [(_join(path, name), child) for _, path, name, child in self.edges]

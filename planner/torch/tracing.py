@@ -3,9 +3,11 @@ graph is run once on the example inputs (:class:`Recorder`) so that every node h
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import os
+import sys
 import traceback
 from typing import Any
 
@@ -229,10 +231,26 @@ def trace(module: nn.Module | torch.export.ExportedProgram, args: tuple[Any, ...
                 raise _untraceable(exc, None) from exc
             log.info("torch.fx could not trace %s (%s); trying torch.export", type(module).__name__, first_line(exc))
     try:
+        if not isinstance(module, torch.export.ExportedProgram):
+            _export_transformers_caches()
         ep = module if isinstance(module, torch.export.ExportedProgram) else torch.export.export(module, args)
     except Exception as exc:
         raise _untraceable(fx_error, exc) from exc
     return _from_export(ep, args)
+
+
+@functools.cache
+def _export_transformers_caches() -> None:
+    """Where ``transformers`` is loaded, let torch.export take the ``DynamicCache`` its models return by default
+    (``use_cache``): transformers' own registration of it as a pytree node (a model called as users call it,
+    ``GPT2Model(ids)``, was untraceable)."""
+    if "transformers" not in sys.modules:
+        return
+    try:
+        from transformers.integrations.executorch import register_dynamic_cache_export_support  # optional
+    except ImportError:  # another transformers: its caches stay untraceable, and the error says so
+        return
+    register_dynamic_cache_export_support()
 
 
 class _InputCountError(Exception):

@@ -704,6 +704,40 @@ def test_an_input_left_to_its_default_is_planned_by_export_and_given_later_gets_
         result(x, scale=2.0)
 
 
+class Copied:
+    """A result type whose rebuild copies the tensors it is given, as transformers' ``DynamicCache`` does."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t.clone()
+
+
+torch.utils._pytree.register_pytree_node(Copied, lambda c: ([c.t], None), lambda values, _: Copied(values[0]))
+
+
+class ReturnsCopied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = F.relu(self.fc(x))
+        return h, Copied(h * 2)
+
+
+def test_a_result_whose_rebuild_reads_the_tensors_gets_them_computed() -> None:
+    """The cpu backend hands a plain result's tensors out before its kernels run (they only view its arrays);
+    a result type whose rebuild copies them must get them after: it copied unwritten memory before."""
+    m, x = ReturnsCopied().eval(), torch.randn(4, 16)
+    result = planner.plan(m, (x,), backend="cpu", max_candidates=2)
+    assert not result.imported.wraps_views(["fp32", "fp32"])
+    for _ in range(2):
+        h, copied = result(x)
+        with torch.no_grad():
+            want_h, want = m(x)
+        _assert_close(h, want_h)
+        _assert_close(copied.t, want.t)
+
+
 def test_a_loop_over_a_split_is_traced_by_fx_with_its_concrete_length() -> None:
     """GPT-2-style attention iterating over ``qkv.split(d, -1)`` in a generator: fx alone cannot iterate a traced
     value; the tracer takes the length from the example inputs, so no torch.export (1.2 s) is needed. A loop over

@@ -183,6 +183,24 @@ def test_t5s_position_bias_fuses_into_one_biased_attention_kernel() -> None:
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("name", ["gpt2-model", "llama-model"])
+def test_a_model_called_as_users_call_it_returns_its_output_and_cache_equal_to_eager(name: str) -> None:
+    """``GPT2Model(ids)`` itself, ``use_cache`` on as by default: its ``ModelOutput`` with the ``DynamicCache``
+    (torch.export takes it through transformers' own registration), every tensor equal to eager torch's."""
+    model = MODELS[name][0]().model.eval()
+    ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(0))
+    result = planner.plan(model, (ids,), backend="cpu", max_candidates=3)
+    got = result(ids)
+    with torch.no_grad():
+        want = model(ids)
+    assert type(got) is type(want) and type(got.past_key_values) is type(want.past_key_values)
+    got_leaves, want_leaves = (torch.utils._pytree.tree_leaves(o) for o in (got, want))
+    assert len(got_leaves) == len(want_leaves) == 1 + 2 * 2  # the hidden states, then each layer's keys and values
+    for g, w in zip(got_leaves, want_leaves, strict=True):
+        assert torch.allclose(g, w, atol=1e-5), float((g - w).abs().max())
+    assert not [k for k in result.plan.kernels if k.kind == "opaque"]
+
+
 def test_a_model_from_token_ids_takes_other_ids_and_refuses_ids_outside_its_table() -> None:
     module, (ids,) = _example("gpt2-model", torch.float32)
     result = planner.plan(module, (ids,), backend="cpu", cache=False, max_candidates=2)
