@@ -74,12 +74,16 @@ SETTLE_S = 0.15
 def child_env(mode: str, caches: Path | None = None) -> dict[str, str]:
     """The environment of a child: every pool at the mode's thread count, caches where asked."""
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(ROOT))
+    # the caller's narrowing of XLA's code (benchmarks/avx2.py) holds in every mode; its thread flags are the mode's
+    isa = [f for f in env.get("XLA_FLAGS", "").split() if f.startswith("--xla_cpu_max_isa")]
     if mode == "1":
         env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1", FUSION_PLANNER_THREADS="1",
-                   XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+                   XLA_FLAGS=" ".join(["--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1", *isa]))
     else:
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "FUSION_PLANNER_THREADS", "XLA_FLAGS"):
             env.pop(var, None)
+        if isa:
+            env["XLA_FLAGS"] = " ".join(isa)
     if caches is not None:
         env.update(XDG_CACHE_HOME=str(caches / "xdg"), TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"),
                    FP_BENCH_JAX_CACHE=str(caches / "jax"))

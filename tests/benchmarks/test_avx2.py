@@ -10,3 +10,13 @@ def test_every_contender_is_told_to_use_avx2_code():
     assert env["PATH"] == "/bin" and env["FUSION_PLANNER_CPU_ISA"] == "avx2" and env["ATEN_CPU_CAPABILITY"] == "avx2"
     assert env["XLA_FLAGS"] == "--xla_cpu_enable_fast_math=false --xla_cpu_max_isa=AVX2"
     assert benchmark_script("avx2").narrowed_env(env)["XLA_FLAGS"] == env["XLA_FLAGS"]
+
+
+def test_a_child_of_the_peers_benchmark_keeps_the_narrowing_of_xlas_code_in_every_mode(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false --xla_cpu_max_isa=AVX2")
+    peers = benchmark_script("cpu_peers")
+    one = peers.child_env("1")["XLA_FLAGS"].split()
+    assert "--xla_cpu_multi_thread_eigen=false" in one and "--xla_cpu_max_isa=AVX2" in one
+    assert peers.child_env("all")["XLA_FLAGS"] == "--xla_cpu_max_isa=AVX2"
+    monkeypatch.delenv("XLA_FLAGS")
+    assert "XLA_FLAGS" not in peers.child_env("all")
