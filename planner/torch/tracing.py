@@ -3,7 +3,6 @@ graph is run once on the example inputs (:class:`Recorder`) so that every node h
 
 from __future__ import annotations
 
-import functools
 import logging
 import operator
 import os
@@ -239,18 +238,23 @@ def trace(module: nn.Module | torch.export.ExportedProgram, args: tuple[Any, ...
     return _from_export(ep, args)
 
 
-@functools.cache
+#: the libraries whose result types torch.export has been told about in this process
+_REGISTERED: set[str] = set()
+
+
 def _export_transformers_caches() -> None:
     """Where ``transformers`` is loaded, let torch.export take the ``DynamicCache`` its models return by default
     (``use_cache``): transformers' own registration of it as a pytree node (a model called as users call it,
-    ``GPT2Model(ids)``, was untraceable)."""
-    if "transformers" not in sys.modules:
+    ``GPT2Model(ids)``, was untraceable). Once a process, once transformers is there."""
+    if "transformers" in _REGISTERED or "transformers" not in sys.modules:
         return
     try:
         from transformers.integrations.executorch import register_dynamic_cache_export_support  # optional
     except ImportError:  # another transformers: its caches stay untraceable, and the error says so
+        _REGISTERED.add("transformers")
         return
     register_dynamic_cache_export_support()
+    _REGISTERED.add("transformers")
 
 
 class _InputCountError(Exception):
