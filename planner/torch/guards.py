@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 from planner.core.dtypes import numpy_dtype
 from planner.torch.binding import Sampler, TensorWatch, layout_facts
 from planner.torch.errors import TorchImportError
-from planner.torch.tracing import FORWARD_HOOKS, GLOBAL_FORWARD_HOOKS
+from planner.torch.tracing import forward_hook_dicts
 
 log = logging.getLogger(__name__)
 
@@ -106,15 +106,6 @@ def _hook_count() -> int | None:
     return count if isinstance(count, int) else None
 
 
-def _hook_dicts(module: nn.Module) -> list[tuple[str, dict[Any, Any]]]:
-    """(where, hook dict) of each forward hook dict of ``module``'s tree, then the global ones."""
-    out = [(path or "the module itself", d) for path, m in module.named_modules()
-           for d in (getattr(m, name, None) for name in FORWARD_HOOKS) if isinstance(d, dict)]
-    out += [("every module (a global hook)", d) for d in (getattr(nn.modules.module, name, None)
-                                                        for name in GLOBAL_FORWARD_HOOKS) if isinstance(d, dict)]
-    return out
-
-
 #: the dicts of a module that hold its submodules, parameters and buffers
 _HOLDERS = ("_modules", "_parameters", "_buffers")
 #: a dict's version tag (PEP 509: a new one at every change of the dict), as torch.compile's guards read it; None
@@ -175,7 +166,7 @@ class QuickCheck:
         layouts = tuple(t for t in (getattr(o, n, None) for o, _, n, *_ in state.tensors) if isinstance(t, torch.Tensor))
         hook_count = _hook_count()
         # a hook registered moves the count; one removed changes its dict, so the dicts that hold hooks are watched
-        hooks = tuple(d for _, d in _hook_dicts(module) if d or hook_count is None)
+        hooks = tuple(d for _, d in forward_hook_dicts(module) if d or hook_count is None)
         dicts = tuple(d for m in modules for d in (m.__dict__, m._modules, m._parameters, m._buffers)) + held + hooks
         module_dicts = tuple(m.__dict__ for m in modules) + held + hooks
         return cls(
@@ -235,7 +226,7 @@ class ModuleState:
             attrs += [(m, path, k, v) for k, v in _guarded_attrs(m).items()]
         tensors = [(owner, key, name, tuple(t.shape), t.dtype, t.device) for owner, key, name, t in _state(module, state_keys)]
         derived = [(owner, key, name, StateSnapshot.of(t)) for owner, key, name, t in _state(module, folded_from)]
-        hooks = tuple((where, d, tuple(d)) for where, d in _hook_dicts(module))
+        hooks = tuple((where or "the module itself", d, tuple(d)) for where, d in forward_hook_dicts(module))
         held = tuple((where, d, _plain_items(d)) for where, d in _held_dicts(module))
         state = cls(tuple(edges), tuple(attrs), tuple(tensors), tuple(derived), hooks, held, module)
         state.quick = QuickCheck.of(module, state)

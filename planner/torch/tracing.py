@@ -190,13 +190,19 @@ FORWARD_HOOKS = ("_forward_pre_hooks", "_forward_hooks")
 GLOBAL_FORWARD_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks")
 
 
+def forward_hook_dicts(module: nn.Module) -> list[tuple[str, dict[Any, Any]]]:
+    """(where, hook dict) of each forward hook dict of ``module``'s tree (where: the submodule's path, ``""`` the
+    module itself), then the global ones (``"every module"``)."""
+    out = [(path, d) for path, m in module.named_modules()
+           for d in (getattr(m, name, None) for name in FORWARD_HOOKS) if isinstance(d, dict)]
+    out += [("every module", d) for d in (getattr(nn.modules.module, name, None) for name in GLOBAL_FORWARD_HOOKS)
+            if isinstance(d, dict)]
+    return out
+
+
 def hooked_modules(module: nn.Module) -> list[str]:
-    """Where forward hooks would run in a call of ``module``: each hooked submodule's path (``""``: the module
-    itself), and ``"every module"`` for a global hook."""
-    hooked = [path for path, m in module.named_modules() if any(getattr(m, d, None) for d in FORWARD_HOOKS)]
-    if any(getattr(nn.modules.module, d, None) for d in GLOBAL_FORWARD_HOOKS):
-        hooked.append("every module")
-    return hooked
+    """Where forward hooks would run in a call of ``module`` (:func:`forward_hook_dicts`' names), once each."""
+    return list(dict.fromkeys(where for where, hooks in forward_hook_dicts(module) if hooks))
 
 
 def trace(module: nn.Module | torch.export.ExportedProgram, args: tuple[Any, ...],
