@@ -172,7 +172,7 @@ class SleepWorker:
     """A worker that sleeps a region's search time instead of searching (made as RegionWorker is)."""
 
     def __init__(self, name: str, backend: str, spec: Any, options: dict[str, Any], device: str,
-                 torch_ops: tuple[str, ...]) -> None:
+                 torch_ops: tuple[str, ...], env: dict[str, str]) -> None:
         self.name, self.durations = name, options["durations"]
 
     def describe(self) -> dict[str, Any]:

@@ -224,8 +224,8 @@ class RayPool:
             self._note(f"{name}: {self.workers[name].where}", logging.INFO)
 
     def _new_worker(self, label: str, **placement: Any) -> Any:
-        return self._actor.options(**self._resources(), **placement, max_restarts=0, max_task_retries=0,
-                                   runtime_env={"env_vars": self._env}).remote(label, *self._args)
+        return self._actor.options(**self._resources(), **placement, max_restarts=0,
+                                   max_task_retries=0).remote(label, *self._args, self._env)
 
     def _kept_worker(self) -> tuple[Any, Any, bool]:
         """A kept worker of this search's kind that no other planner holds, its lease, and whether an earlier

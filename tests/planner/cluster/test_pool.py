@@ -17,6 +17,7 @@ import ray
 from planner.cli import main
 from planner.cluster.jobs import Budget
 from planner.cluster.pool import NAMESPACE, ExecutorOptions, RayPool
+from planner.cluster.workers import RegionWorker
 from planner.core import examples
 from planner.core.cost import load_device
 from planner.core.errors import UsageError
@@ -132,6 +133,28 @@ def test_a_worker_that_hangs_is_killed_and_replaced(cluster):
         pool.close()
     assert sorted(o.plan.region.key for o in outcomes) == sorted(j.region.key for j in todo)
     assert pool.hung == 1 and any("w2 hung" in e and "w3 started" in e for e in pool.events)
+
+
+def test_workers_take_the_planners_settings_with_no_runtime_env_of_their_own(cluster, monkeypatch):
+    class Probe(RegionWorker):  # no runtime env: the actor may take a worker process Ray started ahead
+        def setting(self, name: str) -> str | None:
+            return os.environ.get(name)
+
+        def runtime_env(self) -> dict:
+            return dict(ray.get_runtime_context().runtime_env)
+
+    monkeypatch.setenv("FUSION_PLANNER_PROBE", "from the planner")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("UNRELATED_PROBE", "kept here")
+    pool = RayPool(ExecutorOptions("ray", 2), "model", SPEC, {}, "cpu", worker=Probe)
+    try:
+        for worker in pool.workers.values():
+            assert ray.get(worker.handle.setting.remote("FUSION_PLANNER_PROBE")) == "from the planner"
+            assert ray.get(worker.handle.setting.remote("OMP_WAIT_POLICY")) == "PASSIVE"
+            assert ray.get(worker.handle.setting.remote("UNRELATED_PROBE")) is None
+            assert ray.get(worker.handle.runtime_env.remote()) == {}
+    finally:
+        pool.close()
 
 
 def test_more_workers_than_the_cluster_holds_is_refused(cluster):
