@@ -9,16 +9,24 @@ in place, are :class:`planner.torch.binding.BoundInputs`' business: they are bou
 
 Forward hooks are guarded too: one registered anywhere after planning (every registration takes a number from
 ``RemovableHandle.next_id``, read as one integer), or one the plan ran removed, is a change of the module; so is
-any other object set on a module's instance (``m.forward = ...``, ``m.act = F.gelu``, ``m.config = ...``) and a
-plain value inside an object a module holds (``m.config.scale = 2``). What is not guarded: global variables and
-closures the forward reads, methods patched on a module's class, and objects held deeper (docs/torch.md).
+any other object set on a module's instance (``m.forward = ...``, ``m.act = F.gelu``, ``m.config = ...``), a
+plain value inside an object a module holds, up to :data:`HELD_DEPTH` objects deep (``m.config.scale = 2``,
+``m.config.text_config.scale = 2``), and a list of plain values changed in place (``m.sizes.append(3)``).
+
+So is the code the forward runs: each module class's methods and class attributes (``nn.Linear.forward = ...``,
+``Block.scale = 2``), the global variables the methods of the tree's own classes (not torch's) name and the
+functions they call name (``SCALE = 2``, ``ACT = torch.tanh``), and the variables they close over.
 """
 
 from __future__ import annotations
 
+import copy
+import gc
 import logging
 import operator
-from collections.abc import Callable, Sequence
+import types
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, Protocol
@@ -44,6 +52,16 @@ def _plain(v: Any, depth: int = 0) -> bool:
     if isinstance(v, _PLAIN):
         return True
     return isinstance(v, (tuple, list)) and depth < 2 and len(v) <= 16 and all(_plain(x, depth + 1) for x in v)
+
+
+def _mutable(v: Any) -> bool:
+    """A plain value that can change in place: a list, or a tuple holding one."""
+    return isinstance(v, list) or isinstance(v, tuple) and any(map(_mutable, v))
+
+
+def _snapshot(v: Any) -> Any:
+    """``v`` as it is now: a plain value that can change in place copied (it then differs from its copy)."""
+    return copy.deepcopy(v) if _plain(v) and _mutable(v) else v
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -75,18 +93,105 @@ def _plain_items(d: dict[Any, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if isinstance(k, str) and not k.startswith("__") and _plain(v)}
 
 
+#: objects held this many levels below a module are guarded (``self.config.text_config.scale``: 2)
+HELD_DEPTH = 3
+#: at most this many held objects are guarded (a module holding a large object graph)
+MAX_HELD = 64
+
+
 def _held_dicts(module: nn.Module) -> list[tuple[str, dict[Any, Any]]]:
     """(where, its attributes) of each object other than a callable that a module of the tree holds (a config, a
-    namespace, a dict): the plain values in them are what a forward reads (``self.config.scale``); once each."""
+    namespace, a dict), and the objects those hold, :data:`HELD_DEPTH` levels down: the plain values in them are
+    what a forward reads (``self.config.scale``, ``self.config.text_config.scale``); once each, the nearest first,
+    at most :data:`MAX_HELD`."""
     seen: set[int] = set()
-    out = []
-    for path, m in module.named_modules():
-        for k, v in _guarded_attrs(m).items():
-            d = _attributes_of(v)
-            if d is not None and id(d) not in seen:
-                seen.add(id(d))
-                out.append((_join(path, k), d))
+    out: list[tuple[str, dict[Any, Any]]] = []
+    queue = deque((_join(path, k), v, 1) for path, m in module.named_modules() for k, v in _guarded_attrs(m).items())
+    while queue and len(out) < MAX_HELD:
+        where, v, depth = queue.popleft()
+        d = _attributes_of(v)
+        if d is None or id(d) in seen:
+            continue
+        seen.add(id(d))
+        out.append((where, d))
+        if depth < HELD_DEPTH:
+            queue.extend((_join(where, k), x, depth + 1) for k, x in d.items()
+                         if isinstance(k, str) and not k.startswith("__") and not isinstance(x, (nn.Module, torch.Tensor)))
     return out
+
+
+#: classes whose dicts are not guarded: every object's and every module's (patching those is patching Python or
+#: torch itself)
+_UNGUARDED_CLASSES = (object, nn.Module)
+
+
+def _classes(module: nn.Module) -> list[type]:
+    """The classes of the tree's modules and their bases, but :data:`_UNGUARDED_CLASSES`; once each."""
+    return list(dict.fromkeys(c for m in module.modules() for c in type(m).__mro__ if c not in _UNGUARDED_CLASSES))
+
+
+def _class_dict(cls: type) -> dict[str, Any]:
+    """The dict behind ``cls.__dict__`` (a read-only proxy): the one whose version tag a change of the class moves."""
+    found = [d for d in gc.get_referents(cls.__dict__) if isinstance(d, dict)]
+    return found[0] if len(found) == 1 else dict(cls.__dict__)
+
+
+def _class_items(d: dict[str, Any]) -> dict[str, Any]:
+    """A class's methods and class attributes a forward may use (not its dunders, which Python itself keeps)."""
+    return {k: v for k, v in d.items() if not k.startswith("__") or k == "__call__"}
+
+
+def _functions(classes: Sequence[type]) -> list[tuple[str, types.FunctionType]]:
+    """(where, function) of each method of the classes that are not torch's own."""
+    out = []
+    for cls in classes:
+        if cls.__module__.split(".")[0] == "torch":
+            continue
+        for k, v in vars(cls).items():
+            fn = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v
+            if isinstance(fn, types.FunctionType):
+                out.append((f"{cls.__qualname__}.{k}", fn))
+    return out
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    """The names ``code`` and the code nested in it (comprehensions, lambdas, inner functions) load."""
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _code_names(c)
+    return names
+
+
+def _code_reads(module: nn.Module, classes: Sequence[type]
+                ) -> tuple[list[tuple[str, dict[str, Any], str]], list[tuple[str, types.CellType]]]:
+    """The global variables the methods of the tree's own classes name, and the functions they name in turn (two
+    calls deep): (the function, its globals, the name), modules left out (``torch``, ``F``); and the variables
+    they close over: (the function, the cell)."""
+    globals_read: list[tuple[str, dict[str, Any], str]] = []
+    cells: list[tuple[str, types.CellType]] = []
+    queue = deque((where, fn, 0) for where, fn in _functions(classes))
+    seen: set[int] = set()
+    while queue:
+        where, fn, depth = queue.popleft()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        g = fn.__globals__
+        for name in sorted(_code_names(fn.__code__)):
+            v = g.get(name, _MISSING)
+            if v is _MISSING or isinstance(v, types.ModuleType):
+                continue
+            globals_read.append((where, g, name))
+            if isinstance(v, types.FunctionType) and depth < 2 and v.__module__.split(".")[0] != "torch":
+                queue.append((v.__qualname__, v, depth + 1))
+        for cell in fn.__closure__ or ():
+            try:
+                cell.cell_contents  # noqa: B018 - an empty cell (a name not bound yet) is not read
+            except ValueError:
+                continue
+            cells.append((where, cell))
+    return globals_read, cells
 
 
 def _attributes_of(v: Any) -> dict[Any, Any] | None:
@@ -148,18 +253,36 @@ class QuickCheck:
     #: each module's ``__dict__`` and its size, compared where dicts have no version tags
     module_dicts: tuple[dict[str, Any], ...] = ()
     module_sizes: list[int] = field(default_factory=list)
+    #: the global variables read, as ``attrs`` holds them, compared by the ids of their values at every call (a
+    #: module's globals change as a script runs: their version tags would send every call to the closer look)
+    globals_read: tuple[tuple[dict[str, Any], tuple[str, ...], tuple[object, ...], list[int]], ...] = ()
+    #: the variables the methods close over, and the ids of their values
+    cells: tuple[types.CellType, ...] = ()
+    cell_ids: list[int] = field(default_factory=list)
+    #: each plain value that can change in place (a list), and its copy
+    mutables: tuple[tuple[Any, Any], ...] = ()
 
     @classmethod
     def of(cls, module: nn.Module, state: ModuleState) -> QuickCheck:
         modules = list(module.modules())
         attrs, kept = [], []
         held = tuple(d for _, d in _held_dicts(module))
+        classes = tuple(d for _, d, _ in state.classes)
         watched = [(m.__dict__, {*_guarded_in(m.__dict__), *_HOLDERS}) for m in modules]
-        for d, guarded in watched + [(h, set(_plain_items(h))) for h in held]:
+        watched += [(h, set(_plain_items(h))) for h in held] + [(d, set(_class_items(d))) for d in classes]
+        for d, guarded in watched:
             keys = tuple(k for k in d if k in guarded)
             values = [d[k] for k in keys]
             kept += values
             attrs.append((d, keys, (_MISSING,) * len(keys), [id(v) for v in values]))
+        globals_read = []
+        for g, read in _by_dict((g, name) for _, g, name, _ in state.globals_read):
+            values = [g.get(n, _MISSING) for n in read]
+            kept += values
+            globals_read.append((g, read, (_MISSING,) * len(read), [id(v) for v in values]))
+        cells = tuple(c for _, c, _ in state.cells)
+        kept += [c.cell_contents for c in cells]
+        mutables = tuple((v, _snapshot(v)) for v in kept if _plain(v) and _mutable(v))
         holders = tuple(h for m in modules for h in (m._modules, m._parameters, m._buffers) if h)
         names = [k for h in holders for k in h]
         members = [v for h in holders for v in h.values()]
@@ -167,22 +290,32 @@ class QuickCheck:
         hook_count = _hook_count()
         # a hook registered moves the count; one removed changes its dict, so the dicts that hold hooks are watched
         hooks = tuple(d for _, d in forward_hook_dicts(module) if d or hook_count is None)
-        dicts = tuple(d for m in modules for d in (m.__dict__, m._modules, m._parameters, m._buffers)) + held + hooks
-        module_dicts = tuple(m.__dict__ for m in modules) + held + hooks
+        dicts = (tuple(d for m in modules for d in (m.__dict__, m._modules, m._parameters, m._buffers)) + held + hooks
+                 + classes)
+        module_dicts = tuple(m.__dict__ for m in modules) + held + hooks + classes
         return cls(
             dicts, list(map(_dict_version, dicts)) if _dict_version is not None else [],
             tuple(attrs), holders, [len(h) for h in holders], [id(k) for k in names], [id(v) for v in members],
             layouts, layout_facts(layouts),
             TensorWatch([(s.tensor, s.sample) for *_, s in state.derived]),
             (tuple(kept), tuple(names), tuple(members)), hook_count, module_dicts, list(map(len, module_dicts)),
+            tuple(globals_read), cells, [id(c.cell_contents) for c in cells], mutables,
         )
 
     def same(self) -> bool:
         if self.hook_count is not None and _hook_count() != self.hook_count:
             return False
-        if not self._dicts_same():
+        if not self._dicts_same() or not self._code_same():
             return False
         return (not self.layouts or layout_facts(self.layouts) == self.layout_facts) and self.derived.same()
+
+    def _code_same(self) -> bool:
+        for d, keys, missing, ids in self.globals_read:
+            if list(map(id, map(d.get, keys, missing))) != ids:
+                return False
+        if self.cells and list(map(id, map(_CONTENTS, self.cells))) != self.cell_ids:
+            return False
+        return all(v == copied for v, copied in self.mutables)
 
     def _dicts_same(self) -> bool:
         if _dict_version is not None and self.versions:
@@ -194,6 +327,17 @@ class QuickCheck:
                 and list(map(len, self.holders)) == self.sizes
                 and list(map(id, chain.from_iterable(self.holders))) == self.key_ids
                 and list(map(id, chain.from_iterable(map(dict.values, self.holders)))) == self.value_ids)
+
+
+_CONTENTS = operator.attrgetter("cell_contents")
+
+
+def _by_dict(pairs: Iterable[tuple[dict[str, Any], str]]) -> list[tuple[dict[str, Any], tuple[str, ...]]]:
+    """(dict, name) pairs grouped by dict: (the dict, its names), each name once."""
+    grouped: dict[int, tuple[dict[str, Any], dict[str, None]]] = {}
+    for d, name in pairs:
+        grouped.setdefault(id(d), (d, {}))[1][name] = None
+    return [(d, tuple(names)) for d, names in grouped.values()]
 
 
 @dataclass(eq=False)
@@ -214,6 +358,12 @@ class ModuleState:
     hooks: tuple[tuple[str, dict[Any, Any], tuple[Any, ...]], ...] = ()
     #: (where, the attributes of an object a module holds, their plain values then) (:func:`_held_dicts`)
     held: tuple[tuple[str, dict[Any, Any], dict[str, Any]], ...] = ()
+    #: (class, its dict, its methods and class attributes then) of each class of the tree's modules
+    classes: tuple[tuple[type, dict[str, Any], dict[str, Any]], ...] = ()
+    #: (the function reading it, its globals, the name, the value then) of each global variable read
+    globals_read: tuple[tuple[str, dict[str, Any], str, Any], ...] = ()
+    #: (the function, the cell, its value then) of each variable a method closes over
+    cells: tuple[tuple[str, types.CellType, Any], ...] = ()
     #: the module, for :class:`QuickCheck` (None: every check looks closer)
     module: nn.Module | None = None
     quick: QuickCheck | None = field(default=None, repr=False)
@@ -223,12 +373,17 @@ class ModuleState:
         edges, attrs = [], []
         for path, m in module.named_modules(remove_duplicate=False):
             edges += [(m, path, name, child) for name, child in m._modules.items() if child is not None]
-            attrs += [(m, path, k, v) for k, v in _guarded_attrs(m).items()]
+            attrs += [(m, path, k, _snapshot(v)) for k, v in _guarded_attrs(m).items()]
         tensors = [(owner, key, name, tuple(t.shape), t.dtype, t.device) for owner, key, name, t in _state(module, state_keys)]
         derived = [(owner, key, name, StateSnapshot.of(t)) for owner, key, name, t in _state(module, folded_from)]
         hooks = tuple((where or "the module itself", d, tuple(d)) for where, d in forward_hook_dicts(module))
-        held = tuple((where, d, _plain_items(d)) for where, d in _held_dicts(module))
-        state = cls(tuple(edges), tuple(attrs), tuple(tensors), tuple(derived), hooks, held, module)
+        held = tuple((where, d, _snapshots(_plain_items(d))) for where, d in _held_dicts(module))
+        classes = _classes(module)
+        class_items = tuple((c, d, _snapshots(_class_items(d))) for c, d in ((c, _class_dict(c)) for c in classes))
+        globals_read, cells = _code_reads(module, classes)
+        state = cls(tuple(edges), tuple(attrs), tuple(tensors), tuple(derived), hooks, held, class_items,
+                    tuple((where, g, name, _snapshot(g[name])) for where, g, name in globals_read),
+                    tuple((where, c, _snapshot(c.cell_contents)) for where, c in cells), module)
         state.quick = QuickCheck.of(module, state)
         return state
 
@@ -262,6 +417,9 @@ class ModuleState:
                     was = "removed" if k not in now else f"set to {_short(now[k])}"
                     then = _short(items[k]) if k in items else "not there"
                     return f"{_join(where, k)} was {then} when planned, is {was} now"
+        code = self._code_changed()
+        if code is not None:
+            return code
         for where, d, keys in self.hooks:
             if tuple(d) != keys:
                 return f"a forward hook was registered on or removed from {where} after planning"
@@ -276,6 +434,22 @@ class ModuleState:
         for owner, key, name, snapshot in self.derived:
             if not snapshot.fresh(getattr(owner, name, None)):
                 return f"parameter or buffer {key}, from which the plan computed a value at import, was written"
+        return None
+
+    def _code_changed(self) -> str | None:
+        """A class's method or attribute, a global variable or a closed-over variable that differs, named."""
+        for c, d, items in self.classes:
+            now = _class_items(d)
+            for k in {*items, *now}:
+                if not _same(now.get(k, _MISSING), items.get(k, _MISSING)):
+                    return f"{c.__qualname__}.{k} (of the class) was {_then(items, k)} when planned, is {_now(now, k)} now"
+        for where, g, name, v in self.globals_read:
+            if not _same(g.get(name, _MISSING), v):
+                return f"global {name} (read by {where}) was {_short(v)} when planned, is {_now(g, name)} now"
+        for where, cell, v in self.cells:
+            if not _same(cell.cell_contents, v):
+                return (f"a variable {where} closes over was {_short(v)} when planned, is set to "
+                        f"{_short(cell.cell_contents)} now")
         return None
 
     def _attribute_added(self) -> str | None:
@@ -326,6 +500,18 @@ class StateSnapshot:
 
 def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
+
+
+def _snapshots(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: _snapshot(v) for k, v in d.items()}
+
+
+def _then(d: dict[str, Any], k: str) -> str:
+    return _short(d[k]) if k in d else "not there"
+
+
+def _now(d: dict[str, Any], k: str) -> str:
+    return "removed" if k not in d else f"set to {_short(d[k])}"
 
 
 def _short(v: Any) -> str:

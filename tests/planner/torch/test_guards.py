@@ -118,6 +118,125 @@ def test_a_held_object_set_to_equal_values_keeps_the_plan():
     assert not result.guard.events
 
 
+SCALE = 2.0
+ACT = torch.relu
+OFFSET = 1.0
+UNREAD = 0  # a global no method of the module names
+
+
+def _shift(h):
+    return h + OFFSET
+
+
+class CodeReads(nn.Module):
+    """A module whose forward reads globals (one through a function it calls), a class attribute, a list it holds
+    and values two objects deep."""
+
+    factor = 3.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(16, 16)
+        self.sizes = [1.0, 2.0]
+        self.config = types.SimpleNamespace(text=types.SimpleNamespace(scale=2.0, gains=[1.0, 0.5]))
+
+    def forward(self, x):
+        h = ACT(self.l1(x)) * SCALE * self.factor * self.sizes[0]
+        return _shift(h) * self.config.text.scale * self.config.text.gains[0]
+
+
+_PLANNED_FORWARD = CodeReads.forward
+
+
+def _doubled(self, x):
+    return _PLANNED_FORWARD(self, x) * 2
+
+
+CODE_CHANGES = {
+    "a global": (lambda m, mp: mp.setitem(globals(), "SCALE", 5.0),
+                 "global SCALE (read by CodeReads.forward) was 2.0 when planned, is set to 5.0"),
+    "a global function": (lambda m, mp: mp.setitem(globals(), "ACT", torch.tanh), "global ACT"),
+    "a global a called function reads": (lambda m, mp: mp.setitem(globals(), "OFFSET", -1.0),
+                                         "global OFFSET (read by _shift) was 1.0"),
+    "a class attribute": (lambda m, mp: mp.setattr(CodeReads, "factor", 4.0),
+                          "CodeReads.factor (of the class) was 3.0 when planned, is set to 4.0"),
+    "the forward patched on the class": (lambda m, mp: mp.setattr(CodeReads, "forward", _doubled),
+                                         "CodeReads.forward (of the class) was"),
+    "torch's forward patched on its class": (
+        lambda m, mp: mp.setattr(nn.Linear, "forward", lambda self, x: nn.functional.linear(x, self.weight)),
+        "Linear.forward (of the class) was"),
+    "a list changed in place": (lambda m, mp: m.sizes.__setitem__(0, 3.0),
+                                "sizes was [1.0, 2.0] when planned, is set to [3.0, 2.0]"),
+    "a value two objects deep": (lambda m, mp: setattr(m.config.text, "scale", 4.0),
+                                 "config.text.scale was 2.0 when planned, is set to 4.0"),
+    "a list two objects deep changed in place": (lambda m, mp: m.config.text.gains.append(7.0),
+                                                 "config.text.gains was [1.0, 0.5]"),
+}
+
+
+@pytest.mark.parametrize("change", sorted(CODE_CHANGES))
+def test_a_change_to_the_code_the_forward_runs_gives_eager_torchs_answer(change, monkeypatch):
+    torch.manual_seed(0)
+    m, x = CodeReads().eval(), torch.randn(4, 16)
+    result = planner.plan(m, (x,), **FAST)
+    _agrees(result, m, x)
+    make, reason = CODE_CHANGES[change]
+    make(m, monkeypatch)
+    _agrees(result, m, x)
+    assert reason in result.guard.events[0][0]
+
+
+def _closing_over(k: float):
+    """A module class whose forward closes over ``k``, and a setter of ``k``."""
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1 = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.l1(x) * k
+
+    def set_k(value: float) -> None:
+        nonlocal k
+        k = value
+
+    return Scaled, set_k
+
+
+def test_a_variable_the_forward_closes_over_changed_gives_eager_torchs_answer():
+    torch.manual_seed(0)
+    scaled, set_k = _closing_over(2.0)
+    m, x = scaled().eval(), torch.randn(4, 16)
+    result = planner.plan(m, (x,), **FAST)
+    set_k(-3.0)
+    _agrees(result, m, x)
+    assert "Scaled.forward closes over was 2.0 when planned, is set to -3.0" in result.guard.events[0][0]
+
+
+@pytest.mark.parametrize("tags", [True, False], ids=["dict-versions", "ids"])
+def test_the_quick_check_sees_code_changes_and_ignores_globals_the_forward_does_not_read(tags, monkeypatch):
+    from planner.torch import guards
+    from planner.torch.guards import ModuleState
+
+    if not tags:
+        monkeypatch.setattr(guards, "_dict_version", None)
+    m = CodeReads().eval()
+    state = ModuleState.record(m)
+    assert state.quick is not None and state.quick.same()
+    for value in range(3):  # a script's loop rebinding its globals: no closer look
+        monkeypatch.setitem(globals(), "UNREAD", value)
+        assert state.quick.same()
+    for name, (make, reason) in sorted(CODE_CHANGES.items()):
+        with monkeypatch.context() as mp:
+            before = (list(m.sizes), list(m.config.text.gains), m.config.text.scale)
+            make(m, mp)
+            assert not state.quick.same(), name
+            assert reason in (state.changed() or ""), name
+            m.sizes[:], m.config.text.gains[:], m.config.text.scale = before
+        assert state.changed() is None and state.quick.same(), name
+
+
 def test_a_global_forward_hook_registered_after_planning_gives_eager_torchs_answer():
     m, x, result = _planned()
     handle = nn.modules.module.register_module_forward_hook(
