@@ -313,8 +313,12 @@ class QuickCheck:
         for d, keys, missing, ids in self.globals_read:
             if list(map(id, map(d.get, keys, missing))) != ids:
                 return False
-        if self.cells and list(map(id, map(_CONTENTS, self.cells))) != self.cell_ids:
-            return False
+        if self.cells:
+            try:
+                if list(map(id, map(_CONTENTS, self.cells))) != self.cell_ids:
+                    return False
+            except ValueError:  # one is unbound now
+                return False
         return all(v == copied for v, copied in self.mutables)
 
     def _dicts_same(self) -> bool:
@@ -330,6 +334,14 @@ class QuickCheck:
 
 
 _CONTENTS = operator.attrgetter("cell_contents")
+
+
+def _contents(cell: types.CellType) -> Any:
+    """A closed-over variable's value; :data:`_MISSING` once it is unbound (``del`` in its scope)."""
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return _MISSING
 
 
 def _by_dict(pairs: Iterable[tuple[dict[str, Any], str]]) -> list[tuple[dict[str, Any], tuple[str, ...]]]:
@@ -414,9 +426,7 @@ class ModuleState:
             now = _plain_items(d)
             for k in {*items, *now}:
                 if not _same(now.get(k, _MISSING), items.get(k, _MISSING)):
-                    was = "removed" if k not in now else f"set to {_short(now[k])}"
-                    then = _short(items[k]) if k in items else "not there"
-                    return f"{_join(where, k)} was {then} when planned, is {was} now"
+                    return f"{_join(where, k)} was {_then(items, k)} when planned, is {_now(now, k)} now"
         code = self._code_changed()
         if code is not None:
             return code
@@ -447,9 +457,10 @@ class ModuleState:
             if not _same(g.get(name, _MISSING), v):
                 return f"global {name} (read by {where}) was {_short(v)} when planned, is {_now(g, name)} now"
         for where, cell, v in self.cells:
-            if not _same(cell.cell_contents, v):
-                return (f"a variable {where} closes over was {_short(v)} when planned, is set to "
-                        f"{_short(cell.cell_contents)} now")
+            now = _contents(cell)
+            if not _same(now, v):
+                is_now = "unbound" if now is _MISSING else f"set to {_short(now)}"
+                return f"a variable {where} closes over was {_short(v)} when planned, is {is_now} now"
         return None
 
     def _attribute_added(self) -> str | None:

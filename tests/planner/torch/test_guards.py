@@ -197,9 +197,12 @@ def _closing_over(k: float):
         def forward(self, x):
             return self.l1(x) * k
 
-    def set_k(value: float) -> None:
+    def set_k(value: float | None) -> None:
         nonlocal k
-        k = value
+        if value is None:
+            del k
+        else:
+            k = value
 
     return Scaled, set_k
 
@@ -212,6 +215,16 @@ def test_a_variable_the_forward_closes_over_changed_gives_eager_torchs_answer():
     set_k(-3.0)
     _agrees(result, m, x)
     assert "Scaled.forward closes over was 2.0 when planned, is set to -3.0" in result.guard.events[0][0]
+
+
+def test_a_closed_over_variable_unbound_is_a_change_not_a_crash():
+    from planner.torch.guards import ModuleState
+
+    scaled, set_k = _closing_over(2.0)
+    state = ModuleState.record(scaled().eval())
+    set_k(None)
+    assert state.quick is not None and not state.quick.same()
+    assert "closes over was 2.0 when planned, is unbound now" in (state.changed() or "")
 
 
 @pytest.mark.parametrize("tags", [True, False], ids=["dict-versions", "ids"])
