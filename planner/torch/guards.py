@@ -132,8 +132,12 @@ def _classes(module: nn.Module) -> list[type]:
 
 def _class_dict(cls: type) -> dict[str, Any]:
     """The dict behind ``cls.__dict__`` (a read-only proxy): the one whose version tag a change of the class moves."""
-    found = [d for d in gc.get_referents(cls.__dict__) if isinstance(d, dict)]
-    return found[0] if len(found) == 1 else dict(cls.__dict__)
+    return next(d for d in gc.get_referents(cls.__dict__) if isinstance(d, dict))
+
+
+def _torchs(obj: Any) -> bool:
+    """Is ``obj`` (a class or a function) torch's own code? (A function made by ``exec`` may have no module.)"""
+    return (getattr(obj, "__module__", None) or "").split(".")[0] == "torch"
 
 
 def _class_items(d: dict[str, Any]) -> dict[str, Any]:
@@ -145,7 +149,7 @@ def _functions(classes: Sequence[type]) -> list[tuple[str, types.FunctionType]]:
     """(where, function) of each method of the classes that are not torch's own."""
     out = []
     for cls in classes:
-        if cls.__module__.split(".")[0] == "torch":
+        if _torchs(cls):
             continue
         for k, v in vars(cls).items():
             fn = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v
@@ -183,7 +187,7 @@ def _code_reads(module: nn.Module, classes: Sequence[type]
             if v is _MISSING or isinstance(v, types.ModuleType):
                 continue
             globals_read.append((where, g, name))
-            if isinstance(v, types.FunctionType) and depth < 2 and v.__module__.split(".")[0] != "torch":
+            if isinstance(v, types.FunctionType) and depth < 2 and not _torchs(v):
                 queue.append((v.__qualname__, v, depth + 1))
         for cell in fn.__closure__ or ():
             try:

@@ -186,6 +186,30 @@ def test_a_change_to_the_code_the_forward_runs_gives_eager_torchs_answer(change,
     assert reason in result.guard.events[0][0]
 
 
+def _of_no_module(h):
+    return h * SCALE
+
+
+_of_no_module.__module__ = None  # as a function made by exec may be
+
+
+class CallsOfNoModule(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return _of_no_module(self.l1(x))
+
+
+def test_a_function_of_no_module_the_forward_calls_is_followed_to_the_globals_it_reads():
+    from planner.torch.guards import ModuleState
+
+    state = ModuleState.record(CallsOfNoModule().eval())
+    assert {(where, name) for where, _, name, _ in state.globals_read} >= {
+        ("CallsOfNoModule.forward", "_of_no_module"), ("_of_no_module", "SCALE")}
+
+
 def _closing_over(k: float):
     """A module class whose forward closes over ``k``, and a setter of ``k``."""
 
