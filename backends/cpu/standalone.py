@@ -30,8 +30,10 @@ from planner.core.shapes import WINDOW, window_out
 
 log = logging.getLogger(__name__)
 
-#: keys per block of the attention kernel: a block's scores stay in registers and L1 (a multiple of 16)
-KEY_BLOCK = 64
+#: vectors of keys per block of the attention kernel, and of value columns (:func:`attention_source`)
+KEY_VECTORS = 2
+#: keys per block of the attention kernel with 16-lane vectors (with 8 lanes, half as many)
+KEY_BLOCK = KEY_VECTORS * 16
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,8 @@ ATTENTION_ENV = "FUSION_PLANNER_CPU_ATTENTION"
 ATTENTION_KERNELS = ("generated", "torch")
 #: torch's kernel must be this much faster than the generated one to replace it: the measurement's noise
 ATTENTION_MARGIN = 0.05
+#: the generated attention kernel's design (:func:`attention_source`): a choice recorded against another is made again
+GENERATED_ATTENTION = "register-blocked-2"
 
 
 def measured_attention(body: Expr, shapes: Mapping[str, tuple[int, ...]], threads: int,
@@ -160,7 +164,8 @@ def measured_attention(body: Expr, shapes: Mapping[str, tuple[int, ...]], thread
         return value
     import torch  # optional dependency (auto measures only where it is loaded)
 
-    key = {"cpu": cpu_model(), "torch": torch.__version__, "op": body.op, "causal": int(body.attr_dict.get("causal", 0)),
+    key = {"cpu": cpu_model(), "torch": torch.__version__, "generated": GENERATED_ATTENTION, "op": body.op,
+           "causal": int(body.attr_dict.get("causal", 0)),
            "shapes": [list(shapes[a.tensor]) for a in body.args if isinstance(a, Load)], "threads": threads}
 
     def decide() -> tuple[str, Mapping[str, float]]:
@@ -195,33 +200,36 @@ def batch_matmul(library: str) -> BatchMatMul:
     return torch_bmm() if library == "torch" else numpy_bmm
 
 
-#: query rows per block of the attention kernel: their scores for a key block are 4 x 4 vectors in registers
-QUERY_BLOCK = 4
-#: the same where the kernel's vectors have 8 lanes (AVX2 without AVX-512: 16 registers of 256 bits).  AVX2 code
-#: on one Sapphire Rapids core, 24 groups of 64-wide heads: 2.46 / 38.1 / 20.6 ms at 128, 512 and 512 causal
-#: tokens, against 2.63 / 40.0 / 20.7 for 4 queries and 2.51 / 41.5 / 21.2 for 2 queries of 32 keys (the
-#: AVX-512 kernel: 1.34 / 20.1 / 10.9)
-KEY_BLOCK_AVX2 = 64
-QUERY_BLOCK_AVX2 = 2
+#: the attention kernel's register block: the scores of this many queries against :data:`KEY_VECTORS` vectors of keys
+#: (and their outputs against as many vectors of value columns) are accumulators kept in registers, 16 of 32 with
+#: AVX-512; 12 of the 16 of AVX2, which leave room for the two vectors of keys and the query value broadcast
+#: (the shape of the classic 6 x 16 AVX2 GEMM micro-kernel).  One Zen 4 core, 24 groups of 128 x 128, d 64, with
+#: a bias: AVX2 code 1.36 ms at 6 x 2 vectors, 2.03 at 4 x 3, 1.93 at 3 x 4, 1.59 at 8 x 1; AVX-512 code 1.26 at
+#: 8 x 2, 1.27 at 6 x 4, 1.34 at 12 x 2, 1.61 at 8 x 3 (2026-12-07, the online-softmax kernel before it: 2.35 and 1.77)
+QUERY_BLOCK = 8
+QUERY_BLOCK_AVX2 = 6
 
 
 def attention_source(seq: int, keys: int, dim: int, vdim: int, scale: float, causal: bool, masked: bool = False,
                      biased: bool = False, layouts: Mapping[str, GroupLayout] | None = None) -> str:
     """C for softmax(scale * q@k^T) @ v over groups [g0, g1): q (S, D), k (T, D), v (T, E), out (S, E) per group.
 
-    Per group the keys are transposed once into a zero-padded scratch (D, T rounded up to a key block), so
-    that the scores of a block of 4 queries against a block of 64 keys are 16 vectors of 16 kept in
-    registers, built by D rounds of 16 multiply-adds.  The block's max, exponentials and sum use 16-wide
-    partials, and each query's running output is rescaled when its max grows (the online softmax): the
-    [S, T] scores never exist.  Causal: query i reads keys 0..i, key blocks past a query block are skipped.
-    ``masked``: a further input, one row of T keys per group added to the scaled scores (an attention mask,
-    copied zero-padded once per group); a key block every key of which the mask hides (-inf) leaves the
-    running max at -inf and adds nothing.  ``biased``: the further input is a row of T per query (S, T) per
-    group (T5's relative position bias), the rows of each block of queries read in place, or copied zero-padded
-    as it starts where they do not fill whole key blocks.  A
-    NaN score makes its row NaN, as in the unfused form; so does a query whose every key is hidden (0/0), as
-    there.  ``layouts``: where each group's block of ``q``, ``k``, ``v``, ``mask`` and ``out`` lies
-    (:class:`GroupLayout`; contiguous (G, rows, width) where not given); a mask's rows are T apart."""
+    Per group the keys are transposed once into a zero-padded scratch (D, T rounded up to a key block). Each
+    block of :data:`QUERY_BLOCK` queries (:data:`QUERY_BLOCK_AVX2` with 8-lane vectors) then takes three steps,
+    each a small register-blocked product or pass over one scratch row per query, (T) floats, in L1 or L2: its
+    scores against each block of ``KEY_VECTORS`` vectors of keys, built in registers by D rounds of
+    multiply-adds, scaled, the mask or bias added, stored; each row's max, exponentials (libmvec) and sum; and
+    the rows of exponentials times the values, a block of value columns at a time in registers, divided by the
+    sums.  The [S, T] scores of a group never exist; the two products run as a GEMM micro-kernel does (the
+    online-softmax kernel this replaced kept its outputs in memory and ran at 0.6-0.75x its speed).  Causal:
+    query i reads keys 0..i, key blocks past a query block are skipped.  ``masked``: a further input, one row
+    of T keys per group added to the scaled scores (an attention mask, copied zero-padded once per group).
+    ``biased``: the further input is a row of T per query (S, T) per group (T5's relative position bias, a
+    causal or padding mask as a bias), read in place but for each row's last key block where T does not fill
+    it, copied zero-padded.  A NaN score makes its row NaN, as in the unfused form; so does a query whose
+    every key is hidden (0/0), as there.  ``layouts``: where each group's block of ``q``, ``k``, ``v``,
+    ``mask`` and ``out`` lies (:class:`GroupLayout`; contiguous (G, rows, width) where not given); a mask's
+    rows are T apart."""
     if not scale > 0:
         raise CodegenError(f"attention kernel: scale must be positive, got {scale!r}")
     s_, t_, d_, e_ = (int(x) for x in (seq, keys, dim, vdim))
@@ -230,32 +238,8 @@ def attention_source(seq: int, keys: int, dim: int, vdim: int, scale: float, cau
            **(layouts or {})}
     if lay["mask"].row_stride != t_:
         raise CodegenError(f"attention kernel: a mask's rows must be {t_} apart, got {lay['mask'].row_stride}")
-    mask_param, mask_row, mask_copy, mask_add, shift, base = "", "", "", "", "", "mn"
-    if masked:
-        mask_param = "const float* restrict mask, "
-        mask_row = "\n    float mrow[FP_TP] __attribute__((aligned(64)));"
-        mask_copy = ("        const float* mg = mask + " + lay["mask"].offset_c() + ";\n"
-                     "        for (int64_t t = 0; t < FP_TP; ++t) mrow[t] = t < FP_T ? mg[t] : 0.0f;\n")
-        mask_add = " + fp_va_load(mrow + t0 + FP_VL * u)"
-        # a block the mask hides entirely leaves the max at -inf: exponentials against 0 then, all of them 0
-        shift, base = "\n                    const float mb = mn == -INFINITY ? 0.0f : mn;", "mb"
-    bias_rows, free_rows = "", ""
-    if biased:
-        free_rows = "\n    free(brow);"
-        mask_param = "const float* restrict mask, "
-        mask_row = ("\n    float* brow = (float*)aligned_alloc(64, sizeof(float) * FP_QB * FP_TP);"
-                    "\n    if (!brow) { free(kt); return; }")
-        # the block's rows read in place where they fill whole key blocks, else copied zero-padded (a scalar loop
-        # that cost 0.7 ms of 1.9 on 24 groups of 128 x 128)
-        bias_rows = ("            const float* bias = mask + " + lay["mask"].offset_c() + " + i0 * FP_T;\n"
-                     "            if (nq < FP_QB || FP_T != FP_TP) {\n"
-                     "                for (int r = 0; r < FP_QB; ++r)\n"
-                     "                    for (int64_t t = 0; t < FP_TP; ++t)\n"
-                     "                        brow[r * FP_TP + t] = r < nq && t < FP_T ? bias[r * FP_T + t] : 0.0f;\n"
-                     "                bias = brow;\n"
-                     "            }\n")
-        mask_add = " + fp_va_load(bias + r * FP_TP + t0 + FP_VL * u)"
-        shift, base = "\n                    const float mb = mn == -INFINITY ? 0.0f : mn;", "mb"
+    mask_param = "const float* restrict mask, " if masked or biased else ""
+    mask_at = f"mask + {lay['mask'].offset_c()}" if masked or biased else "NULL"
     return PRELUDE + f"""
 #include <stdlib.h>
 #define FP_S {s_}
@@ -263,29 +247,65 @@ def attention_source(seq: int, keys: int, dim: int, vdim: int, scale: float, cau
 #define FP_D {d_}
 #define FP_E {e_}
 #if FP_VL == 16
-#define FP_TB {KEY_BLOCK}
 #define FP_QB {QUERY_BLOCK}
 #else
-#define FP_TB {KEY_BLOCK_AVX2}
 #define FP_QB {QUERY_BLOCK_AVX2}
 #endif
-#define FP_NV (FP_TB / FP_VL)
-#define FP_TP (((FP_T + FP_TB - 1) / FP_TB) * FP_TB)
+#define FP_NV {KEY_VECTORS}
+#define FP_KB (FP_NV * FP_VL)
+#define FP_TP (((FP_T + FP_KB - 1) / FP_KB) * FP_KB)
+#define FP_NB (FP_TP / FP_KB)
+#define FP_EP (((FP_E + FP_KB - 1) / FP_KB) * FP_KB)
 #define FP_CAUSAL {int(bool(causal))}
+#define FP_MASKED {int(bool(masked))}
+#define FP_BIASED {int(bool(biased))}
 #define FP_QRS {lay["q"].row_stride}
 #define FP_KRS {lay["k"].row_stride}
 #define FP_VRS {lay["v"].row_stride}
 #define FP_ORS {lay["out"].row_stride}
 #define FP_EXP_FLOOR -87.0f
+/* no score reaches this magnitude where |q| and |k| are bounded so: below FLT_MAX by a margin for rounding */
+#define FP_SCORE_BOUND 1e37
+
+/* the row of T keys added to query i's scores: a bias's row i, or the mask's one row (NULL: none) */
+static inline const float* fp_added_row(const float* mg, int64_t i) {{
+    return FP_BIASED ? mg + i * FP_T : mg;
+}}
+
+/* max |x_i| over n floats (NaN where one is NaN), in vectors: a scalar max is a serial chain as slow as the
+   products it guards */
+static float fp_abs_max(const float* x, int64_t n) {{
+    fp_va m = fp_va_fill(0.0f);
+    const fp_vai magnitude = (fp_vai)fp_va_fill(0.0f) | 0x7fffffff;
+    int64_t i = 0;
+    for (; i + FP_VL <= n; i += FP_VL) m = fp_va_max((fp_va)((fp_vai)fp_va_load(x + i) & magnitude), m);
+    float top = fp_va_hmax(m);
+    for (; i < n; ++i) top = fp_max(fabsf(x[i]), top);
+    return top;
+}}
+
+/* Does the mask or bias hide every key of block b (-inf) from each query i0 .. i0 + nq - 1? */
+static int fp_hidden_block(const float* mg, int64_t i0, int64_t nq, int64_t b) {{
+    const int64_t t1 = (b + 1) * FP_KB < FP_T ? (b + 1) * FP_KB : FP_T;
+    for (int64_t r = 0; r < (FP_BIASED ? nq : 1); ++r) {{
+        const float* row = fp_added_row(mg, i0 + r);
+        for (int64_t t = b * FP_KB; t < t1; ++t)
+            if (row[t] != -INFINITY) return 0;
+    }}
+    return 1;
+}}
 
 void {SYMBOL}(const float* restrict q, const float* restrict k, const float* restrict v, {mask_param}float* restrict out,
                int64_t g0, int64_t g1, int64_t unused) {{
     (void)unused;
     const float scale = {float(scale)!r}f;
-    float* kt = (float*)aligned_alloc(64, sizeof(float) * FP_D * FP_TP);
-    if (!kt) return;{mask_row}
-    float p[FP_QB][FP_TB] __attribute__((aligned(64)));
-    float acc[FP_QB][FP_E] __attribute__((aligned(64)));
+    float* kt = (float*)aligned_alloc(64, sizeof(float) * (FP_D * FP_TP + FP_QB * FP_TP + FP_KB
+                                                           + (FP_E == FP_EP ? 0 : FP_T * FP_EP)));
+    if (!kt) return;
+    float* p = kt + FP_D * FP_TP;  /* a block of queries' scores, then their exponentials */
+    float* tail = p + FP_QB * FP_TP;  /* the last key block of a mask or bias row, zero-padded */
+    float* vpad = tail + FP_KB;  /* the values, their rows padded to whole blocks of columns (where E needs it) */
+    int live[FP_NB];  /* the key blocks some query of a block sees */
     fp_vai lane;
     for (int j = 0; j < FP_VL; ++j) lane[j] = j;
     const fp_va ninf = fp_va_fill(-INFINITY);
@@ -293,22 +313,43 @@ void {SYMBOL}(const float* restrict q, const float* restrict k, const float* res
         const float* qg = q + {lay["q"].offset_c()};
         const float* kg = k + {lay["k"].offset_c()};
         const float* vg = v + {lay["v"].offset_c()};
+        const float* mg = {mask_at};
         float* og = out + {lay["out"].offset_c()};
-{mask_copy}        for (int64_t d = 0; d < FP_D; ++d) {{
+        for (int64_t d = 0; d < FP_D; ++d) {{
             float* row = kt + d * FP_TP;
             for (int64_t t = 0; t < FP_T; ++t) row[t] = kg[t * FP_KRS + d];
             for (int64_t t = FP_T; t < FP_TP; ++t) row[t] = 0.0f;
         }}
+        /* a block the mask hides is skipped only where every score is finite (then its -inf is the unfused
+           form's): |q.k| <= D max|q| max|k| (a NaN or inf fails the test) */
+        int skips = 0;
+        if (FP_MASKED || FP_BIASED) {{
+            float qmax = 0.0f;
+            for (int64_t i = 0; i < FP_S; ++i) qmax = fp_max(fp_abs_max(qg + i * FP_QRS, FP_D), qmax);
+            skips = (double)qmax * fp_abs_max(kt, FP_D * FP_TP) * FP_D * scale < FP_SCORE_BOUND;
+        }}
+        const float* vb = vg;
+        int64_t vrs = FP_VRS;
+        if (FP_E != FP_EP) {{
+            for (int64_t t = 0; t < FP_T; ++t)
+                for (int64_t e = 0; e < FP_EP; ++e) vpad[t * FP_EP + e] = e < FP_E ? vg[t * FP_VRS + e] : 0.0f;
+            vb = vpad;
+            vrs = FP_EP;
+        }}
         for (int64_t i0 = 0; i0 < FP_S; i0 += FP_QB) {{
             const int64_t nq = FP_S - i0 < FP_QB ? FP_S - i0 : FP_QB;
             const int64_t last = FP_CAUSAL ? (i0 + nq < FP_T ? i0 + nq : FP_T) : FP_T;
-{bias_rows}            float m[FP_QB], l[FP_QB];
-            for (int r = 0; r < FP_QB; ++r) {{
-                m[r] = -INFINITY;
-                l[r] = 0.0f;
-                for (int64_t e = 0; e < FP_E; ++e) acc[r][e] = 0.0f;
-            }}
-            for (int64_t t0 = 0; t0 < last; t0 += FP_TB) {{
+            const int64_t blocks = (last + FP_KB - 1) / FP_KB, span = blocks * FP_KB;
+            const float* qr[FP_QB];  /* a block's rows past the last query repeat it: computed, never written */
+            for (int r = 0; r < FP_QB; ++r) qr[r] = qg + (r < nq ? i0 + r : FP_S - 1) * FP_QRS;
+            for (int64_t b = 0; b < blocks; ++b) {{
+                const int64_t t0 = b * FP_KB;
+                live[b] = !(skips && fp_hidden_block(mg, i0, nq, b));
+                if (!live[b]) {{
+                    for (int r = 0; r < nq; ++r)
+                        for (int u = 0; u < FP_NV; ++u) memcpy(p + r * FP_TP + t0 + FP_VL * u, &ninf, sizeof ninf);
+                    continue;
+                }}
                 fp_va sc[FP_QB][FP_NV];
                 for (int r = 0; r < FP_QB; ++r)
                     for (int u = 0; u < FP_NV; ++u) sc[r][u] = fp_va_fill(0.0f);
@@ -316,48 +357,78 @@ void {SYMBOL}(const float* restrict q, const float* restrict k, const float* res
                     fp_va kv[FP_NV];
                     for (int u = 0; u < FP_NV; ++u) kv[u] = fp_va_load(kt + d * FP_TP + t0 + FP_VL * u);
                     for (int r = 0; r < FP_QB; ++r) {{
-                        const float qd = r < nq ? qg[(i0 + r) * FP_QRS + d] : 0.0f;
+                        const float qd = qr[r][d];
                         for (int u = 0; u < FP_NV; ++u) sc[r][u] = fp_va_madd(sc[r][u], qd, kv[u]);
                     }}
                 }}
-                const int64_t nb = last - t0 < FP_TB ? last - t0 : FP_TB;
                 for (int r = 0; r < nq; ++r) {{
                     /* keys past the last one, and (causal) past this query, are -inf */
                     const int64_t visible = FP_CAUSAL && i0 + r + 1 < FP_T ? i0 + r + 1 : FP_T;
                     const int64_t limit = visible - t0;
-                    fp_va mv = ninf;
+                    const float* added = (FP_MASKED || FP_BIASED) ? fp_added_row(mg, i0 + r) + t0 : NULL;
+                    if ((FP_MASKED || FP_BIASED) && t0 + FP_KB > FP_T) {{  /* a row's last block, zero-padded */
+                        for (int64_t t = 0; t < FP_KB; ++t) tail[t] = t0 + t < FP_T ? added[t] : 0.0f;
+                        added = tail;
+                    }}
                     for (int u = 0; u < FP_NV; ++u) {{
                         fp_vai idx = lane + FP_VL * u;
-                        sc[r][u] = fp_va_below(idx, (int32_t)limit, scale * sc[r][u]{mask_add}, ninf);
-                        mv = fp_va_max(mv, sc[r][u]);
-                    }}
-                    const float mn = fp_max(fp_va_hmax(mv), m[r]);{shift}
-                    const float alpha = expf(m[r] - {base});
-                    for (int u = 0; u < FP_NV; ++u) memcpy(p[r] + FP_VL * u, &sc[r][u], sizeof(fp_va));
-                    for (int j = 0; j < FP_TB; ++j) {{  /* the vector expf of a lane below -87 (-inf: a hidden
-                        key) takes its scalar path: such a lane is 0, as exp(-inf) is, times the exp of the floor */
-                        const float a = p[r][j] - {base};
-                        p[r][j] = expf(fp_max(a, FP_EXP_FLOOR)) * (float)(a >= FP_EXP_FLOOR);
-                    }}
-                    fp_va sv = fp_va_load(p[r]);
-                    for (int u = 1; u < FP_NV; ++u) sv = sv + fp_va_load(p[r] + FP_VL * u);
-                    l[r] = l[r] * alpha + fp_va_hadd(sv);
-                    for (int64_t e = 0; e < FP_E; ++e) acc[r][e] *= alpha;
-                    m[r] = mn;
-                }}
-                for (int64_t j = 0; j < nb; ++j) {{
-                    const float* vj = vg + (t0 + j) * FP_VRS;
-                    for (int r = 0; r < FP_QB; ++r) {{
-                        const float pj = p[r][j];
-                        for (int64_t e = 0; e < FP_E; ++e) acc[r][e] += pj * vj[e];
+                        fp_va s = scale * sc[r][u];
+                        if (FP_MASKED || FP_BIASED) s = s + fp_va_load(added + FP_VL * u);
+                        s = fp_va_below(idx, (int32_t)limit, s, ninf);
+                        memcpy(p + r * FP_TP + t0 + FP_VL * u, &s, sizeof s);
                     }}
                 }}
             }}
-            for (int r = 0; r < nq; ++r)
-                for (int64_t e = 0; e < FP_E; ++e) og[(i0 + r) * FP_ORS + e] = acc[r][e] / l[r];
+            float inv[FP_QB];
+            for (int r = 0; r < FP_QB; ++r) {{
+                float* pr = p + r * FP_TP;
+                if (r >= nq) {{  /* rows past the last query: no weight on any value */
+                    for (int64_t j = 0; j < span; ++j) pr[j] = 0.0f;
+                    inv[r] = 0.0f;
+                    continue;
+                }}
+                fp_va mv = ninf;
+                for (int64_t t0 = 0; t0 < span; t0 += FP_VL) mv = fp_va_max(mv, fp_va_load(pr + t0));
+                const float mn = fp_va_hmax(mv);
+                /* every key hidden: the exponentials against 0, all 0, and the row 0/0 (NaN), as unfused */
+                const float mb = mn == -INFINITY ? 0.0f : mn;
+                for (int64_t j = 0; j < span; ++j) {{  /* the vector expf of a lane below -87 (-inf: a hidden
+                    key) takes its scalar path: such a lane is 0, as exp(-inf) is, times the exp of the floor */
+                    const float a = pr[j] - mb;
+                    pr[j] = expf(fp_max(a, FP_EXP_FLOOR)) * (float)(a >= FP_EXP_FLOOR);
+                }}
+                fp_va sv = fp_va_fill(0.0f);
+                for (int64_t t0 = 0; t0 < span; t0 += FP_VL) sv = sv + fp_va_load(pr + t0);
+                inv[r] = 1.0f / fp_va_hadd(sv);
+            }}
+            for (int64_t e0 = 0; e0 < FP_EP; e0 += FP_KB) {{
+                fp_va o[FP_QB][FP_NV];
+                for (int r = 0; r < FP_QB; ++r)
+                    for (int u = 0; u < FP_NV; ++u) o[r][u] = fp_va_fill(0.0f);
+                for (int64_t b = 0; b < blocks; ++b) {{
+                    if (!live[b]) continue;
+                    const int64_t j1 = (b + 1) * FP_KB < last ? (b + 1) * FP_KB : last;
+                    for (int64_t j = b * FP_KB; j < j1; ++j) {{
+                        fp_va vv[FP_NV];
+                        for (int u = 0; u < FP_NV; ++u) vv[u] = fp_va_load(vb + j * vrs + e0 + FP_VL * u);
+                        for (int r = 0; r < FP_QB; ++r) {{
+                            const float pj = p[r * FP_TP + j];
+                            for (int u = 0; u < FP_NV; ++u) o[r][u] = fp_va_madd(o[r][u], pj, vv[u]);
+                        }}
+                    }}
+                }}
+                for (int r = 0; r < nq; ++r) {{
+                    float* orow = og + (i0 + r) * FP_ORS + e0;
+                    for (int u = 0; u < FP_NV; ++u) {{
+                        const fp_va y = o[r][u] * inv[r];
+                        if (e0 + FP_VL * (u + 1) <= FP_E) memcpy(orow + FP_VL * u, &y, sizeof y);
+                        else for (int j = 0; j < FP_VL && e0 + FP_VL * u + j < FP_E; ++j) orow[FP_VL * u + j] = y[j];
+                    }}
+                }}
+            }}
         }}
     }}
-    free(kt);{free_rows}
+    free(kt);
 }}
 """
 

@@ -64,6 +64,57 @@ def test_a_nan_score_makes_its_row_nan_as_in_the_unfused_form() -> None:
     assert np.isnan(got[0, 2]).all() and np.isfinite(np.delete(got[0], 2, axis=0)).all()
 
 
+def _biased_plan(g: int, s: int, t: int, d: int, e: int) -> Plan:
+    b = GraphBuilder("biased-attention-kernel")
+    for name, shape in (("q", (g, s, d)), ("k", (g, t, d)), ("v", (g, t, e)), ("bias", (g, s, t))):
+        b.input(name, shape, "fp32")
+    b.op("out", "BiasedAttention", ["q", "k", "v", "bias"], {"scale": 0.7})
+    return build_candidates(b.build(["out"]), SPEC).unfused
+
+
+def _causal_padded_bias(g: int, s: int, t: int, padding: int) -> np.ndarray:
+    """A causal mask with left padding, as a bias (transformers' 4-D mask of a padded batch): whole key blocks
+    hidden from whole query blocks."""
+    bias = np.triu(np.full((s, t), -np.inf, np.float32), 1)[None].repeat(g, 0)
+    bias[1::2, :, :padding] = -np.inf
+    bias[1::2, :padding, 0] = 0.0  # the padded queries see one key, so that none is NaN
+    return bias
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_key_blocks_a_bias_hides_are_skipped_with_the_unfused_forms_answer(threads) -> None:
+    g, s, t = 4, 100, 150
+    plan = _biased_plan(g, s, t, 16, 24)
+    rng = np.random.default_rng(3)
+    inputs = {n: rng.standard_normal(plan.tensors[n].shape).astype(np.float32) for n in ("q", "k", "v")}
+    inputs["bias"] = _causal_padded_bias(g, s, t, 70)
+    got = CpuBackend(SPEC, threads=threads).compile(plan).run(inputs)[0]
+    want = OPS["BiasedAttention"].evaluate([inputs[n].astype(np.float64) for n in ("q", "k", "v", "bias")],
+                                           {"scale": 0.7})
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("poison", ["nan", "overflow"])
+def test_a_key_block_the_bias_hides_is_computed_where_a_score_may_not_be_finite(poison) -> None:
+    """A NaN key, or scores past fp32's range, that the bias hides give NaN rows in the unfused form (NaN, or inf,
+    plus -inf): the kernel skips hidden blocks only where every score is finite, so its rows are NaN alike."""
+    g, s, t = 2, 40, 100
+    plan = _biased_plan(g, s, t, 16, 16)
+    rng = np.random.default_rng(4)
+    inputs = {n: rng.standard_normal(plan.tensors[n].shape).astype(np.float32) for n in ("q", "k", "v")}
+    inputs["bias"] = _causal_padded_bias(g, s, t, 50)
+    if poison == "nan":
+        inputs["k"][0, t - 1, 3] = np.nan  # the last key: hidden from every query by the causal bias
+    else:  # the last key's scores past fp32's range (+inf), the others in range
+        inputs["q"][1] = np.abs(inputs["q"][1])
+        inputs["k"][1, t - 1] = 3e38
+    got = CpuBackend(SPEC, threads=1).compile(plan).run(inputs)[0]
+    unfused = execute_plan(plan, {n: inputs[n] for n in ("q", "k", "v", "bias")})[0]  # the op table's, in fp32
+    nan_rows = np.isnan(got).all(-1)
+    assert nan_rows[0 if poison == "nan" else 1].all() and not nan_rows[1 if poison == "nan" else 0].any()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(unfused))
+
+
 def test_a_non_positive_scale_has_no_kernel_and_says_why() -> None:
     with pytest.raises(CodegenError, match="scale must be positive"):
         attention_source(4, 4, 4, 4, -1.0, True)
