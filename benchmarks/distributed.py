@@ -41,7 +41,7 @@ from typing import Any
 import ray
 
 from planner.cluster.jobs import Budget, RegionJob
-from planner.cluster.pool import ExecutorOptions, RayPool
+from planner.cluster.pool import ExecutorOptions, RayPool, preloaded_modules
 from planner.core.cost import load_device
 from planner.core.examples import attention_ops, layer_norm_ops, transformer
 from planner.core.graph import Graph, GraphBuilder
@@ -96,11 +96,12 @@ CONTENDERS = {"serial": ("--by-region",), "ray": ("--executor", "ray", "--worker
 
 @contextlib.contextmanager
 def running_cluster() -> Iterator[None]:
-    """A local Ray cluster of 2 CPUs started beforehand (``ray start --head``), as a standing cluster is; its
-    workers end with it."""
+    """A local Ray cluster of 2 CPUs started beforehand (``ray start --head``, its worker processes importing the
+    planner as they start), as a standing cluster is; its workers end with it."""
     ray_cli = str(Path(sys.executable).parent / "ray")
-    subprocess.run([ray_cli, "start", "--head", "--num-cpus", "2", "--port", PORT,
-                    "--include-dashboard=false"], check=True, capture_output=True, timeout=120)
+    preload = json.dumps({"preload_python_modules": preloaded_modules("cpu")})  # as docs/scaling.md starts one
+    subprocess.run([ray_cli, "start", "--head", "--num-cpus", "2", "--port", PORT, "--include-dashboard=false",
+                    f"--system-config={preload}"], check=True, capture_output=True, timeout=120)
     try:
         yield
     finally:

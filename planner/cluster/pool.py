@@ -17,6 +17,7 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from collections import deque
@@ -55,6 +56,30 @@ LEASE_WAIT_S = 2.0
 #: settings); the plan cache stays the driver's
 PASSED_ENV = ("FUSION_PLANNER_", "OMP_", "SEARCH_OP_NAMES")
 KEPT_HERE = ("FUSION_PLANNER_PLAN_CACHE",)
+
+#: a local cluster's end under way (:meth:`RayPool.close`): Ray's shutdown waits for each of its processes in
+#: turn (1.1-1.3 s here, its cores idle), which the planner need not wait for; the next cluster waits for it
+_ending: threading.Thread | None = None
+
+
+def _end_in_background(ray: Any) -> None:
+    global _ending
+    _ending = threading.Thread(target=ray.shutdown, name="fusion-planner-ray-shutdown")
+    _ending.start()
+
+
+def join_ending_cluster() -> None:
+    """Wait until a local cluster a search started has ended (:meth:`RayPool.close`)."""
+    global _ending
+    if _ending is not None:
+        _ending.join()
+        _ending = None
+
+
+def preloaded_modules(backend: str) -> list[str]:
+    """What the worker processes of a cluster import as they start, ahead of a search (Ray's
+    ``preload_python_modules``): the planner's worker and the backend's plugin."""
+    return ["planner.cluster.workers", plugin(backend).create.__module__]
 
 
 @dataclass(frozen=True)
@@ -142,6 +167,7 @@ class RayPool:
         self.workers: dict[str, _Worker] = {}
         self._count = 0
         self._actor = self.ray.remote(worker)
+        self._preload = preloaded_modules(backend)
         self._args = (backend, spec, dict(backend_options), device, tuple(torch_ops))
         self._env = {k: v for k, v in os.environ.items() if k.startswith(PASSED_ENV) and k not in KEPT_HERE}
         self._token = uuid.uuid4().hex  # this search's leases
@@ -167,6 +193,7 @@ class RayPool:
         ray, opts = self.ray, self.options
         if opts.address:
             _reachable(opts.address)
+        join_ending_cluster()
         if not ray.is_initialized():  # else: this process's cluster (a caller's own ray.init)
             if opts.address:
                 try:
@@ -175,7 +202,7 @@ class RayPool:
                     raise UsageError(f"cannot join the Ray cluster at {opts.address}: {_cause(exc)}") from None
             else:
                 ray.init(num_cpus=self._local_cpus(), include_dashboard=False, logging_level=logging.ERROR,
-                         log_to_driver=False)
+                         log_to_driver=False, _system_config={"preload_python_modules": self._preload})
             self.started_cluster = True
         held = ray.cluster_resources().get("GPU" if self.device == "gpu" else "CPU", 0)
         fits = int(held // (1 if self.device == "gpu" else self.threads))
@@ -270,7 +297,8 @@ class RayPool:
         return {name: w.pid for name, w in self.workers.items()}
 
     def close(self) -> None:
-        """Kill the workers, or release the kept ones for the next search."""
+        """Kill the workers, or release the kept ones for the next search; leave a cluster joined, and end a local
+        one this search started in the background (the next one waits for it, and so does the process's exit)."""
         kept = [w.handle.release.remote(self._token) for w in self.workers.values() if w.kept]
         for w in self.workers.values():
             if not w.kept:
@@ -278,9 +306,11 @@ class RayPool:
         with contextlib.suppress(Exception):  # a worker that died meanwhile is not released, and needs not be
             self.ray.get(kept, timeout=LEASE_WAIT_S)
         self.workers.clear()
-        if self.started_cluster:
+        if self.started_cluster and self.options.address:  # this process's connection: left at once
             self.ray.shutdown()
-            self.started_cluster = False
+        elif self.started_cluster:
+            _end_in_background(self.ray)
+        self.started_cluster = False
 
     def _note(self, text: str, level: int = logging.WARNING) -> None:
         self.events.append(text)

@@ -16,7 +16,7 @@ import ray
 
 from planner.cli import main
 from planner.cluster.jobs import Budget
-from planner.cluster.pool import NAMESPACE, ExecutorOptions, RayPool
+from planner.cluster.pool import NAMESPACE, ExecutorOptions, RayPool, join_ending_cluster
 from planner.cluster.workers import RegionWorker
 from planner.core import examples
 from planner.core.cost import load_device
@@ -55,7 +55,27 @@ def test_the_cli_starts_a_local_cluster_and_plans_every_region_on_its_workers(ca
     assert doc["executor"][0] == "searched on 2 workers (1 core each) of a local Ray cluster"
     cores = {note.rsplit("cores ", 1)[1] for note in doc["executor"][1:]}
     assert len(cores) == 2  # each worker times on a core of its own
+    join_ending_cluster()  # it ends in the background
     assert not ray.is_initialized()  # the cluster it started is gone
+
+
+def test_a_local_clusters_workers_import_the_planner_as_they_start_and_it_ends_in_the_background():
+    pool = RayPool(ExecutorOptions("ray", 1), "model", SPEC, {}, "cpu")
+    try:
+        @ray.remote(num_cpus=0)
+        def loaded() -> list[str]:  # a task: any worker process of the cluster, not the pool's actor
+            return [m for m in ("planner.cluster.workers", "backends.model") if m in sys.modules]
+
+        assert ray.get(loaded.remote()) == ["planner.cluster.workers", "backends.model"]
+    finally:
+        pool.close()
+    again = RayPool(ExecutorOptions("ray", 1), "model", SPEC, {}, "cpu")  # waits for the first one's end
+    try:
+        assert again.started_cluster and len(again.pids()) == 1
+    finally:
+        again.close()
+    join_ending_cluster()
+    assert not ray.is_initialized()
 
 
 def test_the_ray_executor_chooses_the_serial_searchs_plans(cluster):
