@@ -223,11 +223,12 @@ def attention_source(seq: int, keys: int, dim: int, vdim: int, scale: float, cau
     sums.  The [S, T] scores of a group never exist; the two products run as a GEMM micro-kernel does (the
     online-softmax kernel this replaced kept its outputs in memory and ran at 0.6-0.75x its speed).  Causal:
     query i reads keys 0..i, key blocks past a query block are skipped.  ``masked``: a further input, one row
-    of T keys per group added to the scaled scores (an attention mask, copied zero-padded once per group).
-    ``biased``: the further input is a row of T per query (S, T) per group (T5's relative position bias, a
-    causal or padding mask as a bias), read in place but for each row's last key block where T does not fill
-    it, copied zero-padded.  A NaN score makes its row NaN, as in the unfused form; so does a query whose
-    every key is hidden (0/0), as there.  ``layouts``: where each group's block of ``q``, ``k``, ``v``,
+    of T keys per group added to the scaled scores (an attention mask).  ``biased``: the further input is a row
+    of T per query (S, T) per group (T5's relative position bias, a causal or padding mask as a bias).  Either
+    is read in place but for a row's last key block where T does not fill it, copied zero-padded; a key block it
+    hides (-inf) from every query of a block is skipped where no score of the group can be NaN or infinite
+    (``D max|q| max|k| scale`` below a bound), its scores -inf as the unfused form's.  A NaN score makes its row
+    NaN, as in the unfused form; so does a query whose every key is hidden (0/0), as there.  ``layouts``: where each group's block of ``q``, ``k``, ``v``,
     ``mask`` and ``out`` lies (:class:`GroupLayout`; contiguous (G, rows, width) where not given); a mask's
     rows are T apart."""
     if not scale > 0:
