@@ -245,16 +245,26 @@ class RowEmitter:
         """One vector of partials over a contiguous fp32 row (``value`` is an array read at ``c``): the C
         prelude's ``fp_va``, ``FP_VL`` lanes (16, or 8 where the target has AVX2 but not AVX-512: gcc kept a
         64-byte vector carried through the loop on the stack there), merged pairwise in a tree of lane exchanges
-        at the end (``fp_va_swap``: in registers)."""
+        at the end (``fp_va_swap``: in registers); through the reduction's ``quiet`` combine where it has one,
+        with a vector of marks of the lanes that read a NaN beside it (a NaN mark makes the result NaN)."""
         assert red.vector is not None
         part, w = self._name("part"), self.width
         end = w // 16 * 16
-        step = red.vector.format(a=part, b=f"fp_va_load(&{value[:-2]}c0])")
-        tree = red.vector.format(a=part, b=f"fp_va_swap({part}, h)")
-        lines = [f"fp_va {part} = fp_va_fill({init});",
-                 f"for (long long c0 = 0; c0 < {end}; c0 += FP_VL) {part} = {step};",
-                 f"for (int h = FP_VL / 2; h >= 1; h /= 2) {part} = {tree};",
-                 f"float {acc} = {part}[0];"]
+        load = f"fp_va_load(&{value[:-2]}c0])"
+        swap = f"fp_va_swap({part}, h)"
+        if red.quiet is None:
+            lines = [f"fp_va {part} = fp_va_fill({init});",
+                     f"for (long long c0 = 0; c0 < {end}; c0 += FP_VL) {part} = {red.vector.format(a=part, b=load)};",
+                     f"for (int h = FP_VL / 2; h >= 1; h /= 2) {part} = {red.vector.format(a=part, b=swap)};",
+                     f"float {acc} = {part}[0];"]
+        else:  # the NaN marks merge in a tree of their own
+            nan, x = f"{part}nan", f"{part}x"
+            lines = [f"fp_va {part} = fp_va_fill({init});", f"fp_vai {nan} = fp_va_isnan({part});",
+                     f"for (long long c0 = 0; c0 < {end}; c0 += FP_VL) {{", f"    const fp_va {x} = {load};",
+                     f"    {part} = {red.quiet.format(a=part, b=x)};", f"    {nan} |= fp_va_isnan({x});", "}",
+                     "for (int h = FP_VL / 2; h >= 1; h /= 2) {",
+                     f"    {part} = {red.quiet.format(a=part, b=swap)};", f"    {nan} |= fp_vai_swap({nan}, h);", "}",
+                     f"float {acc} = {nan}[0] ? fp_bits_f32(0x7fc00000u) : {part}[0];"]
         if w % 16:
             lines.append(f"for (long long c = {end}; c < {w}; ++c) {acc} = {red.combine.format(a=acc, b=value)};")
         return lines

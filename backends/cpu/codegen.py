@@ -39,7 +39,7 @@ from backends.codegen import (
     snippet,
     tile_rows,
 )
-from backends.cpu.prelude import INDEX, PRELUDE, SYMBOL
+from backends.cpu.prelude import INDEX, PRELUDE, SYMBOL, with_simd
 from planner.core.dtypes import DTYPES
 from planner.core.kinds import OpKind
 from planner.core.ops import op_def
@@ -168,7 +168,7 @@ def generate(
         source = _streaming_function(in_ctypes, stmts, store)
     else:
         source = _loop_function(in_ctypes, _STORAGE[out_dtype][0], stmts, store)
-    return CKernel(source, tuple(params), out_dtype, rows, cols)
+    return CKernel(with_simd(source), tuple(params), out_dtype, rows, cols)
 
 
 #: partial sums (maxima) each reduction loop keeps: one 512-bit vector of fp32, so gcc vectorises it
@@ -238,7 +238,7 @@ def _row_kernel(body: Expr, tensor_types: dict[str, tuple[tuple[int, ...], str]]
     source = (head + f"\n/* row kernel: rows of {width} */\nvoid {SYMBOL}({', '.join(sig)}) {{\n"
               "    (void)cols;\n    for (int64_t r = r0; r < r1; ++r) {\n" + inner + "\n    }\n"
               + ("    FP_ROW_FENCE();\n" if streams else "") + "}\n")
-    return CKernel(source, tuple(params), out_dtype, rows, cols, width)
+    return CKernel(with_simd(source), tuple(params), out_dtype, rows, cols, width)
 
 
 def _prefetching(lines: list[str], params: list[Param], width: int) -> list[str]:

@@ -19,7 +19,7 @@ from backends.codegen import CodegenError
 from backends.cpu import parallel
 from backends.cpu.codegen import storage_forms
 from backends.cpu.compiler import recorded_choice
-from backends.cpu.prelude import PRELUDE, SYMBOL
+from backends.cpu.prelude import PRELUDE, SYMBOL, with_simd
 from planner.core import semantics as sem
 from planner.core.dtypes import DTYPES, numpy_dtype
 from planner.core.env import env_choice
@@ -241,7 +241,7 @@ def attention_source(seq: int, keys: int, dim: int, vdim: int, scale: float, cau
         raise CodegenError(f"attention kernel: a mask's rows must be {t_} apart, got {lay['mask'].row_stride}")
     mask_param = "const float* restrict mask, " if masked or biased else ""
     mask_at = f"mask + {lay['mask'].offset_c()}" if masked or biased else "NULL"
-    return PRELUDE + f"""
+    return with_simd(PRELUDE + f"""
 #include <stdlib.h>
 #define FP_S {s_}
 #define FP_T {t_}
@@ -264,7 +264,6 @@ def attention_source(seq: int, keys: int, dim: int, vdim: int, scale: float, cau
 #define FP_KRS {lay["k"].row_stride}
 #define FP_VRS {lay["v"].row_stride}
 #define FP_ORS {lay["out"].row_stride}
-#define FP_EXP_FLOOR -87.0f
 /* no score reaches this magnitude where |q| and |k| are bounded so: below FLT_MAX by a margin for rounding */
 #define FP_SCORE_BOUND 1e37
 
@@ -393,11 +392,7 @@ void {SYMBOL}(const float* restrict q, const float* restrict k, const float* res
                 const float mn = fp_va_hmax(mv);
                 /* every key hidden: the exponentials against 0, all 0, and the row 0/0 (NaN), as unfused */
                 const float mb = mn == -INFINITY ? 0.0f : mn;
-                for (int64_t j = 0; j < span; ++j) {{  /* the vector expf of a lane below -87 (-inf: a hidden
-                    key) takes its scalar path: such a lane is 0, as exp(-inf) is, times the exp of the floor */
-                    const float a = pr[j] - mb;
-                    pr[j] = expf(fp_max(a, FP_EXP_FLOOR)) * (float)(a >= FP_EXP_FLOOR);
-                }}
+                for (int64_t j = 0; j < span; ++j) pr[j] = fp_exp(pr[j] - mb);  /* a hidden key's -inf: 0 */
                 fp_va sv = fp_va_fill(0.0f);
                 for (int64_t t0 = 0; t0 < span; t0 += FP_VL) sv = sv + fp_va_load(pr + t0);
                 inv[r] = 1.0f / fp_va_hadd(sv);
@@ -431,7 +426,7 @@ void {SYMBOL}(const float* restrict q, const float* restrict k, const float* res
     }}
     free(kt);
 }}
-"""
+""")
 
 
 #: channels a depthwise convolution sums at once (one 16-wide vector kept in a register across the taps)

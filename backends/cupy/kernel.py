@@ -38,6 +38,7 @@ __host__ __device__ __forceinline__ float fp_max(float a, float b) { return (a >
 __host__ __device__ __forceinline__ float fp_min(float a, float b) { return (a < b || a != a) ? a : b; }
 __host__ __device__ __forceinline__ float fp_erf(float x) { return erff(x); }
 __host__ __device__ __forceinline__ float fp_tanh(float x) { return tanhf(x); }
+__host__ __device__ __forceinline__ float fp_exp(float x) { return expf(x); }
 __host__ __device__ __forceinline__ float fp_round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 __host__ __device__ __forceinline__ float fp_round_f16(float x) { return __half2float(__float2half_rn(x)); }
 __host__ __device__ __forceinline__ float fp_bits_f32(unsigned int u) { union { unsigned int u; float f; } v = {u}; return v.f; }

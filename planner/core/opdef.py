@@ -93,12 +93,16 @@ class Reduction:
     and merge with ``combine`` (a C expression over ``{a}`` and ``{b}``); ``finish`` turns the merged value
     ``{acc}`` into the result (``{width}``: the row's length); ``vector``, where given, is ``combine`` over two
     vectors of partials (``fp_va``, the C prelude's: 16 lanes, 8 on AVX2 without AVX-512), which lets the C
-    generator keep its partials in one vector register.  A combine must be associative and commutative up to rounding: the partials merge in a tree."""
+    generator keep its partials in one vector register.  A combine must be associative and commutative up to rounding: the partials merge in a tree.
+    ``quiet``, where given, is ``vector`` that may lose a NaN operand (x86's max: one instruction on the
+    loop-carried chain): the loop and the tree combine through it, the lanes that read a NaN are marked beside
+    it, and a mark makes the result NaN, so it is what ``vector`` gives."""
 
     identity: float
     combine: str
     finish: str = "{acc}"
     vector: str | None = None
+    quiet: str | None = None
 
 
 @dataclass(frozen=True)

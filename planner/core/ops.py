@@ -204,11 +204,12 @@ def _clamp_c(v: Sequence[str], attrs: Attrs) -> str:
     return x if attrs["sides"] == "min" else f"fp_min({x}, {float_literal(attrs['hi'])})"
 
 
-#: fp_tanh, fp_erf: each backend's prelude (the C one inline rational functions, CUDA's tanhf and erff)
+#: fp_tanh, fp_erf, fp_exp: each backend's prelude (the C one's rational functions and Cephes' exp; CUDA's tanhf, erff
+#: and expf)
 _GELU_TANH_C = "0.5f*{0}*(1.0f+fp_tanh(0.7978845608028654f*({0}+0.044715f*{0}*{0}*{0})))"
 #: the sum's and the maximum's way through a row (RowMean divides the sum by the row's length)
 _SUM = Reduction(0.0, "({a} + {b})", vector="({a} + {b})")
-_MAX = Reduction(-math.inf, "fp_max({a}, {b})", vector="fp_va_max({a}, {b})")
+_MAX = Reduction(-math.inf, "fp_max({a}, {b})", vector="fp_va_max({a}, {b})", quiet="fp_va_qmax({a}, {b})")
 
 OPS: dict[str, OpDef] = {
     op.name: op
@@ -287,18 +288,18 @@ OPS: dict[str, OpDef] = {
             sem.silu,
             4.0,
             12,
-            lambda v, attrs: f"({v[0]}/(1.0f+expf(-{v[0]})))",
+            lambda v, attrs: f"({v[0]}/(1.0f+fp_exp(-{v[0]})))",
             "x * sigmoid(x).",
         ),
         _unary("Neg", lambda x: -x, 1.0, 4, lambda v, attrs: f"(-{v[0]})", "-x (the sign bit flipped, NaN included)."),
-        _unary("Exp", sem.quiet(np.exp), 4.0, 8, lambda v, attrs: f"expf({v[0]})", "e**x.", _torch_names("exp")),
+        _unary("Exp", sem.quiet(np.exp), 4.0, 8, lambda v, attrs: f"fp_exp({v[0]})", "e**x.", _torch_names("exp")),
         _unary("Tanh", np.tanh, 4.0, 8, lambda v, attrs: f"fp_tanh({v[0]})", "tanh(x).", _torch_names("tanh", True)),
         _unary(
             "Sigmoid",
             sem.quiet(lambda x: 1 / (1 + np.exp(-x))),
             4.0,
             8,
-            lambda v, attrs: f"(1.0f/(1.0f+expf(-{v[0]})))",
+            lambda v, attrs: f"(1.0f/(1.0f+fp_exp(-{v[0]})))",
             "1 / (1 + e**-x).",
             _torch_names("sigmoid", True),
         ),

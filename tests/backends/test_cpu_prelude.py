@@ -105,3 +105,66 @@ def test_relu_in_a_fused_chain_keeps_nan_and_negative_zero_bit_for_bit(shape, ta
     quiet = np.uint32(0xFFBFFFFF)  # every bit but NaN's quiet bit, which a vector op may set
     np.testing.assert_array_equal(got.view(np.uint32) & quiet, want.view(np.uint32) & quiet)
     np.testing.assert_array_equal(got, execute_graph(g, inputs)[0])
+
+
+def _one_kernel(g: Graph, inputs: dict[str, np.ndarray], target: compiler.Compiler) -> np.ndarray:
+    plan = _fused(g)
+    assert len(plan.kernels) == 1
+    return CpuBackend(SPEC, threads=1, compiler=target, stream_bytes=1 << 40).compile(plan).run(inputs)[0]
+
+
+def _exp_of(x: np.ndarray, target: compiler.Compiler) -> np.ndarray:
+    b = GraphBuilder("exp")
+    b.input("x", x.shape, "fp32")
+    return _one_kernel(b.build([b.op("y", "Exp", ["x"])]), {"x": x}, target)
+
+
+EXP_EDGES = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 88.72283, 88.7229, 89.5, -87.33, -103.972, -103.98, -200.0],
+                     dtype=np.float32)
+
+
+def test_exp_is_within_an_ulp_of_fp64_and_exact_at_the_edges(target) -> None:
+    """``fp_exp`` (the vector forms gcc calls, and the scalar one of a loop's remainder): within an ulp of fp64 exp
+    over fp32's range, inf past FLT_MAX, subnormals below the normal range (rounded once: within one subnormal
+    step), 0 from about -104, NaN kept."""
+    rng = np.random.default_rng(5)
+    x = np.concatenate([rng.uniform(-110, 95, 50_000), np.linspace(-105, -86, 5_000), np.linspace(86, 90, 2_000),
+                        rng.uniform(-1, 1, 5_000), EXP_EDGES]).astype(np.float32)
+    got = _exp_of(x, target)
+    with np.errstate(over="ignore"):
+        want64 = np.exp(x.astype(np.float64))
+        want = want64.astype(np.float32)
+    normal = np.isfinite(want) & (np.abs(want) >= np.finfo(np.float32).tiny)
+    ulps = np.abs(got[normal] - want64[normal]) / np.spacing(want[normal]).astype(np.float64)
+    assert ulps.max() <= 1.0, f"{ulps.max():.2f} ulp at x = {x[normal][ulps.argmax()]}"
+    rest = ~normal
+    np.testing.assert_allclose(got[rest], want[rest], rtol=0, atol=np.float32(1.5e-45))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(x))
+    assert got[-len(EXP_EDGES):][1:4].tolist() == [np.inf, 0.0, 1.0] and got[-len(EXP_EDGES):][-2:].tolist() == [0, 0]
+
+
+def test_exp_gives_a_value_the_same_bits_in_every_lane(target) -> None:
+    """The vector forms (16 or 8 lanes, a 4-lane one) and the scalar remainder compute alike: the same values at
+    every offset give the same bits."""
+    x = np.random.default_rng(6).uniform(-106, 90, 4_099).astype(np.float32)
+    x[::97] = EXP_EDGES[np.arange(x[::97].size) % len(EXP_EDGES)]
+    first = _exp_of(x, target)
+    for shift in (1, 5, 9):
+        moved = _exp_of(np.concatenate([np.zeros(shift, np.float32), x]), target)[shift:]
+        np.testing.assert_array_equal(moved.view(np.uint32) | np.uint32(0x400000) * np.isnan(moved),
+                                      first.view(np.uint32) | np.uint32(0x400000) * np.isnan(first))
+
+
+@pytest.mark.parametrize("width", [128, 200])
+def test_a_row_maximum_is_nan_exactly_where_its_row_holds_one(width, target) -> None:
+    """The row maximum runs through x86's max, which drops a NaN operand; the lanes that read one are marked beside
+    it: a NaN at any column (every lane of the vectors, and the tail past the last vector of 16) makes the row's
+    maximum NaN, and only that row's; infinities stay the maximum."""
+    rows = width + 3
+    x = np.random.default_rng(7).standard_normal((rows, width)).astype(np.float32)
+    x[np.arange(width), np.arange(width)] = np.nan  # row i: NaN at column i
+    x[width, 5], x[width + 1, :] = np.inf, -np.inf
+    b = GraphBuilder("row-max")
+    b.input("x", (rows, width), "fp32")
+    got = _one_kernel(b.build([b.op("m", "RowMax", ["x"])]), {"x": x}, target)
+    np.testing.assert_array_equal(got[:, 0], np.max(x, axis=-1))
