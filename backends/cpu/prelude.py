@@ -243,21 +243,33 @@ SIMD_SOURCE = r"""
 /* e**x as Cephes' expf: x = n ln2 + r (n rounded by the 1.5 * 2**23 shift, r in [-ln2/2, ln2/2] in two steps of
    Cody and Waite), Cephes' polynomial for e**r in Horner's form, then the scale by 2**n in two exact halves, so
    a result below the normal range is a subnormal rounded once and one past FLT_MAX is inf; x clamped to
-   [-104, 89], where e**x is already 0 and inf in fp32; NaN stays NaN.  Within 2 ulp of fp64 exp (the tests'
-   sweep).  Every step is an fmaf or one rounding, as in the vector forms below: a lane gets the same bits
+   [-104, 89], where e**x is already 0 and inf in fp32; NaN stays NaN.  Within 1 ulp of fp64 exp (the tests'
+   sweep: 0.9).  Every step is an fmaf or one rounding, as in the vector forms below: a lane gets the same bits
    whichever form computed it. */
 #define FP_EXP_MAGIC 12582912.0f  /* 1.5 * 2**23: added, it rounds to an integer; its bits' low half holds it */
-/* Cephes' coefficients, then e**r = (..(p0 r + p1) r + .. + 1) r + 1; ``k(i)`` is coefficient i in a form's width */
-#define FP_EXP_COEFFS 1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, \
-    5.0000001201e-1f, 1.0f, 1.0f
+/* the clamp, log2(e), ln 2 in a high part exact in any product with n and a low part, and Cephes' coefficients:
+   every form reads these names, so the forms cannot drift apart */
+#define FP_EXP_LO -104.0f
+#define FP_EXP_HI 89.0f
+#define FP_EXP_LOG2E 1.44269504088896341f
+#define FP_EXP_LN2_HI 0.693359375f
+#define FP_EXP_LN2_LO -2.12194440e-4f
+#define FP_EXP_P0 1.9875691500e-4f
+#define FP_EXP_P1 1.3981999507e-3f
+#define FP_EXP_P2 8.3334519073e-3f
+#define FP_EXP_P3 4.1665795894e-2f
+#define FP_EXP_P4 1.6666665459e-1f
+#define FP_EXP_P5 5.0000001201e-1f
+/* e**r = (..(p0 r + p1) r + .. + 1) r + 1; ``k(i)`` is coefficient i in a form's width */
+#define FP_EXP_COEFFS FP_EXP_P0, FP_EXP_P1, FP_EXP_P2, FP_EXP_P3, FP_EXP_P4, FP_EXP_P5, 1.0f, 1.0f
 #define FP_EXP_POLY(fmadd, k, r) \
     fmadd(fmadd(fmadd(fmadd(fmadd(fmadd(fmadd(k(0), r, k(1)), r, k(2)), r, k(3)), r, k(4)), r, k(5)), r, k(6)), r, k(7))
 static const float fp_exp_coeffs[8] = {FP_EXP_COEFFS};
 #define FP_EXP_K1(i) fp_exp_coeffs[i]
 static inline float fp_exp_lane(float x) {
-    const float c = x > 89.0f ? 89.0f : (x < -104.0f ? -104.0f : x);
-    const float t = fmaf(c, 1.44269504088896341f, FP_EXP_MAGIC), n = t - FP_EXP_MAGIC;
-    const float r = fmaf(-n, -2.12194440e-4f, fmaf(-n, 0.693359375f, c));
+    const float c = x > FP_EXP_HI ? FP_EXP_HI : (x < FP_EXP_LO ? FP_EXP_LO : x);
+    const float t = fmaf(c, FP_EXP_LOG2E, FP_EXP_MAGIC), n = t - FP_EXP_MAGIC;
+    const float r = fmaf(-n, FP_EXP_LN2_LO, fmaf(-n, FP_EXP_LN2_HI, c));
     const float e = FP_EXP_POLY(fmaf, FP_EXP_K1, r);
     const uint32_t k = fp_f32_bits(t) - fp_f32_bits(FP_EXP_MAGIC), k1 = (uint32_t)((int32_t)k >> 1), k2 = k - k1;
     return e * fp_bits_f32((k1 + 127u) << 23) * fp_bits_f32((k2 + 127u) << 23);
@@ -288,10 +300,9 @@ FP_EXP_LANES(_ZGVcN8v_fp_exp, __m256, 8)
 enum { FP_E8_ABS, FP_E8_LIMIT, FP_E8_LO, FP_E8_HI, FP_E8_LOG2E, FP_E8_MAGIC, FP_E8_LN2_HI,
        FP_E8_LN2_LO, FP_E8_P };
 __attribute__((weak, visibility("hidden"), aligned(32))) float fp_exp_k8[FP_E8_P + 8][8] = {
-    FP_K8(-0.0f), FP_K8(87.0f), FP_K8(-104.0f), FP_K8(89.0f), FP_K8(1.44269504088896341f),
-    FP_K8(FP_EXP_MAGIC), FP_K8(0.693359375f), FP_K8(-2.12194440e-4f), FP_K8(1.9875691500e-4f), FP_K8(1.3981999507e-3f),
-    FP_K8(8.3334519073e-3f), FP_K8(4.1665795894e-2f), FP_K8(1.6666665459e-1f), FP_K8(5.0000001201e-1f), FP_K8(1.0f),
-    FP_K8(1.0f)};
+    FP_K8(-0.0f), FP_K8(87.0f), FP_K8(FP_EXP_LO), FP_K8(FP_EXP_HI), FP_K8(FP_EXP_LOG2E), FP_K8(FP_EXP_MAGIC),
+    FP_K8(FP_EXP_LN2_HI), FP_K8(FP_EXP_LN2_LO), FP_K8(FP_EXP_P0), FP_K8(FP_EXP_P1), FP_K8(FP_EXP_P2), FP_K8(FP_EXP_P3),
+    FP_K8(FP_EXP_P4), FP_K8(FP_EXP_P5), FP_K8(1.0f), FP_K8(1.0f)};
 #define FP_E8(i) _mm256_load_ps(fp_exp_k8[i])
 #define FP_EXP_K8(i) FP_E8(FP_E8_P + (i))
 static inline __m256 fp_exp8_poly(__m256 c, __m256* t) {  /* e**r, and t = c log2(e) + the shift */
@@ -322,11 +333,11 @@ __attribute__((visibility("hidden"))) __m256 _ZGVdN8v_fp_exp(__m256 x) {
 #if defined(__AVX512F__)
 __attribute__((visibility("hidden"))) __m512 _ZGVeN16v_fp_exp(__m512 x) {
     /* x86's max and min answer their second operand where one is NaN: x */
-    const __m512 c = _mm512_min_ps(_mm512_set1_ps(89.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x));
-    const __m512 t = _mm512_fmadd_ps(c, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(FP_EXP_MAGIC));
+    const __m512 c = _mm512_min_ps(_mm512_set1_ps(FP_EXP_HI), _mm512_max_ps(_mm512_set1_ps(FP_EXP_LO), x));
+    const __m512 t = _mm512_fmadd_ps(c, _mm512_set1_ps(FP_EXP_LOG2E), _mm512_set1_ps(FP_EXP_MAGIC));
     const __m512 n = _mm512_sub_ps(t, _mm512_set1_ps(FP_EXP_MAGIC));
-    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f),
-                                      _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), c));
+    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(FP_EXP_LN2_LO),
+                                      _mm512_fnmadd_ps(n, _mm512_set1_ps(FP_EXP_LN2_HI), c));
 #define FP_EXP_K16(i) _mm512_set1_ps(fp_exp_coeffs[i])
     return _mm512_scalef_ps(FP_EXP_POLY(_mm512_fmadd_ps, FP_EXP_K16, r), n);  /* rounded once, as in two halves */
 }
