@@ -9,7 +9,7 @@ at a time with an online softmax, groups split across the worker pool.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,10 +153,11 @@ GENERATED_ATTENTION = "register-blocked-2"
 
 
 def measured_attention(body: Expr, shapes: Mapping[str, tuple[int, ...]], threads: int,
-                       measure: Callable[[], Mapping[str, float]]) -> str:
+                       measure: Callable[[], Mapping[str, float]], *, code: Sequence[str]) -> str:
     """``generated`` or ``torch``: which kernel computes fp32 attention ``body`` (operands of ``shapes``) on
     ``threads`` threads (:data:`ATTENTION_ENV`).  ``auto`` takes the choice recorded in the kernel cache for this
-    CPU, torch's version, op, shapes and threads, else times both (``measure()``: seconds per kernel) and keeps
+    CPU, torch's version, op, shapes, threads and the generated code's target flags (``code``: AVX2 code on an
+    AVX-512 machine is another contender), else times both (``measure()``: seconds per kernel) and keeps
     torch's only where it is :data:`ATTENTION_MARGIN` faster.  On one Sapphire Rapids core (2026-12-05) torch's
     took 6.7 ms against the generated kernel's 10.2 for 12 heads of 512 tokens, and 7.0 against 5.5 causal."""
     value = env_choice(ATTENTION_ENV, ("auto", *ATTENTION_KERNELS), "auto")
@@ -166,7 +167,8 @@ def measured_attention(body: Expr, shapes: Mapping[str, tuple[int, ...]], thread
 
     key = {"cpu": cpu_model(), "torch": torch.__version__, "generated": GENERATED_ATTENTION, "op": body.op,
            "causal": int(body.attr_dict.get("causal", 0)),
-           "shapes": [list(shapes[a.tensor]) for a in body.args if isinstance(a, Load)], "threads": threads}
+           "shapes": [list(shapes[a.tensor]) for a in body.args if isinstance(a, Load)], "threads": threads,
+           "code": list(code)}
 
     def decide() -> tuple[str, Mapping[str, float]]:
         seconds = measure()
@@ -392,7 +394,10 @@ void {SYMBOL}(const float* restrict q, const float* restrict k, const float* res
                 const float mn = fp_va_hmax(mv);
                 /* every key hidden: the exponentials against 0, all 0, and the row 0/0 (NaN), as unfused */
                 const float mb = mn == -INFINITY ? 0.0f : mn;
-                for (int64_t j = 0; j < span; ++j) pr[j] = fp_exp(pr[j] - mb);  /* a hidden key's -inf: 0 */
+                /* a hidden key's -inf: 0 (past a causal query's own key, without an exponential) */
+                const int64_t seen = FP_CAUSAL && i0 + r + 1 < span ? i0 + r + 1 : span;
+                for (int64_t j = 0; j < seen; ++j) pr[j] = fp_exp(pr[j] - mb);
+                for (int64_t j = seen; j < span; ++j) pr[j] = 0.0f;
                 fp_va sv = fp_va_fill(0.0f);
                 for (int64_t t0 = 0; t0 < span; t0 += FP_VL) sv = sv + fp_va_load(pr + t0);
                 inv[r] = 1.0f / fp_va_hadd(sv);

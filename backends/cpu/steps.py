@@ -221,7 +221,8 @@ class GemmSteps(StepsBase):
         if key not in self._convolution_kernels:
             self._convolution_kernels[key] = winograd.measured_convolution(
                 window, images, channels, outputs, dtype, self.threads,
-                functools.partial(self._time_convolution, window, images, channels, outputs, dtype))
+                functools.partial(self._time_convolution, window, images, channels, outputs, dtype),
+                code=self.compiler.target or ())
         return self._convolution_kernels[key]
 
     def _time_convolution(self, window: Mapping[str, Any], images: int, channels: int, outputs: int,
@@ -676,7 +677,8 @@ class StandaloneSteps(StepsBase):
             except CodegenError:  # no generated kernel (a non-positive scale): the step says why, as without torch
                 return "generated"
             self._attention_kernels[key] = standalone.measured_attention(
-                body, shapes, self.threads, functools.partial(self._time_attention, body, shapes, source))
+                body, shapes, self.threads, functools.partial(self._time_attention, body, shapes, source),
+                code=self.compiler.target or ())
         return self._attention_kernels[key]
 
     def _time_attention(self, body: Expr, shapes: Mapping[str, tuple[int, ...]], source: str) -> dict[str, float]:

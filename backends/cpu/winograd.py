@@ -21,7 +21,7 @@ Where it is used is measured (:func:`measured_convolution`), as is torch's fp32 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -314,10 +314,10 @@ def forced() -> str:
 
 
 def measured_convolution(window: Mapping[str, Any], images: int, channels: int, outputs: int, dtype: str,
-                         threads: int, measure: Callable[[], Mapping[str, float]]) -> str:
+                         threads: int, measure: Callable[[], Mapping[str, float]], *, code: Sequence[str]) -> str:
     """``onednn`` or ``winograd``: which product computes this 3x3 convolution of ``dtype`` on ``threads`` threads
     (:data:`CONVOLUTION_ENV`).  ``auto`` takes the choice recorded in the kernel cache for this CPU, torch's
-    version, shape, dtype and threads, else times both (``measure()``: seconds per product) and takes Winograd's
+    version, shape, dtype, threads and Winograd's target flags (``code``), else times both (``measure()``: seconds per product) and takes Winograd's
     only where it is :data:`WINOGRAD_MARGIN` faster."""
     value = forced()
     if value != "auto":
@@ -325,7 +325,8 @@ def measured_convolution(window: Mapping[str, Any], images: int, channels: int, 
     import torch  # optional dependency (auto measures only where it is loaded)
 
     key = {"cpu": cpu_model(), "torch": torch.__version__, "window": {a: int(window[a]) for a in WINDOW},
-           "images": images, "channels": channels, "outputs": outputs, "dtype": dtype, "threads": threads}
+           "images": images, "channels": channels, "outputs": outputs, "dtype": dtype, "threads": threads,
+           "code": list(code)}
 
     def decide() -> tuple[str, Mapping[str, float]]:
         seconds = measure()

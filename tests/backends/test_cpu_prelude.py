@@ -123,14 +123,8 @@ EXP_EDGES = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 88.72283, 88.7229, 89.
                      dtype=np.float32)
 
 
-def test_exp_is_within_an_ulp_of_fp64_and_exact_at_the_edges(target) -> None:
-    """``fp_exp`` (the vector forms gcc calls, and the scalar one of a loop's remainder): within an ulp of fp64 exp
-    over fp32's range, inf past FLT_MAX, subnormals below the normal range (rounded once: within one subnormal
-    step), 0 from about -104, NaN kept."""
-    rng = np.random.default_rng(5)
-    x = np.concatenate([rng.uniform(-110, 95, 50_000), np.linspace(-105, -86, 5_000), np.linspace(86, 90, 2_000),
-                        rng.uniform(-1, 1, 5_000), EXP_EDGES]).astype(np.float32)
-    got = _exp_of(x, target)
+def _assert_exp_close(x: np.ndarray, got: np.ndarray) -> None:
+    """Within an ulp of fp64 exp where the result is normal, within one subnormal step elsewhere, NaN kept."""
     with np.errstate(over="ignore"):
         want64 = np.exp(x.astype(np.float64))
         want = want64.astype(np.float32)
@@ -140,7 +134,33 @@ def test_exp_is_within_an_ulp_of_fp64_and_exact_at_the_edges(target) -> None:
     rest = ~normal
     np.testing.assert_allclose(got[rest], want[rest], rtol=0, atol=np.float32(1.5e-45))
     np.testing.assert_array_equal(np.isnan(got), np.isnan(x))
+
+
+def test_exp_is_within_an_ulp_of_fp64_and_exact_at_the_edges(target) -> None:
+    """``fp_exp`` (the vector forms gcc calls, and the scalar one of a loop's remainder): within an ulp of fp64 exp
+    over fp32's range, inf past FLT_MAX, subnormals below the normal range (rounded once: within one subnormal
+    step), 0 from about -104, NaN kept."""
+    rng = np.random.default_rng(5)
+    x = np.concatenate([rng.uniform(-110, 95, 50_000), np.linspace(-105, -86, 5_000), np.linspace(86, 90, 2_000),
+                        rng.uniform(-1, 1, 5_000), EXP_EDGES]).astype(np.float32)
+    got = _exp_of(x, target)
+    _assert_exp_close(x, got)
     assert got[-len(EXP_EDGES):][1:4].tolist() == [np.inf, 0.0, 1.0] and got[-len(EXP_EDGES):][-2:].tolist() == [0, 0]
+
+
+def test_exp_of_masked_lanes_is_0_beside_exact_lanes(target) -> None:
+    """A masked score's lanes (-inf, torch's finfo.min mask, anything at or below -104) are 0, and the lanes beside
+    them in the same vector exact, whether or not another lane there needs the clamped form (a subnormal or an
+    infinite result, a NaN): AVX2's form zeroes such lanes in line."""
+    rng = np.random.default_rng(8)
+    x = rng.uniform(-80, 80, (256, 16)).astype(np.float32)
+    masked = rng.random(x.shape) < 0.3
+    x[masked] = rng.choice(np.array([-np.inf, np.finfo(np.float32).min, -104.0, -150.0], np.float32), masked.sum())
+    x[::3, 7] = rng.choice(np.array([-95.0, -103.98, 88.75, np.nan], np.float32), x[::3].shape[0])
+    x = x.ravel()
+    got = _exp_of(x, target)
+    _assert_exp_close(x, got)
+    np.testing.assert_array_equal(got[x <= -104], 0.0)
 
 
 def test_exp_gives_a_value_the_same_bits_in_every_lane(target) -> None:

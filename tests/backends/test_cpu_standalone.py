@@ -8,6 +8,7 @@ import pytest
 
 from backends.codegen import CodegenError
 from backends.cpu.backend import CpuBackend
+from backends.cpu.compiler import Compiler
 from backends.cpu.memory import from_storage
 from backends.cpu.standalone import KEY_BLOCK, attention_source
 from planner.backend import BackendError
@@ -640,12 +641,15 @@ def test_fp32_attentions_kernel_is_the_faster_one_measured_once_per_shape(genera
         for _ in range(2):
             assert backend.compile(plan).kernel_facts[0]["impl"] == impl
     assert len(timed) == 1 and list(tmp_path.rglob("attention-*.json"))  # the second backend read the record
+    avx2 = CpuBackend(SPEC, threads=1, compiler=Compiler(target=("-mno-avx512f",)))
+    assert avx2.compile(plan).kernel_facts[0]["impl"] == impl and len(timed) == 2  # other code: measured again
     with pytest.raises(BackendError, match="scale must be positive"):  # no generated kernel: nothing measured
         CpuBackend(SPEC, threads=1).compile(_attention_plan(2, 9, 9, 8, 8, -0.5, 1))
-    assert len(timed) == 1
+    assert len(timed) == 2
     monkeypatch.setenv("FUSION_PLANNER_CPU_ATTENTION", "fastest")
     with pytest.raises(UsageError, match="FUSION_PLANNER_CPU_ATTENTION"):
-        standalone.measured_attention(plan.kernels[0].body, {n: plan.tensors[n].shape for n in "qkv"}, 1, dict)
+        standalone.measured_attention(plan.kernels[0].body, {n: plan.tensors[n].shape for n in "qkv"}, 1, dict,
+                                      code=())
 
 
 @pytest.mark.parametrize("op", ["Attention", "BiasedAttention"])
@@ -669,7 +673,6 @@ def test_prepare_builds_every_kernel_a_compile_loads(mode, tmp_path, monkeypatch
     and writes the Merge's rows, the embedding's gather, and (``auto``) the contiguous attention its measured choice
     times are all built there, so compiling the plans builds nothing more (a kernel built alone cost a cold search
     1-2 s each)."""
-    from backends.cpu.compiler import Compiler
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("FUSION_PLANNER_CPU_ATTENTION", mode)

@@ -201,9 +201,11 @@ def test_the_choice_is_measured_once_per_shape_and_recorded(winograd_ms, onednn_
             impls = _impls(backend, plan)
             assert impls.count(IMPL) == (2 if chosen == "winograd" else 0)
     assert timed == [(2, 16, 16)] and list(tmp_path.rglob("convolution-*.json"))  # both convolutions: one shape
+    _impls(CpuBackend(SPEC, threads=1, compiler=Compiler(target=("-mno-avx512f",))), plan)
+    assert len(timed) == 2  # Winograd's AVX2 code: another contender, measured again
     monkeypatch.setenv(winograd.CONVOLUTION_ENV, "onednn" if chosen == "winograd" else "winograd")
     assert _impls(CpuBackend(SPEC, threads=1), plan).count(IMPL) == (0 if chosen == "winograd" else 2)
-    assert len(timed) == 1
+    assert len(timed) == 2
     monkeypatch.setenv(winograd.CONVOLUTION_ENV, "fastest")
     with pytest.raises(UsageError, match=winograd.CONVOLUTION_ENV):
         CpuBackend(SPEC, threads=1).compile(plan)
