@@ -317,8 +317,8 @@ def measured_convolution(window: Mapping[str, Any], images: int, channels: int, 
                          threads: int, measure: Callable[[], Mapping[str, float]], *, code: Sequence[str]) -> str:
     """``onednn`` or ``winograd``: which product computes this 3x3 convolution of ``dtype`` on ``threads`` threads
     (:data:`CONVOLUTION_ENV`).  ``auto`` takes the choice recorded in the kernel cache for this CPU, torch's
-    version, shape, dtype, threads and Winograd's target flags (``code``), else times both (``measure()``: seconds per product) and takes Winograd's
-    only where it is :data:`WINOGRAD_MARGIN` faster."""
+    version, shape, dtype, threads and Winograd's target flags (``code``), else times both (``measure()``:
+    seconds per product) and takes Winograd's only where it is :data:`WINOGRAD_MARGIN` faster."""
     value = forced()
     if value != "auto":
         return value
