@@ -286,10 +286,12 @@ def native_16bit(dtype: str) -> bool:
     """Does torch multiply ``dtype`` in the CPU's own instructions here, so a GEMM need not widen it to fp32?
     (torch is imported: the caller uses the torch library.)"""
     value = env_choice(GEMM_16BIT_ENV, ("auto", "native", "widen"), "auto")
-    if value == "widen" or dtype not in _NATIVE_16BIT or target_isa() == "avx2":  # AMX, AVX-512 BF16 are absent
+    if value == "widen" or dtype not in _NATIVE_16BIT:
         return False
-    if value == "native":
+    if value == "native":  # forced: as on an AVX2-only machine, where torch converts inside
         return True
+    if target_isa() == "avx2":  # AMX, AVX-512 BF16 are absent
+        return False
     import torch  # optional dependency
 
     return any(getattr(torch.cpu, check, lambda: False)() for check in _NATIVE_16BIT[dtype])
