@@ -20,9 +20,12 @@ from testpaths import ROOT, TESTS
 PACKAGES = ("planner", "backends", "rewrite_rules")
 
 #: modules a function may import locally, because they need an optional dependency (torch, cupy);
-#: and the package's own lazy entry point (``planner.plan`` without importing egglog)
+#: and the lazy entries: ``planner.plan`` without importing egglog, and the rule checker (hypothesis, a tenth of a
+#: second of a process's start) only where rules are checked
 OPTIONAL = ("planner.torch.", "backends.cupy.gpu", "backends.cupy.nvrtc", "planner.dynamo")
-LAZY_ENTRY = {("planner/__init__.py", "planner.api")}
+LAZY_ENTRY = {("planner/__init__.py", "planner.api"), ("planner/rules/load.py", "planner.rules.check"),
+              ("planner/commands/check_rules.py", "planner.rules.check")}
+OURS = (*PACKAGES, "fusion_planner")
 
 
 def test_the_top_level_is_the_design_cards():
@@ -125,10 +128,10 @@ def test_no_function_local_imports_of_the_package_except_optional_ones():
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             for node in ast.walk(fn):
-                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fusion_planner"):
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in OURS:
                     names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
                 elif isinstance(node, ast.Import):
-                    names = [a.name for a in node.names if a.name.startswith("fusion_planner")]
+                    names = [a.name for a in node.names if a.name.split(".")[0] in OURS]
                 else:
                     continue
                 if names and not any(n.startswith(OPTIONAL) for n in names) and (rel, names[0]) not in LAZY_ENTRY:
@@ -148,6 +151,13 @@ def test_core_and_the_remote_runner_import_neither_egglog_nor_torch():
     code = ("import sys; import planner.core, planner.core.reference, backends.cupy.runner, "
             "backends.cupy.__main__; "
             "print(sorted(m for m in ('egglog', 'torch', 'cupy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_planning_faces_and_cluster_workers_do_not_import_the_rule_checker():
+    code = ("import sys; import planner.api, planner.cli, planner.cluster.workers; "
+            "print(sorted(m for m in ('hypothesis', 'planner.rules.check') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "[]", out.stderr
 

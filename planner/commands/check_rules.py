@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
+from typing import TYPE_CHECKING
 
 from planner.commands.common import emit_json, seed_arg
 from planner.core.errors import UsageError
 from planner.egraph.candidates import planner_problem
-from planner.rules.check import DEFAULT_EXAMPLES, RuleResult, check_files, verdict_counts
 from planner.rules.files import RuleFile, read_rule_file, split_forms
+from planner.rules.terms import DEFAULT_EXAMPLES
+
+if TYPE_CHECKING:
+    from planner.rules.check import RuleResult
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,6 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.examples < 1:
         raise UsageError("--examples must be at least 1")
+    # the checker imports hypothesis, a tenth of a second of every CLI start: loaded when this command runs
+    from planner.rules.check import check_files, verdict_counts
+
     results = check_files(args.files, examples=args.examples, seed=args.seed)
     results = _through_the_planner(args.files, results)
     counts = verdict_counts(results)
@@ -63,7 +71,8 @@ def _through_the_planner(paths: list[str], results: list[RuleResult]) -> list[Ru
             alone = RuleFile(str(path), f"{declarations}\n{out[i].rule.text}\n", False)
             problem = planner_problem(alone)
             if problem is not None:
-                out[i] = RuleResult(out[i].rule, "unsupported", out[i].cases, f"sound, but {problem}")
+                out[i] = dataclasses.replace(out[i], verdict="unsupported", detail=f"sound, but {problem}",
+                                             counterexample=None)
     return out
 
 

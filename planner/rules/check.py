@@ -44,12 +44,21 @@ from planner.core.ops import OPS, OpError
 from planner.rules.evaluate import Case, Failure, check_case, conditions_hold, draw_case, fmt_value
 from planner.rules.files import RuleFileError, read_rule_file, shipped_rules
 from planner.rules.prepare import Prepared, prepare
-from planner.rules.terms import RELATIONS, Approx, Call, Obligation, RuleSpec, Term, Unsupported, arg_sorts, rules_of
+from planner.rules.terms import (
+    DEFAULT_EXAMPLES,
+    RELATIONS,
+    Approx,
+    Call,
+    Obligation,
+    RuleSpec,
+    Term,
+    Unsupported,
+    arg_sorts,
+    rules_of,
+)
 
 log = logging.getLogger(__name__)
 
-#: instantiations a rule is checked on
-DEFAULT_EXAMPLES = 100
 
 class UnsoundRuleError(RuleFileError):
     """A user rule file holds a rule the checker does not find sound."""

@@ -6,7 +6,6 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from planner.rules.check import refuse_unsound
 from planner.rules.files import RuleFile, parse_rule_text, read_rule_file, shipped_rules
 
 
@@ -18,6 +17,10 @@ def user_rules(paths: Iterable[str | Path], *, check: bool = True) -> list[RuleF
         text = read_rule_file(p)
         parse_rule_text(text, str(p), shipped=False)
         if check:
+            # the checker imports hypothesis, a tenth of a second of every planning process's start (a CLI
+            # run's, a cluster worker's): loaded only where a user rule file is given
+            from planner.rules.check import refuse_unsound
+
             refuse_unsound(str(p), text)
         out.append(RuleFile(str(p), text, False))
     return out

@@ -17,6 +17,9 @@ from planner.rules.files import parse_rule_forms
 
 log = logging.getLogger(__name__)
 
+#: instantiations a rule is checked on (here, not in the checker: the CLI reads it without loading hypothesis)
+DEFAULT_EXAMPLES = 100
+
 # ---------------------------------------------------------------- terms
 
 
