@@ -232,12 +232,27 @@ static inline float fp_round_f16(float x) { return fp_f16_to_f32(fp_f32_to_f16(x
 
 
 #: e**x and the fast maximum of a row reduction (``fp_exp``, ``fp_va_qmax``): added after :data:`PRELUDE` by
-#: :func:`with_simd` only to a source that calls them, since their intrinsics header costs every compiler run 0.13 s
+#: :func:`with_simd` only to a source that calls them (with gcc, their vector forms call the builtins the
+#: intrinsics wrap: ``<immintrin.h>``, which other compilers include, cost every compiler run 0.13-0.2 s)
 SIMD_SOURCE = r"""
 #ifndef FP_SIMD_SOURCE
 #define FP_SIMD_SOURCE
-#if defined(__x86_64__) || defined(__i386__)
+#if (defined(__x86_64__) || defined(__i386__)) && !(defined(__GNUC__) && !defined(__clang__))
 #include <immintrin.h>
+#endif
+/* gcc: the vector types, and the builtins that <immintrin.h>'s intrinsics wrap, called by name (the same machine
+   code, objdump's word): the header took 0.2 of the 0.3 s a compiler run of a kernel calling fp_exp took on a
+   Zen 4 core (2026-12-07), and a plan's first search runs several */
+#if defined(__GNUC__) && !defined(__clang__)
+typedef float fp_v4sf __attribute__((vector_size(16), may_alias));
+typedef float fp_v8sf __attribute__((vector_size(32), may_alias));
+typedef int fp_v8si __attribute__((vector_size(32), may_alias));
+typedef unsigned fp_v8su __attribute__((vector_size(32), may_alias));
+typedef float fp_v16sf __attribute__((vector_size(64), may_alias));
+#define FP_SPLAT8I(v) ((fp_v8si){v, v, v, v, v, v, v, v})
+#define FP_SPLAT16(v) ((fp_v16sf){v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v})
+/* an AVX-512 builtin unmasked (every lane written) at the current rounding, as its intrinsic calls it */
+#define FP_ALL16(name, ...) __builtin_ia32_##name##_mask(__VA_ARGS__, (fp_v16sf){0}, (unsigned short)-1, 4)
 #endif
 
 /* e**x as Cephes' expf: x = n ln2 + r (n rounded by the 1.5 * 2**23 shift, r in [-ln2/2, ln2/2] in two steps of
@@ -289,8 +304,8 @@ __attribute__((visibility("hidden"))) float fp_exp_entry(float x) { return fp_ex
         for (int j = 0; j < lanes; ++j) v[j] = fp_exp_lane(v[j]); \
         memcpy(&x, v, sizeof v); return x; \
     }
-FP_EXP_LANES(_ZGVbN4v_fp_exp, __m128, 4)
-FP_EXP_LANES(_ZGVcN8v_fp_exp, __m256, 8)
+FP_EXP_LANES(_ZGVbN4v_fp_exp, fp_v4sf, 4)
+FP_EXP_LANES(_ZGVcN8v_fp_exp, fp_v8sf, 8)
 /* AVX2 has no scalef.  Where every lane is within [-87, 87] (every result normal), e * 2**n in one step, the
    exponent's bits from t's in one integer add; otherwise (a masked score's -inf, a subnormal or an infinite result,
    a NaN) the clamp and the two exact halves, out of line.  The constants are whole vectors in memory, which the
@@ -303,53 +318,58 @@ __attribute__((weak, visibility("hidden"), aligned(32))) float fp_exp_k8[FP_E8_P
     FP_K8(-0.0f), FP_K8(87.0f), FP_K8(FP_EXP_LO), FP_K8(FP_EXP_HI), FP_K8(FP_EXP_LOG2E), FP_K8(FP_EXP_MAGIC),
     FP_K8(FP_EXP_LN2_HI), FP_K8(FP_EXP_LN2_LO), FP_K8(FP_EXP_P0), FP_K8(FP_EXP_P1), FP_K8(FP_EXP_P2), FP_K8(FP_EXP_P3),
     FP_K8(FP_EXP_P4), FP_K8(FP_EXP_P5), FP_K8(1.0f), FP_K8(1.0f)};
-#define FP_E8(i) _mm256_load_ps(fp_exp_k8[i])
+#define FP_E8(i) (*(const fp_v8sf*)fp_exp_k8[i])
 #define FP_EXP_K8(i) FP_E8(FP_E8_P + (i))
-static inline __m256 fp_exp8_poly(__m256 c, __m256* t) {  /* e**r, and t = c log2(e) + the shift */
-    *t = _mm256_fmadd_ps(c, FP_E8(FP_E8_LOG2E), FP_E8(FP_E8_MAGIC));
-    const __m256 n = _mm256_sub_ps(*t, FP_E8(FP_E8_MAGIC));
-    const __m256 r = _mm256_fnmadd_ps(n, FP_E8(FP_E8_LN2_LO), _mm256_fnmadd_ps(n, FP_E8(FP_E8_LN2_HI), c));
-    return FP_EXP_POLY(_mm256_fmadd_ps, FP_EXP_K8, r);
+/* integer lanes add and subtract modulo 2**32, as the intrinsics do (unsigned: no overflow for gcc to assume away) */
+static inline fp_v8si fp_add8i(fp_v8si a, fp_v8si b) { return (fp_v8si)((fp_v8su)a + (fp_v8su)b); }
+static inline fp_v8si fp_sub8i(fp_v8si a, fp_v8si b) { return (fp_v8si)((fp_v8su)a - (fp_v8su)b); }
+static inline fp_v8sf fp_exp8_poly(fp_v8sf c, fp_v8sf* t) {  /* e**r, and t = c log2(e) + the shift */
+    *t = __builtin_ia32_vfmaddps256(c, FP_E8(FP_E8_LOG2E), FP_E8(FP_E8_MAGIC));
+    const fp_v8sf n = *t - FP_E8(FP_E8_MAGIC);
+    const fp_v8sf r = __builtin_ia32_vfnmaddps256(n, FP_E8(FP_E8_LN2_LO), __builtin_ia32_vfnmaddps256(n, FP_E8(FP_E8_LN2_HI), c));
+    return FP_EXP_POLY(__builtin_ia32_vfmaddps256, FP_EXP_K8, r);
 }
-static inline __m256 fp_exp8_scale(__m256 e, __m256i exponent) {  /* e * 2**(exponent - 127), exponent in [1, 254] */
-    return _mm256_mul_ps(e, _mm256_castsi256_ps(_mm256_slli_epi32(exponent, 23)));
+static inline fp_v8sf fp_exp8_scale(fp_v8sf e, fp_v8si exponent) {  /* e * 2**(exponent - 127), exponent in [1, 254] */
+    return e * (fp_v8sf)__builtin_ia32_pslldi256(exponent, 23);
 }
 /* a subnormal or an infinite result, or a NaN: out of line, so the common call keeps its constants as operands */
-__attribute__((noinline)) static __m256 fp_exp8_wide(__m256 x) {
-    __m256 t;  /* x86's max and min answer their second operand where one is NaN: x */
-    const __m256 e = fp_exp8_poly(_mm256_min_ps(FP_E8(FP_E8_HI), _mm256_max_ps(FP_E8(FP_E8_LO), x)), &t);
-    const __m256i k = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(0x4B400000));
-    const __m256i k1 = _mm256_srai_epi32(k, 1), bias = _mm256_set1_epi32(127);
-    return fp_exp8_scale(fp_exp8_scale(e, _mm256_add_epi32(k1, bias)), _mm256_add_epi32(_mm256_sub_epi32(k, k1), bias));
+__attribute__((noinline)) static fp_v8sf fp_exp8_wide(fp_v8sf x) {
+    fp_v8sf t;  /* x86's max and min answer their second operand where one is NaN: x */
+    const fp_v8sf e = fp_exp8_poly(__builtin_ia32_minps256(FP_E8(FP_E8_HI), __builtin_ia32_maxps256(FP_E8(FP_E8_LO), x)), &t);
+    const fp_v8si k = fp_sub8i((fp_v8si)t, FP_SPLAT8I(0x4B400000));
+    const fp_v8si k1 = __builtin_ia32_psradi256(k, 1), bias = FP_SPLAT8I(127);
+    return fp_exp8_scale(fp_exp8_scale(e, fp_add8i(k1, bias)), fp_add8i(fp_sub8i(k, k1), bias));
 }
-static inline __m256 fp_exp8_normal(__m256 x) {  /* every lane's result normal: one step */
-    __m256 t;
-    const __m256 e = fp_exp8_poly(x, &t);
-    return fp_exp8_scale(e, _mm256_add_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(127 - 0x4B400000)));
+static inline fp_v8sf fp_exp8_normal(fp_v8sf x) {  /* every lane's result normal: one step */
+    fp_v8sf t;
+    const fp_v8sf e = fp_exp8_poly(x, &t);
+    return fp_exp8_scale(e, fp_add8i((fp_v8si)t, FP_SPLAT8I(127 - 0x4B400000)));
 }
-__attribute__((visibility("hidden"))) __m256 _ZGVdN8v_fp_exp(__m256 x) {
-    const __m256 size = _mm256_andnot_ps(FP_E8(FP_E8_ABS), x);
-    const int outside = _mm256_movemask_ps(_mm256_cmp_ps(size, FP_E8(FP_E8_LIMIT), _CMP_NLE_UQ));
+__attribute__((visibility("hidden"))) fp_v8sf _ZGVdN8v_fp_exp(fp_v8sf x) {
+    const fp_v8sf size = __builtin_ia32_andnps256(FP_E8(FP_E8_ABS), x);
+    const int outside = __builtin_ia32_movmskps256(__builtin_ia32_cmpps256(size, FP_E8(FP_E8_LIMIT), 0x16));
     if (__builtin_expect(outside != 0, 0)) {
         /* lanes at or below -104 are 0 in every form (a hidden key's -inf, or torch's finfo.min mask): where they
            are the only ones outside, the others in one step and those zeroed (their garbage masked), in line:
            the out-of-line call cost a softmax with a quarter of each row masked 40% on a Zen 4 core */
-        const __m256 zero = _mm256_cmp_ps(x, FP_E8(FP_E8_LO), _CMP_LE_OQ);
-        if (_mm256_movemask_ps(zero) != outside) return fp_exp8_wide(x);
-        return _mm256_andnot_ps(zero, fp_exp8_normal(x));
+        const fp_v8sf zero = __builtin_ia32_cmpps256(x, FP_E8(FP_E8_LO), 0x12);
+        if (__builtin_ia32_movmskps256(zero) != outside) return fp_exp8_wide(x);
+        return __builtin_ia32_andnps256(zero, fp_exp8_normal(x));
     }
     return fp_exp8_normal(x);
 }
 #if defined(__AVX512F__)
-__attribute__((visibility("hidden"))) __m512 _ZGVeN16v_fp_exp(__m512 x) {
+#define FP_FMADD16(a, b, c) __builtin_ia32_vfmaddps512_mask(a, b, c, (unsigned short)-1, 4)
+#define FP_FNMADD16(a, b, c) __builtin_ia32_vfnmaddps512_mask(a, b, c, (unsigned short)-1, 4)
+__attribute__((visibility("hidden"))) fp_v16sf _ZGVeN16v_fp_exp(fp_v16sf x) {
     /* x86's max and min answer their second operand where one is NaN: x */
-    const __m512 c = _mm512_min_ps(_mm512_set1_ps(FP_EXP_HI), _mm512_max_ps(_mm512_set1_ps(FP_EXP_LO), x));
-    const __m512 t = _mm512_fmadd_ps(c, _mm512_set1_ps(FP_EXP_LOG2E), _mm512_set1_ps(FP_EXP_MAGIC));
-    const __m512 n = _mm512_sub_ps(t, _mm512_set1_ps(FP_EXP_MAGIC));
-    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(FP_EXP_LN2_LO),
-                                      _mm512_fnmadd_ps(n, _mm512_set1_ps(FP_EXP_LN2_HI), c));
-#define FP_EXP_K16(i) _mm512_set1_ps(fp_exp_coeffs[i])
-    return _mm512_scalef_ps(FP_EXP_POLY(_mm512_fmadd_ps, FP_EXP_K16, r), n);  /* rounded once, as in two halves */
+    const fp_v16sf c = FP_ALL16(minps512, FP_SPLAT16(FP_EXP_HI), FP_ALL16(maxps512, FP_SPLAT16(FP_EXP_LO), x));
+    const fp_v16sf t = FP_FMADD16(c, FP_SPLAT16(FP_EXP_LOG2E), FP_SPLAT16(FP_EXP_MAGIC));
+    const fp_v16sf n = t - FP_SPLAT16(FP_EXP_MAGIC);
+    const fp_v16sf r = FP_FNMADD16(n, FP_SPLAT16(FP_EXP_LN2_LO),
+                                      FP_FNMADD16(n, FP_SPLAT16(FP_EXP_LN2_HI), c));
+#define FP_EXP_K16(i) FP_SPLAT16(fp_exp_coeffs[i])
+    return FP_ALL16(scalefps512, FP_EXP_POLY(FP_FMADD16, FP_EXP_K16, r), n);  /* rounded once, as in two halves */
 }
 #endif
 #else
@@ -360,7 +380,13 @@ static inline float fp_exp(float x) { return fp_exp_lane(x); }
    NaN with two compares and a blend on the loop-carried chain, which held softmax's first pass to a fifth of
    its speed.  A reduction through it also marks the lanes that read a NaN (fp_va_isnan), merges the marks in a
    tree of their own (fp_vai_swap), and answers NaN where one is marked: NaN exactly where an element is. */
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && !defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
+static inline fp_va fp_va_qmax(fp_va a, fp_va b) { return (fp_va)__builtin_ia32_maxps256((fp_v8sf)a, (fp_v8sf)b); }
+#elif defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
+static inline fp_va fp_va_qmax(fp_va a, fp_va b) {
+    return (fp_va)FP_ALL16(maxps512, (fp_v16sf)a, (fp_v16sf)b);
+}
+#elif defined(__AVX2__) && !defined(__AVX512F__)
 static inline fp_va fp_va_qmax(fp_va a, fp_va b) { return (fp_va)_mm256_max_ps((__m256)a, (__m256)b); }
 #elif defined(__AVX512F__)
 static inline fp_va fp_va_qmax(fp_va a, fp_va b) { return (fp_va)_mm512_max_ps((__m512)a, (__m512)b); }
